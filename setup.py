@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="opd-sao",
+    version="0.1.0",
+    description="Multi-stage LLM post-training that does not forget: SAO RL stages, multi-teacher OPD, logprob gates.",
+    python_requires=">=3.10",
+    packages=find_packages(include=["opd_sao*", "stages*", "teachers*", "cache*"]),
+    package_data={"": ["*.yaml"]},
+    install_requires=[
+        "torch==2.13.0",
+        "transformers>=4.50",
+        "tokenizers",
+        "safetensors",
+        "pydantic>=2",
+        "pyyaml",
+        "zarr>=3",
+        "numcodecs",
+        "lz4",
+        "numpy",
+        "wandb",
+        "tqdm",
+        "matplotlib",
+        "requests",
+    ],
+    extras_require={
+        "deepspeed": ["deepspeed==0.19.8"],
+        "test": ["pytest", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["opd-sao=opd_sao.cli:main"]},
+)
