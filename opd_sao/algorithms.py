@@ -1,0 +1,474 @@
+"""The formulas: DIS, the SAO policy loss, skip-observation GAE, baselines, divergences.
+
+Pure tensor functions (tensors in, tensors out): no I/O, no config objects, no
+imports from the rest of the project, so every trainer and stage can share them
+and each formula can be checked by hand. Notation follows SPEC.md sections 2
+and 4.
+
+Conventions
+-----------
+* Per-token tensors are ``[B, T]``. ``action_mask`` is 1/True on model-generated
+  tokens and 0/False on prompt, observation and padding tokens; 0/1 float and
+  bool are both accepted.
+* "Token mean" = sum over the action tokens of the whole batch / number of action
+  tokens in the whole batch (so long trajectories weigh more, as in the paper).
+  With no action tokens it is 0, and still carries a grad_fn when the input
+  requires grad, so a step on an empty batch is a no-op instead of a crash.
+* Anything computed from the mask side of a ``torch.where`` is ignored, so
+  garbage (inf/nan) in padding positions never leaks into a loss or a gradient.
+* Metrics are plain python floats, ready for a metrics.jsonl line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+
+__all__ = [
+    "masked_token_mean",
+    "dis_weights",
+    "sao_policy_loss",
+    "skip_observation_gae",
+    "length_adaptive_lambda",
+    "value_loss",
+    "grpo_advantages",
+    "ppo_clip_loss",
+    "RunningMeanBaseline",
+    "broadcast_sequence_advantage",
+    "reverse_kl_advantage",
+    "truncated_divergence",
+    "gather_support_logp",
+]
+
+
+# ----------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------
+
+def _as_bool(mask: torch.Tensor) -> torch.Tensor:
+    """Accept 0/1 float or bool masks; everything downstream uses bool."""
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def masked_token_mean(x: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """Sum of ``x`` over action tokens / number of action tokens in the batch.
+
+    ``torch.where`` (not multiplication) so that inf/nan at non-action positions
+    cannot turn into nan. Returns 0 (with a grad_fn if ``x`` has one) when there
+    are no action tokens.
+    """
+    mask = _as_bool(action_mask)
+    total = torch.where(mask, x, torch.zeros_like(x)).sum()
+    return total / mask.sum().clamp(min=1)
+
+
+def _masked_values(x: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """1-D detached tensor of ``x`` on action tokens (for metrics)."""
+    return x.detach()[_as_bool(action_mask)]
+
+
+def _zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` on action tokens, 0 elsewhere. Applied to inputs first so that
+    padding garbage (-inf logprobs, nan) can reach neither values nor gradients:
+    the gradient w.r.t. a non-action position is exactly 0."""
+    return torch.where(mask, x, torch.zeros_like(x))
+
+
+# ----------------------------------------------------------------------------
+# SAO: DIS and the policy loss (SPEC 2.2)
+# ----------------------------------------------------------------------------
+
+def dis_weights(
+    logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Direct double-sided importance sampling weights ``f(r)``.
+
+    The ratio is taken against the rollout engine's own logprobs (no pi_old is
+    kept, because a single asynchronous rollout has no well-defined "old
+    policy"). Tokens whose ratio leaves ``[1 - eps_low, 1 + eps_high]`` are
+    MASKED (weight 0), not clipped: a token that drifted that far is not
+    trustworthy in either direction. Both bounds are inclusive.
+
+    Returns ``(weights, keep)``: weights = ``where(keep, r, 0)``, detached
+    (it is ``sg(f(r))``); keep is bool.
+    """
+    ratio = torch.exp(logp.detach() - rollout_logp.detach())
+    keep = (ratio >= 1.0 - eps_low) & (ratio <= 1.0 + eps_high)
+    weights = torch.where(keep, ratio, torch.zeros_like(ratio))
+    return weights, keep
+
+
+def sao_policy_loss(
+    logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAO policy loss ``-E_t[sg(f(r_t)) * A_t * logp_t]``, token mean over action tokens.
+
+    Because ``f(r)`` is a detached weight, d loss / d logp_t = ``-f(r_t) * A_t / N``
+    on kept action tokens and exactly 0 on DIS-masked and non-action tokens
+    (N = number of action tokens in the batch, DIS-masked ones included, so
+    masking a token does not rescale the others).
+
+    Metrics: ``mask_fraction`` (the paper's "token clip rate": fraction of action
+    tokens DIS masked), ``ratio_mean``/``ratio_max``/``ratio_min`` over action
+    tokens, ``tokens``. All are 0.0 when there are no action tokens.
+    """
+    mask = _as_bool(action_mask)
+    logp = _zero_outside(logp, mask)
+    rollout_logp = _zero_outside(rollout_logp.detach(), mask)
+    advantages = _zero_outside(advantages.detach(), mask)
+    weights, keep = dis_weights(logp, rollout_logp, eps_low, eps_high)
+    loss = masked_token_mean(-(weights * advantages * logp), mask)
+
+    r = torch.exp(logp.detach() - rollout_logp)[mask]
+    n = int(mask.sum().item())
+    if n == 0:
+        metrics = dict(mask_fraction=0.0, ratio_mean=0.0, ratio_max=0.0, ratio_min=0.0, tokens=0.0)
+    else:
+        metrics = dict(
+            mask_fraction=float((~keep[mask]).float().mean().item()),
+            ratio_mean=float(r.mean().item()),
+            ratio_max=float(r.max().item()),
+            ratio_min=float(r.min().item()),
+            tokens=float(n),
+        )
+    return loss, metrics
+
+
+# ----------------------------------------------------------------------------
+# Skip-observation GAE (SPEC 2.4)
+# ----------------------------------------------------------------------------
+
+def _credit_rewards_to_actions(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Move every reward onto an action token, so no reward is dropped.
+
+    A reward at a non-action position (an observation, trailing padding, the
+    final observation of a trajectory that ends with the environment) is added
+    to the nearest PRECEDING action token. A reward before the first action
+    token (i.e. in the prompt) has no preceding action; it is credited to the
+    FIRST action token. Rows with no action token lose their rewards (there is
+    nothing to credit; their advantages are all 0).
+    """
+    B, T = rewards.shape
+    pos = torch.arange(T, device=rewards.device).expand(B, T)
+    has_action = mask.any(dim=1, keepdim=True)
+    first_action = mask.float().argmax(dim=1, keepdim=True).expand(B, T)
+    # index of the last action token at or before t, -1 if none yet
+    last_action = torch.where(mask, pos, torch.full_like(pos, -1)).cummax(dim=1).values
+    target = torch.where(last_action >= 0, last_action, first_action)
+    src = torch.where(has_action, rewards, torch.zeros_like(rewards))
+    return torch.zeros_like(rewards).scatter_add_(1, target, src)
+
+
+def skip_observation_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    action_mask: torch.Tensor,
+    gamma: float,
+    lam: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level GAE over action tokens only, skipping observation tokens.
+
+    Observation tokens were not generated by the policy, so they get no
+    advantage and do not break the credit chain: the last token of action span
+    i links directly to the first token of span i+1::
+
+        delta_t = r_t + gamma * V(next action token) - V_t
+        A_t     = delta_t + gamma * lam * A(next action token)
+
+    with V = 0 and A = 0 after the last action token (terminal). Rewards on
+    non-action positions are credited first (see ``_credit_rewards_to_actions``:
+    nearest preceding action token; before any action -> first action token).
+
+    ``lam`` is a float or a ``[B]`` tensor (per-trajectory length-adaptive
+    lambda). Returns ``(advantages, returns)``, both ``[B, T]``, detached, 0 on
+    non-action tokens; on action tokens ``returns = advantages + values``.
+    Values at non-action positions are never read.
+    """
+    with torch.no_grad():
+        mask = _as_bool(action_mask)
+        values = values.detach()
+        rewards = _credit_rewards_to_actions(rewards.detach().to(values.dtype), mask)
+        B, T = values.shape
+        if isinstance(lam, torch.Tensor):
+            lam = lam.detach().to(device=values.device, dtype=values.dtype).reshape(B)
+        else:
+            lam = torch.full((B,), float(lam), device=values.device, dtype=values.dtype)
+
+        advantages = torch.zeros_like(values)
+        next_value = torch.zeros(B, device=values.device, dtype=values.dtype)
+        next_adv = torch.zeros_like(next_value)
+        for t in reversed(range(T)):
+            is_action = mask[:, t]
+            delta = rewards[:, t] + gamma * next_value - values[:, t]
+            adv = delta + gamma * lam * next_adv
+            advantages[:, t] = torch.where(is_action, adv, torch.zeros_like(adv))
+            # observation tokens pass the next action token's value/advantage through
+            next_value = torch.where(is_action, values[:, t], next_value)
+            next_adv = torch.where(is_action, adv, next_adv)
+
+        returns = torch.where(mask, advantages + values, torch.zeros_like(values))
+    return advantages, returns
+
+
+def length_adaptive_lambda(action_lengths: torch.Tensor, alpha: float = 1.5) -> torch.Tensor:
+    """``lambda_policy = 1 - 1/(alpha * l)``, l = number of action tokens (clamped >= 1).
+
+    Long trajectories get lambda close to 1 so the terminal reward still
+    reaches early tokens; short ones lean more on the critic (lower variance).
+    """
+    lengths = torch.as_tensor(action_lengths)
+    lengths = lengths.to(torch.get_default_dtype() if not lengths.is_floating_point() else lengths.dtype)
+    return 1.0 - 1.0 / (alpha * lengths.clamp(min=1.0))
+
+
+# ----------------------------------------------------------------------------
+# Critic (SPEC 2.3)
+# ----------------------------------------------------------------------------
+
+def value_loss(
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    action_mask: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Critic loss ``E_t[(V_t - R_t)^2]``, token mean over action tokens.
+
+    ``returns`` is a target (detached). Metrics: ``value_loss`` and
+    ``explained_variance = 1 - Var(R - V) / Var(R)`` over action tokens
+    (population variances). explained_variance is 0.0, not nan, when there are
+    no action tokens or Var(R) == 0, so it can always be logged and compared.
+    """
+    mask = _as_bool(action_mask)
+    values = _zero_outside(values, mask)
+    returns = _zero_outside(returns.detach(), mask)
+    loss = masked_token_mean((values - returns) ** 2, mask)
+
+    v = _masked_values(values, mask)
+    r = _masked_values(returns, mask)
+    explained_variance = 0.0
+    if r.numel() > 0:
+        var_r = r.var(unbiased=False)
+        if var_r.item() > 0:
+            explained_variance = float((1.0 - (r - v).var(unbiased=False) / var_r).item())
+    return loss, {"value_loss": float(loss.detach().item()), "explained_variance": explained_variance}
+
+
+# ----------------------------------------------------------------------------
+# Baselines (SPEC 2.5)
+# ----------------------------------------------------------------------------
+
+def grpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO advantages: z-score of each trajectory's reward within its group.
+
+    ``rewards [N]`` (one scalar per trajectory), ``group_ids [N]`` int (any
+    values, need not be contiguous). Uses the POPULATION std (unbiased=False):
+    it is defined for every group size and makes a group of 2 give +-1.
+    ``A = (r - mean_g) / (std_g + eps)``; singleton and constant groups give 0.
+    """
+    rewards = rewards.detach()
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
+    rewards = rewards.to(dtype)
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    count = torch.zeros(n_groups, dtype=dtype, device=rewards.device).index_add_(0, inverse, torch.ones_like(rewards))
+    total = torch.zeros_like(count).index_add_(0, inverse, rewards)
+    mean = (total / count)[inverse]
+    sq = torch.zeros_like(count).index_add_(0, inverse, (rewards - mean) ** 2)
+    std = (sq / count).sqrt()[inverse]
+    return (rewards - mean) / (std + eps)
+
+
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    clip_eps: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Standard PPO clipped surrogate ``-min(r*A, clip(r, 1-eps, 1+eps)*A)``, token mean.
+
+    The comparison baseline for DIS: clipping only removes the gradient on the
+    side that would push the ratio further out (one side per advantage sign).
+    Metrics: ``clip_fraction`` = fraction of action tokens where the clipped
+    term is the active (strictly smaller) one, i.e. tokens with zero gradient;
+    ``ratio_mean``; ``tokens``.
+    """
+    mask = _as_bool(action_mask)
+    logp = _zero_outside(logp, mask)
+    old_logp = _zero_outside(old_logp.detach(), mask)
+    advantages = _zero_outside(advantages.detach(), mask)
+    ratio = torch.exp(logp - old_logp)
+    surr_unclipped = ratio * advantages
+    surr_clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    loss = masked_token_mean(-torch.minimum(surr_unclipped, surr_clipped), mask)
+
+    clipped = (surr_clipped < surr_unclipped)[mask]
+    n = int(mask.sum().item())
+    metrics = {
+        "clip_fraction": float(clipped.float().mean().item()) if n else 0.0,
+        "ratio_mean": float(ratio.detach()[mask].mean().item()) if n else 0.0,
+        "tokens": float(n),
+    }
+    return loss, metrics
+
+
+class RunningMeanBaseline:
+    """Mean of the last ``window`` rewards (the paper's online-learning baseline).
+
+    It lags a reward shift by about ``window`` samples, which is exactly what
+    the SAO critic is compared against. ``value`` is 0.0 before any update.
+    """
+
+    def __init__(self, window: int = 128):
+        self.rewards: deque[float] = deque(maxlen=window)
+
+    def update(self, rewards) -> None:
+        """Append one reward (float) or many (list / tensor, flattened)."""
+        if isinstance(rewards, torch.Tensor):
+            rewards = rewards.detach().flatten().tolist()
+        elif isinstance(rewards, (int, float)):
+            rewards = [rewards]
+        self.rewards.extend(float(r) for r in rewards)
+
+    @property
+    def value(self) -> float:
+        return sum(self.rewards) / len(self.rewards) if self.rewards else 0.0
+
+
+def broadcast_sequence_advantage(adv: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """Per-trajectory advantage ``[B]`` -> ``[B, T]``: the value on every action token, 0 elsewhere.
+
+    Used by GRPO and the running-mean baseline, which score whole trajectories.
+    """
+    mask = _as_bool(action_mask)
+    adv = adv.detach().reshape(-1, 1).expand(mask.shape)
+    return torch.where(mask, adv, torch.zeros_like(adv))
+
+
+# ----------------------------------------------------------------------------
+# On-policy distillation (SPEC 4)
+# ----------------------------------------------------------------------------
+
+def reverse_kl_advantage(
+    student_logp: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    action_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Sampled-token OPD advantage ``-(logp_student - logp_teacher)`` on action tokens, 0 elsewhere.
+
+    Its expectation under the student's own samples is minus the reverse KL,
+    so plugging it into the policy loss as an advantage minimises KL(student||teacher)
+    with only the teacher's logprob of the sampled token. Detached.
+    """
+    mask = _as_bool(action_mask)
+    adv = -(student_logp.detach() - teacher_logp.detach())
+    return torch.where(mask, adv, torch.zeros_like(adv))
+
+
+def gather_support_logp(student_logits_or_logp: torch.Tensor, support_ids: torch.Tensor) -> torch.Tensor:
+    """Student log-probs ``[N, S]`` on the support token ids ``[N, S]`` from ``[N, V]`` logits.
+
+    ``log_softmax`` is applied first; it is a no-op on inputs that already are
+    log-probs, so logits and logprobs are both accepted. Padding ids may be any
+    value (negative ids are clamped to 0); mask them with ``support_mask`` later.
+    Differentiable w.r.t. the logits.
+    """
+    logp = torch.log_softmax(student_logits_or_logp, dim=-1)
+    return logp.gather(-1, support_ids.long().clamp(min=0))
+
+
+def _kl(p: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor, bucket_mask: torch.Tensor) -> torch.Tensor:
+    """``sum_i p_i (log p_i - log q_i)`` over real buckets. p_i = 0 contributes 0
+    (log p and log q are floored to finite values by the caller, so 0 * finite = 0
+    with finite gradients: the xlogy convention without nan in backward)."""
+    terms = p * (log_p - log_q)
+    return torch.where(bucket_mask, terms, torch.zeros_like(terms)).sum(dim=-1)
+
+
+def truncated_divergence(
+    student_logp_support: torch.Tensor,
+    teacher_logp_support: torch.Tensor,
+    support_mask: torch.Tensor,
+    student_tail_logp: torch.Tensor | None = None,
+    kind: str = "forward_kl",
+    beta: float = 0.5,
+) -> torch.Tensor:
+    """Per-position divergence ``[N]`` between teacher and student on a truncated support.
+
+    Inputs are log-probs ``[N, S]`` on S token ids per position (top-k, top-p
+    nucleus padded to S, or the full vocabulary with S = V); ``support_mask``
+    ``[N, S]`` bool marks real entries (padding values are ignored, even nan).
+    The mass outside the support is kept as one explicit tail bucket, so the
+    divergence is between two proper (S+1)-bucket distributions: >= 0 and 0 iff
+    equal, instead of a truncated sum that can go negative.
+
+    * teacher tail = ``max(1 - sum exp(teacher_logp_support), 0)``;
+    * student tail = ``exp(student_tail_logp)`` when given (precise: e.g.
+      logsumexp of the logits outside the support minus logsumexp of all
+      logits), else ``max(1 - sum exp(student_logp_support), tiny)``.
+
+    kind: ``forward_kl`` = KL(teacher||student), ``reverse_kl`` =
+    KL(student||teacher), ``jsd`` = ``beta*KL(T||M) + (1-beta)*KL(S||M)`` with
+    ``M = beta*T + (1-beta)*S``.
+
+    The teacher is a constant target (detached). Differentiable w.r.t. the
+    student log-probs (and ``student_tail_logp``). Numerically safe: log-probs
+    are floored at ``log(finfo.tiny)`` inside logs, so teacher zeros (-inf
+    logprobs) give finite values and gradients; a student mass where the
+    teacher has none costs a large but finite reverse-KL. bf16/fp16 inputs are
+    computed in float32. With S = V and a zero tail the tails are rounding-level
+    and the result is the full-vocabulary divergence.
+    """
+    if kind not in ("forward_kl", "reverse_kl", "jsd"):
+        raise ValueError(f"unknown divergence kind {kind!r}; expected forward_kl, reverse_kl or jsd")
+    dtype = student_logp_support.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        dtype = torch.float32
+    tiny = torch.finfo(dtype).tiny
+    log_floor = math.log(tiny)
+
+    mask = _as_bool(support_mask)
+    zero = torch.zeros((), dtype=dtype, device=student_logp_support.device)
+    # sanitise padding first so that neither values nor gradients see it
+    s_lp = torch.where(mask, student_logp_support.to(dtype), zero)
+    t_lp = torch.where(mask, teacher_logp_support.detach().to(dtype), zero)
+    p_s = torch.where(mask, s_lp.exp(), zero)
+    p_t = torch.where(mask, t_lp.exp(), zero)
+
+    tail_t = (1.0 - p_t.sum(dim=-1)).clamp(min=0.0)
+    if student_tail_logp is None:
+        tail_s = (1.0 - p_s.sum(dim=-1)).clamp(min=tiny)
+        log_tail_s = tail_s.log()
+    else:
+        log_tail_s = student_tail_logp.to(dtype)
+        tail_s = log_tail_s.exp()
+
+    def buckets(p, tail):
+        return torch.cat([p, tail.unsqueeze(-1)], dim=-1)
+
+    P_s = buckets(p_s, tail_s)
+    P_t = buckets(p_t, tail_t)
+    log_P_s = buckets(s_lp, log_tail_s).clamp(min=log_floor)
+    log_P_t = buckets(t_lp, tail_t.clamp(min=tiny).log()).clamp(min=log_floor)
+    bucket_mask = torch.cat([mask, torch.ones_like(mask[..., :1])], dim=-1)
+
+    if kind == "forward_kl":
+        return _kl(P_t, log_P_t, log_P_s, bucket_mask)
+    if kind == "reverse_kl":
+        return _kl(P_s, log_P_s, log_P_t, bucket_mask)
+    P_m = beta * P_t + (1.0 - beta) * P_s
+    log_P_m = P_m.clamp(min=tiny).log()
+    return beta * _kl(P_t, log_P_t, log_P_m, bucket_mask) + (1.0 - beta) * _kl(P_s, log_P_s, log_P_m, bucket_mask)
