@@ -1,0 +1,64 @@
+"""The rollout engine interface: continuous-batching generation with per-token logprobs and versions."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    ignore_eos: bool = False  # benchmarks force response lengths with it
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    tag: Any = None  # handed back untouched with the result (the caller's episode)
+    est_tokens: int = 0  # a length estimate, for load-aware routing
+
+
+@dataclass
+class GenerationResult:
+    request: GenerationRequest
+    token_ids: list[int]
+    logprobs: list[float]  # of the distribution actually sampled from (temperature, top-p)
+    versions: list[int]  # the policy version that sampled each token
+    finish_reason: str  # "stop" (eos) or "length"
+
+
+ResultCallback = Callable[[GenerationResult], None]
+
+
+class RolloutEngine(ABC):
+    """Generates from prompts; weights arrive from the trainer tagged with a policy version."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int: ...
+
+    @abstractmethod
+    def generate(self, requests: Iterable[Optional[GenerationRequest]], on_result: ResultCallback) -> None:
+        """Run until `requests` is exhausted and every sequence has finished.
+
+        Continuous batching: a request is pulled whenever a slot is free, and `on_result` is called the
+        moment a sequence finishes. The iterable may yield None to mean "nothing to add right now".
+        """
+
+    @abstractmethod
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
+
+    def generate_all(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        results: dict[int, GenerationResult] = {}
+        order = {id(r): i for i, r in enumerate(requests)}
+        self.generate(iter(requests), lambda res: results.__setitem__(order[id(res.request)], res))
+        return [results[i] for i in range(len(requests))]
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,37 @@
+"""Held-out evaluation: a domain's score is the mean episode reward on its eval split."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import EvalConfig, RolloutConfig
+from .engines.base import SamplingParams
+from .engines.embedded import EmbeddedEngine
+from .models import load_causal_lm
+from .rollout import Episode, run_episodes
+
+
+def make_episodes(env_factory, tasks, tokenizer, rollout: RolloutConfig, *, domain: str, temperature: float,
+                  repeats: int = 1) -> list[Episode]:
+    params = SamplingParams(temperature=temperature, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens)
+    return [
+        Episode(env_factory(), task, tokenizer, params, domain=domain, max_turns=rollout.max_turns,
+                max_context_tokens=rollout.max_context_tokens, traj_id=f"eval-{domain}-{task['id']}-{r}")
+        for task in tasks for r in range(repeats)
+    ]
+
+
+def evaluate(checkpoint: Path, env_factory, tokenizer, *, domain: str, rollout: RolloutConfig, eval_cfg: EvalConfig,
+             seed: int) -> float:
+    """Sampled (not greedy) at eval_cfg.temperature, with a fixed seed, so runs are comparable."""
+    tasks = env_factory().make_tasks("eval", eval_cfg.num_tasks, seed=seed)
+    if not tasks:
+        raise ValueError(f"environment {domain!r} has no eval tasks")
+    engine = EmbeddedEngine(load_causal_lm(checkpoint), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                            max_batch=64, seed=seed)
+    episodes = make_episodes(env_factory, tasks, tokenizer, rollout, domain=domain, temperature=eval_cfg.temperature,
+                             repeats=eval_cfg.samples_per_task)
+    with torch.no_grad():
+        trajs = run_episodes(engine, episodes)
+    return sum(t.total_reward for t in trajs) / len(trajs)

@@ -1,0 +1,116 @@
+"""Runs a config's stages in order and writes the run directory (see README, "Run directory")."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+from .config import RunConfig
+from .evaluation import evaluate
+from .models import build_tiny_model, load_tokenizer
+from .tracking import start_wandb
+
+
+def write_json_atomic(path: Path, data) -> None:
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False))
+    os.replace(tmp, path)
+
+
+def default_run_dir(config_path: str | Path) -> Path:
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(config_path).stem}"
+
+
+def eval_domains(cfg: RunConfig) -> dict[str, object]:
+    """Every environment an RL stage trains on is a domain evaluated after every stage."""
+    domains = {}
+    for stage in cfg.stages:
+        if stage.env and stage.env not in domains:
+            domains[stage.env] = stage
+    if cfg.eval_domains:
+        missing = set(cfg.eval_domains) - set(domains)
+        if missing:
+            raise ValueError(f"eval_domains {sorted(missing)} are not the env of any stage ({sorted(domains)})")
+        domains = {d: domains[d] for d in cfg.eval_domains}
+    return domains
+
+
+def ensure_base_model(cfg: RunConfig, run_dir: Path) -> Path:
+    if cfg.model.path != "tiny":
+        path = Path(cfg.model.path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model.path {str(path)!r} is not an HF-format model directory (no config.json)")
+        return path
+    from stages.envs import ENVIRONMENTS
+
+    texts = []
+    for name in ENVIRONMENTS.names():  # every domain, so later stages' text tokenizes well too
+        texts.extend(ENVIRONMENTS.get(name)().corpus())
+    return build_tiny_model(run_dir / "base_model", texts, cfg.model.tiny, cfg.seed)
+
+
+class Evaluator:
+    """Scores checkpoints on every domain, remembering results so a checkpoint is scored once."""
+
+    def __init__(self, cfg: RunConfig, tokenizer):
+        from stages.envs import ENVIRONMENTS
+
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.domains = {
+            name: (stage, (lambda cls, opts: (lambda: cls(**opts)))(ENVIRONMENTS.get(name), dict(stage.env_options)))
+            for name, stage in eval_domains(cfg).items()
+        }
+        self._seen: dict[str, dict[str, float]] = {}
+
+    def __call__(self, checkpoint: Path) -> dict[str, float]:
+        key = str(Path(checkpoint).resolve())
+        if key not in self._seen:
+            self._seen[key] = {
+                name: round(evaluate(checkpoint, factory, self.tokenizer, domain=name, rollout=stage.rollout,
+                                     eval_cfg=stage.eval, seed=self.cfg.seed), 4)
+                for name, (stage, factory) in self.domains.items()
+            }
+        return self._seen[key]
+
+
+def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print) -> dict:
+    from stages import STAGES, RunContext
+
+    for stage in cfg.stages:  # unknown kinds fail before any work starts
+        STAGES.get(stage.kind)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    base = ensure_base_model(cfg, run_dir)
+    tokenizer = load_tokenizer(base)
+    wandb_run = start_wandb(cfg.logging.wandb_project, run_dir, cfg.model_dump(mode="json"), cfg.logging.wandb)
+    ctx = RunContext(cfg=cfg, run_dir=run_dir, base_checkpoint=base, tokenizer=tokenizer, wandb_run=wandb_run)
+    evaluator = Evaluator(cfg, tokenizer)
+    summary = {"run_dir": str(run_dir), "base_model": str(base), "stages": []}
+    try:
+        for stage_cfg in cfg.stages:
+            t0 = time.perf_counter()
+            log(f"[{stage_cfg.name}] {stage_cfg.kind} stage starting")
+            result = STAGES.get(stage_cfg.kind)(stage_cfg, ctx).run()
+            entry = {
+                "name": stage_cfg.name,
+                "kind": stage_cfg.kind,
+                "eval_before": evaluator(result.start_checkpoint or ctx.resolve_checkpoint(stage_cfg.init_from)),
+                "eval_after": evaluator(result.checkpoint),
+                "checkpoint": str(result.checkpoint),
+                **result.summary,
+                "wall_s": round(time.perf_counter() - t0, 1),
+            }
+            ctx.checkpoints[stage_cfg.name] = result.checkpoint
+            write_json_atomic(ctx.stage_dir(stage_cfg.name) / "summary.json", entry)
+            summary["stages"].append(entry)
+            write_json_atomic(run_dir / "summary.json", summary)
+            log(f"[{stage_cfg.name}] done in {entry['wall_s']}s: eval before {entry['eval_before']} "
+                f"after {entry['eval_after']}")
+    finally:
+        if wandb_run is not None:
+            wandb_run.finish()
+    return summary

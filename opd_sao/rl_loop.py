@@ -1,0 +1,122 @@
+"""The asynchronous single-rollout training loop (SPEC 2.1), and its synchronous group-mode twin.
+
+A rollout worker thread keeps the engine generating while the trainer trains; each trajectory
+enters the buffer the moment it finishes; a train step fires as soon as `train_batch_size` fresh
+trajectories are buffered; weights go to the engine every `sync_every` policy steps. In synchronous
+mode the worker starts a batch only after the previous step, and a step waits for the whole batch.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Optional
+
+from .buffer import TrajectoryBuffer
+from .config import RolloutConfig
+from .engines.base import RolloutEngine
+from .learner import Learner
+from .rollout import Episode, RolloutWorker
+from .trajectory import Trajectory, collate
+from .tracking import MetricsLogger
+
+StepHook = Callable[[int], None]
+
+
+class RLLoop:
+    def __init__(self, *, engine: RolloutEngine, learner: Learner, make_episodes: Callable[[], list[Episode]],
+                 rollout: RolloutConfig, train_batch_size: int, pad_id: int, logger: MetricsLogger,
+                 trained_log: Path, slowdown_s: float = 0.0, after_step: Optional[StepHook] = None,
+                 progress=None):
+        if train_batch_size % rollout.group_size:
+            raise ValueError(f"train_batch_size {train_batch_size} must be a multiple of group_size {rollout.group_size}")
+        self.engine, self.learner, self.make_episodes = engine, learner, make_episodes
+        self.rollout, self.batch_size, self.pad_id = rollout, train_batch_size, pad_id
+        self.logger, self.trained_log, self.slowdown_s = logger, Path(trained_log), slowdown_s
+        self.after_step, self.progress = after_step, progress
+        self.buffer = TrajectoryBuffer(rollout.group_size)
+        self._started = 0
+        self._steps_done = 0
+        self._lock = threading.Lock()
+
+    @property
+    def backend(self):
+        return self.learner.backend
+
+    def _admit(self, n: int) -> bool:
+        """Flow control: in async mode at most max_staleness batches ahead; in sync mode one batch per step."""
+        ahead = self.rollout.max_staleness + 1 if self.rollout.asynchronous else 1
+        with self._lock:
+            if self._started + n > (self._steps_done + ahead) * self.batch_size:
+                return False
+            self._started += n
+            return True
+
+    def sync_weights(self) -> None:
+        self.engine.update_weights(self.backend.policy_state_dict(), self.backend.policy_version)
+
+    def run(self, steps: int, start_step: int = 0) -> list[dict]:
+        self._steps_done = start_step
+        self._started = start_step * self.batch_size
+        worker = RolloutWorker(self.engine, self.make_episodes, self._admit, self.buffer.put)
+        history = []
+        t_start = time.perf_counter()
+        tokens_start = getattr(self.engine, "tokens_generated", 0)
+        idle_total = 0.0
+        worker.start()
+        try:
+            for step in range(start_step, steps):
+                t0 = time.perf_counter()
+                trajs = self._wait_for_batch(worker)
+                idle = time.perf_counter() - t0
+                idle_total += idle
+                metrics = self._train_step(trajs)
+                elapsed = time.perf_counter() - t_start
+                tokens = getattr(self.engine, "tokens_generated", 0) - tokens_start
+                metrics.update(
+                    trainer_idle_s=idle,
+                    trainer_idle_fraction=idle_total / elapsed,
+                    rollout_tokens_per_s=tokens / elapsed,
+                    samples_per_s=(step + 1 - start_step) * self.batch_size / elapsed,
+                    dropped_stale=self.buffer.dropped_stale,
+                    policy_version=self.backend.policy_version,
+                )
+                self.logger.log(metrics, step)
+                history.append(metrics)
+                if self.progress is not None:
+                    self.progress.update(1)
+                    self.progress.set_postfix(reward=f"{metrics['reward_mean']:.2f}")
+                if self.after_step is not None:
+                    self.after_step(step)
+        finally:
+            worker.stop()
+        return history
+
+    def _wait_for_batch(self, worker: RolloutWorker) -> list[Trajectory]:
+        while True:
+            if worker.error is not None:
+                raise RuntimeError(f"rollout worker failed: {worker.error!r}") from worker.error
+            trajs = self.buffer.take(self.batch_size, self.backend.policy_version, self.rollout.max_staleness, 0.5)
+            if trajs is not None:
+                return trajs
+
+    def _train_step(self, trajs: list[Trajectory]) -> dict:
+        version = self.backend.policy_version
+        staleness = Counter(version - t.min_version for t in trajs)
+        batch = collate(trajs, self.pad_id)
+        metrics = self.learner.step(batch, self.rollout.temperature)
+        if self.slowdown_s:
+            time.sleep(self.slowdown_s)
+        with self._lock:
+            self._steps_done += 1
+        with self.trained_log.open("a") as f:
+            f.write(json.dumps({"step": self._steps_done - 1, "traj_ids": batch.traj_ids}) + "\n")
+        if self.backend.policy_version != version and self.backend.policy_version % self.rollout.sync_every == 0:
+            self.sync_weights()
+        metrics["staleness_mean"] = sum(k * v for k, v in staleness.items()) / len(trajs)
+        metrics["staleness_max"] = max(staleness)
+        metrics["staleness_hist"] = {str(k): v for k, v in sorted(staleness.items())}
+        metrics["action_tokens"] = float(batch.action_mask.sum())
+        return metrics

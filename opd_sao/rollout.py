@@ -1,0 +1,135 @@
+"""Episodes: how engine generations and environment steps become trajectories.
+
+Single-turn and multi-turn tasks share one path: prompt, then action, observation, action, ...
+Action spans keep exactly the token ids the engine sampled (no re-tokenisation); observation
+tokens get action_mask 0 and no logprob.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from typing import Callable, Iterator, Optional
+
+from .engines.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
+from .trajectory import Trajectory
+
+_traj_counter = itertools.count()
+
+
+class Episode:
+    def __init__(self, env, task: dict, tokenizer, params: SamplingParams, *, domain: str, max_turns: int,
+                 max_context_tokens: int, group: int = -1, traj_id: Optional[str] = None):
+        self.env, self.task, self.tokenizer, self.params = env, task, tokenizer, params
+        self.max_turns, self.max_context_tokens = max_turns, max_context_tokens
+        first_observation = env.reset(task)
+        prompt_ids = [tokenizer.bos_token_id] + tokenizer.encode(first_observation, add_special_tokens=False)
+        self.traj = Trajectory(
+            traj_id=traj_id or f"{domain}-{next(_traj_counter)}-{time.monotonic_ns() % 10**9}",
+            domain=domain, prompt_ids=prompt_ids, temperature=params.temperature, top_p=params.top_p,
+            meta={"task_id": task["id"], "group": group, "turns": 0},
+        )
+
+    def request(self) -> GenerationRequest:
+        ids = self.traj.prompt_ids + self.traj.token_ids
+        room = self.max_context_tokens - len(ids)
+        params = SamplingParams(self.params.temperature, self.params.top_p,
+                                max(1, min(self.params.max_new_tokens, room)), self.params.ignore_eos)
+        return GenerationRequest(ids, params, tag=self, est_tokens=params.max_new_tokens)
+
+    def on_result(self, result: GenerationResult) -> bool:
+        """Record the action, step the environment; True when the episode is over."""
+        traj = self.traj
+        traj.append(result.token_ids, action=True, logp=result.logprobs, versions=result.versions)
+        traj.meta["turns"] += 1
+        action_ids = [t for t in result.token_ids if t != self.tokenizer.eos_token_id]
+        observation, reward, done = self.env.step(self.tokenizer.decode(action_ids))
+        traj.add_reward(reward)
+        traj.finish_reason = "done" if done else result.finish_reason
+        if done:
+            return True
+        obs_ids = self.tokenizer.encode(observation, add_special_tokens=False) if observation else []
+        total = len(traj.prompt_ids) + len(traj.token_ids) + len(obs_ids)
+        if traj.meta["turns"] >= self.max_turns or total >= self.max_context_tokens - 1:
+            traj.finish_reason = "max_turns" if traj.meta["turns"] >= self.max_turns else "context"
+            return True
+        if obs_ids:
+            traj.append(obs_ids, action=False)
+        return False
+
+
+def run_episodes(engine: RolloutEngine, episodes: list[Episode]) -> list[Trajectory]:
+    """Play episodes to the end with continuous batching (evaluation, probes, synchronous use)."""
+    pending: "queue.SimpleQueue[GenerationRequest]" = queue.SimpleQueue()
+    for ep in episodes:
+        pending.put(ep.request())
+    remaining = [len(episodes)]
+
+    def requests():
+        while remaining[0] > 0:
+            try:
+                yield pending.get_nowait()
+            except queue.Empty:
+                yield None
+
+    def on_result(result: GenerationResult) -> None:
+        episode: Episode = result.request.tag
+        if episode.on_result(result):
+            remaining[0] -= 1
+        else:
+            pending.put(episode.request())
+
+    engine.generate(requests(), on_result)
+    return [ep.traj for ep in episodes]
+
+
+class RolloutWorker(threading.Thread):
+    """Keeps the engine busy: starts episodes while `admit()` allows, hands each finished trajectory on.
+
+    `admit(n)` is the flow control (staleness bound, or lock-step batches in synchronous mode);
+    `make_episodes()` returns the episodes of one prompt (one for SAO, G for a GRPO group).
+    """
+
+    def __init__(self, engine: RolloutEngine, make_episodes: Callable[[], list[Episode]],
+                 admit: Callable[[int], bool], on_trajectory: Callable[[Trajectory], None]):
+        super().__init__(daemon=True, name="rollout-worker")
+        self.engine, self.make_episodes, self.admit, self.on_trajectory = engine, make_episodes, admit, on_trajectory
+        self.stop_event = threading.Event()
+        self.error: Optional[BaseException] = None
+        self._continuations: "queue.SimpleQueue[GenerationRequest]" = queue.SimpleQueue()
+        self._waiting: list[Episode] = []  # the next group, built but not yet admitted
+        self._staged: list[Episode] = []  # admitted, first requests not yet handed to the engine
+
+    def _requests(self) -> Iterator[Optional[GenerationRequest]]:
+        while not self.stop_event.is_set():
+            try:
+                yield self._continuations.get_nowait()
+                continue
+            except queue.Empty:
+                pass
+            if not self._staged:
+                self._waiting = self._waiting or self.make_episodes()
+                if not self.admit(len(self._waiting)):
+                    yield None
+                    time.sleep(0.002)
+                    continue
+                self._staged, self._waiting = self._waiting, []
+            yield self._staged.pop().request()
+
+    def _on_result(self, result: GenerationResult) -> None:
+        episode: Episode = result.request.tag
+        if episode.on_result(result):
+            self.on_trajectory(episode.traj)
+        else:
+            self._continuations.put(episode.request())
+
+    def run(self) -> None:
+        try:
+            self.engine.generate(self._requests(), self._on_result)
+        except BaseException as err:  # surfaced to the trainer thread, never swallowed
+            self.error = err
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(timeout=60)

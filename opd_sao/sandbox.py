@@ -1,0 +1,425 @@
+"""Sandbox for the model-written Python programs of the agent RL stage.
+
+The reward is the fraction of hidden tests a program passes, so the program is
+hostile by assumption: it may hang, fork-bomb, flood stdout, read or write the
+host, or talk to the network.  Each run gets a bubblewrap sandbox (no network,
+private PID/IPC/UTS/mount namespaces, read-only system dirs, an empty work dir)
+plus rlimits set inside the sandbox by a tiny wrapper before the program starts.
+Without bubblewrap we refuse to run unless rlimit-only mode is asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["bwrap", "rlimit"]
+LimitHit = Literal["wall", "cpu", "memory", "processes", "output", "file_size"]
+
+BWRAP_ENV = "OPD_SAO_BWRAP"  # path or name of the bwrap binary; tests point it elsewhere
+SANDBOX_DIR = "/sandbox"  # the work dir as the program sees it
+SANDBOX_UID = 1000  # uid/gid of the program inside the sandbox
+# When we are root, the sandbox uid maps to this host uid: RLIMIT_NPROC is never
+# enforced for host uid 0, even inside a user namespace.
+HOST_UID = 65534
+_KILL_GRACE_S = 2.0  # how long a killed sandbox may take to disappear
+
+# Runs first inside the sandbox: set the limits (NPROC only after the user
+# namespace exists, so it counts this sandbox alone), drop root, tell the parent
+# the sandbox came up, then become the program.
+_WRAPPER = """\
+import os, resource, sys
+ready, cpu, mem, nproc, fsize, uid = map(int, sys.argv[1:7])
+for res, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem),
+                        (resource.RLIMIT_NPROC, nproc, nproc), (resource.RLIMIT_FSIZE, fsize, fsize),
+                        (resource.RLIMIT_CORE, 0, 0)):
+    resource.setrlimit(res, (soft, hard))
+if uid >= 0:
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+os.write(ready, b"1")
+os.close(ready)
+os.execv(sys.executable, [sys.executable, "-s", *sys.argv[7:]])
+"""
+
+
+class SandboxUnavailableError(RuntimeError):
+    """The sandbox cannot be built here; running anyway would be unsafe or meaningless."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    """Per-run limits; the defaults suit the small programs of the agent RL stage."""
+
+    wall_s: float = 5.0
+    cpu_s: int = 2  # per process (RLIMIT_CPU)
+    memory_mb: int = 256  # address space per process (RLIMIT_AS)
+    max_processes: int = 16  # processes + threads of the sandbox user (RLIMIT_NPROC)
+    output_bytes: int = 64 * 1024  # stdout + stderr together
+    file_size_mb: int = 1  # largest file the program may write (RLIMIT_FSIZE)
+    tmp_mb: int = 16  # size of the private /tmp and /dev/shm (bwrap mode)
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            if not getattr(self, field.name) > 0:
+                raise ValueError(f"SandboxLimits.{field.name} must be > 0, got {getattr(self, field.name)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxResult:
+    """Outcome of one run; exit_code follows the shell convention (128+N = killed by signal N)."""
+
+    status: Literal["ok", "failed"]
+    exit_code: int | None  # None when we killed the program (wall or output limit)
+    wall_s: float
+    output_bytes: int  # bytes of stdout+stderr produced, at most limits.output_bytes
+    limit_hit: LimitHit | None
+    stdout: str
+    stderr: str
+
+    def to_json(self) -> dict:
+        """A JSON-serialisable dict of all fields, for logs and the CLI."""
+        return dataclasses.asdict(self)
+
+
+def bwrap_path() -> str | None:
+    """The bubblewrap binary to use ($OPD_SAO_BWRAP, default `bwrap` on PATH), or None."""
+    return shutil.which(os.environ.get(BWRAP_ENV, "bwrap"))
+
+
+def detect_mode(allow_rlimit_only: bool) -> Mode:
+    """Pick the isolation mode once at start-up, failing loudly rather than silently degrading."""
+    try:
+        run_python("", mode="bwrap")  # probe: bwrap present *and* able to build the sandbox
+        return "bwrap"
+    except SandboxUnavailableError as exc:
+        if not allow_rlimit_only:
+            raise
+        logger.warning("%s -- falling back to rlimit-only mode because allow_rlimit_only is true", exc)
+        return "rlimit"
+
+
+def run_python(
+    code: str, *, stdin: str = "", limits: SandboxLimits | None = None, mode: Mode = "bwrap"
+) -> SandboxResult:
+    """Run `code` as main.py in a fresh, empty work dir and return what happened.
+
+    Raises SandboxUnavailableError when bwrap is missing or cannot start the
+    sandbox (mode="bwrap"), never for anything the program itself does.
+    """
+    if mode not in ("bwrap", "rlimit"):
+        raise ValueError(f"mode must be 'bwrap' or 'rlimit', got {mode!r}")
+    limits = limits or SandboxLimits()
+    if mode == "bwrap":
+        bwrap = bwrap_path()
+        if bwrap is None:
+            raise SandboxUnavailableError(
+                f"bubblewrap not found ({BWRAP_ENV}={os.environ.get(BWRAP_ENV, 'bwrap')!r}): refusing to run "
+                "untrusted code without isolation; install it (`apt-get install bubblewrap`) or set "
+                "`allow_rlimit_only: true` in the config to run with rlimits only"
+            )
+    else:
+        bwrap = None
+        _warn_rlimit_only()
+    workdir = tempfile.mkdtemp(prefix="opd-sao-sandbox-")
+    try:
+        Path(workdir, "main.py").write_text(code)
+        return _run(workdir, bwrap, stdin, limits)
+    finally:
+        _remove_tree(workdir)
+
+
+@functools.cache
+def _warn_rlimit_only() -> None:
+    """Once per process, so RL loops do not drown the log."""
+    logger.warning(
+        "sandbox: running untrusted code WITHOUT bubblewrap (rlimit-only mode): no filesystem, network "
+        "or PID isolation%s; install bubblewrap (`apt-get install bubblewrap`)",
+        ", and no process limit because we run as root" if os.geteuid() == 0 else "",
+    )
+
+
+def _interpreter() -> tuple[str, str]:
+    """(python, prefix) of the base interpreter: sandboxed programs get the stdlib, not our venv."""
+    prefix = os.path.realpath(sys.base_prefix)
+    python = os.path.realpath(os.path.join(prefix, "bin", f"python{sys.version_info[0]}.{sys.version_info[1]}"))
+    if not os.access(python, os.X_OK):
+        raise SandboxUnavailableError(f"base interpreter {python} not found (sys.base_prefix={sys.base_prefix})")
+    return python, prefix
+
+
+def _bwrap_args(bwrap: str, workdir: str, prefix: str, limits: SandboxLimits, as_root: bool, fds: dict) -> list[str]:
+    """The bubblewrap command line (everything before the wrapped command)."""
+    args = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+    if as_root:  # we write the uid/gid maps ourselves (see _map_ids), bwrap waits for them
+        args += ["--userns-block-fd", str(fds["block"])]
+    else:
+        args += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--disable-userns"]
+    args += ["--info-fd", str(fds["info"]), "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
+    for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    if os.path.commonpath([prefix, "/usr"]) != "/usr":
+        args += ["--ro-bind", prefix, prefix]
+    tmp_size = str(limits.tmp_mb << 20)
+    args += [
+        "--dev", "/dev", "--size", tmp_size, "--tmpfs", "/dev/shm", "--proc", "/proc",
+        "--size", tmp_size, "--tmpfs", "/tmp", "--bind", workdir, SANDBOX_DIR,
+        "--remount-ro", "/", "--chdir", SANDBOX_DIR, "--",
+    ]  # fmt: skip
+    return args
+
+
+def _run(workdir: str, bwrap: str | None, stdin: str, limits: SandboxLimits) -> SandboxResult:
+    python, prefix = _interpreter()
+    as_root = bwrap is not None and os.geteuid() == 0
+    if as_root:
+        os.chown(workdir, HOST_UID, HOST_UID)
+    fds: dict[str, int] = {}  # parent's pipe ends, closed at the end
+    child_fds: dict[str, int] = {}  # bwrap's / the wrapper's ends, closed once the child has them
+    fds["ready"], child_fds["ready"] = os.pipe()
+    wrapper = [
+        python, "-I", "-S", "-c", _WRAPPER, str(child_fds["ready"]), str(limits.cpu_s), str(limits.memory_mb << 20),
+        str(limits.max_processes), str(limits.file_size_mb << 20), str(SANDBOX_UID if as_root else -1), "main.py",
+    ]  # fmt: skip
+    if bwrap is not None:
+        fds["info"], child_fds["info"] = os.pipe()
+        if as_root:
+            child_fds["block"], fds["block"] = os.pipe()
+        argv = _bwrap_args(bwrap, workdir, prefix, limits, as_root, child_fds) + wrapper
+        env = _env(SANDBOX_DIR)
+    else:
+        argv, env = wrapper, _env(workdir)
+    start = time.monotonic()
+    deadline = start + limits.wall_s
+    with tempfile.TemporaryFile() as stdin_file:
+        stdin_file.write(stdin.encode())
+        stdin_file.seek(0)
+        try:
+            proc = subprocess.Popen(
+                argv, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=env,
+                pass_fds=list(child_fds.values()), start_new_session=True,
+            )  # fmt: skip
+        finally:
+            for fd in child_fds.values():
+                os.close(fd)
+    try:
+        with proc:
+            inner = _start_sandbox(proc, fds, deadline, as_root) if bwrap is not None else None
+            try:
+                result = _supervise(proc, inner, fds, deadline, limits, start)
+            finally:
+                if inner is not None:
+                    os.close(inner)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return result
+
+
+def _env(home: str) -> dict[str, str]:
+    """Nothing of the parent's environment leaks in (tokens, paths, proxies)."""
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def _start_sandbox(proc: subprocess.Popen, fds: dict[str, int], deadline: float, as_root: bool) -> int | None:
+    """Learn the pid of the sandbox's init (to kill the whole PID namespace) and, as root, map its ids.
+
+    Returns a pidfd of that init, or None if bwrap died or stalled before telling us.
+    """
+    info = b""
+    while (remaining := deadline - time.monotonic()) > 0 and select.select([fds["info"]], [], [], remaining)[0]:
+        chunk = os.read(fds["info"], 4096)
+        if not chunk:
+            break
+        info += chunk
+    try:
+        pid = json.loads(info)["child-pid"]
+    except ValueError:
+        return None  # bwrap failed before creating the sandbox; _supervise reports its stderr
+    inner = os.pidfd_open(pid)
+    if as_root:
+        try:
+            _map_ids(pid)
+        except OSError as exc:
+            signal.pidfd_send_signal(inner, signal.SIGKILL)
+            os.close(inner)
+            proc.kill()
+            raise SandboxUnavailableError(f"cannot write the uid/gid maps of the sandbox: {exc}") from exc
+        os.write(fds["block"], b"1")
+    return inner
+
+
+def _map_ids(pid: int) -> None:
+    """Sandbox root -> host root (only bwrap's setup and our wrapper use it), sandbox user -> HOST_UID.
+
+    Root must stay mapped so setup can bind an interpreter that lives under /root
+    (mode 700); the program itself always runs as SANDBOX_UID.
+    """
+    for kind in ("uid", "gid"):
+        Path(f"/proc/{pid}/{kind}_map").write_text(f"0 0 1\n{SANDBOX_UID} {HOST_UID} 1\n")
+
+
+def _supervise(
+    proc: subprocess.Popen, inner: int | None, fds: dict[str, int], deadline: float, limits: SandboxLimits, start: float
+) -> SandboxResult:
+    """Pump output under the caps, enforce the wall clock, kill and reap everything, classify."""
+    streams = {proc.stdout.fileno(): [], proc.stderr.fileno(): []}  # type: ignore[union-attr]
+    exit_fd = os.pidfd_open(proc.pid)
+    watched = [*streams, exit_fd]
+    produced = kept = 0
+    limit_hit: LimitHit | None = None
+    try:
+        while len(watched) > 1 or exit_fd in watched:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if exit_fd in watched:
+                    limit_hit = "wall"
+                break  # else: exited, but a straggler (rlimit mode) holds the pipes
+            for fd in select.select(watched, [], [], remaining)[0]:
+                if fd == exit_fd:
+                    watched.remove(fd)
+                    if inner is None:  # rlimit mode: no PID namespace, kill what stayed in the group
+                        _killpg(proc.pid)
+                    continue
+                data = os.read(fd, 65536)
+                if not data:
+                    watched.remove(fd)
+                    continue
+                produced += len(data)
+                streams[fd].append(data[: max(0, limits.output_bytes - kept)])
+                kept += len(streams[fd][-1])
+                if produced > limits.output_bytes:
+                    limit_hit = "output"
+            if limit_hit:
+                break
+        if limit_hit:
+            _kill(proc, inner)
+        if not select.select([exit_fd], [], [], _KILL_GRACE_S)[0]:
+            _killpg(proc.pid)  # bwrap did not follow its sandbox's init; take its whole group down
+    finally:
+        os.close(exit_fd)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if inner is not None:  # normally already gone: bwrap reaps the init before exiting
+        select.select([inner], [], [], _KILL_GRACE_S)
+    wall_s = time.monotonic() - start
+    code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+    stdout, stderr = (b"".join(chunks).decode(errors="replace") for chunks in streams.values())
+    if limit_hit is None and not _came_up(fds["ready"]):
+        raise SandboxUnavailableError(f"the sandbox failed to start (exit {code}): {stderr.strip()[-2000:]}")
+    if limit_hit is None and code != 0:
+        limit_hit = _classify(code, stderr, usage.ru_utime + usage.ru_stime, limits)
+    return SandboxResult(
+        status="ok" if code == 0 and limit_hit is None else "failed",
+        exit_code=None if limit_hit in ("wall", "output") else code,
+        wall_s=round(wall_s, 3),
+        output_bytes=min(produced, limits.output_bytes),
+        limit_hit=limit_hit,
+        stdout=stdout,
+        stderr=stderr,
+    )
+
+
+def _kill(proc: subprocess.Popen, inner: int | None) -> None:
+    """Kill the sandbox's init: the kernel then kills the whole PID namespace and bwrap exits."""
+    if inner is None:
+        _killpg(proc.pid)
+        return
+    try:
+        signal.pidfd_send_signal(inner, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _came_up(ready_fd: int) -> bool:
+    """Whether the wrapper ran inside the sandbox: tells a broken sandbox from a failing program."""
+    os.set_blocking(ready_fd, False)
+    try:
+        return os.read(ready_fd, 1) == b"1"
+    except BlockingIOError:
+        return False
+
+
+def _classify(code: int, stderr: str, cpu_s: float, limits: SandboxLimits) -> LimitHit | None:
+    """Name the limit a failed program ran into, from its exit signal, CPU time and last words."""
+    sig = code - 128 if code > 128 else None
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s >= limits.cpu_s):
+        return "cpu"
+    if sig == signal.SIGXFSZ or "File too large" in stderr or "No space left on device" in stderr:
+        return "file_size"
+    if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
+        return "memory"
+    if "Resource temporarily unavailable" in stderr or "can't start new thread" in stderr:
+        return "processes"
+    return None
+
+
+def _remove_tree(path: str) -> None:
+    """Delete the work dir even if the program chmod-ed parts of it to 000."""
+    for root, dirs, _ in os.walk(path):
+        for name in dirs:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o700)
+    shutil.rmtree(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`opd-sao sandbox run FILE [--wall-s ...]`: argv is what follows `sandbox`; prints one JSON object."""
+    parser = argparse.ArgumentParser(prog="opd-sao sandbox", description="Run untrusted Python in the sandbox.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run one Python file and print the result as one JSON object")
+    run.add_argument("file", type=Path)
+    defaults = SandboxLimits()
+    for field in dataclasses.fields(SandboxLimits):
+        default = getattr(defaults, field.name)
+        run.add_argument(f"--{field.name.replace('_', '-')}", type=type(default), default=default)
+    run.add_argument("--stdin", type=Path, help="file whose content is fed to the program's stdin")
+    run.add_argument(
+        "--allow-rlimit-only", action="store_true", help="run without bubblewrap (rlimits only) if it is unavailable"
+    )
+    args = parser.parse_args(argv)
+    for path in (args.file, args.stdin):
+        if path is not None and not path.is_file():
+            parser.error(f"no such file: {path}")
+    try:
+        limits = SandboxLimits(**{field.name: getattr(args, field.name) for field in dataclasses.fields(SandboxLimits)})
+    except ValueError as exc:
+        parser.error(str(exc))
+    result = run_python(
+        args.file.read_text(),
+        stdin=args.stdin.read_text() if args.stdin else "",
+        limits=limits,
+        mode=detect_mode(args.allow_rlimit_only),
+    )
+    print(json.dumps(result.to_json()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

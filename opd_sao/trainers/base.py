@@ -1,0 +1,51 @@
+"""The trainer backend interface: forward passes and optimizer steps for policy and critic.
+
+The learning rule lives in `opd_sao.learner` and is backend-agnostic; a backend only knows how to
+run the models and apply a loss (plain torch here, DeepSpeed ZeRO in its own backend).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+
+from ..trajectory import Batch
+
+
+class TrainerBackend(ABC):
+    policy_version: int = 0
+
+    @abstractmethod
+    def policy_logprobs(self, batch: Batch, temperature: float, grad: bool) -> torch.Tensor:
+        """[B, T] logprob of each token under the current policy (0 at t=0 and padding)."""
+
+    @abstractmethod
+    def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:
+        """[B, T] V(s_t): the value of the prefix before token t."""
+
+    @abstractmethod
+    def step_policy(self, loss: torch.Tensor) -> float:
+        """Backward, clip, optimizer step; increments policy_version; returns the grad norm."""
+
+    @abstractmethod
+    def step_critic(self, loss: torch.Tensor) -> float: ...
+
+    @abstractmethod
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights for the rollout engine (full, unsharded, on CPU)."""
+
+    @property
+    @abstractmethod
+    def policy_model(self) -> torch.nn.Module: ...
+
+    @abstractmethod
+    def export_policy(self, out_dir: Path, tokenizer) -> Path:
+        """An HF-format checkpoint loadable by plain transformers."""
+
+    @abstractmethod
+    def save_state(self, out_dir: Path) -> None:
+        """Everything needed to resume: weights, optimizer states, policy version."""
+
+    @abstractmethod
+    def load_state(self, in_dir: Path) -> None: ...

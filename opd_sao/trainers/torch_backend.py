@@ -1,0 +1,85 @@
+"""Plain torch trainer backend: one process, AdamW for policy and critic."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import TrainerConfig
+from ..modeling import sequence_logprobs
+from ..models import load_causal_lm, save_checkpoint
+from ..trajectory import Batch
+from .base import TrainerBackend
+from .critic import ValueModel
+
+
+class TorchTrainer(TrainerBackend):
+    def __init__(self, checkpoint: str | Path, cfg: TrainerConfig, *, with_critic: bool = True):
+        self.cfg = cfg
+        self.policy = load_causal_lm(checkpoint, cfg.dtype).train()
+        self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.policy_lr, weight_decay=0.0)
+        self.critic = None
+        if with_critic:
+            self.critic = ValueModel.from_pretrained(str(checkpoint), cfg.dtype).train()
+            if cfg.freeze_critic_attention:
+                self.critic.freeze_attention()
+            trainable = [p for p in self.critic.parameters() if p.requires_grad]
+            self.critic_opt = torch.optim.AdamW(trainable, lr=cfg.critic_lr, weight_decay=0.0)
+        self.policy_version = 0
+
+    @property
+    def policy_model(self) -> torch.nn.Module:
+        return self.policy
+
+    def policy_logprobs(self, batch: Batch, temperature: float, grad: bool) -> torch.Tensor:
+        with torch.set_grad_enabled(grad):
+            return sequence_logprobs(self.policy, batch.input_ids, batch.attention_mask, temperature)
+
+    def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:
+        if self.critic is None:
+            raise RuntimeError("this trainer was built without a critic (the algorithm needs none)")
+        with torch.set_grad_enabled(grad):
+            return self.critic(batch.input_ids, batch.attention_mask)
+
+    def _step(self, loss, model, opt) -> float:
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        params = [p for p in model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        opt.step()
+        return float(norm)
+
+    def step_policy(self, loss: torch.Tensor) -> float:
+        norm = self._step(loss, self.policy, self.policy_opt)
+        self.policy_version += 1
+        return norm
+
+    def step_critic(self, loss: torch.Tensor) -> float:
+        return self._step(loss, self.critic, self.critic_opt)
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+
+    def export_policy(self, out_dir: Path, tokenizer) -> Path:
+        return save_checkpoint(self.policy, tokenizer, out_dir)
+
+    def save_state(self, out_dir: Path) -> None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        state = {"policy": self.policy.state_dict(), "policy_opt": self.policy_opt.state_dict()}
+        if self.critic is not None:
+            state.update(critic=self.critic.state_dict(), critic_opt=self.critic_opt.state_dict())
+        tmp = out_dir / "trainer_state.pt.tmp"
+        torch.save(state, tmp)
+        tmp.replace(out_dir / "trainer_state.pt")
+        (out_dir / "trainer_meta.json").write_text(json.dumps({"policy_version": self.policy_version}))
+
+    def load_state(self, in_dir: Path) -> None:
+        state = torch.load(Path(in_dir) / "trainer_state.pt", weights_only=True)
+        self.policy.load_state_dict(state["policy"])
+        self.policy_opt.load_state_dict(state["policy_opt"])
+        if self.critic is not None and "critic" in state:
+            self.critic.load_state_dict(state["critic"])
+            self.critic_opt.load_state_dict(state["critic_opt"])
+        self.policy_version = json.loads((Path(in_dir) / "trainer_meta.json").read_text())["policy_version"]

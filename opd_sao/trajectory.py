@@ -1,0 +1,109 @@
+"""The one record every component exchanges: a trajectory, and its padded tensor view."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Trajectory:
+    """prompt, then response tokens: model actions (mask 1) interleaved with observations (mask 0).
+
+    Per-response-token lists all have len(token_ids). `rollout_logp` is what the engine that sampled
+    the token assigned to it (0 on observations); `versions` is the policy version that sampled it
+    (-1 on observations); `rewards` may sit on any position (GAE credits non-action rewards back).
+    """
+
+    traj_id: str
+    domain: str
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    action_mask: list[int] = field(default_factory=list)
+    rollout_logp: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    finish_reason: str = ""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def append(self, ids, *, action: bool, logp=None, versions=None) -> None:
+        """Actions come with the engine's logprobs and versions; observations with neither."""
+        ids = list(ids)
+        if action and (logp is None or versions is None or not len(logp) == len(versions) == len(ids)):
+            raise ValueError("an action span needs one logprob and one version per token")
+        self.token_ids += ids
+        self.action_mask += [int(action)] * len(ids)
+        self.rollout_logp += list(logp) if action else [0.0] * len(ids)
+        self.versions += list(versions) if action else [-1] * len(ids)
+        self.rewards += [0.0] * len(ids)
+
+    def add_reward(self, reward: float) -> None:
+        """A reward arrives after the latest token (GAE credits it to the preceding action)."""
+        if not self.rewards:
+            raise ValueError(f"trajectory {self.traj_id} has no tokens to attach a reward to")
+        self.rewards[-1] += float(reward)
+
+    @property
+    def total_reward(self) -> float:
+        return float(sum(self.rewards))
+
+    @property
+    def num_action_tokens(self) -> int:
+        return int(sum(self.action_mask))
+
+    @property
+    def min_version(self) -> int:
+        acted = [v for v, m in zip(self.versions, self.action_mask) if m]
+        return min(acted) if acted else -1
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, line: str) -> "Trajectory":
+        return cls(**json.loads(line))
+
+
+@dataclass
+class Batch:
+    """Right-padded tensors over full sequences (prompt + response); position t is token t."""
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long
+    action_mask: torch.Tensor  # [B, T] float
+    rollout_logp: torch.Tensor  # [B, T] float
+    rewards: torch.Tensor  # [B, T] float
+    versions: torch.Tensor  # [B, T] long
+    trajectories: list[Trajectory]
+
+    @property
+    def traj_ids(self) -> list[str]:
+        return [t.traj_id for t in self.trajectories]
+
+
+def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
+    if not trajectories:
+        raise ValueError("cannot collate an empty list of trajectories")
+    seqs = [t.prompt_ids + t.token_ids for t in trajectories]
+    width = max(len(s) for s in seqs)
+    B = len(seqs)
+    input_ids = torch.full((B, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, width), dtype=torch.long)
+    action = torch.zeros((B, width))
+    rollout_logp = torch.zeros((B, width))
+    rewards = torch.zeros((B, width))
+    versions = torch.full((B, width), -1, dtype=torch.long)
+    for i, (t, seq) in enumerate(zip(trajectories, seqs)):
+        p, n = len(t.prompt_ids), len(seq)
+        input_ids[i, :n] = torch.tensor(seq)
+        attention[i, :n] = 1
+        if t.token_ids:
+            action[i, p:n] = torch.tensor(t.action_mask, dtype=torch.float)
+            rollout_logp[i, p:n] = torch.tensor(t.rollout_logp)
+            rewards[i, p:n] = torch.tensor(t.rewards)
+            versions[i, p:n] = torch.tensor(t.versions)
+    return Batch(input_ids, attention, action, rollout_logp, rewards, versions, list(trajectories))

@@ -1,0 +1,59 @@
+"""The stage interface, its registry, and what a stage gets from the pipeline (the run context)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from opd_sao.config import RunConfig, StageConfig
+from opd_sao.registry import Registry
+
+STAGES: Registry[type["Stage"]] = Registry("stage kind")
+register_stage = STAGES.register
+
+
+@dataclass
+class StageResult:
+    checkpoint: Path  # the promoted HF-format checkpoint
+    summary: dict[str, Any] = field(default_factory=dict)  # merged into summary.json's entry for the stage
+    start_checkpoint: Optional[Path] = None  # where training began (after any warm start): eval_before's model
+
+
+@dataclass
+class RunContext:
+    cfg: RunConfig
+    run_dir: Path
+    base_checkpoint: Path
+    tokenizer: Any
+    checkpoints: dict[str, Path] = field(default_factory=dict)  # completed stage name -> checkpoint
+    wandb_run: Any = None
+    resume: bool = False
+
+    def stage_dir(self, name: str) -> Path:
+        path = self.run_dir / "stages" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def resolve_checkpoint(self, ref: str, *, before: Optional[str] = None) -> Path:
+        """'base', 'previous' (the last completed stage), a stage name, or a local directory."""
+        if ref == "base":
+            return self.base_checkpoint
+        if ref == "previous":
+            return list(self.checkpoints.values())[-1] if self.checkpoints else self.base_checkpoint
+        if ref in self.checkpoints:
+            return self.checkpoints[ref]
+        if Path(ref).is_dir():
+            return Path(ref)
+        raise ValueError(f"checkpoint {ref!r} is not a completed stage ({list(self.checkpoints)}) or a directory")
+
+
+class Stage(ABC):
+    """One step of the pipeline: starts from a checkpoint, ends with a promoted checkpoint."""
+
+    def __init__(self, cfg: StageConfig, ctx: RunContext):
+        self.cfg, self.ctx = cfg, ctx
+        self.dir = ctx.stage_dir(cfg.name)
+
+    @abstractmethod
+    def run(self) -> StageResult: ...

@@ -1,0 +1,55 @@
+"""The environment protocol and its registry.
+
+An environment is a class registered by name and chosen in YAML (`env: arithmetic`). One instance
+plays one episode: `reset(task)` gives the first observation (the prompt), `step(action)` gives
+(observation, reward, done). Tasks are plain dicts with a unique "id".
+"""
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from typing import Optional
+
+from opd_sao.registry import Registry
+
+ENVIRONMENTS: Registry[type["Environment"]] = Registry("environment")
+register_env = ENVIRONMENTS.register
+
+
+class Environment(ABC):
+    def __init__(self, **options):
+        self.options = options
+
+    @abstractmethod
+    def make_tasks(self, split: str, n: int, seed: int) -> list[dict]:
+        """`split` is "train" or "eval"; the two never share a task."""
+
+    @abstractmethod
+    def reset(self, task: dict) -> str: ...
+
+    @abstractmethod
+    def step(self, action: str) -> tuple[str, float, bool]: ...
+
+    def reference_actions(self, task: dict) -> Optional[list[str]]:
+        """Oracle actions that solve the task (SFT warm start, validity checks); None if unknown."""
+        return None
+
+    def noop_action(self, task: dict) -> str:
+        return ""
+
+    def corpus(self, n: int = 2000) -> list[str]:
+        """Texts typical of this domain, to train the embedded tiny model's tokenizer."""
+        texts = []
+        for task in self.make_tasks("train", n, seed=0):
+            texts.append(self.reset(task))
+            texts.extend(self.reference_actions(task) or [])
+        return texts
+
+
+def sample_tasks(tasks: list[dict], seed: int):
+    """An endless shuffled stream over the task list."""
+    rng = random.Random(seed)
+    while True:
+        order = list(tasks)
+        rng.shuffle(order)
+        yield from order
