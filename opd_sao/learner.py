@@ -84,5 +84,5 @@ class Learner:
                 metrics["policy_grad_norm"] = self.backend.step_policy(loss)
             _, dis = A.dis_weights(old_logp, batch.rollout_logp, cfg.eps_low, cfg.eps_high)
             metrics["mask_fraction"] = float(1 - dis[mask.bool()].float().mean()) if mask.any() else 0.0
-        metrics["policy_loss"] = float(loss)
+        metrics["policy_loss"] = float(loss.detach())
         return metrics

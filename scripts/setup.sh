@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Sets up .venv at the repository root (idempotent). torch is pinned to the CPU wheel in the same pip
+# command as everything else, so pip never pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+DS_BUILD_OPS=0 .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[test,deepspeed]"
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get install -y -q bubblewrap >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1)) \
+      || echo "warning: could not install bubblewrap; agent tasks need it (see README, Sandbox)" >&2
+  else
+    echo "warning: bubblewrap (bwrap) is missing; install it (apt-get install bubblewrap) for the agent sandbox" >&2
+  fi
+fi

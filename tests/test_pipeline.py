@@ -1,0 +1,76 @@
+"""End to end: `opd-sao run` on the tiny model, and the CLI's handling of bad input."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from opd_sao.config import parse_config
+from opd_sao.pipeline import run_pipeline
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
+
+
+def _config(**stage_overrides):
+    stage = {"name": "reasoning", "kind": "reasoning", "env": "arithmetic", "env_options": {"max_operand": 9},
+             "steps": 4, "sft": {"steps": 3, "batch_size": 8}, "rollout": {"max_new_tokens": 4},
+             "eval": {"num_tasks": 8}, **stage_overrides}
+    return {"seed": 1, "model": {"tiny": TINY}, "logging": {"wandb": False, "progress": False},
+            "trainer": {"train_batch_size": 4, "critic_warmup_steps": 1}, "stages": [stage]}
+
+
+@pytest.mark.parametrize("algo", ["sao", "grpo", "grpo_dis", "ppo", "running_mean"])
+def test_reasoning_stage_end_to_end(tmp_path, algo):
+    overrides = {"rollout": {"max_new_tokens": 4, "group_size": 2}} if algo.startswith("grpo") else {}
+    cfg = parse_config(_config(algo=algo, **overrides))
+    summary = run_pipeline(cfg, tmp_path, log=lambda m: None)
+    stage = summary["stages"][0]
+    assert stage["name"] == "reasoning" and stage["kind"] == "reasoning" and stage["algo"] == algo
+    assert set(stage["eval_before"]) == set(stage["eval_after"]) == {"arithmetic"}
+    assert "arithmetic" in stage["eval_init"]
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["stages"][0]["eval_after"] == stage["eval_after"]
+    stage_dir = tmp_path / "stages" / "reasoning"
+    metrics = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 4
+    assert {"reward_mean", "mask_fraction", "staleness_hist", "trainer_idle_fraction", "samples_per_s"} <= set(metrics[-1])
+    trained = [t for line in (stage_dir / "trained.jsonl").read_text().splitlines() for t in json.loads(line)["traj_ids"]]
+    assert len(trained) == 16 and len(set(trained)) == 16
+    model = AutoModelForCausalLM.from_pretrained(stage_dir / "checkpoint")  # plain transformers loads it
+    assert model.config.vocab_size > 0
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "opd_sao.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_invalid_config_is_one_clear_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages:\n  - {name: r, kind: reasoning, env: arithmetic, algo: sarsa}\n")
+    result = _cli("run", str(bad), cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "stages.0.algo" in lines[0] and "'sao'" in lines[0] and "sarsa" in lines[0]
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("trainer.policy_lr=-1", "trainer.policy_lr"),
+    ("stages.nope.steps=3", "no list item 'nope'"),
+    ("stages.0.kind=dance", "unknown stage kind 'dance'"),
+])
+def test_bad_overrides_are_reported(tmp_path, override, needle):
+    good = tmp_path / "good.yaml"
+    good.write_text("stages:\n  - {name: r, kind: reasoning, env: arithmetic}\n")
+    result = _cli("run", str(good), override, "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_config_file(tmp_path):
+    result = _cli("run", "nowhere.yaml", cwd=tmp_path)
+    assert result.returncode == 2 and "does not exist" in result.stderr
