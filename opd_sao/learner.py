@@ -55,20 +55,26 @@ class Learner:
         return metrics
 
     def _critic_update(self, batch: Batch, metrics: dict) -> torch.Tensor:
-        """GAE with the critic's values before its update; K value-loss steps (TTUR)."""
+        """K value-loss steps (TTUR); GAE uses the values of the first forward, before any update."""
+        mask = batch.action_mask
+        for k in range(self.critic_steps):
+            values = self.backend.critic_values(batch, grad=True)
+            if k == 0:
+                advantages, returns = self._advantages_and_returns(batch, values.detach())
+            loss, value_metrics = A.value_loss(values, returns, mask)
+            metrics["critic_grad_norm"] = self.backend.step_critic(loss)
+            if k == 0:
+                metrics.update(value_metrics)  # measured before the update: an honest explained variance
+        return advantages
+
+    def _advantages_and_returns(self, batch: Batch, values: torch.Tensor):
         mask, cfg = batch.action_mask, self.cfg
-        values = self.backend.critic_values(batch, grad=False)
-        if self.algo == "sao":
+        if self.algo == "sao":  # length-adaptive lambda for the policy, lambda = 1 for the critic's targets
             lam = A.length_adaptive_lambda(mask.sum(-1), cfg.alpha)
             advantages, _ = A.skip_observation_gae(batch.rewards, values, mask, cfg.gamma, lam)
             _, returns = A.skip_observation_gae(batch.rewards, values, mask, cfg.gamma, 1.0)
-        else:
-            advantages, returns = A.skip_observation_gae(batch.rewards, values, mask, cfg.gamma, cfg.ppo_lambda)
-        for _ in range(self.critic_steps):
-            loss, value_metrics = A.value_loss(self.backend.critic_values(batch, grad=True), returns, mask)
-            metrics["critic_grad_norm"] = self.backend.step_critic(loss)
-        metrics.update(value_metrics)
-        return advantages
+            return advantages, returns
+        return A.skip_observation_gae(batch.rewards, values, mask, cfg.gamma, cfg.ppo_lambda)
 
     def _policy_update(self, batch: Batch, advantages: torch.Tensor, temperature: float) -> dict[str, float]:
         mask, cfg = batch.action_mask, self.cfg

@@ -106,7 +106,7 @@ def bwrap_path() -> str | None:
 def detect_mode(allow_rlimit_only: bool) -> Mode:
     """Pick the isolation mode once at start-up, failing loudly rather than silently degrading."""
     try:
-        run_python("", mode="bwrap")  # probe: bwrap present *and* able to build the sandbox
+        _require_bwrap()
         return "bwrap"
     except SandboxUnavailableError as exc:
         if not allow_rlimit_only:
@@ -125,18 +125,35 @@ def run_python(
     """
     if mode not in ("bwrap", "rlimit"):
         raise ValueError(f"mode must be 'bwrap' or 'rlimit', got {mode!r}")
-    limits = limits or SandboxLimits()
-    if mode == "bwrap":
-        bwrap = bwrap_path()
-        if bwrap is None:
-            raise SandboxUnavailableError(
-                f"bubblewrap not found ({BWRAP_ENV}={os.environ.get(BWRAP_ENV, 'bwrap')!r}): refusing to run "
-                "untrusted code without isolation; install it (`apt-get install bubblewrap`) or set "
-                "`allow_rlimit_only: true` in the config to run with rlimits only"
-            )
-    else:
-        bwrap = None
+    if mode == "rlimit":
         _warn_rlimit_only()
+    return _run_code(code, _require_bwrap() if mode == "bwrap" else None, stdin, limits or SandboxLimits())
+
+
+def _require_bwrap() -> str:
+    """The bwrap binary, known to run a trivial program; raises SandboxUnavailableError otherwise."""
+    bwrap = bwrap_path()
+    if bwrap is None:
+        raise SandboxUnavailableError(
+            f"bubblewrap not found ({BWRAP_ENV}={os.environ.get(BWRAP_ENV, 'bwrap')!r}): refusing to run "
+            "untrusted code without isolation; install it (`apt-get install bubblewrap`) or set "
+            "`allow_rlimit_only: true` in the config to run with rlimits only"
+        )
+    _probe(bwrap)
+    return bwrap
+
+
+@functools.cache  # only successes are cached: a broken sandbox keeps failing loudly
+def _probe(bwrap: str) -> None:
+    """A sandbox that cannot run `pass` (e.g. interpreter unreadable) would fail every program silently."""
+    result = _run_code("pass", bwrap, "", SandboxLimits())
+    if result.status != "ok":
+        raise SandboxUnavailableError(
+            f"the sandbox cannot run a trivial program (exit {result.exit_code}): {result.stderr.strip()[-2000:]}"
+        )
+
+
+def _run_code(code: str, bwrap: str | None, stdin: str, limits: SandboxLimits) -> SandboxResult:
     workdir = tempfile.mkdtemp(prefix="opd-sao-sandbox-")
     try:
         Path(workdir, "main.py").write_text(code)
@@ -167,10 +184,12 @@ def _interpreter() -> tuple[str, str]:
 def _bwrap_args(bwrap: str, workdir: str, prefix: str, limits: SandboxLimits, as_root: bool, fds: dict) -> list[str]:
     """The bubblewrap command line (everything before the wrapped command)."""
     args = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
-    if as_root:  # we write the uid/gid maps ourselves (see _map_ids), bwrap waits for them
+    # bwrap waits on fds["block"] until we hold a pidfd of its init (and, as root, wrote the id maps)
+    if as_root:
         args += ["--userns-block-fd", str(fds["block"])]
     else:
-        args += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--disable-userns"]
+        args += ["--block-fd", str(fds["block"]), "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+        args += ["--disable-userns"]
     args += ["--info-fd", str(fds["info"]), "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
     for path in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(path):
@@ -179,10 +198,12 @@ def _bwrap_args(bwrap: str, workdir: str, prefix: str, limits: SandboxLimits, as
             args += ["--ro-bind", path, path]
     if os.path.commonpath([prefix, "/usr"]) != "/usr":
         args += ["--ro-bind", prefix, prefix]
+        for parent in Path(prefix).parents[:-1]:  # bwrap creates them 0700: let the sandbox user through
+            args += ["--chmod", "0755", str(parent)]
     tmp_size = str(limits.tmp_mb << 20)
     args += [
-        "--dev", "/dev", "--size", tmp_size, "--tmpfs", "/dev/shm", "--proc", "/proc",
-        "--size", tmp_size, "--tmpfs", "/tmp", "--bind", workdir, SANDBOX_DIR,
+        "--dev", "/dev", "--perms", "1777", "--size", tmp_size, "--tmpfs", "/dev/shm", "--proc", "/proc",
+        "--perms", "1777", "--size", tmp_size, "--tmpfs", "/tmp", "--bind", workdir, SANDBOX_DIR,
         "--remount-ro", "/", "--chdir", SANDBOX_DIR, "--",
     ]  # fmt: skip
     return args
@@ -202,8 +223,7 @@ def _run(workdir: str, bwrap: str | None, stdin: str, limits: SandboxLimits) -> 
     ]  # fmt: skip
     if bwrap is not None:
         fds["info"], child_fds["info"] = os.pipe()
-        if as_root:
-            child_fds["block"], fds["block"] = os.pipe()
+        child_fds["block"], fds["block"] = os.pipe()
         argv = _bwrap_args(bwrap, workdir, prefix, limits, as_root, child_fds) + wrapper
         env = _env(SANDBOX_DIR)
     else:
@@ -241,9 +261,9 @@ def _env(home: str) -> dict[str, str]:
 
 
 def _start_sandbox(proc: subprocess.Popen, fds: dict[str, int], deadline: float, as_root: bool) -> int | None:
-    """Learn the pid of the sandbox's init (to kill the whole PID namespace) and, as root, map its ids.
+    """Take a pidfd of the sandbox's init (to kill the whole PID namespace), as root map its ids, let it go.
 
-    Returns a pidfd of that init, or None if bwrap died or stalled before telling us.
+    Returns None if bwrap died or stalled before creating the sandbox.
     """
     info = b""
     while (remaining := deadline - time.monotonic()) > 0 and select.select([fds["info"]], [], [], remaining)[0]:
@@ -252,10 +272,9 @@ def _start_sandbox(proc: subprocess.Popen, fds: dict[str, int], deadline: float,
             break
         info += chunk
     try:
-        pid = json.loads(info)["child-pid"]
-    except ValueError:
-        return None  # bwrap failed before creating the sandbox; _supervise reports its stderr
-    inner = os.pidfd_open(pid)
+        inner = os.pidfd_open(json.loads(info)["child-pid"])
+    except (ValueError, ProcessLookupError):
+        return None  # bwrap failed; _supervise reports its stderr
     if as_root:
         try:
             _map_ids(pid)
@@ -264,7 +283,10 @@ def _start_sandbox(proc: subprocess.Popen, fds: dict[str, int], deadline: float,
             os.close(inner)
             proc.kill()
             raise SandboxUnavailableError(f"cannot write the uid/gid maps of the sandbox: {exc}") from exc
+    try:
         os.write(fds["block"], b"1")
+    except BrokenPipeError:
+        pass  # bwrap already gone; _supervise reports it
     return inner
 
 
@@ -288,7 +310,7 @@ def _supervise(
     produced = kept = 0
     limit_hit: LimitHit | None = None
     try:
-        while len(watched) > 1 or exit_fd in watched:
+        while watched:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 if exit_fd in watched:

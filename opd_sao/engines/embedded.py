@@ -1,8 +1,8 @@
 """The embedded rollout engine: an in-process transformers model with continuous batching.
 
-Each decode step re-runs the (tiny) model over the active sequences, left-padded; finished sequences
-leave the batch at once and new requests take their slots, so a long response never holds short
-ones back. Weights are swapped between decode steps under a lock; every token records the version
+The active sequences share one left-padded KV cache; finished sequences leave the batch at once and
+new requests take their slots (the cache is re-prefilled when the batch gains members), so a long
+response never holds short ones back. Weights are swapped between decode steps under a lock; every token records the version
 that sampled it.
 """
 from __future__ import annotations
@@ -14,7 +14,9 @@ from typing import Iterable, Optional
 
 import torch
 
-from ..modeling import forward_logits, sample_tokens, sequence_logprobs
+from transformers import DynamicCache
+
+from ..modeling import position_ids_for, sample_tokens, sequence_logprobs
 from .base import GenerationRequest, GenerationResult, ResultCallback, RolloutEngine
 
 
@@ -25,6 +27,11 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str = ""
+
+    @property
+    def pending(self) -> int:
+        """The newest token, which the KV cache has not seen yet."""
+        return self.token_ids[-1] if self.token_ids else self.request.prompt_ids[-1]
 
 
 class EmbeddedEngine(RolloutEngine):
@@ -39,6 +46,10 @@ class EmbeddedEngine(RolloutEngine):
         self._lock = threading.Lock()
         self._version = 0
         self.tokens_generated = 0
+        self._cache = None  # KV cache of the active batch, left-padded; rebuilt on joins and weight updates
+        self._mask = None
+        self._rows: list[int] = []
+        self._cache_version = -1
 
     @property
     def version(self) -> int:
@@ -51,6 +62,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def generate(self, requests: Iterable[Optional[GenerationRequest]], on_result: ResultCallback) -> None:
         pending = iter(requests)
+        self._rows, self._cache, self._mask = [], None, None
         exhausted = False
         active: list[_Sequence] = []
         while True:
@@ -79,18 +91,21 @@ class EmbeddedEngine(RolloutEngine):
 
     @torch.no_grad()
     def _decode_step(self, active: list[_Sequence]) -> None:
-        rows = [s.request.prompt_ids + s.token_ids for s in active]
-        width = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros_like(input_ids)
-        for i, row in enumerate(rows):
-            input_ids[i, width - len(row):] = torch.tensor(row)
-            attention[i, width - len(row):] = 1
+        """Feed every sequence's pending token (the last one not yet in the KV cache) and sample the next."""
+        with self._lock:
+            if self._cache_version != self._version:
+                self._rows, self._cache, self._mask = [], None, None
+                self._cache_version = self._version
+            if len(self._rows) < len(active):
+                self._admit(active[len(self._rows):])
+            pending = torch.tensor([[s.pending] for s in active])
+            self._mask = torch.cat([self._mask, torch.ones(len(active), 1, dtype=torch.long)], dim=1)
+            positions = self._mask.sum(-1, keepdim=True) - 1
+            out = self.model(input_ids=pending, attention_mask=self._mask, position_ids=positions, cache=self._cache,
+                             use_cache=True)
+            logits, version = out.logits[:, -1], self._version
         temperature = torch.tensor([s.request.params.temperature for s in active])
         top_p = torch.tensor([s.request.params.top_p for s in active])
-        with self._lock:
-            logits = forward_logits(self.model, input_ids, attention)[:, -1]
-            version = self._version
         ids, logps = sample_tokens(logits, temperature, top_p, self.generator)
         self.tokens_generated += len(active)
         for seq, token, logp in zip(active, ids.tolist(), logps.tolist()):
@@ -102,6 +117,46 @@ class EmbeddedEngine(RolloutEngine):
                 seq.finish_reason = "stop"
             elif len(seq.token_ids) >= params.max_new_tokens:
                 seq.finish_reason = "length"
+        self._rows = [id(s) for s in active if not s.finish_reason]
+        if len(self._rows) < len(active):
+            self._drop_rows([i for i, s in enumerate(active) if not s.finish_reason])
+
+    def _admit(self, joining: list[_Sequence]) -> None:
+        """Prefill the joining sequences (all but their pending token) and merge them into the batch cache.
+
+        After a weight update the whole batch re-joins, so no token is ever sampled from a cache that was
+        computed with older weights than the version it records.
+        """
+        prefixes = [s.request.prompt_ids + s.token_ids[:-1] if s.token_ids else s.request.prompt_ids[:-1]
+                    for s in joining]
+        width = max(1, max(len(p) for p in prefixes))
+        ids = torch.full((len(joining), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, prefix in enumerate(prefixes):
+            if prefix:
+                ids[i, width - len(prefix):] = torch.tensor(prefix)
+                mask[i, width - len(prefix):] = 1
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), cache=cache, use_cache=True)
+        if self._cache is None:
+            self._cache, self._mask = cache, mask
+        else:
+            self._cache, self._mask = _concat_left_padded(self._cache, self._mask, cache, mask, self.model.config)
+        self._rows += [id(s) for s in joining]
+
+    def _drop_rows(self, keep: list[int]) -> None:
+        if not keep:
+            self._cache, self._mask = None, None
+            return
+        index = torch.tensor(keep, dtype=torch.long)
+        self._mask = self._mask.index_select(0, index)
+        self._cache.batch_select_indices(index)
+        first_real = int(self._mask.any(0).long().argmax())  # columns of padding only are dropped
+        if first_real:
+            self._mask = self._mask[:, first_real:]
+            self._cache = DynamicCache(
+                ddp_cache_data=[(l.keys[:, :, first_real:], l.values[:, :, first_real:]) for l in self._cache.layers],
+                config=self.model.config)
 
     def _finish(self, seq: _Sequence) -> GenerationResult:
         logprobs = seq.logprobs
@@ -117,3 +172,20 @@ class EmbeddedEngine(RolloutEngine):
         with self._lock:
             logp = sequence_logprobs(self.model, ids, torch.ones_like(ids), seq.request.params.temperature)
         return logp[0, len(seq.request.prompt_ids):].tolist()
+
+
+def _concat_left_padded(cache_a, mask_a, cache_b, mask_b, config):
+    """Stack two left-padded KV caches along the batch, padding the shorter one on the left."""
+    width = max(mask_a.shape[1], mask_b.shape[1])
+
+    def pad(t, dim):
+        missing = width - t.shape[dim]
+        if not missing:
+            return t
+        shape = list(t.shape)
+        shape[dim] = missing
+        return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+    layers = [(torch.cat([pad(a.keys, 2), pad(b.keys, 2)]), torch.cat([pad(a.values, 2), pad(b.values, 2)]))
+              for a, b in zip(cache_a.layers, cache_b.layers)]
+    return DynamicCache(ddp_cache_data=layers, config=config), torch.cat([pad(mask_a, 1), pad(mask_b, 1)])

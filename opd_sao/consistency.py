@@ -1,0 +1,331 @@
+"""Train/inference logprob consistency (SPEC 5): does the trainer agree with the engine that sampled?
+
+For every sampled action token of a batch of rollouts, the trainer's model (at the rollouts' policy
+version) recomputes the token's logprob under the distribution the engine sampled from (the rollout's
+temperature, renormalised on the top-p nucleus when top_p < 1) and the result is compared with the
+engine's `rollout_logp`. Versions come first: a rollout sampled by another policy version than the
+trainer's is a version error, never counted as drift.
+
+Two ways to recompute:
+- chunked (default): one batched, right-padded forward to the final hidden states, then the lm head a
+  block of rows and a chunk of the vocabulary at a time, so a long sequence never materialises a
+  [T, V] float32 tensor (see benchmarks/consistency_memory.py);
+- alone (deterministic mode): each action span scored with its prefix alone, unpadded, by
+  `sequence_logprobs`, exactly what the deterministic embedded engine did, so agreement is bitwise.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .algorithms import dis_weights
+from .modeling import forward_logits, nucleus_logprobs, position_ids_for, sequence_logprobs
+from .trajectory import Trajectory
+
+VOCAB_CHUNK = 8192  # vocabulary columns per lm-head chunk
+ROW_BLOCK = 512  # rows per block: ROW_BLOCK x VOCAB_CHUNK fp32 logits = 16 MiB at a time
+
+
+# ----------------------------------------------------------------------------
+# the math: chunked logprobs and the estimators
+# ----------------------------------------------------------------------------
+
+def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                           temperature: torch.Tensor, top_p: Optional[torch.Tensor] = None, *,
+                           bias: Optional[torch.Tensor] = None, vocab_chunk: int = VOCAB_CHUNK,
+                           row_block: int = ROW_BLOCK) -> torch.Tensor:
+    """log p(target) under softmax((hidden @ weight.T + bias) / T), without an [N, V] tensor.
+
+    hidden [N, H]; weight [V, H]; targets, temperature, top_p [N]. Returns float32 [N].
+
+    Why chunked: the normaliser logsumexp_v(z_v) is a running `logaddexp` over vocabulary chunks, exact up
+    to float rounding, so peak memory is row_block x vocab_chunk floats instead of N x V. The target's
+    logit is read from the chunk that holds it (not a separate dot product), so numerator and normaliser
+    come from the same matmul. Logits are computed in the weight's dtype and upcast, as the trainer does.
+    Rows with top_p < 1 need their whole sorted distribution to find the nucleus, so they go through
+    `nucleus_logprobs` (the engine's own sampling semantics) a few full-vocabulary rows at a time.
+    """
+    n, vocab = hidden.shape[0], weight.shape[0]
+    out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    hidden = hidden.to(weight.dtype)
+    nucleus = (top_p < 1.0) if top_p is not None else torch.zeros(n, dtype=torch.bool, device=hidden.device)
+    plain = (~nucleus).nonzero().squeeze(-1)
+    for block in plain.split(row_block):
+        h, t, temp = hidden[block], targets[block], temperature[block].float().unsqueeze(-1)
+        lse = torch.full((len(block),), float("-inf"), device=hidden.device)
+        picked = torch.empty(len(block), device=hidden.device)
+        for start in range(0, vocab, vocab_chunk):
+            logits = _logits(h, weight[start:start + vocab_chunk], bias, start, vocab_chunk) / temp
+            lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
+            inside = (t >= start) & (t < start + logits.shape[-1])
+            picked[inside] = logits[inside, t[inside] - start]
+        out[block] = picked - lse
+    rows_per_block = max(1, row_block * vocab_chunk // vocab)
+    for block in nucleus.nonzero().squeeze(-1).split(rows_per_block):
+        logits = _logits(hidden[block], weight, bias, 0, vocab)
+        logp = nucleus_logprobs(logits, temperature[block].float(), top_p[block].float())
+        out[block] = logp.gather(-1, targets[block].unsqueeze(-1)).squeeze(-1)
+    return out
+
+
+def _logits(h, weight_chunk, bias, start, width) -> torch.Tensor:
+    logits = h @ weight_chunk.T
+    if bias is not None:
+        logits = logits + bias[start:start + width]
+    return logits.float()
+
+
+def kl_estimators(delta: torch.Tensor) -> tuple[float, float]:
+    """(k1, k3) estimates of KL(rollout || trainer) from tokens sampled by the rollout policy.
+
+    delta = log pi_train - log pi_rollout, r = exp(delta). k1 = mean(-delta) is unbiased but noisy and
+    can come out negative; k3 = mean((r - 1) - delta) is unbiased too, non-negative per token and of
+    lower variance (Schulman, "Approximating KL divergence", 2020). Both are 0 when the two agree.
+    """
+    delta = delta.double()
+    return float((-delta).mean()), float((torch.expm1(delta) - delta).mean())
+
+
+def position_buckets(max_position: int) -> list[tuple[int, int]]:
+    """[0,1), [1,2), [2,4), [4,8), ...: doubling buckets resolve the first tokens of a response and
+    still summarise thousands of late ones in a few rows (drift that grows with position shows up as a
+    rising tail: positional-encoding or KV-cache mismatches)."""
+    edges, start, end = [], 0, 1
+    while start <= max_position:
+        edges.append((start, end))
+        start, end = end, end * 2
+    return edges
+
+
+def drift_by_position(abs_diff: torch.Tensor, positions: torch.Tensor) -> list[dict]:
+    """Mean and max |delta logp| per response-position bucket (position 0 is the first response token)."""
+    rows = []
+    for start, end in position_buckets(int(positions.max()) if len(positions) else -1):
+        inside = (positions >= start) & (positions < end)
+        if inside.any():
+            rows.append({"start": start, "end": end, "tokens": int(inside.sum()),
+                         "mean_abs_diff": float(abs_diff[inside].double().mean()),
+                         "max_abs_diff": float(abs_diff[inside].max())})
+    return rows
+
+
+# ----------------------------------------------------------------------------
+# the rows compared: one per sampled action token
+# ----------------------------------------------------------------------------
+
+@dataclass
+class ActionTokens:
+    """Every compared action token, flattened in trajectory order, then token order."""
+
+    trajectory: torch.Tensor  # [N] index into the compared trajectories
+    position: torch.Tensor  # [N] index within the response (0: first response token)
+    target: torch.Tensor  # [N] the sampled token id
+    rollout_logp: torch.Tensor  # [N] what the engine recorded
+    temperature: torch.Tensor  # [N]
+    top_p: torch.Tensor  # [N]
+
+    @classmethod
+    def of(cls, trajectories: list[Trajectory]) -> "ActionTokens":
+        cols: dict[str, list] = {k: [] for k in ("trajectory", "position", "target", "rollout_logp", "temperature", "top_p")}
+        for i, traj in enumerate(trajectories):
+            for j, acted in enumerate(traj.action_mask):
+                if acted:
+                    for key, value in zip(cols, (i, j, traj.token_ids[j], traj.rollout_logp[j], traj.temperature, traj.top_p)):
+                        cols[key].append(value)
+        long, flt = torch.long, torch.float32
+        return cls(*(torch.tensor(cols[k], dtype=long) for k in ("trajectory", "position", "target")),
+                   *(torch.tensor(cols[k], dtype=flt) for k in ("rollout_logp", "temperature", "top_p")))
+
+    def __len__(self) -> int:
+        return len(self.target)
+
+
+def lm_head(model) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(weight [V, H], bias [V] or None) of a causal LM whose logits are a plain linear map of its hidden states."""
+    config = model.config
+    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(config, attr, None) not in (None, 1, 1.0):
+            raise ValueError(f"{type(model).__name__} transforms its logits ({attr}); use the alone (deterministic) checker")
+    head = model.get_output_embeddings()
+    return head.weight, head.bias
+
+
+@torch.no_grad()
+def action_hidden_states(model, trajectories: list[Trajectory], *, padding: str = "right",
+                         batch_size: int = 8) -> torch.Tensor:
+    """[N, H] the final hidden state that predicts each action token (rows as in `ActionTokens.of`).
+
+    Sequences go through the decoder batch_size at a time, padded on `padding`'s side with the attention
+    mask and real-token position ids (the diagnosis compares the two sides: a correct model gives the
+    same numbers either way).
+    """
+    decoder = model.get_decoder()
+    out = []
+    for first in range(0, len(trajectories), batch_size):
+        chunk = trajectories[first:first + batch_size]
+        seqs = [t.prompt_ids + t.token_ids for t in chunk]
+        width = max(len(s) for s in seqs)
+        input_ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        attention = torch.zeros_like(input_ids)
+        offsets = []
+        for i, seq in enumerate(seqs):
+            offset = width - len(seq) if padding == "left" else 0
+            input_ids[i, offset:offset + len(seq)] = torch.tensor(seq)
+            attention[i, offset:offset + len(seq)] = 1
+            offsets.append(offset)
+        hidden = decoder(input_ids=input_ids, attention_mask=attention,
+                         position_ids=position_ids_for(attention)).last_hidden_state
+        for i, traj in enumerate(chunk):
+            before = [offsets[i] + len(traj.prompt_ids) + j - 1 for j, acted in enumerate(traj.action_mask) if acted]
+            out.append(hidden[i, before])
+    return torch.cat(out) if out else torch.empty(0, model.config.hidden_size)
+
+
+def chunked_logprobs(model, trajectories: list[Trajectory], tokens: ActionTokens, *, temperature_scale: float = 1.0,
+                     padding: str = "right") -> torch.Tensor:
+    """[N] the trainer's logprob of each action token, at `temperature_scale` x the rollout's temperature."""
+    weight, bias = lm_head(model)
+    hidden = action_hidden_states(model, trajectories, padding=padding)
+    with torch.no_grad():
+        return chunked_token_logprobs(hidden, weight, tokens.target, tokens.temperature * temperature_scale,
+                                      tokens.top_p, bias=bias)
+
+
+@torch.no_grad()
+def alone_logprobs(model, trajectories: list[Trajectory]) -> torch.Tensor:
+    """[N] each action span scored with its prefix alone, unpadded, as the deterministic engine scored it.
+
+    top_p = 1: `sequence_logprobs`, the very function the engine's deterministic mode calls, so equal
+    weights give bitwise-equal numbers. top_p < 1 (the engine keeps its sampled logprobs there):
+    `nucleus_logprobs` over the same unpadded logits. Costs one [L, V] forward per span, like the engine.
+    """
+    out = []
+    for traj in trajectories:
+        p = len(traj.prompt_ids)
+        for start, end in action_spans(traj.action_mask):
+            ids = torch.tensor([traj.prompt_ids + traj.token_ids[:end]])
+            if traj.top_p >= 1.0:
+                logp = sequence_logprobs(model, ids, torch.ones_like(ids), traj.temperature)[0, p + start:p + end]
+            else:
+                logits = forward_logits(model, ids, torch.ones_like(ids))[0, p + start - 1:p + end - 1]
+                n = end - start
+                logp = nucleus_logprobs(logits, torch.full((n,), traj.temperature), torch.full((n,), traj.top_p))
+                logp = logp.gather(-1, ids[0, p + start:p + end].unsqueeze(-1)).squeeze(-1)
+            out.append(logp.float())
+    return torch.cat(out) if out else torch.empty(0)
+
+
+def action_spans(action_mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of action tokens (one engine generation per run)."""
+    spans, start = [], None
+    for j, acted in enumerate(list(action_mask) + [0]):
+        if acted and start is None:
+            start = j
+        elif not acted and start is not None:
+            spans.append((start, j))
+            start = None
+    return spans
+
+
+# ----------------------------------------------------------------------------
+# the report
+# ----------------------------------------------------------------------------
+
+@dataclass
+class ConsistencyReport:
+    trainer_version: int
+    mode: str  # "chunked" or "alone"
+    eps_low: float
+    eps_high: float
+    sequences: int  # compared (version errors excluded)
+    tokens: int
+    mean_abs_diff: Optional[float] = None  # None when no token was compared
+    max_abs_diff: Optional[float] = None
+    p50_abs_diff: Optional[float] = None
+    p99_abs_diff: Optional[float] = None
+    k1_kl: Optional[float] = None
+    k3_kl: Optional[float] = None
+    ratio_min: Optional[float] = None
+    ratio_max: Optional[float] = None
+    mask_fraction: Optional[float] = None  # of tokens DIS would mask at (eps_low, eps_high)
+    drift_by_position: list[dict] = field(default_factory=list)
+    version_errors: list[dict] = field(default_factory=list)
+    trajectories: list[Trajectory] = field(default_factory=list, repr=False)  # the compared ones
+    tokens_detail: Optional[ActionTokens] = field(default=None, repr=False)
+    trainer_logp: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    @property
+    def abs_diff(self) -> torch.Tensor:
+        return (self.trainer_logp - self.tokens_detail.rollout_logp).abs()
+
+    def to_dict(self) -> dict:
+        """JSON-ready numbers (non-finite values as strings: strict JSON has no Infinity)."""
+        skip = {"trajectories", "tokens_detail", "trainer_logp"}
+        return {k: _jsonable(v) for k, v in self.__dict__.items() if k not in skip}
+
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
+
+
+def version_errors(trajectories: list[Trajectory], version: int) -> list[dict]:
+    """Rollouts with an action token sampled by another policy version than the trainer's."""
+    errors = []
+    for traj in trajectories:
+        seen = sorted({v for v, m in zip(traj.versions, traj.action_mask) if m})
+        if seen and seen != [version]:
+            errors.append({"traj_id": traj.traj_id, "rollout_versions": seen, "trainer_version": version})
+    return errors
+
+
+def compare(trainer_logp: torch.Tensor, tokens: ActionTokens, *, eps_low: float, eps_high: float) -> dict:
+    """The drift numbers of trainer vs rollout logprobs over the compared tokens."""
+    delta = trainer_logp.double() - tokens.rollout_logp.double()
+    abs_diff = delta.abs()
+    p50, p99 = np.quantile(abs_diff.numpy(), [0.5, 0.99])
+    k1, k3 = kl_estimators(delta)
+    ratio = delta.exp()
+    _, keep = dis_weights(trainer_logp, tokens.rollout_logp, eps_low, eps_high)
+    return {
+        "mean_abs_diff": float(abs_diff.mean()), "max_abs_diff": float(abs_diff.max()),
+        "p50_abs_diff": float(p50), "p99_abs_diff": float(p99), "k1_kl": k1, "k3_kl": k3,
+        "ratio_min": float(ratio.min()), "ratio_max": float(ratio.max()),
+        "mask_fraction": float((~keep).double().mean()),
+        "drift_by_position": drift_by_position(abs_diff, tokens.position),
+    }
+
+
+def check(trajectories: list[Trajectory], model, *, version: int, eps_low: float = 0.3, eps_high: float = 5.0,
+          alone: bool = False) -> ConsistencyReport:
+    """Compare the rollouts' logprobs with `model`'s (the trainer's policy at policy version `version`).
+
+    alone=True is the deterministic-mode checker (`alone_logprobs`); otherwise the chunked one.
+    """
+    errors = version_errors(trajectories, version)
+    wrong = {e["traj_id"] for e in errors}
+    compared = [t for t in trajectories if t.traj_id not in wrong and t.num_action_tokens]
+    report = ConsistencyReport(version, "alone" if alone else "chunked", eps_low, eps_high,
+                               sequences=len(compared), tokens=0, version_errors=errors, trajectories=compared)
+    if not compared:
+        return report
+    tokens = ActionTokens.of(compared)
+    was_training = model.training
+    model.eval()
+    try:
+        trainer_logp = alone_logprobs(model, compared) if alone else chunked_logprobs(model, compared, tokens)
+    finally:
+        model.train(was_training)
+    report.tokens, report.tokens_detail, report.trainer_logp = len(tokens), tokens, trainer_logp
+    for key, value in compare(trainer_logp, tokens, eps_low=eps_low, eps_high=eps_high).items():
+        setattr(report, key, value)
+    return report
