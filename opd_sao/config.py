@@ -64,7 +64,7 @@ class RolloutConfig(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(16, ge=1)
     asynchronous: bool = True  # False: synchronous group batching (a step waits for the whole batch)
-    group_size: int = Field(1, ge=1)  # SAO: 1 rollout per prompt; GRPO: G
+    group_size: Optional[int] = Field(None, ge=1)  # rollouts per prompt; default 1 (SAO) or 8 (grpo, grpo_dis)
     max_staleness: int = Field(4, ge=0)  # policy versions a trajectory may lag; older ones are dropped
     sync_every: int = Field(1, ge=1)  # policy steps between weight syncs to the engine
     max_turns: int = Field(1, ge=1)
@@ -175,7 +175,15 @@ class RunConfig(Strict):
                         f"stage {stage.name!r}: teacher {teacher.name!r} checkpoint {teacher.checkpoint!r} "
                         f"is neither a local directory nor an earlier stage ({seen})"
                     )
-            TrainerConfig(**{**self.trainer.model_dump(), **stage.trainer})
+            trainer = TrainerConfig(**{**self.trainer.model_dump(), **stage.trainer})
+            grouped = self.stage_algo(stage) in ("grpo", "grpo_dis")
+            if stage.rollout.group_size is None:
+                stage.rollout.group_size = 8 if grouped else 1
+            if grouped and stage.rollout.group_size < 2:
+                raise ValueError(f"stage {stage.name!r}: {self.stage_algo(stage)} needs rollout.group_size >= 2")
+            if trainer.train_batch_size % stage.rollout.group_size:
+                raise ValueError(f"stage {stage.name!r}: trainer.train_batch_size {trainer.train_batch_size} must be "
+                                 f"a multiple of rollout.group_size {stage.rollout.group_size}")
             seen.append(stage.name)
         return self
 
