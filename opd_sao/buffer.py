@@ -3,36 +3,88 @@
 SAO (group size 1) releases each trajectory the moment it arrives; group mode releases a group only
 when all of its members have finished. Trajectories older than the staleness bound are dropped (and
 counted) when a batch is taken.
+
+With a spill directory, every arriving trajectory is also appended to `buffer.jsonl` there: beyond
+`memory_budget` waiting trajectories only their index stays in host memory (the seeds' hierarchical
+local cache), and after a crash the log tells which trajectories were waiting (`recover`).
 """
 from __future__ import annotations
 
+import json
+import os
 import threading
 from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 from .trajectory import Trajectory
 
 
+@dataclass
+class _Entry:
+    traj_id: str
+    min_version: int
+    offset: int = -1  # byte offset of its line in the spill log
+    traj: Optional[Trajectory] = None  # None once spilled out of memory
+
+
+def _max_version(traj: Trajectory) -> int:
+    return max((v for v, m in zip(traj.versions, traj.action_mask) if m), default=-1)
+
+
+def is_fresh(traj: Trajectory, current_version: int, max_staleness: int) -> bool:
+    """Usable at `current_version`: not too old, and not sampled by weights newer than the trainer's."""
+    return current_version - traj.min_version <= max_staleness and _max_version(traj) <= current_version
+
+
 class TrajectoryBuffer:
-    def __init__(self, group_size: int = 1):
-        self.group_size = group_size
-        self._ready: list[Trajectory] = []
+    def __init__(self, group_size: int = 1, *, spill_dir: Optional[Path] = None, memory_budget: int = 4096):
+        self.group_size, self.memory_budget = group_size, memory_budget
+        self._ready: list[_Entry] = []
         self._partial_groups: dict[int, list[Trajectory]] = defaultdict(list)
         self._cond = threading.Condition()
+        self._log_path = Path(spill_dir) / "buffer.jsonl" if spill_dir else None
+        self._log = None
+        if self._log_path:
+            self._log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = self._log_path.open("ab+")
         self.dropped_stale = 0
         self.received = 0
+        self.spilled = 0
 
     def put(self, traj: Trajectory) -> None:
         with self._cond:
             self.received += 1
-            if self.group_size == 1:
-                self._ready.append(traj)
-            else:
+            offset = self._append_to_log(traj)
+            entries = [(traj, offset)]
+            if self.group_size > 1:
                 group = self._partial_groups[traj.meta["group"]]
-                group.append(traj)
+                group.append((traj, offset))
                 if len(group) < self.group_size:
                     return
-                self._ready.extend(self._partial_groups.pop(traj.meta["group"]))
+                entries = self._partial_groups.pop(traj.meta["group"])
+            for member, member_offset in entries:
+                in_memory = sum(e.traj is not None for e in self._ready) < self.memory_budget or self._log is None
+                self.spilled += not in_memory
+                self._ready.append(_Entry(member.traj_id, member.min_version, member_offset,
+                                          member if in_memory else None))
             self._cond.notify_all()
+
+    def _append_to_log(self, traj: Trajectory) -> int:
+        if self._log is None:
+            return -1
+        self._log.seek(0, os.SEEK_END)
+        offset = self._log.tell()
+        self._log.write((traj.to_json() + "\n").encode())
+        self._log.flush()
+        return offset
+
+    def _load(self, entry: _Entry) -> Trajectory:
+        if entry.traj is not None:
+            return entry.traj
+        self._log.seek(entry.offset)
+        return Trajectory.from_json(self._log.readline().decode())
 
     def __len__(self) -> int:
         with self._cond:
@@ -41,16 +93,42 @@ class TrajectoryBuffer:
     def take(self, n: int, current_version: int, max_staleness: int, timeout: float) -> list[Trajectory] | None:
         """The oldest n fresh trajectories, or None if they did not arrive within `timeout` seconds."""
         with self._cond:
-            deadline_hit = not self._cond.wait_for(
-                lambda: self._drop_stale(current_version, max_staleness) >= n, timeout=timeout
-            )
-            if deadline_hit:
+            if not self._cond.wait_for(lambda: self._drop_stale(current_version, max_staleness) >= n, timeout=timeout):
                 return None
             batch, self._ready = self._ready[:n], self._ready[n:]
-            return batch
+            return [self._load(entry) for entry in batch]
 
     def _drop_stale(self, current_version: int, max_staleness: int) -> int:
-        fresh = [t for t in self._ready if current_version - t.min_version <= max_staleness]
+        fresh = [e for e in self._ready if current_version - e.min_version <= max_staleness]
         self.dropped_stale += len(self._ready) - len(fresh)
         self._ready = fresh
         return len(fresh)
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def recover(spill_dir: Path, trained_ids: set[str], current_version: int,
+            max_staleness: int) -> tuple[list[Trajectory], int]:
+    """After a crash: the logged trajectories not yet trained on, split into (reusable, number dropped).
+
+    A trajectory is reused only if the staleness rule still admits it at the resumed version; one
+    sampled by weights that were lost with the crash (newer than the checkpoint) is dropped too.
+    The log is emptied: the reused ones are logged again when they re-enter a buffer.
+    """
+    path = Path(spill_dir) / "buffer.jsonl"
+    if not path.exists():
+        return [], 0
+    waiting = []
+    for line in path.read_text().splitlines():
+        try:
+            traj = Trajectory.from_json(line)
+        except (json.JSONDecodeError, TypeError):  # the line a kill -9 tore
+            continue
+        if traj.traj_id not in trained_ids:
+            waiting.append(traj)
+    reused = [t for t in waiting if is_fresh(t, current_version, max_staleness)]
+    path.unlink()
+    return reused, len(waiting) - len(reused)

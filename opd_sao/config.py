@@ -131,6 +131,8 @@ class StageConfig(Strict):
     algo: Optional[Algo] = None  # default: the run's `algo`
     steps: int = Field(20, ge=0)
     init_from: str = "previous"  # "base", "previous", or an earlier stage's name
+    checkpoint_every: int = Field(25, ge=1)  # policy steps between resumable state saves
+    buffer_memory: int = Field(4096, ge=1)  # waiting trajectories kept in host memory; the rest spill to disk
     trainer: dict[str, Any] = {}  # overrides of the run's trainer settings for this stage
     rollout: RolloutConfig = RolloutConfig()
     sao: SAOConfig = SAOConfig()

@@ -28,6 +28,14 @@ class Learner:
         self.baseline = A.RunningMeanBaseline(cfg.baseline_window)
         self.steps_done = 0
 
+    def state(self) -> dict:
+        """What a resumed run needs beyond the backend's weights and optimizers."""
+        return {"steps_done": self.steps_done, "baseline": list(self.baseline.rewards)}
+
+    def restore(self, state: dict) -> None:
+        self.steps_done = state["steps_done"]
+        self.baseline.update(state["baseline"])
+
     @property
     def warming_up(self) -> bool:
         return self.steps_done < self.critic_warmup_steps

@@ -13,9 +13,13 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers.utils import logging as hf_logging
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from .config import TinyModelConfig
+
+hf_logging.disable_progress_bar()  # one bar per stage is ours to draw; loading a tiny model needs none
+hf_logging.set_verbosity_error()
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -76,22 +76,33 @@ class Evaluator:
         return self._seen[key]
 
 
-def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print) -> dict:
+def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = False) -> dict:
+    """Run every stage in order; with `resume`, skip completed stages and continue the interrupted one."""
     from stages import STAGES, RunContext
 
     for stage in cfg.stages:  # unknown kinds fail before any work starts
         STAGES.get(stage.kind)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    if not resume:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     base = ensure_base_model(cfg, run_dir)
     tokenizer = load_tokenizer(base)
     wandb_run = start_wandb(cfg.logging.wandb_project, run_dir, cfg.model_dump(mode="json"), cfg.logging.wandb)
-    ctx = RunContext(cfg=cfg, run_dir=run_dir, base_checkpoint=base, tokenizer=tokenizer, wandb_run=wandb_run)
+    ctx = RunContext(cfg=cfg, run_dir=run_dir, base_checkpoint=base, tokenizer=tokenizer, wandb_run=wandb_run,
+                     resume=resume)
     evaluator = Evaluator(cfg, tokenizer)
     summary = {"run_dir": str(run_dir), "base_model": str(base), "stages": []}
+    if resume and (run_dir / "summary.json").is_file():
+        summary = json.loads((run_dir / "summary.json").read_text())
+        for entry in summary["stages"]:
+            ctx.checkpoints[entry["name"]] = Path(entry["checkpoint"])
+    done = set(ctx.checkpoints)
     try:
         for stage_cfg in cfg.stages:
+            if stage_cfg.name in done:
+                log(f"[{stage_cfg.name}] already complete, skipped")
+                continue
             t0 = time.perf_counter()
             log(f"[{stage_cfg.name}] {stage_cfg.kind} stage starting")
             result = STAGES.get(stage_cfg.kind)(stage_cfg, ctx).run()

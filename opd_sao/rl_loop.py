@@ -29,14 +29,14 @@ class RLLoop:
     def __init__(self, *, engine: RolloutEngine, learner: Learner, make_episodes: Callable[[], list[Episode]],
                  rollout: RolloutConfig, train_batch_size: int, pad_id: int, logger: MetricsLogger,
                  trained_log: Path, slowdown_s: float = 0.0, after_step: Optional[StepHook] = None,
-                 progress=None):
+                 progress=None, buffer: Optional[TrajectoryBuffer] = None):
         if train_batch_size % rollout.group_size:
             raise ValueError(f"train_batch_size {train_batch_size} must be a multiple of group_size {rollout.group_size}")
         self.engine, self.learner, self.make_episodes = engine, learner, make_episodes
         self.rollout, self.batch_size, self.pad_id = rollout, train_batch_size, pad_id
         self.logger, self.trained_log, self.slowdown_s = logger, Path(trained_log), slowdown_s
         self.after_step, self.progress = after_step, progress
-        self.buffer = TrajectoryBuffer(rollout.group_size)
+        self.buffer = buffer if buffer is not None else TrajectoryBuffer(rollout.group_size)
         self._started = 0
         self._steps_done = 0
         self._lock = threading.Lock()
@@ -57,9 +57,12 @@ class RLLoop:
     def sync_weights(self) -> None:
         self.engine.update_weights(self.backend.policy_state_dict(), self.backend.policy_version)
 
-    def run(self, steps: int, start_step: int = 0) -> list[dict]:
+    def run(self, steps: int, start_step: int = 0, waiting: list[Trajectory] = ()) -> list[dict]:
+        """Train until `steps`; on resume, `waiting` holds trajectories recovered from the buffer's log."""
         self._steps_done = start_step
-        self._started = start_step * self.batch_size
+        self._started = start_step * self.batch_size + len(waiting)  # reused ones count against the bound
+        for traj in waiting:
+            self.buffer.put(traj)
         worker = RolloutWorker(self.engine, self.make_episodes, self._admit, self.buffer.put)
         history = []
         t_start = time.perf_counter()
@@ -92,6 +95,7 @@ class RLLoop:
                     self.after_step(step)
         finally:
             worker.stop()
+            self.buffer.close()
         return history
 
     def _wait_for_batch(self, worker: RolloutWorker) -> list[Trajectory]:

@@ -6,7 +6,7 @@ tokens get action_mask 0 and no logprob.
 """
 from __future__ import annotations
 
-import itertools
+import uuid
 import queue
 import threading
 import time
@@ -15,7 +15,6 @@ from typing import Callable, Iterator, Optional
 from .engines.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 from .trajectory import Trajectory
 
-_traj_counter = itertools.count()
 
 
 class Episode:
@@ -26,7 +25,7 @@ class Episode:
         first_observation = env.reset(task)
         prompt_ids = [tokenizer.bos_token_id] + tokenizer.encode(first_observation, add_special_tokens=False)
         self.traj = Trajectory(
-            traj_id=traj_id or f"{domain}-{next(_traj_counter)}-{time.monotonic_ns() % 10**9}",
+            traj_id=traj_id or f"{domain}-{uuid.uuid4().hex[:16]}",
             domain=domain, prompt_ids=prompt_ids, temperature=params.temperature, top_p=params.top_p,
             meta={"task_id": task["id"], "group": group, "turns": 0},
         )

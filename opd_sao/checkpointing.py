@@ -1,0 +1,55 @@
+"""Resumable stage state: the trainer's state and the loop's step, saved atomically every N steps.
+
+On resume the stage restarts from the last saved step; the per-step logs (trained.jsonl,
+metrics.jsonl) are cut back to that step, so a trajectory is recorded as trained only if the
+weights that learnt from it were saved.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .tracking import read_jsonl
+
+
+class StageState:
+    def __init__(self, stage_dir: Path):
+        self.path = Path(stage_dir) / "state"
+
+    def exists(self) -> bool:
+        return (self.path / "loop.json").is_file()
+
+    def save(self, backend, step: int, extra: dict) -> None:
+        """Write to a fresh directory, then swap it in: a crash leaves the old or the new state, whole."""
+        tmp = self.path.with_name("state.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        backend.save_state(tmp)
+        (tmp / "loop.json").write_text(json.dumps({"step": step, "policy_version": backend.policy_version, **extra}))
+        old = self.path.with_name("state.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if self.path.exists():
+            os.replace(self.path, old)
+        os.replace(tmp, self.path)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, backend) -> dict:
+        if not self.exists():
+            old = self.path.with_name("state.old")  # a crash between the two renames
+            if (old / "loop.json").is_file():
+                os.replace(old, self.path)
+            else:
+                raise FileNotFoundError(f"no saved state in {self.path}")
+        backend.load_state(self.path)
+        return json.loads((self.path / "loop.json").read_text())
+
+
+def truncate_step_log(path: Path, before_step: int) -> list[dict]:
+    """Keep the records of steps < before_step (and drop a line torn by a crash); return them."""
+    kept = [r for r in read_jsonl(path) if r.get("step", -1) < before_step]
+    if Path(path).exists():
+        tmp = Path(str(path) + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
+    return kept
