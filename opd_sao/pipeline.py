@@ -11,6 +11,7 @@ import yaml
 from .config import RunConfig
 from .evaluation import evaluate
 from .models import build_tiny_model, load_tokenizer
+from .report import forgetting, write_report
 from .tracking import start_wandb
 
 
@@ -78,8 +79,9 @@ class Evaluator:
 
 def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = False) -> dict:
     """Run every stage in order; with `resume`, skip completed stages and continue the interrupted one."""
-    from stages import STAGES, RunContext
+    from stages import STAGES, RunContext, discover
 
+    discover()
     for stage in cfg.stages:  # unknown kinds fail before any work starts
         STAGES.get(stage.kind)
     run_dir = Path(run_dir)
@@ -124,4 +126,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
     finally:
         if wandb_run is not None:
             wandb_run.finish()
+    summary["forgetting"] = forgetting(summary)
+    write_json_atomic(run_dir / "summary.json", summary)
+    summary["report"] = str(write_report(run_dir))
     return summary

@@ -1,5 +1,14 @@
-"""Stages, registered by kind. Importing this package registers the built-in ones."""
-from .base import STAGES, RunContext, Stage, StageResult, register_stage
-from . import rl  # noqa: F401  (registers reasoning, agent, chat)
+"""Stages, registered by kind. Every module in this folder is imported, so a new stage is one file here."""
+from opd_sao.discovery import import_submodules
 
-__all__ = ["STAGES", "RunContext", "Stage", "StageResult", "register_stage"]
+from .base import STAGES, RunContext, Stage, StageResult, register_stage
+
+
+def discover() -> list[str]:
+    """Import every stage module (also ones added to `__path__` after the first import)."""
+    return import_submodules(__name__, __path__)
+
+
+discover()
+
+__all__ = ["STAGES", "RunContext", "Stage", "StageResult", "register_stage", "discover"]

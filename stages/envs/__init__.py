@@ -1,5 +1,8 @@
-"""Environments, registered by name. Importing this package registers the built-in ones."""
+"""Environments, registered by name. Every module in this folder is imported, so a new one is one file here."""
+from opd_sao.discovery import import_submodules
+
 from .base import ENVIRONMENTS, Environment, register_env, sample_tasks
-from . import arithmetic  # noqa: F401  (registers "arithmetic")
+
+import_submodules(__name__, __path__)
 
 __all__ = ["ENVIRONMENTS", "Environment", "register_env", "sample_tasks"]

@@ -1,0 +1,142 @@
+"""The run report: report.md with matplotlib plots, from summary.json and the stages' logs.
+
+The domain x stage table is the anti-forgetting evidence: every domain's held-out score after every
+stage, the best any earlier stage reached, and what the last stage brought back.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .tracking import read_jsonl  # noqa: E402
+
+CURVES = [
+    ("reward_mean", "reward"),
+    ("value_loss", "value loss"),
+    ("explained_variance", "explained variance"),
+    ("mask_fraction", "DIS masked fraction"),
+    ("staleness_mean", "staleness (versions)"),
+]
+
+
+def domain_table(summary: dict) -> tuple[list[str], list[str], dict[str, list[float]]]:
+    """(column names, domains, domain -> scores): the start, then every stage's eval_after."""
+    stages = summary["stages"]
+    domains = sorted({d for s in stages for d in s["eval_after"]})
+    columns = ["start"] + [s["name"] for s in stages]
+    rows = {d: [stages[0]["eval_before"].get(d)] + [s["eval_after"].get(d) for s in stages] for d in domains}
+    return columns, domains, rows
+
+
+def forgetting(summary: dict) -> dict[str, dict[str, float]]:
+    """Per domain: the best score before the last stage, the score before it, and after it."""
+    columns, domains, rows = domain_table(summary)
+    out = {}
+    for d in domains:
+        earlier = [v for v in rows[d][:-1] if v is not None]
+        if len(earlier) < 2:
+            continue
+        out[d] = {"best_earlier": max(earlier), "before_last_stage": earlier[-1], "after_last_stage": rows[d][-1]}
+    return out
+
+
+def _plot_curves(run_dir: Path, stages: list[dict], out: Path) -> None:
+    fig, axes = plt.subplots(len(CURVES), 1, figsize=(9, 2.2 * len(CURVES)), sharex=True)
+    offset = 0
+    for stage in stages:
+        records = read_jsonl(run_dir / "stages" / stage["name"] / "metrics.jsonl")
+        steps = [offset + r["step"] for r in records]
+        for ax, (key, label) in zip(axes, CURVES):
+            values = [r.get(key) for r in records]
+            if any(v is not None for v in values):
+                ax.plot(steps, [v if v is not None else float("nan") for v in values], label=stage["name"])
+            ax.set_ylabel(label, fontsize=8)
+        offset += len(records)
+        for ax in axes:
+            ax.axvline(offset, color="grey", lw=0.5, ls=":")
+    axes[0].legend(fontsize=7, ncol=4)
+    axes[-1].set_xlabel("train step (stages back to back)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def _plot_domains(summary: dict, out: Path) -> None:
+    columns, domains, rows = domain_table(summary)
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for d in domains:
+        ax.plot(columns, [v if v is not None else float("nan") for v in rows[d]], marker="o", label=d)
+    ax.set_ylabel("held-out score")
+    ax.set_title("every domain after every stage")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def _plot_gates(summary: dict, out: Path) -> bool:
+    gated = [s for s in summary["stages"] if s.get("gate", {}).get("mean_abs_diff") is not None]
+    if not gated:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 3))
+    names = [s["name"] for s in gated]
+    ax.bar(names, [s["gate"]["mean_abs_diff"] for s in gated], label="mean |delta logp|")
+    ax.bar(names, [s["gate"]["p99_abs_diff"] for s in gated], alpha=0.4, label="p99 |delta logp|")
+    ax.set_yscale("log")
+    ax.set_title("train/inference consistency gate (final check per stage)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def write_report(run_dir: Path) -> Path:
+    run_dir = Path(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    plots = run_dir / "plots"
+    plots.mkdir(exist_ok=True)
+    _plot_curves(run_dir, summary["stages"], plots / "training.png")
+    _plot_domains(summary, plots / "domains.png")
+    has_gates = _plot_gates(summary, plots / "gates.png")
+
+    columns, domains, rows = domain_table(summary)
+    lines = [f"# Run report: {run_dir.name}", "", "## Held-out score of every domain after every stage", "",
+             "| domain | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines += [f"| {d} | " + " | ".join(_fmt(v) for v in rows[d]) + " |" for d in domains]
+    recovered = forgetting(summary)
+    if recovered:
+        last = summary["stages"][-1]["name"]
+        lines += ["", f"## Forgetting and recovery (last stage: {last})", "",
+                  "| domain | best earlier | before last stage | after last stage | recovered |", "|---|---|---|---|---|"]
+        for d, r in recovered.items():
+            lost = r["best_earlier"] - r["before_last_stage"]
+            regained = r["after_last_stage"] - r["before_last_stage"]
+            share = f"{regained / lost:.0%}" if lost > 1e-9 else "nothing lost"
+            lines.append(f"| {d} | {_fmt(r['best_earlier'])} | {_fmt(r['before_last_stage'])} | "
+                         f"{_fmt(r['after_last_stage'])} | {share} |")
+    lines += ["", "## Stages", "", "| stage | kind | algo | steps | wall s | gate | resumed |", "|---|---|---|---|---|---|---|"]
+    for s in summary["stages"]:
+        gate = s.get("gate") or {}
+        verdict = "-" if "passed" not in gate else ("passed" if gate["passed"] else "FAILED")
+        resumed = s.get("resume", {}).get("from_step", "-")
+        lines.append(f"| {s['name']} | {s['kind']} | {s.get('algo', '-')} | {s.get('steps', '-')} | "
+                     f"{s.get('wall_s', '-')} | {verdict} | {resumed} |")
+    lines += ["", "## Plots", "", "![domains](plots/domains.png)", "",
+              "![training: reward, value loss, explained variance, DIS masked fraction, staleness](plots/training.png)"]
+    if has_gates:
+        lines += ["", "![gates](plots/gates.png)"]
+    report = run_dir / "report.md"
+    tmp = run_dir / "report.md.tmp"
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(report)
+    return report

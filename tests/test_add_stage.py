@@ -1,0 +1,53 @@
+"""Adding a teacher stage is one file in stages/ plus config: nothing else in the project changes."""
+from __future__ import annotations
+
+import stages
+from opd_sao.config import parse_config
+from opd_sao.pipeline import run_pipeline
+
+# A complete new stage kind, written as a user would drop it into stages/.
+STAGE_FILE = '''
+"""A teacher made by supervised fine-tuning on one environment's reference solutions."""
+from opd_sao.sft import run_sft, sft_examples
+from stages.base import Stage, StageResult, register_stage
+from stages.envs import ENVIRONMENTS
+
+
+@register_stage("sft_teacher")
+class SFTTeacherStage(Stage):
+    def run(self):
+        env_cls = ENVIRONMENTS.get(self.cfg.env)
+        examples = sft_examples(lambda: env_cls(**self.cfg.env_options), self.ctx.tokenizer, 1000, self.ctx.cfg.seed)
+        start = self.ctx.resolve_checkpoint(self.cfg.init_from)
+        checkpoint = run_sft(start, self.dir / "checkpoint", examples, self.ctx.tokenizer, self.cfg.sft,
+                             self.ctx.cfg.seed)
+        return StageResult(checkpoint, {"sft_examples": len(examples)}, start_checkpoint=start)
+'''
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
+
+
+def test_a_new_stage_is_one_file_plus_config(tmp_path):
+    folder = tmp_path / "more_stages"  # stands for the stages/ folder: it is on the package's path
+    folder.mkdir()
+    (folder / "sft_teacher.py").write_text(STAGE_FILE)
+    stages.__path__.append(str(folder))
+    try:
+        cfg = parse_config({
+            "model": {"tiny": TINY}, "logging": {"wandb": False, "progress": False},
+            "trainer": {"train_batch_size": 4, "critic_warmup_steps": 0},
+            "stages": [
+                {"name": "teacher", "kind": "sft_teacher", "env": "arithmetic", "env_options": {"max_operand": 9},
+                 "sft": {"steps": 5, "batch_size": 8}, "eval": {"num_tasks": 4}},
+                {"name": "rl", "kind": "reasoning", "env": "arithmetic", "env_options": {"max_operand": 9},
+                 "init_from": "teacher", "steps": 2, "rollout": {"max_new_tokens": 3}, "eval": {"num_tasks": 4}},
+            ],
+        })
+        summary = run_pipeline(cfg, tmp_path / "run", log=lambda m: None)
+    finally:
+        stages.__path__.remove(str(folder))
+    teacher, rl = summary["stages"]
+    assert teacher["kind"] == "sft_teacher" and teacher["sft_examples"] > 0
+    assert "arithmetic" in teacher["eval_after"]
+    assert rl["start_checkpoint"] == teacher["checkpoint"]  # the next stage starts from the new stage's output
+    assert (tmp_path / "run" / "report.md").is_file()
