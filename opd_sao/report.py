@@ -45,6 +45,12 @@ def forgetting(summary: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+def _save(fig, out: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
 def _plot_curves(run_dir: Path, stages: list[dict], out: Path) -> None:
     fig, axes = plt.subplots(len(CURVES), 1, figsize=(9, 2.2 * len(CURVES)), sharex=True)
     offset = 0
@@ -61,9 +67,7 @@ def _plot_curves(run_dir: Path, stages: list[dict], out: Path) -> None:
             ax.axvline(offset, color="grey", lw=0.5, ls=":")
     axes[0].legend(fontsize=7, ncol=4)
     axes[-1].set_xlabel("train step (stages back to back)")
-    fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    _save(fig, out)
 
 
 def _plot_domains(summary: dict, out: Path) -> None:
@@ -74,9 +78,7 @@ def _plot_domains(summary: dict, out: Path) -> None:
     ax.set_ylabel("held-out score")
     ax.set_title("every domain after every stage")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    _save(fig, out)
 
 
 def _plot_gates(summary: dict, out: Path) -> bool:
@@ -90,9 +92,7 @@ def _plot_gates(summary: dict, out: Path) -> bool:
     ax.set_yscale("log")
     ax.set_title("train/inference consistency gate (final check per stage)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    _save(fig, out)
     return True
 
 
