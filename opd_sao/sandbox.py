@@ -39,23 +39,33 @@ SANDBOX_UID = 1000  # uid/gid of the program inside the sandbox
 HOST_UID = 65534
 _KILL_GRACE_S = 2.0  # how long a killed sandbox may take to disappear
 
-# Runs first inside the sandbox: set the limits (NPROC only after the user
-# namespace exists, so it counts this sandbox alone), drop root, tell the parent
-# the sandbox came up, then become the program.
+# The sandbox's init (bwrap --as-pid-1; bwrap's own init would outlive bwrap and
+# be left as a zombie on the host). The child sets the limits (NPROC only inside
+# the user namespace, so it counts this sandbox alone), drops root, tells the
+# parent the sandbox came up and becomes the program; init reaps everything and
+# exits with the program's status (128+N for signal N). Its exit ends the sandbox.
 _WRAPPER = """\
 import os, resource, sys
 ready, cpu, mem, nproc, fsize, uid = map(int, sys.argv[1:7])
-for res, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem),
-                        (resource.RLIMIT_NPROC, nproc, nproc), (resource.RLIMIT_FSIZE, fsize, fsize),
-                        (resource.RLIMIT_CORE, 0, 0)):
-    resource.setrlimit(res, (soft, hard))
-if uid >= 0:
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-os.write(ready, b"1")
+program = os.fork()
+if program == 0:
+    for res, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem),
+                            (resource.RLIMIT_NPROC, nproc, nproc), (resource.RLIMIT_FSIZE, fsize, fsize),
+                            (resource.RLIMIT_CORE, 0, 0)):
+        resource.setrlimit(res, (soft, hard))
+    if uid >= 0:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    os.write(ready, b"1")
+    os.close(ready)
+    os.execv(sys.executable, [sys.executable, "-s", *sys.argv[7:]])
 os.close(ready)
-os.execv(sys.executable, [sys.executable, "-s", *sys.argv[7:]])
+while True:
+    pid, status = os.wait()
+    if pid == program:
+        code = os.waitstatus_to_exitcode(status)
+        os._exit(code if code >= 0 else 128 - code)
 """
 
 
@@ -154,6 +164,7 @@ def _probe(bwrap: str) -> None:
 
 
 def _run_code(code: str, bwrap: str | None, stdin: str, limits: SandboxLimits) -> SandboxResult:
+    """One run in its own work dir, deleted whatever happens."""
     workdir = tempfile.mkdtemp(prefix="opd-sao-sandbox-")
     try:
         Path(workdir, "main.py").write_text(code)
@@ -183,7 +194,8 @@ def _interpreter() -> tuple[str, str]:
 
 def _bwrap_args(bwrap: str, workdir: str, prefix: str, limits: SandboxLimits, as_root: bool, fds: dict) -> list[str]:
     """The bubblewrap command line (everything before the wrapped command)."""
-    args = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+    args = [bwrap, "--unshare-all", "--unshare-user", "--as-pid-1", "--die-with-parent", "--new-session"]
+    args += ["--hostname", "sandbox"]
     # bwrap waits on fds["block"] until we hold a pidfd of its init (and, as root, wrote the id maps)
     if as_root:
         args += ["--userns-block-fd", str(fds["block"])]
@@ -210,6 +222,7 @@ def _bwrap_args(bwrap: str, workdir: str, prefix: str, limits: SandboxLimits, as
 
 
 def _run(workdir: str, bwrap: str | None, stdin: str, limits: SandboxLimits) -> SandboxResult:
+    """Start bwrap (or, in rlimit mode, just the wrapper) on main.py and supervise it; never leaves it running."""
     python, prefix = _interpreter()
     as_root = bwrap is not None and os.geteuid() == 0
     if as_root:
@@ -241,18 +254,25 @@ def _run(workdir: str, bwrap: str | None, stdin: str, limits: SandboxLimits) -> 
         finally:
             for fd in child_fds.values():
                 os.close(fd)
+    inner = None
     try:
-        with proc:
-            inner = _start_sandbox(proc, fds, deadline, as_root) if bwrap is not None else None
-            try:
-                result = _supervise(proc, inner, fds, deadline, limits, start)
-            finally:
-                if inner is not None:
-                    os.close(inner)
+        if bwrap is not None:
+            inner = _start_sandbox(proc, fds, deadline, as_root)
+        return _supervise(proc, inner, fds, deadline, limits, start)
     finally:
-        for fd in fds.values():
+        raising = proc.returncode is None
+        if raising:  # take the sandbox down; closing the block fd below lets a waiting bwrap see it
+            _kill(proc, inner)
+        for fd in [*fds.values(), *([inner] if inner is not None else [])]:
             os.close(fd)
-    return result
+        proc.stdout.close()  # type: ignore[union-attr]
+        proc.stderr.close()  # type: ignore[union-attr]
+        if raising:
+            try:
+                proc.wait(_KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                _killpg(proc.pid)
+                proc.wait()
 
 
 def _env(home: str) -> dict[str, str]:
@@ -272,16 +292,16 @@ def _start_sandbox(proc: subprocess.Popen, fds: dict[str, int], deadline: float,
             break
         info += chunk
     try:
-        inner = os.pidfd_open(json.loads(info)["child-pid"])
+        pid = json.loads(info)["child-pid"]
+        inner = os.pidfd_open(pid)
     except (ValueError, ProcessLookupError):
         return None  # bwrap failed; _supervise reports its stderr
     if as_root:
         try:
             _map_ids(pid)
         except OSError as exc:
-            signal.pidfd_send_signal(inner, signal.SIGKILL)
+            _kill(proc, inner)
             os.close(inner)
-            proc.kill()
             raise SandboxUnavailableError(f"cannot write the uid/gid maps of the sandbox: {exc}") from exc
     try:
         os.write(fds["block"], b"1")
@@ -339,10 +359,8 @@ def _supervise(
             _killpg(proc.pid)  # bwrap did not follow its sandbox's init; take its whole group down
     finally:
         os.close(exit_fd)
-    _, status, usage = os.wait4(proc.pid, 0)
+    _, status, usage = os.wait4(proc.pid, 0)  # bwrap exits after reaping init, when the sandbox is empty
     proc.returncode = os.waitstatus_to_exitcode(status)
-    if inner is not None:  # normally already gone: bwrap reaps the init before exiting
-        select.select([inner], [], [], _KILL_GRACE_S)
     wall_s = time.monotonic() - start
     code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
     stdout, stderr = (b"".join(chunks).decode(errors="replace") for chunks in streams.values())
@@ -362,7 +380,7 @@ def _supervise(
 
 
 def _kill(proc: subprocess.Popen, inner: int | None) -> None:
-    """Kill the sandbox's init: the kernel then kills the whole PID namespace and bwrap exits."""
+    """Kill the sandbox's init: the kernel then kills the whole PID namespace, and bwrap reaps it and exits."""
     if inner is None:
         _killpg(proc.pid)
         return

@@ -1,0 +1,326 @@
+"""Sandbox tests against real bubblewrap and real subprocesses: every run is bounded by its wall_s."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+import tracemalloc
+import uuid
+from pathlib import Path
+
+import pytest
+
+from opd_sao import sandbox
+from opd_sao.sandbox import SandboxLimits, SandboxUnavailableError, detect_mode, main, run_python
+
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
+
+LIMITS = SandboxLimits(wall_s=3, cpu_s=1)
+MARGIN_S = 1.5  # allowed overshoot of wall_s: interpreter start-up, kill and reaping
+
+
+def _processes_using(path: str) -> dict[int, str]:
+    """Live processes whose cmdline, cwd or mounts mention `path` (a sandbox sees its work dir as a mount)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            seen = [cmdline.decode(errors="replace"), os.readlink(entry / "cwd"), (entry / "mountinfo").read_text()]
+        except OSError:  # gone, or a zombie
+            continue
+        if any(path in text for text in seen):
+            found[int(entry.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace")
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Runs of this test get their work dirs under a unique path; nothing may still use it afterwards.
+
+    (Other sessions may be running sandboxes on this machine at the same time.)
+    """
+    work = tmp_path / "sandbox-work"
+    work.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(work))
+    yield
+    left = _processes_using(str(work))
+    assert not left, f"sandbox processes left behind: {left}"
+    assert not list(work.iterdir()), "work dirs left behind"
+
+
+def _timed_run(code: str, limits: SandboxLimits = LIMITS, **kwargs) -> tuple[sandbox.SandboxResult, float]:
+    start = time.monotonic()
+    result = run_python(code, limits=limits, **kwargs)
+    return result, time.monotonic() - start
+
+
+SUBPROCESS_BOMB = """
+import subprocess, sys
+children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(100)]
+"""
+FORK_BOMB_IGNORING_ERRORS = """
+import os
+while True:
+    try:
+        os.fork()
+    except OSError:
+        pass
+"""
+FILL_TMP = """
+for i in range(64):
+    with open(f"/tmp/f{i}", "wb") as f:
+        f.write(b"x" * (1 << 20))
+"""
+
+HOSTILE = [
+    pytest.param("while True: pass", {"cpu", "wall"}, id="busy-loop"),
+    pytest.param("import time\ntime.sleep(60)", {"wall"}, id="sleep"),
+    pytest.param("import os\nos.close(1)\nos.close(2)\nwhile True: pass", {"cpu", "wall"}, id="closed-pipes-loop"),
+    pytest.param("import os\nwhile True: os.fork()", {"processes"}, id="fork-bomb"),
+    pytest.param(SUBPROCESS_BOMB, {"processes"}, id="subprocess-bomb"),
+    pytest.param(FORK_BOMB_IGNORING_ERRORS, {"processes", "cpu", "wall"}, id="fork-bomb-ignoring-errors"),
+    pytest.param("import threading, time\nwhile True: threading.Thread(target=time.sleep, args=(60,), daemon=True).start()",
+                 {"processes"}, id="thread-bomb"),  # fmt: skip
+    pytest.param("import sys\nsys.stdout.write('x' * 100_000_000)", {"output"}, id="print-100mb"),
+    pytest.param("import sys\nwhile True: sys.stderr.write('y' * 4096)", {"output"}, id="stderr-flood"),
+    pytest.param("x = bytearray(1 << 30)", {"memory"}, id="alloc-1gb"),
+    pytest.param("x = []\nwhile True: x.append(' ' * 10**6)", {"memory"}, id="alloc-loop"),
+    pytest.param("open('big', 'wb').write(b'x' * (2 << 20))", {"file_size"}, id="big-file"),
+    pytest.param(FILL_TMP, {"file_size"}, id="fill-tmp"),
+]
+
+
+@needs_bwrap
+@pytest.mark.parametrize("code, expected", HOSTILE)
+def test_hostile_program_is_contained(code: str, expected: set[str]) -> None:
+    tracemalloc.start()
+    try:
+        result, elapsed = _timed_run(code)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert result.status == "failed"
+    assert result.limit_hit in expected, result
+    assert elapsed < LIMITS.wall_s + MARGIN_S
+    assert result.output_bytes <= LIMITS.output_bytes
+    assert len(result.stdout.encode()) + len(result.stderr.encode()) <= LIMITS.output_bytes
+    assert peak < 8 * LIMITS.output_bytes  # output is capped as it is read, never buffered whole
+    if result.limit_hit in ("wall", "output"):
+        assert result.exit_code is None
+
+
+@needs_bwrap
+def test_output_flood_ends_quickly() -> None:
+    result, elapsed = _timed_run("import sys\nsys.stdout.write('x' * 100_000_000)")
+    assert (result.limit_hit, result.output_bytes, result.stdout) == ("output", LIMITS.output_bytes, "x" * (64 << 10))
+    assert elapsed < 2
+
+
+@needs_bwrap
+def test_ok_program() -> None:
+    code = (
+        "import os, sys\n"
+        "print('hello', sys.stdin.read().strip())\n"
+        "print(os.getcwd(), os.listdir('.'), os.getuid(), os.environ['HOME'])\n"
+        "open('out.txt', 'w').write('writing my own dir is fine')\n"
+        "print('oops', file=sys.stderr)\n"
+    )
+    result, _ = _timed_run(code, stdin="world\n")
+    assert (result.status, result.exit_code, result.limit_hit) == ("ok", 0, None)
+    assert result.stdout == "hello world\n/sandbox ['main.py'] 1000 /sandbox\n"
+    assert result.stderr == "oops\n"
+    assert result.output_bytes == len(result.stdout) + len(result.stderr)
+    assert set(result.to_json()) >= {"status", "exit_code", "wall_s", "output_bytes", "limit_hit"}
+    json.dumps(result.to_json())
+
+
+@needs_bwrap
+@pytest.mark.parametrize(
+    "code, exit_code",
+    [
+        pytest.param("raise ValueError('boom')", 1, id="raise"),
+        pytest.param("import sys\nsys.exit(3)", 3, id="exit-3"),
+        pytest.param("import os\nos.abort()", 134, id="abort"),
+        pytest.param("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", 137, id="sigkill"),
+        pytest.param("def f(): f()\nf()", 1, id="recursion"),
+    ],
+)
+def test_crash_reports_exit_code(code: str, exit_code: int) -> None:
+    result, _ = _timed_run(code)
+    assert (result.status, result.exit_code, result.limit_hit) == ("failed", exit_code, None)
+
+
+@needs_bwrap
+@pytest.mark.parametrize(
+    "code",
+    [
+        pytest.param("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)", id="setsid-child"),
+        pytest.param(
+            "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+            " start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)",
+            id="detached-subprocess",
+        ),
+    ],
+)
+def test_background_children_die_with_the_program(code: str) -> None:
+    result, elapsed = _timed_run(code)
+    assert (result.status, result.exit_code) == ("ok", 0)
+    assert elapsed < 2  # not held until the children's sleep or the wall limit
+
+
+@needs_bwrap
+@pytest.mark.parametrize("where", ["/etc", "/usr", "/root", "/", "cwd", "tmp_path"])
+def test_cannot_write_outside_work_dir(where: str, tmp_path: Path) -> None:
+    directory = {"cwd": os.getcwd(), "tmp_path": str(tmp_path)}.get(where, where)
+    target = Path(directory, f"opd_sao_sandbox_{uuid.uuid4().hex}")
+    result, _ = _timed_run(f"open({str(target)!r}, 'w').write('pwned')")
+    try:
+        assert result.status == "failed"
+        assert "Traceback" in result.stderr
+        assert not target.exists()
+    finally:
+        target.unlink(missing_ok=True)
+
+
+@needs_bwrap
+def test_private_tmp_does_not_reach_the_host() -> None:
+    target = Path("/tmp", f"opd_sao_sandbox_{uuid.uuid4().hex}")
+    result, _ = _timed_run(f"open({str(target)!r}, 'w').write('x')")
+    try:
+        assert result.status == "ok"
+        assert not target.exists()
+    finally:
+        target.unlink(missing_ok=True)
+
+
+@needs_bwrap
+@pytest.mark.parametrize("path", [__file__, "/etc/shadow"], ids=["this-test-file", "etc-shadow"])
+def test_cannot_read_host_secrets(path: str) -> None:
+    result, _ = _timed_run(f"print(open({path!r}).read())")
+    assert result.status == "failed"
+    assert "FileNotFoundError" in result.stderr or "PermissionError" in result.stderr
+
+
+@pytest.fixture
+def host_listener():
+    """A TCP server on the host's loopback that the sandbox must not reach."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(0)
+        yield server
+
+
+@needs_bwrap
+@pytest.mark.parametrize(
+    "target", ["host-loopback", "1.1.1.1:53", "8.8.8.8:443", "dns"]
+)  # fmt: skip
+def test_no_network(target: str, host_listener: socket.socket) -> None:
+    if target == "dns":
+        code = "import socket\nprint(socket.getaddrinfo('example.com', 80))"
+    else:
+        address = host_listener.getsockname() if target == "host-loopback" else target.split(":")
+        code = f"import socket\nsocket.create_connection(({address[0]!r}, {int(address[1])}), timeout=2)"
+    result, _ = _timed_run(code)
+    assert result.status == "failed"
+    assert "Traceback" in result.stderr
+    with pytest.raises(BlockingIOError):
+        host_listener.accept()
+
+
+@pytest.mark.parametrize("mode", [pytest.param("bwrap", marks=needs_bwrap), "rlimit"])
+def test_clean_environment(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPD_SAO_SECRET", "hunter2")
+    result, _ = _timed_run("import json, os\nprint(json.dumps(dict(os.environ)))", mode=mode)
+    env = json.loads(result.stdout)
+    assert "OPD_SAO_SECRET" not in env and "hunter2" not in result.stdout
+    assert set(env) <= {"PATH", "HOME", "LANG", "PYTHONDONTWRITEBYTECODE", "PWD"}
+    assert env["PYTHONDONTWRITEBYTECODE"] == "1"
+
+
+def test_missing_bwrap_refuses_to_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(sandbox.BWRAP_ENV, "/nonexistent/bwrap")
+    with pytest.raises(SandboxUnavailableError, match="apt-get install bubblewrap.*allow_rlimit_only"):
+        run_python("print('hi')")
+    with pytest.raises(SandboxUnavailableError, match="apt-get install bubblewrap"):
+        detect_mode(allow_rlimit_only=False)
+
+
+def test_missing_bwrap_falls_back_when_allowed(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    monkeypatch.setenv(sandbox.BWRAP_ENV, "/nonexistent/bwrap")
+    with caplog.at_level(logging.WARNING, logger=sandbox.__name__):
+        assert detect_mode(allow_rlimit_only=True) == "rlimit"
+    assert "rlimit-only" in caplog.text
+    result, _ = _timed_run("print('hi')", mode="rlimit")
+    assert (result.status, result.stdout) == ("ok", "hi\n")
+
+
+def test_broken_bwrap_is_loud(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: creating new namespace failed' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv(sandbox.BWRAP_ENV, str(fake))
+    with pytest.raises(SandboxUnavailableError, match="creating new namespace failed"):
+        run_python("print('hi')")
+
+
+@pytest.mark.parametrize(
+    "code, status, limit_hit",
+    [
+        pytest.param("print('hi')", "ok", None, id="ok"),
+        pytest.param("import time\ntime.sleep(60)", "failed", "wall", id="sleep"),
+        pytest.param("import sys\nwhile True: sys.stdout.write('x' * 4096)", "failed", "output", id="output-flood"),
+        pytest.param("x = bytearray(1 << 30)", "failed", "memory", id="alloc-1gb"),
+        pytest.param("open('big', 'wb').write(b'x' * (2 << 20))", "failed", "file_size", id="big-file"),
+    ],
+)
+def test_rlimit_mode(code: str, status: str, limit_hit: str | None) -> None:
+    result, elapsed = _timed_run(code, limits=SandboxLimits(wall_s=2, cpu_s=1), mode="rlimit")
+    assert (result.status, result.limit_hit) == (status, limit_hit)
+    assert elapsed < 2 + MARGIN_S
+
+
+@needs_bwrap
+def test_supervisor_failure_takes_the_sandbox_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    run_python("pass")  # probe the sandbox before breaking the supervisor
+
+    def broken_supervise(*args, **kwargs):
+        raise RuntimeError("supervisor bug")
+
+    monkeypatch.setattr(sandbox, "_supervise", broken_supervise)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="supervisor bug"):
+        run_python("import time\ntime.sleep(60)")
+    assert time.monotonic() - start < 3
+
+
+def test_misuse_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="mode must be 'bwrap' or 'rlimit'"):
+        run_python("", mode="docker")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="SandboxLimits.cpu_s must be > 0"):
+        SandboxLimits(cpu_s=0)
+
+
+@needs_bwrap
+def test_cli_prints_one_json_object(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    program = tmp_path / "prog.py"
+    program.write_text("print('from file')\nraise SystemExit(2)\n")
+    assert main(["run", str(program), "--wall-s", "2", "--memory-mb", "128"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    report = json.loads(out)
+    assert report["status"] == "failed" and report["exit_code"] == 2 and report["limit_hit"] is None
+    assert report["stdout"] == "from file\n" and report["output_bytes"] == 10
+    assert isinstance(report["wall_s"], float)
+
+
+def test_cli_misuse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(tmp_path / "missing.py")])
+    assert exit_info.value.code == 2
+    assert "no such file" in capsys.readouterr().err
