@@ -1,0 +1,42 @@
+"""Local logit cache: teacher logprobs on the student's rollouts, stored for OPD replay.
+
+Writing (teacher scoring)::
+
+    cache = LogitCache("runs/x/logit_cache")
+    teacher = cache.open_teacher(CacheMeta("chat-rl", ckpt_hash, vocab_size, tok_hash, "top_k", k=64))
+    teacher.put(traj.traj_id, record_from_logprobs(teacher.meta, logp_rows, sampled_ids))
+
+Reading (trainer), from any thread or process::
+
+    records = teacher.get_many(traj_ids)        # CorruptRecordError(traj_ids) -> invalidate, re-score, put
+
+API:
+  LogitCache(root).open_teacher(meta) -> TeacherCache    create or validate (CacheMismatchError names the field)
+  LogitCache(root).teachers() -> {name: CacheMeta}
+  TeacherCache.put(traj_id, record) / get(traj_id) / get_many(traj_ids) / invalidate(traj_id)
+  TeacherCache: `in`, len(), traj_ids(), n_tokens(), verify(), bad_index_lines(), collect_garbage()
+  encode_top_k(logp_rows, k, sampled_ids), encode_top_p(logp_rows, p, sampled_ids), encode_full(logp_rows,
+  sampled_ids), record_from_logprobs(meta, logp_rows, sampled_ids) -> TeacherRecord
+  cache.cli: inspect(path), verify(path), gc(path), main(argv)
+
+The byte encoding and its error bounds are documented in ``cache.encoding``; the storage layout and commit
+protocol in ``cache.store``.
+"""
+
+from .errors import CacheMismatchError, CorruptRecordError
+from .records import CacheMeta, TeacherRecord
+from .store import LogitCache, TeacherCache
+from .support import encode_full, encode_top_k, encode_top_p, record_from_logprobs
+
+__all__ = [
+    "CacheMeta",
+    "CacheMismatchError",
+    "CorruptRecordError",
+    "LogitCache",
+    "TeacherCache",
+    "TeacherRecord",
+    "encode_full",
+    "encode_top_k",
+    "encode_top_p",
+    "record_from_logprobs",
+]

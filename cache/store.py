@@ -1,0 +1,397 @@
+"""Zarr (v3) storage of teacher records: append-only per-teacher stream arrays plus a checksummed commit log.
+
+Layout of a cache directory::
+
+    ROOT/zarr.json                  root group; attributes {"format": "opd-sao-logit-cache", "format_version"}
+    ROOT/<teacher>/zarr.json        one group per teacher; attributes: the CacheMeta fields, encoding, format_version
+    ROOT/<teacher>/<stream>/c/<i>   one 1-D array per stream (encoding.STREAMS); chunk i holds elements
+                                    [i * C, (i + 1) * C), C = chunk_elements(granularity, stream)
+    ROOT/<teacher>/index.log        the commit log
+    ROOT/<teacher>/writer.lock      flock that serialises writers (put, invalidate, gc)
+
+Records are packed back to back in the stream arrays, so a trajectory costs one index line (~150 bytes), not
+an array or a file of its own. The arrays are declared with a fixed capacity of 2**48 elements: their metadata
+never changes after creation, and only chunks that hold data exist on disk.
+
+Commit protocol (one writer at a time, any number of reader threads or processes):
+ 1. Under the writer lock, the record's streams are written past the end of the committed data. zarr's
+    LocalStore writes each chunk to a temporary file and renames it into place, so a reader sees every chunk
+    whole, before or after the write, and a chunk shared with earlier records keeps their bytes.
+ 2. Then the line ``<crc32 of json, 8 hex> <json>\\n`` is appended to index.log, with json
+    ``{"id", "n", "spans": {stream: [start, length]}, "crc"}``. A line counts once it is complete and its
+    crc matches, so a reader never sees a record whose data is not fully written. The log is append-only
+    because rewriting a whole index per commit would cost O(records); gc rewrites it (temp file, fsync,
+    os.replace) and readers notice the new inode.
+ 3. ``invalidate`` appends ``{"drop": id}``; the newest line for an id wins.
+Every read checks the record's CRC-32 (``encoding.checksum``) against its index line: a chunk that fails to
+decode, is missing or was altered raises CorruptRecordError, never returns data. A crash between 1 and 2
+leaves unreferenced data past the committed end, which the next put overwrites and gc deletes. Appends are
+not fsynced: data lost in a power cut fails its checksum like any other corruption.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import numpy as np
+import zarr
+from zarr.codecs import BloscCodec
+from zarr.storage import LocalStore
+
+from .encoding import ENCODING, FORMAT_VERSION, STREAM_DTYPES, STREAMS, checksum, from_streams, to_streams
+from .errors import CacheMismatchError, CorruptRecordError
+from .records import CacheMeta, TeacherRecord
+
+ROOT_ATTRIBUTES = {"format": "opd-sao-logit-cache", "format_version": FORMAT_VERSION}
+INDEX_FILE = "index.log"
+LOCK_FILE = "writer.lock"
+STAGING_PREFIX = ".staging-"
+CAPACITY = 2**48
+POSITION_STREAMS = ("sampled_logp", "tail_mass", "row_len")
+# Blosc-lz4 with the shuffle that measured smallest per stream (docs/benchmarks_logit_cache.md): bitshuffle
+# turns the uint16 and logprob codes into mostly-constant bit planes (top-64 logp: 49.6 bytes per position
+# against 57.4 with plain lz4). The Exp-Golomb id bytes are nearly incompressible: plain numcodecs LZ4 is <= 1.2%
+# smaller there, but blosc is a zarr v3 spec codec (numcodecs LZ4 is not), so ids are blosc without shuffle.
+COMPRESSORS = {
+    "sampled_logp": BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle"),
+    "tail_mass": BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle"),
+    "row_len": BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"),
+    "logp": BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle"),
+    "ids": BloscCodec(cname="lz4", clevel=5, shuffle="noshuffle"),
+}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    n_positions: int
+    spans: dict[str, tuple[int, int]]
+    crc: int
+
+
+def _index_line(entry: dict) -> bytes:
+    payload = json.dumps(entry, separators=(",", ":")).encode()
+    return b"%08x %s\n" % (zlib.crc32(payload), payload)
+
+
+class _CommitLog:
+    """In-memory view of index.log, brought up to date by ``refresh`` (cheap when nothing was appended)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.Lock()
+        self._reset(inode=None)
+
+    def _reset(self, inode: int | None) -> None:
+        self.records: dict[str, _Entry] = {}
+        self.data_end: dict[str, int] = {}
+        self.bad_lines: list[int] = []  # 1-based numbers of complete lines that fail their checksum
+        self.line_count = 0
+        self.offset = 0  # end of the last complete line read
+        self._inode = inode
+
+    def refresh(self) -> None:
+        with self._lock, open(self.path, "rb") as log:
+            status = os.fstat(log.fileno())
+            if status.st_ino != self._inode or status.st_size < self.offset:
+                self._reset(status.st_ino)  # gc replaced the log
+            if status.st_size == self.offset:
+                return
+            log.seek(self.offset)
+            data = log.read()
+            complete = data[: data.rfind(b"\n") + 1]
+            for line in complete.splitlines():
+                self._apply(line)
+            self.offset += len(complete)
+
+    def _apply(self, line: bytes) -> None:
+        self.line_count += 1
+        crc, _, payload = line.partition(b" ")
+        try:
+            entry = json.loads(payload) if int(crc, 16) == zlib.crc32(payload) else None
+        except ValueError:
+            entry = None
+        if entry is None:
+            self.bad_lines.append(self.line_count)
+        elif "drop" in entry:
+            self.records.pop(entry["drop"], None)
+        else:
+            spans = {name: (start, length) for name, (start, length) in entry["spans"].items()}
+            self.records[entry["id"]] = _Entry(entry["n"], spans, entry["crc"])
+            for name, (start, length) in spans.items():
+                self.data_end[name] = max(self.data_end.get(name, 0), start + length)
+
+    def append(self, entries: list[dict]) -> None:
+        """Commit entries; the caller holds the writer lock and has called ``drop_torn_tail``."""
+        with open(self.path, "ab") as log:
+            log.write(b"".join(map(_index_line, entries)))
+        self.refresh()
+
+    def drop_torn_tail(self) -> int:
+        """Cut a line a crashed writer left half written, so the next line starts clean. Needs the writer lock."""
+        self.refresh()
+        torn = self.path.stat().st_size - self.offset
+        if torn:
+            os.truncate(self.path, self.offset)
+        return torn
+
+    def rewrite(self, records: dict[str, _Entry]) -> None:
+        """Replace the log by one line per record (gc); readers reload on the inode change."""
+        handle, temporary = tempfile.mkstemp(prefix=f".{INDEX_FILE}.", dir=self.path.parent)
+        with os.fdopen(handle, "wb") as log:
+            for traj_id, entry in records.items():
+                spans = {name: list(span) for name, span in entry.spans.items()}
+                log.write(_index_line({"id": traj_id, "n": entry.n_positions, "spans": spans, "crc": entry.crc}))
+            log.flush()
+            os.fsync(log.fileno())
+        os.replace(temporary, self.path)
+        self.refresh()
+
+
+def _check_identity(path: Path, attributes: dict, meta: CacheMeta) -> None:
+    requested = {**meta.to_attrs(), "format_version": FORMAT_VERSION, "encoding": ENCODING}
+    differences = {
+        name: (attributes.get(name), value) for name, value in requested.items() if attributes.get(name) != value
+    }
+    if differences:
+        raise CacheMismatchError(str(path), differences)
+
+
+class TeacherCache:
+    """One teacher's records, keyed by trajectory id. Obtain it from ``LogitCache.open_teacher``.
+
+    Thread-safe; several processes may open the same cache. Writers serialise on a file lock.
+    """
+
+    def __init__(self, path: Path, meta: CacheMeta):
+        self.path = path
+        self.meta = meta
+        group = zarr.open_group(LocalStore(path), mode="r+")
+        _check_identity(path, group.attrs.asdict(), meta)
+        self._arrays = {name: group[name] for name in STREAMS[meta.granularity]}
+        self._log = _CommitLog(path / INDEX_FILE)
+
+    @contextmanager
+    def _writing(self):
+        with open(self.path / LOCK_FILE, "ab") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield self._log.drop_torn_tail()
+
+    def put(self, traj_id: str, record: TeacherRecord) -> None:
+        """Append ``record`` and commit it; replaces an earlier record of ``traj_id``."""
+        self.put_many({traj_id: record})
+
+    def put_many(self, records: dict[str, TeacherRecord]) -> None:
+        """Append and commit several records with one write per stream: a chunk shared by consecutive records
+        is rewritten once per call, not once per record, so batches write faster."""
+        encoded = {traj_id: to_streams(self.meta, record) for traj_id, record in records.items()}
+        crcs = {traj_id: checksum(streams) for traj_id, streams in encoded.items()}
+        with self._writing():
+            end = {name: self._log.data_end.get(name, 0) for name in self._arrays}
+            entries = []
+            for traj_id, streams in encoded.items():
+                spans = {}
+                for name, data in streams.items():
+                    spans[name] = [end[name], len(data)]
+                    end[name] += len(data)
+                entries.append({"id": traj_id, "n": records[traj_id].n_positions, "spans": spans, "crc": crcs[traj_id]})
+            for name, array in self._arrays.items():
+                start = self._log.data_end.get(name, 0)
+                if end[name] > start:
+                    array[start : end[name]] = np.concatenate([streams[name] for streams in encoded.values()])
+            self._log.append(entries)
+
+    def _read_streams(self, traj_id: str, entry: _Entry) -> dict[str, np.ndarray]:
+        try:
+            streams = {
+                name: self._arrays[name][start : start + length] if length else np.zeros(0, STREAM_DTYPES[name])
+                for name, (start, length) in entry.spans.items()
+            }
+        except Exception as error:  # any decode failure of a chunk means it is damaged
+            raise CorruptRecordError([traj_id], f"unreadable chunk ({error!r})") from error
+        if checksum(streams) != entry.crc:
+            raise CorruptRecordError([traj_id], "checksum mismatch")
+        return streams
+
+    def _entry(self, traj_id: str) -> _Entry:
+        self._log.refresh()
+        entry = self._log.records.get(traj_id)
+        if entry is None:
+            raise KeyError(traj_id)
+        return entry
+
+    def get(self, traj_id: str) -> TeacherRecord:
+        """The committed record; KeyError if absent, CorruptRecordError if its bytes fail verification."""
+        entry = self._entry(traj_id)
+        return from_streams(self.meta, entry.n_positions, self._read_streams(traj_id, entry))
+
+    def get_many(self, traj_ids: list[str]) -> list[TeacherRecord]:
+        """Records in order; one CorruptRecordError naming every corrupt id, so all are re-scored at once."""
+        records, corrupt = [], []
+        for traj_id in traj_ids:
+            try:
+                records.append(self.get(traj_id))
+            except CorruptRecordError:
+                corrupt.append(traj_id)
+        if corrupt:
+            raise CorruptRecordError(corrupt, "checksum mismatch or unreadable chunk")
+        return records
+
+    def invalidate(self, traj_id: str) -> None:
+        """Drop the record (e.g. a corrupt one) so it can be put again; a no-op for an absent id."""
+        with self._writing():
+            if traj_id in self._log.records:
+                self._log.append([{"drop": traj_id}])
+
+    def __contains__(self, traj_id: str) -> bool:
+        self._log.refresh()
+        return traj_id in self._log.records
+
+    def __len__(self) -> int:
+        self._log.refresh()
+        return len(self._log.records)
+
+    def traj_ids(self) -> list[str]:
+        self._log.refresh()
+        return list(self._log.records)
+
+    def n_tokens(self) -> int:
+        self._log.refresh()
+        return sum(entry.n_positions for entry in self._log.records.values())
+
+    def bad_index_lines(self) -> list[int]:
+        """Index lines that fail their checksum; their records are unknown and must be re-scored."""
+        self._log.refresh()
+        return list(self._log.bad_lines)
+
+    def verify(self) -> list[str]:
+        """Ids of committed records whose data fails verification."""
+        self._log.refresh()
+        corrupt = []
+        for traj_id, entry in list(self._log.records.items()):
+            try:
+                self._read_streams(traj_id, entry)
+            except CorruptRecordError:
+                corrupt.append(traj_id)
+        return corrupt
+
+    def collect_garbage(self) -> dict:
+        """Drop corrupt records, compact the index and delete chunks and temporary files no record uses."""
+        with self._writing() as torn_index_bytes:
+            corrupt = self.verify()
+            live = {traj_id: entry for traj_id, entry in self._log.records.items() if traj_id not in corrupt}
+            index_lines_dropped = self._log.line_count - len(live)
+            self._log.rewrite(live)
+            chunks_removed, bytes_freed = 0, torn_index_bytes
+            for name, array in self._arrays.items():
+                used = _chunks_in_use(live.values(), name, array.chunks[0])
+                chunk_dir = self.path / name / "c"
+                for chunk in chunk_dir.iterdir() if chunk_dir.is_dir() else ():
+                    if chunk.name.isdigit() and int(chunk.name) in used:
+                        continue
+                    bytes_freed += chunk.stat().st_size
+                    chunk.unlink()
+                    chunks_removed += chunk.name.isdigit()
+            for leftover in self.path.glob(f".{INDEX_FILE}.*"):
+                bytes_freed += leftover.stat().st_size
+                leftover.unlink()
+        return {
+            "corrupt_records_dropped": corrupt,
+            "index_lines_dropped": index_lines_dropped,
+            "chunks_removed": chunks_removed,
+            "bytes_freed": bytes_freed,
+        }
+
+
+def chunk_elements(granularity: str, stream: str) -> int:
+    """Elements per chunk; each put rewrites the chunk it starts in, so smaller chunks write faster."""
+    if stream in POSITION_STREAMS:
+        return 2**13
+    return 2**22 if granularity == "full" else 2**17  # full: ~28 positions per chunk instead of one
+
+
+def _chunks_in_use(entries, stream: str, chunk: int) -> set[int]:
+    used = set()
+    for entry in entries:
+        start, length = entry.spans.get(stream, (0, 0))
+        if length:
+            used.update(range(start // chunk, (start + length - 1) // chunk + 1))
+    return used
+
+
+def _directory_name(teacher: str) -> str:
+    name = quote(teacher, safe="")
+    return "%2E" + name[1:] if name.startswith(".") else name
+
+
+class LogitCache:
+    """A directory holding one zarr group per teacher."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def open_teacher(self, meta: CacheMeta) -> TeacherCache:
+        """The teacher's cache, created if absent; CacheMismatchError if it was made for another identity."""
+        path = self.root / _directory_name(meta.teacher)
+        if not (path / "zarr.json").exists():
+            self._create_teacher(path, meta)
+        return TeacherCache(path, meta)
+
+    def _create_teacher(self, path: Path, meta: CacheMeta) -> None:
+        """Build the group in a staging directory and rename it into place, so nobody opens it half made."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        zarr.open_group(LocalStore(self.root), mode="a", attributes=ROOT_ATTRIBUTES)
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.root))
+        group = zarr.create_group(
+            LocalStore(staging), attributes={**meta.to_attrs(), "format_version": FORMAT_VERSION, "encoding": ENCODING}
+        )
+        for name in STREAMS[meta.granularity]:
+            group.create_array(
+                name,
+                shape=(CAPACITY,),
+                chunks=(chunk_elements(meta.granularity, name),),
+                dtype=STREAM_DTYPES[name],
+                compressors=[COMPRESSORS[name]],
+                fill_value=0,
+                chunk_key_encoding={"name": "default", "separator": "/"},
+            )
+        (staging / INDEX_FILE).touch()
+        (staging / LOCK_FILE).touch()
+        os.chmod(staging, 0o755)
+        try:
+            os.rename(staging, path)
+        except OSError:  # another process created it first; open_teacher validates theirs
+            shutil.rmtree(staging)
+
+    def teachers(self) -> dict[str, CacheMeta]:
+        """Identity of every teacher stored here; FileNotFoundError if this is not a logit cache."""
+        root_meta = self.root / "zarr.json"
+        if not root_meta.is_file() or json.loads(root_meta.read_text()).get("attributes", {}).get("format") != (
+            ROOT_ATTRIBUTES["format"]
+        ):
+            raise FileNotFoundError(f"{self.root} is not an opd-sao logit cache")
+        metas = {}
+        for child in sorted(self.root.iterdir()):
+            if not child.name.startswith(".") and (child / "zarr.json").is_file():
+                meta = CacheMeta.from_attrs(json.loads((child / "zarr.json").read_text())["attributes"])
+                metas[meta.teacher] = meta
+        return metas
+
+    def remove_stale_staging(self, older_than_s: float = 3600.0) -> int:
+        """Delete staging directories an interrupted ``open_teacher`` left; returns the bytes freed."""
+        freed = 0
+        for staging in self.root.glob(f"{STAGING_PREFIX}*"):
+            if time.time() - staging.stat().st_mtime > older_than_s:
+                freed += sum(f.stat().st_size for f in staging.rglob("*") if f.is_file())
+                shutil.rmtree(staging)
+        return freed

@@ -1,0 +1,364 @@
+"""Logit cache: encoding bounds, round trips, concurrency, corruption detection, identity checks and gc."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cache import (
+    CacheMeta,
+    CacheMismatchError,
+    CorruptRecordError,
+    LogitCache,
+    TeacherRecord,
+    encode_top_k,
+    encode_top_p,
+    record_from_logprobs,
+)
+from cache.cli import gc, inspect, main, verify
+from cache.encoding import (
+    LOGP_HALF_STEP,
+    dequantise_logp,
+    exp_golomb_decode,
+    exp_golomb_encode,
+    from_streams,
+    quantise_logp,
+    to_streams,
+)
+from cache.store import _CommitLog
+
+VOCAB = 384
+FIXED_POINT_ERROR = 1 / 2048 + 1e-6
+
+
+def teacher_rows(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    scale = torch.rand(n, 1, generator=generator) * 6  # confident and flat positions
+    logp = torch.log_softmax(scale * torch.randn(n, VOCAB, generator=generator), dim=-1)
+    sampled = torch.randint(0, VOCAB, (n,), generator=generator)
+    return logp, sampled
+
+
+def make_meta(granularity: str = "top_k", **overrides) -> CacheMeta:
+    extra = {"top_k": {"k": 16}, "top_p": {"p": 0.9}}.get(granularity, {})
+    fields = dict(teacher="reasoning-rl", checkpoint_hash="ckpt-1", vocab_size=VOCAB, tokenizer_hash="tok-1",
+                  granularity=granularity, **extra)
+    return CacheMeta(**{**fields, **overrides})
+
+
+def ragged_record(rng: np.random.Generator, n: int) -> TeacherRecord:
+    """A top_p-shaped record with a different support size at every position, built without a model."""
+    sizes = rng.integers(1, 40, n)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    ids = np.concatenate([np.sort(rng.choice(VOCAB, size, replace=False)) for size in sizes])
+    weights = rng.uniform(0.1, 1.0, len(ids))
+    kept = rng.uniform(0.5, 0.99, n)
+    probabilities = weights / np.repeat(np.add.reduceat(weights, offsets[:-1]) / kept, sizes)
+    return TeacherRecord(
+        sampled_logp=np.log(rng.uniform(0.01, 1.0, n)).astype(np.float32),
+        ids=ids,
+        logp=np.log(probabilities).astype(np.float32),
+        offsets=offsets,
+        tail_mass=(1 - kept).astype(np.float32),
+    )
+
+
+def chunk_files(teacher_dir: Path, stream: str) -> list[Path]:
+    return sorted((teacher_dir / stream / "c").iterdir(), key=lambda path: int(path.name))
+
+
+def test_logp_codes_stay_within_the_stated_bound():
+    logp = -np.linspace(0.0, 48.0, 200_001, dtype=np.float32)
+    codes = quantise_logp(logp)
+    error = np.abs(dequantise_logp(codes) - logp)
+    assert (error <= LOGP_HALF_STEP[codes] + 1e-6).all()
+    assert error[logp >= -1.386].max() <= 1 / 128 + 1e-6
+    assert error[logp >= -4.158].max() <= 1 / 32 + 1e-6
+    assert error.max() <= 1 / 4 + 1e-6
+    assert dequantise_logp(quantise_logp(np.array([-np.inf, -1e9], np.float32))).tolist() == [-48.046875] * 2
+
+
+def test_exp_golomb_round_trips_small_large_and_empty():
+    rng = np.random.default_rng(0)
+    small, large, zeros, empty = rng.integers(0, 50, 1000), rng.integers(0, 2**32, 100), np.zeros(3), np.zeros(0)
+    for values in (small, large, zeros.astype(np.int64), empty.astype(np.int64)):
+        assert (exp_golomb_decode(exp_golomb_encode(values), len(values)) == values.astype(np.uint64)).all()
+
+
+@pytest.mark.parametrize("granularity", ["sampled", "top_k", "top_p", "full"])
+def test_round_trip_every_granularity(tmp_path, granularity):
+    meta = make_meta(granularity)
+    rows, sampled = teacher_rows(40)
+    record = record_from_logprobs(meta, rows, sampled)
+    LogitCache(tmp_path).open_teacher(meta).put("traj-1", record)
+
+    back = LogitCache(tmp_path).open_teacher(meta).get("traj-1")  # a fresh reader
+    assert np.abs(back.sampled_logp - rows[torch.arange(40), sampled].numpy()).max() <= FIXED_POINT_ERROR
+    if granularity == "sampled":
+        return
+    if granularity == "full":
+        assert back.logp.shape == (40, VOCAB)
+        exact = rows.numpy()
+    else:
+        assert (back.ids == record.ids).all() and (back.offsets == record.offsets).all()
+        exact = record.logp
+        kept = np.add.reduceat(np.exp(exact.astype(np.float64)), record.offsets[:-1])
+        assert np.allclose(record.tail_mass, 1 - kept, atol=1e-5)
+        relative = np.abs(np.log(back.tail_mass) - np.log(record.tail_mass))
+        assert relative[record.tail_mass > 1e-20].max() <= FIXED_POINT_ERROR
+    above_floor = exact >= -48.0  # deeper logprobs read back as the floor, -48.05
+    bound = LOGP_HALF_STEP[quantise_logp(exact)]
+    assert (np.abs(back.logp - exact) <= bound + 1e-6)[above_floor].all()
+
+
+def test_top_p_keeps_a_ragged_nucleus_per_position(tmp_path):
+    meta = make_meta("top_p", p=0.9)
+    rows, sampled = teacher_rows(64, seed=3)
+    record = encode_top_p(rows, 0.9, sampled)
+    sizes = np.diff(record.offsets)
+    assert len(set(sizes.tolist())) > 5  # different support sizes per position
+    for position in range(64):
+        kept = record.logp[record.offsets[position] : record.offsets[position + 1]]
+        probabilities = np.sort(np.exp(kept.astype(np.float64)))
+        assert probabilities.sum() >= 0.9 - 1e-6 > probabilities[1:].sum()  # reaches p, and is the smallest set
+        assert (np.diff(record.ids[record.offsets[position] : record.offsets[position + 1]]) > 0).all()
+
+    teacher = LogitCache(tmp_path).open_teacher(meta)
+    teacher.put("traj-1", record)
+    back = teacher.get("traj-1")
+    assert (back.offsets == record.offsets).all() and (back.ids == record.ids).all()
+
+
+def test_top_p_rows_beyond_the_probe_get_a_full_sort():
+    rows = torch.log_softmax(torch.zeros(2, 2000), dim=-1)  # uniform: 0.90025 needs 1800.5 of 2000 ids
+    record = encode_top_p(rows, 0.90025, torch.tensor([0, 1]))
+    assert np.diff(record.offsets).tolist() == [1801, 1801]
+
+
+def test_put_rejects_a_record_that_does_not_fit_the_cache(tmp_path):
+    teacher = LogitCache(tmp_path).open_teacher(make_meta("top_k", k=16))
+    rows, sampled = teacher_rows(4)
+    with pytest.raises(ValueError, match="k=16"):
+        teacher.put("traj-1", encode_top_k(rows, 8, sampled))
+
+
+def test_concurrent_reader_only_sees_complete_records(tmp_path):
+    meta = make_meta("top_p")
+    writer = LogitCache(tmp_path).open_teacher(meta)
+    reader = LogitCache(tmp_path).open_teacher(meta)
+    rng, expected = np.random.default_rng(0), {}
+    for i in range(60):
+        record = ragged_record(rng, n=20 + i % 7)
+        expected[f"traj-{i}"] = (record, from_streams(meta, record.n_positions, to_streams(meta, record)))
+    checked, listed_counts, failures, done = set(), [], [], threading.Event()
+
+    def write():
+        for traj_id, (record, _) in expected.items():
+            writer.put(traj_id, record)
+        done.set()
+
+    def read():
+        while True:
+            finished = done.is_set()
+            listed = reader.traj_ids()
+            listed_counts.append(len(listed))
+            for traj_id in set(listed) - checked:
+                got, want = reader.get(traj_id), expected[traj_id][1]
+                if not (np.array_equal(got.ids, want.ids) and np.array_equal(got.logp, want.logp)
+                        and np.array_equal(got.tail_mass, want.tail_mass)):
+                    failures.append(traj_id)
+                checked.add(traj_id)
+            if finished:
+                return
+            time.sleep(0.001)  # a trainer does work between reads; a spinning thread would starve the writer
+
+    threads = [threading.Thread(target=write), threading.Thread(target=read)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not failures and len(checked) == 60
+    assert any(0 < count < 60 for count in listed_counts)  # the reader read while the writer wrote
+
+
+READER_PROCESS = """
+import sys, time, numpy as np
+from cache import CacheMeta, LogitCache
+meta = CacheMeta("reasoning-rl", "ckpt-1", 384, "tok-1", "top_k", k=4)
+teacher, seen = LogitCache(sys.argv[1]).open_teacher(meta), set()
+while len(seen) < 40:
+    for traj_id in set(teacher.traj_ids()) - seen:
+        i, got = int(traj_id.split("-")[1]), teacher.get(traj_id)
+        assert got.n_positions == 10 + i and (got.sampled_logp == -(i + 1) / 8).all(), traj_id
+        assert (got.ids.reshape(-1, 4) == np.arange(4) * 7 + i).all(), traj_id
+        seen.add(traj_id)
+    time.sleep(0.001)
+print(len(seen))
+"""
+
+
+def test_reader_in_another_process_only_sees_complete_records(tmp_path):
+    meta = make_meta("top_k", k=4)
+    writer = LogitCache(tmp_path).open_teacher(meta)
+    reader = subprocess.Popen([sys.executable, "-c", READER_PROCESS, str(tmp_path)], stdout=subprocess.PIPE,
+                              cwd=Path(__file__).resolve().parents[1], text=True)
+    for i in range(40):
+        n = 10 + i
+        writer.put(f"traj-{i}", TeacherRecord(
+            sampled_logp=np.full(n, -(i + 1) / 8, np.float32),
+            ids=np.tile(np.arange(4) * 7 + i, n),
+            logp=np.full(4 * n, -2.0, np.float32),
+            offsets=np.arange(n + 1) * 4,
+            tail_mass=np.full(n, 0.5, np.float32),
+        ))
+    output, _ = reader.communicate(timeout=60)
+    assert reader.returncode == 0 and output.strip() == "40"
+
+
+def big_top_k_teacher(tmp_path: Path) -> tuple[LogitCache, CacheMeta]:
+    """One record whose logp codes fill exactly one 2**17-element chunk, so any damaged byte is its own."""
+    meta = make_meta("top_k", k=64)
+    rows, sampled = teacher_rows(2048, seed=5)
+    LogitCache(tmp_path).open_teacher(meta).put("traj-big", encode_top_k(rows, 64, sampled))
+    return LogitCache(tmp_path), meta
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_chunk_is_detected_reported_and_recoverable(tmp_path, capsys, damage):
+    cache, meta = big_top_k_teacher(tmp_path)
+    teacher = cache.open_teacher(meta)
+    [chunk] = chunk_files(teacher.path, "logp")
+    data = bytearray(chunk.read_bytes())
+    if damage == "flip":
+        for offset in range(len(data) // 2, len(data) // 2 + 64):
+            data[offset] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+    elif damage == "truncate":
+        chunk.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        chunk.unlink()
+
+    with pytest.raises(CorruptRecordError) as raised:
+        teacher.get("traj-big")
+    assert raised.value.traj_ids == ["traj-big"]
+    with pytest.raises(CorruptRecordError):
+        teacher.get_many(["traj-big"])
+    ok, problems = verify(tmp_path)
+    assert not ok and "traj-big" in problems[0]
+    assert main(["verify", str(tmp_path)]) == 1
+    assert json.loads(capsys.readouterr().out)["ok"] is False
+
+    teacher.invalidate("traj-big")
+    assert "traj-big" not in teacher
+    rows, sampled = teacher_rows(8, seed=6)
+    teacher.put("traj-big", encode_top_k(rows, 64, sampled))
+    assert teacher.get("traj-big").n_positions == 8
+    assert main(["verify", str(tmp_path)]) == 0
+
+
+def test_get_many_names_every_corrupt_trajectory(tmp_path):
+    cache, meta = big_top_k_teacher(tmp_path)
+    teacher = cache.open_teacher(meta)
+    rows, sampled = teacher_rows(4, seed=2)
+    teacher.put("traj-small", encode_top_k(rows, 64, sampled))  # shares chunk 0 of sampled_logp with traj-big
+    for chunk in chunk_files(teacher.path, "sampled_logp"):
+        chunk.write_bytes(chunk.read_bytes()[:20])
+    with pytest.raises(CorruptRecordError) as raised:
+        teacher.get_many(["traj-big", "traj-small"])
+    assert raised.value.traj_ids == ["traj-big", "traj-small"]
+    assert sorted(teacher.verify()) == ["traj-big", "traj-small"]
+    report = gc(tmp_path)["teachers"]["reasoning-rl"]
+    assert sorted(report["corrupt_records_dropped"]) == ["traj-big", "traj-small"]
+    assert len(teacher) == 0 and verify(tmp_path) == (True, [])
+
+
+def test_damaged_index_line_is_reported_and_never_used(tmp_path):
+    meta = make_meta()
+    teacher = LogitCache(tmp_path).open_teacher(meta)
+    rows, sampled = teacher_rows(4)
+    teacher.put("traj-1", encode_top_k(rows, 16, sampled))
+    teacher.put("traj-2", encode_top_k(rows, 16, sampled))
+    index = teacher.path / "index.log"
+    lines = index.read_bytes().splitlines(keepends=True)
+    index.write_bytes(lines[0].replace(b"traj-1", b"traj-X") + lines[1])
+
+    reader = LogitCache(tmp_path).open_teacher(meta)
+    assert reader.traj_ids() == ["traj-2"]
+    assert verify(tmp_path) == (False, ["reasoning-rl: index line 1 fails its checksum; its record is lost"])
+
+
+@pytest.mark.parametrize(
+    "field, value", [("checkpoint_hash", "ckpt-2"), ("vocab_size", VOCAB + 1), ("tokenizer_hash", "tok-2")]
+)
+def test_cache_of_another_teacher_identity_is_refused(tmp_path, field, value):
+    LogitCache(tmp_path).open_teacher(make_meta())
+    with pytest.raises(CacheMismatchError) as raised:
+        LogitCache(tmp_path).open_teacher(make_meta(**{field: value}))
+    assert raised.value.field == field
+    assert raised.value.differences == {field: (getattr(make_meta(), field), value)}
+    assert field in str(raised.value) and repr(value) in str(raised.value)
+
+
+def test_gc_removes_uncommitted_data_and_a_torn_index_line(tmp_path, monkeypatch):
+    meta = make_meta("top_k", k=64)
+    teacher = LogitCache(tmp_path).open_teacher(meta)
+    rows, sampled = teacher_rows(16, seed=1)
+    committed = encode_top_k(rows, 64, sampled)
+    teacher.put("traj-committed", committed)
+
+    def crash(self, entries):
+        raise OSError("writer died before committing")
+
+    big_rows, big_sampled = teacher_rows(4096, seed=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(_CommitLog, "append", crash)
+        with pytest.raises(OSError):
+            teacher.put("traj-lost", encode_top_k(big_rows, 64, big_sampled))
+    assert len(chunk_files(teacher.path, "logp")) == 3  # chunks 1 and 2 hold only uncommitted data
+    with open(teacher.path / "index.log", "ab") as index:
+        index.write(b"0badc0de {\"id\": \"traj-torn")
+    (teacher.path / "logp" / "c" / "7.abc.partial").write_bytes(b"x" * 100)
+    assert teacher.traj_ids() == ["traj-committed"]
+
+    report = gc(tmp_path)
+    freed = report["teachers"]["reasoning-rl"]
+    assert freed["chunks_removed"] >= 2 and freed["bytes_freed"] > 100 and report["bytes_freed"] >= freed["bytes_freed"]
+    assert [path.name for path in chunk_files(teacher.path, "logp")] == ["0"]
+    assert (teacher.path / "index.log").read_bytes().endswith(b"\n")
+    assert (teacher.get("traj-committed").ids == committed.ids).all()
+    teacher.put("traj-after", committed)
+    assert verify(tmp_path) == (True, [])
+
+
+def test_inspect_reports_size_tokens_and_granularity(tmp_path, capsys):
+    teacher = LogitCache(tmp_path).open_teacher(make_meta("top_p"))
+    for i in range(3):
+        rows, sampled = teacher_rows(10, seed=i)
+        teacher.put(f"traj-{i}", encode_top_p(rows, 0.9, sampled))
+    stats = inspect(tmp_path)["teachers"]["reasoning-rl"]
+    assert (stats["records"], stats["tokens"], stats["granularity"], stats["p"]) == (3, 30, "top_p", 0.9)
+    assert stats["bytes_on_disk"] > 0 and stats["bytes_per_token"] == stats["bytes_on_disk"] / 30
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["teachers"]["reasoning-rl"]["records"] == 3
+    assert main(["inspect"]) == 2
+    assert main(["verify", str(tmp_path / "missing")]) == 2
+
+
+def test_teacher_names_become_safe_directories_and_records_can_be_replaced(tmp_path):
+    meta = make_meta("sampled", teacher="Qwen/Qwen3-8B")
+    teacher = LogitCache(tmp_path).open_teacher(meta)
+    teacher.put("traj-1", TeacherRecord(sampled_logp=np.array([-0.5, -2.0], np.float32)))
+    teacher.put("traj-1", TeacherRecord(sampled_logp=np.array([-1.0], np.float32)))
+    assert teacher.path.name == "Qwen%2FQwen3-8B"
+    assert LogitCache(tmp_path).teachers() == {"Qwen/Qwen3-8B": meta}
+    assert teacher.get("traj-1").sampled_logp.tolist() == [-1.0] and len(teacher) == 1
+    with pytest.raises(KeyError):
+        teacher.get("traj-2")
