@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.policy_lr=1e-5 stages.reasoning.steps=5")
     run.add_argument("--run-dir", help="run directory (default: runs/<timestamp>-<config name>)")
     run.set_defaults(func=_cmd_run)
+    from .audit import add_audit_parser
+
+    add_audit_parser(sub)
     return parser
 
 
@@ -40,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    from .gate import GateFailure
+
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command == "run" and all("=" in e and not e.startswith("-") for e in extra):
@@ -52,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"opd-sao {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except GateFailure as err:  # a stage stopped by its consistency gate: the report, not a traceback
+        print(f"opd-sao {args.command}: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

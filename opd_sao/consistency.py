@@ -53,8 +53,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     out = torch.empty(n, dtype=torch.float32, device=hidden.device)
     hidden = hidden.to(weight.dtype)
     nucleus = (top_p < 1.0) if top_p is not None else torch.zeros(n, dtype=torch.bool, device=hidden.device)
-    plain = (~nucleus).nonzero().squeeze(-1)
-    for block in plain.split(row_block):
+    for block in _blocks(~nucleus, row_block):
         h, t, temp = hidden[block], targets[block], temperature[block].float().unsqueeze(-1)
         lse = torch.full((len(block),), float("-inf"), device=hidden.device)
         picked = torch.empty(len(block), device=hidden.device)
@@ -65,11 +64,17 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
             picked[inside] = logits[inside, t[inside] - start]
         out[block] = picked - lse
     rows_per_block = max(1, row_block * vocab_chunk // vocab)
-    for block in nucleus.nonzero().squeeze(-1).split(rows_per_block):
+    for block in _blocks(nucleus, rows_per_block):
         logits = _logits(hidden[block], weight, bias, 0, vocab)
         logp = nucleus_logprobs(logits, temperature[block].float(), top_p[block].float())
         out[block] = logp.gather(-1, targets[block].unsqueeze(-1)).squeeze(-1)
     return out
+
+
+def _blocks(rows: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+    """Indices of the True rows, `size` at a time."""
+    index = rows.nonzero().squeeze(-1)
+    return index.split(size) if len(index) else ()
 
 
 def _logits(h, weight_chunk, bias, start, width) -> torch.Tensor:
@@ -312,8 +317,7 @@ def check(trajectories: list[Trajectory], model, *, version: int, eps_low: float
     alone=True is the deterministic-mode checker (`alone_logprobs`); otherwise the chunked one.
     """
     errors = version_errors(trajectories, version)
-    wrong = {e["traj_id"] for e in errors}
-    compared = [t for t in trajectories if t.traj_id not in wrong and t.num_action_tokens]
+    compared = [t for t in trajectories if t.num_action_tokens and not version_errors([t], version)]
     report = ConsistencyReport(version, "alone" if alone else "chunked", eps_low, eps_high,
                                sequences=len(compared), tokens=0, version_errors=errors, trajectories=compared)
     if not compared:

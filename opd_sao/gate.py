@@ -8,6 +8,7 @@ the stage with `GateFailure`: the numbers and the likely cause, found by experim
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -233,24 +234,26 @@ class ConsistencyGate:
         self.evaluations: list[dict] = []
         self._last_version: Optional[int] = None
 
-    def run(self, phase: str, *, step: Optional[int] = None, sync: Optional[Callable[[], None]] = None) -> None:
+    def run(self, phase: str, *, step: Optional[int] = None, sync: Optional[Callable[[], None]] = None,
+            engine: Optional[RolloutEngine] = None) -> None:
         """One evaluation ("start", "step" or "final"); `sync` pushes the trainer's weights to the engine first."""
         if not self.cfg.enabled:
             return
         if sync is not None:
             sync()
+        engine = engine or self.engine
         version = self.backend.policy_version
         with torch.no_grad():
-            trajs = run_episodes(self.engine, self.make_probe())
+            trajs = run_episodes(engine, self.make_probe())
         model = self.backend.policy_model
         report = check(trajs, model, version=version, eps_low=self.eps_low, eps_high=self.eps_high,
                        alone=self.deterministic)
         reasons = over_threshold(report, self.cfg.mean_abs_diff, self.cfg.p99_abs_diff)
         entry = {"phase": phase, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "passed": not reasons,
-                 "engine_version": self.engine.version, **report.to_dict()}
+                 "engine_version": engine.version, **report.to_dict()}
         self._last_version = version
         if reasons:
-            diagnosis = diagnose(report, model, self.engine, mean_abs_diff=self.cfg.mean_abs_diff,
+            diagnosis = diagnose(report, model, engine, mean_abs_diff=self.cfg.mean_abs_diff,
                                  p99_abs_diff=self.cfg.p99_abs_diff, engine_dtype=self.engine_dtype)
             entry.update(reasons=reasons, diagnosis=asdict(diagnosis))
         self.evaluations.append(entry)
@@ -264,7 +267,9 @@ class ConsistencyGate:
         version = self.backend.policy_version
         due = self.cfg.every and (self._last_version is None or version - self._last_version >= self.cfg.every)
         if due and self.engine.version == version:
-            self.run("step", step=step)
+            # The rollout worker is still generating: the probe runs on a shallow copy of the engine (same
+            # weights, lock and version; its own batch state), so neither disturbs the other's batch.
+            self.run("step", step=step, engine=copy.copy(self.engine))
 
     def summary(self) -> dict:
         """For summary.json: passed, and the numbers of the last evaluation (the one before promotion)."""
@@ -279,6 +284,7 @@ class ConsistencyGate:
         data = {"stage": self.stage,
                 "thresholds": {"mean_abs_diff": self.cfg.mean_abs_diff, "p99_abs_diff": self.cfg.p99_abs_diff},
                 "deterministic": self.deterministic, "evaluations": self.evaluations, "result": self.summary()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(data, indent=2))
         os.replace(tmp, self.path)

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from opd_sao.engines import build_engine
 from opd_sao.engines.base import SamplingParams
 from opd_sao.evaluation import evaluate
+from opd_sao.gate import ConsistencyGate, probe_episodes
 from opd_sao.learner import Learner, needs_critic
 from opd_sao.rl_loop import RLLoop
 from opd_sao.rollout import Episode
@@ -69,15 +70,24 @@ class RLStage(Stage):
                             max_context_tokens=cfg.rollout.max_context_tokens, group=group)
                     for _ in range(cfg.rollout.group_size)]
 
+        gate = ConsistencyGate(cfg.gate, stage=cfg.name, out_dir=self.dir, engine=engine, backend=backend,
+                               make_probe=lambda: probe_episodes(env_factory, tok, cfg.rollout, domain=cfg.env,
+                                                                 n=cfg.gate.probe_size, seed=run.seed),
+                               eps_low=cfg.sao.eps_low, eps_high=cfg.sao.eps_high,
+                               deterministic=run.engine.deterministic)
         with self._progress(cfg.steps, algo) as bar:
             loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes, rollout=cfg.rollout,
                           train_batch_size=trainer_cfg.train_batch_size, pad_id=tok.pad_token_id,
                           logger=MetricsLogger(self.dir / "metrics.jsonl", stage=cfg.name, wandb_run=self.ctx.wandb_run),
-                          trained_log=self.dir / "trained.jsonl", slowdown_s=trainer_cfg.slowdown_s, progress=bar)
+                          trained_log=self.dir / "trained.jsonl", slowdown_s=trainer_cfg.slowdown_s, progress=bar,
+                          after_step=gate.after_step)
+            gate.run("start", sync=loop.sync_weights)
             history = loop.run(cfg.steps)
+            gate.run("final", sync=loop.sync_weights)  # before the checkpoint is promoted
         checkpoint = backend.export_policy(self.dir / "checkpoint", tok)
         engine.close()
-        summary = {"algo": algo, "steps": len(history), "start_checkpoint": str(start), "train": _train_summary(history)}
+        summary = {"algo": algo, "steps": len(history), "start_checkpoint": str(start), "train": _train_summary(history),
+                   "gate": gate.summary()}
         if eval_init is not None:
             summary["eval_init"] = {cfg.env: eval_init}
         return StageResult(checkpoint, summary, start_checkpoint=start)

@@ -167,9 +167,15 @@ class EmbeddedEngine(RolloutEngine):
 
     @torch.no_grad()
     def _rescore_alone(self, seq: _Sequence) -> list[float]:
-        """Deterministic mode: the logprobs the trainer's kernel gives this sequence alone, unpadded."""
+        """Deterministic mode: the logprobs the trainer's kernel gives this sequence alone, unpadded.
+
+        If the weights changed since the sequence was sampled, its sampled logprobs stand: rescoring with
+        newer weights would label them with a version that did not compute them.
+        """
         ids = torch.tensor([seq.request.prompt_ids + seq.token_ids])
         with self._lock:
+            if self._version != seq.versions[0]:
+                return seq.logprobs
             logp = sequence_logprobs(self.model, ids, torch.ones_like(ids), seq.request.params.temperature)
         return logp[0, len(seq.request.prompt_ids):].tolist()
 

@@ -1,0 +1,300 @@
+"""Consistency checker, gate and audit (SPEC 5).
+
+The math is checked against numbers worked out by hand or against the full-softmax definition; each
+fault is injected from outside the engine and must be caught by the gate with the right diagnosis.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+import yaml
+
+from opd_sao.cli import main
+from opd_sao.config import GateConfig, RolloutConfig, TrainerConfig
+from opd_sao.consistency import (action_spans, check, chunked_token_logprobs, kl_estimators, position_buckets,
+                                 version_errors)
+from opd_sao.engines.embedded import EmbeddedEngine
+from opd_sao.gate import ConsistencyGate, GateFailure, probe_episodes
+from opd_sao.modeling import nucleus_logprobs
+from opd_sao.models import load_causal_lm, save_checkpoint
+from opd_sao.trainers.torch_backend import TorchTrainer
+from opd_sao.trajectory import Trajectory, collate
+from stages.envs import ENVIRONMENTS
+
+ENV = ENVIRONMENTS.get("arithmetic")
+ROLLOUT = RolloutConfig(max_new_tokens=6)
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
+
+
+# ----------------------------------------------------------------------------
+# the math
+# ----------------------------------------------------------------------------
+
+def test_chunked_logprobs_equal_the_full_softmax_and_the_nucleus():
+    g = torch.Generator().manual_seed(0)
+    hidden, weight, bias = torch.randn(10, 8, generator=g), torch.randn(37, 8, generator=g), torch.randn(37, generator=g)
+    targets = torch.randint(0, 37, (10,), generator=g)
+    temperature = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.7, 1.0, 1.3, 1.0, 1.0, 0.9])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 1.0, 0.5, 1.0, 1.0, 0.99, 1.0])
+    logits = hidden @ weight.T + bias
+    full = torch.log_softmax(logits / temperature[:, None], -1).gather(-1, targets[:, None]).squeeze(-1)
+    nucleus = nucleus_logprobs(logits, temperature, top_p).gather(-1, targets[:, None]).squeeze(-1)
+    expected = torch.where(top_p < 1, nucleus, full)
+    # chunks that do not divide V, blocks that do not divide N
+    got = chunked_token_logprobs(hidden, weight, targets, temperature, top_p, bias=bias, vocab_chunk=5, row_block=3)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert torch.allclose(chunked_token_logprobs(hidden, weight, targets, temperature, bias=bias), full, atol=1e-5)
+
+
+def test_kl_estimators_by_hand():
+    # delta = log pi_train - log pi_rollout = [0, ln 2]; r = [1, 2]
+    # k1 = mean(-delta) = -ln2 / 2 = -0.34657; k3 = mean((r - 1) - delta) = (0 + 1 - ln 2) / 2 = 0.15343
+    k1, k3 = kl_estimators(torch.tensor([0.0, math.log(2)]))
+    assert k1 == pytest.approx(-0.346574, abs=1e-6) and k3 == pytest.approx(0.153426, abs=1e-6)
+    assert kl_estimators(torch.zeros(4)) == (0.0, 0.0)
+
+
+def test_position_buckets_and_action_spans():
+    assert position_buckets(5) == [(0, 1), (1, 2), (2, 4), (4, 8)]
+    assert action_spans([0, 1, 1, 0, 1]) == [(1, 3), (4, 5)]
+
+
+def test_version_errors_are_not_drift():
+    good = Trajectory("a", "d", [1, 2], [3, 4], [1, 1], [-1.0, -2.0], [3, 3])
+    mixed = Trajectory("b", "d", [1, 2], [3, 9, 4], [1, 0, 1], [-1.0, 0.0, -2.0], [2, -1, 3])
+    assert version_errors([good, mixed], 3) == [{"traj_id": "b", "rollout_versions": [2, 3], "trainer_version": 3}]
+
+
+# ----------------------------------------------------------------------------
+# engines against the trainer
+# ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def peaked_dir(tiny_model_dir, tokenizer, tmp_path_factory):
+    """The tiny model with larger weights: a peaked next-token distribution, as a trained model has
+    (at init every distribution is nearly uniform and no fault would show)."""
+    model = load_causal_lm(tiny_model_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    return save_checkpoint(model, tokenizer, tmp_path_factory.mktemp("peaked") / "checkpoint")
+
+
+def _engine(path, tokenizer, dtype="float32", **kw):
+    return EmbeddedEngine(load_causal_lm(path, dtype), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, **kw)
+
+
+def _gate(engine, backend, tokenizer, tmp_path, deterministic=False, **thresholds):
+    return ConsistencyGate(GateConfig(**thresholds), stage="probe", out_dir=tmp_path, engine=engine, backend=backend,
+                           make_probe=lambda: probe_episodes(ENV, tokenizer, ROLLOUT, domain="arithmetic", n=8, seed=0),
+                           eps_low=0.3, eps_high=5.0, deterministic=deterministic)
+
+
+def _trainer(path, lr=1e-4):
+    return TorchTrainer(path, TrainerConfig(policy_lr=lr), with_critic=False)
+
+
+def _fails(gate, phase="start"):
+    with pytest.raises(GateFailure) as err:
+        gate.run(phase)
+    last = json.loads(gate.path.read_text())["evaluations"][-1]
+    assert last["passed"] is False and json.loads(gate.path.read_text())["result"]["passed"] is False
+    return str(err.value), last["diagnosis"]
+
+
+def test_fp32_engine_passes_and_deterministic_mode_is_exact(peaked_dir, tokenizer, tmp_path):
+    trainer = _trainer(peaked_dir)
+    gate = _gate(_engine(peaked_dir, tokenizer), trainer, tokenizer, tmp_path / "fp32")
+    gate.run("start")
+    batched = gate.evaluations[-1]
+    assert batched["passed"] and batched["sequences"] == 8 and batched["mean_abs_diff"] < 1e-5
+    assert batched["mask_fraction"] == 0.0 and batched["ratio_min"] <= 1 <= batched["ratio_max"]
+    assert sum(row["tokens"] for row in batched["drift_by_position"]) == batched["tokens"] > 8
+
+    gate = _gate(_engine(peaked_dir, tokenizer, deterministic=True), trainer, tokenizer, tmp_path / "det",
+                 deterministic=True)
+    gate.run("start")
+    exact = gate.evaluations[-1]
+    assert exact["mode"] == "alone" and exact["sequences"] == 8 and exact["mean_abs_diff"] <= 1e-7
+    assert gate.summary() == {"passed": True, "mean_abs_diff": exact["mean_abs_diff"],
+                              "p99_abs_diff": exact["p99_abs_diff"], "evaluations": 1}
+
+
+def _step_once(trainer, tokenizer):
+    """One policy step on a probe batch, so the trainer's weights (and version) move on."""
+    trajs = [e.traj for e in probe_episodes(ENV, tokenizer, ROLLOUT, domain="arithmetic", n=4, seed=1)]
+    for t in trajs:
+        t.append(tokenizer.encode("12", add_special_tokens=False), action=True, logp=[0.0, 0.0], versions=[0, 0])
+    batch = collate(trajs, tokenizer.pad_token_id)
+    logp = trainer.policy_logprobs(batch, 1.0, grad=True)
+    trainer.step_policy(-(logp * batch.action_mask).sum() / batch.action_mask.sum())
+
+
+def test_missed_weight_sync_is_a_version_error(peaked_dir, tokenizer, tmp_path):
+    trainer = _trainer(peaked_dir, lr=1e-2)
+    _step_once(trainer, tokenizer)  # the trainer is at version 1; the engine never heard of it
+    message, diagnosis = _fails(_gate(_engine(peaked_dir, tokenizer), trainer, tokenizer, tmp_path))
+    assert diagnosis["cause"] == "version_skew" and "version(s) [0]" in message and "trainer is at version 1" in message
+
+
+def test_stale_weights_under_a_new_version_number(peaked_dir, tokenizer, tmp_path):
+    trainer = _trainer(peaked_dir, lr=1e-2)
+    old = trainer.policy_state_dict()
+    _step_once(trainer, tokenizer)
+    engine = _engine(peaked_dir, tokenizer)
+    engine.update_weights(old, trainer.policy_version)  # claims version 1, keeps version 0's weights
+    message, diagnosis = _fails(_gate(engine, trainer, tokenizer, tmp_path))
+    assert diagnosis["cause"] == "version_skew" and "stale weights" in diagnosis["explanation"]
+    assert diagnosis["evidence"]["weight_max_abs_diff"] > 1e-3 and "Likely cause: version_skew" in message
+
+
+class HotEngine(EmbeddedEngine):
+    """Samples at half the temperature every request asks for (and the trajectory records)."""
+
+    def generate(self, requests, on_result):
+        asked = {}
+
+        def halved():
+            for r in requests:
+                if r is not None:
+                    hot = dataclasses.replace(r, params=dataclasses.replace(r.params, temperature=r.params.temperature / 2))
+                    asked[id(hot)] = r
+                    r = hot
+                yield r
+        super().generate(halved(), lambda res: on_result(dataclasses.replace(res, request=asked.pop(id(res.request)))))
+
+
+def test_engine_sampling_at_another_temperature(peaked_dir, tokenizer, tmp_path):
+    engine = HotEngine(load_causal_lm(peaked_dir), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    _, diagnosis = _fails(_gate(engine, _trainer(peaked_dir), tokenizer, tmp_path))
+    assert diagnosis["cause"] == "temperature" and "[0.5]" in diagnosis["explanation"]
+
+
+def test_bf16_engine_against_fp32_trainer(peaked_dir, tokenizer, tmp_path):
+    gate = _gate(_engine(peaked_dir, tokenizer, "bfloat16"), _trainer(peaked_dir), tokenizer, tmp_path,
+                 mean_abs_diff=1e-4, p99_abs_diff=1e-3)
+    message, diagnosis = _fails(gate)
+    assert diagnosis["cause"] == "dtype" and diagnosis["evidence"]["weight_max_abs_diff"] == 0.0
+    assert "bfloat16" in message and "float32" in message
+
+
+def _ignore_padding(module):
+    """A model path that drops the attention mask and position ids, so it attends to padding: harmless
+    unpadded or right-padded, wrong for left-padded rows. (Dropping the mask alone is not enough:
+    transformers then infers sequence boundaries from the position ids.)"""
+    forward = module.forward
+    module.forward = lambda *args, attention_mask=None, position_ids=None, **kw: forward(*args, **kw)
+
+
+def test_engine_that_ignores_padding(peaked_dir, tokenizer, tmp_path):
+    engine = _engine(peaked_dir, tokenizer)
+    _ignore_padding(engine.model)
+    _, diagnosis = _fails(_gate(engine, _trainer(peaked_dir), tokenizer, tmp_path))
+    assert diagnosis["cause"] == "padding" and "one at a time" in diagnosis["explanation"]
+    assert diagnosis["evidence"]["trainer_left_vs_right_padding_mean_abs_diff"] < 1e-5
+
+
+def test_model_code_that_ignores_padding_left_vs_right(peaked_dir, tokenizer, tmp_path):
+    engine, trainer = _engine(peaked_dir, tokenizer), _trainer(peaked_dir)
+    for model in (engine.model, trainer.policy_model):  # the bug is in the model code both load
+        _ignore_padding(model.get_decoder())
+    _, diagnosis = _fails(_gate(engine, trainer, tokenizer, tmp_path))
+    assert diagnosis["cause"] == "padding" and "left- than for right-padded" in diagnosis["explanation"]
+
+
+def test_after_step_gates_every_n_policy_versions(peaked_dir, tokenizer, tmp_path):
+    trainer, engine = _trainer(peaked_dir), _engine(peaked_dir, tokenizer)
+    gate = _gate(engine, trainer, tokenizer, tmp_path, every=2)
+    gate.run("start")
+    for step, version in enumerate([1, 2, 3]):  # weights unchanged, versions advance and are synced
+        trainer.policy_version = version
+        engine.update_weights(trainer.policy_state_dict(), version)
+        gate.after_step(step)
+    assert [(e["phase"], e["trainer_version"]) for e in gate.evaluations] == [("start", 0), ("step", 2)]
+    trainer.policy_version = 4  # due, but the engine is not at the trainer's version: wait for the sync
+    gate.after_step(3)
+    assert len(gate.evaluations) == 2
+
+
+def test_checker_reports_version_errors_separately(peaked_dir, tokenizer):
+    engine = _engine(peaked_dir, tokenizer)
+    from opd_sao.rollout import run_episodes
+
+    trajs = run_episodes(engine, probe_episodes(ENV, tokenizer, ROLLOUT, domain="arithmetic", n=4, seed=0))
+    trajs[0].versions = [7 if m else -1 for m in trajs[0].action_mask]
+    report = check(trajs, load_causal_lm(peaked_dir), version=0)
+    assert [e["traj_id"] for e in report.version_errors] == [trajs[0].traj_id]
+    assert report.sequences == 3 and report.tokens == sum(t.num_action_tokens for t in trajs[1:])
+    assert report.mean_abs_diff < 1e-5
+
+
+# ----------------------------------------------------------------------------
+# stages and the audit, end to end
+# ----------------------------------------------------------------------------
+
+def _run_config(tmp_path, *, engine: dict, gate: dict) -> str:
+    stage = {"name": "reasoning", "kind": "reasoning", "env": "arithmetic", "env_options": {"max_operand": 9},
+             "algo": "running_mean", "steps": 2, "rollout": {"max_new_tokens": 4}, "eval": {"num_tasks": 4},
+             "gate": {"probe_size": 4, **gate}}
+    cfg = {"seed": 1, "model": {"tiny": TINY}, "engine": engine, "logging": {"wandb": False, "progress": False},
+           "trainer": {"train_batch_size": 4}, "stages": [stage]}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_stage_gates_then_deterministic_audit_of_its_checkpoint(tmp_path, capsys):
+    config = _run_config(tmp_path, engine={"deterministic": True}, gate={"every": 1})
+    assert main(["run", config, "--run-dir", str(tmp_path / "run")]) == 0
+    stage_dir = tmp_path / "run" / "stages" / "reasoning"
+    summary = json.loads((stage_dir / "summary.json").read_text())
+    assert summary["gate"]["passed"] is True and summary["gate"]["mean_abs_diff"] <= 1e-7
+    phases = [e["phase"] for e in json.loads((stage_dir / "gate.json").read_text())["evaluations"]]
+    assert phases[0] == "start" and phases[-1] == "final" and "step" in phases
+
+    out = tmp_path / "audit"
+    assert main(["audit", str(stage_dir / "checkpoint"), "--deterministic", "--out", str(out), "--prompts", "8",
+                 "--max-new-tokens", "6"]) == 0
+    audit = json.loads((out / "audit.json").read_text())
+    assert audit["passed"] is True and audit["tokens"] > 0 and audit["mean_abs_diff"] <= 1e-7
+    assert {"max_abs_diff", "p99_abs_diff", "k1_kl", "k3_kl", "mask_fraction"} <= set(audit)
+    assert (out / "audit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "audit passed" in capsys.readouterr().out
+
+
+def test_gate_failure_stops_the_pipeline_with_a_clear_error(tmp_path, capsys):
+    config = _run_config(tmp_path, engine={"dtype": "bfloat16"}, gate={"mean_abs_diff": 1e-6, "p99_abs_diff": 1e-5})
+    assert main(["run", config, "--run-dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "consistency gate failed for stage 'reasoning' at start" in err and "dtype" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    stage_dir = tmp_path / "run" / "stages" / "reasoning"
+    assert not (stage_dir / "checkpoint").exists() and not (tmp_path / "run" / "summary.json").exists()
+    assert json.loads((stage_dir / "gate.json").read_text())["result"]["passed"] is False
+
+
+def test_audit_over_threshold_exits_nonzero(peaked_dir, tmp_path, capsys):
+    out = tmp_path / "audit"
+    assert main(["audit", str(peaked_dir), "--dtype", "bfloat16", "--threshold-mean", "1e-4", "--out", str(out),
+                 "--prompts", "4", "--max-new-tokens", "4"]) == 1
+    audit = json.loads((out / "audit.json").read_text())
+    assert audit["passed"] is False and audit["diagnosis"]["cause"] == "dtype"
+    assert "likely cause: dtype" in capsys.readouterr().out
+
+
+def test_audit_user_errors(peaked_dir, tmp_path, capsys):
+    assert main(["audit", str(tmp_path / "nothing")]) == 2
+    assert main(["audit", str(peaked_dir), "--engine", "grpc://x"]) == 2
+    assert main(["audit", str(peaked_dir), "--deterministic", "--dtype", "bfloat16"]) == 2
+    err = capsys.readouterr().err
+    assert "no config.json" in err and "must be 'embedded' or an http(s):// URL" in err and "needs --dtype float32" in err
+    if importlib.util.find_spec("opd_sao.engines.http") is None:
+        assert main(["audit", str(peaked_dir), "--engine", "http://127.0.0.1:9"]) == 2
+        assert "no HTTP rollout engine" in capsys.readouterr().err
