@@ -50,7 +50,9 @@ from zarr.storage import LocalStore
 
 from cache import CacheMeta, LogitCache, TeacherRecord, encode_full, encode_top_k, encode_top_p
 from cache.cli import inspect
-from cache.encoding import LOGP_DEPTHS, dequantise_logp, exp_golomb_encode, quantise_logp, to_streams
+from cache.encoding import (
+    LOGP_DEPTHS, dequantise_logp, exp_golomb_encode, from_streams, quantise_logp, to_streams,
+)
 from cache.store import COMPRESSORS, chunk_elements
 
 VOCAB = 151_936
@@ -247,6 +249,16 @@ def encoding_measurement(records: list[TeacherRecord]) -> dict:
         "ids_uint32_deltas_shuffle": round(sum(len(shuffle.encode(
             np.diff(rows, prepend=0, axis=1).astype(np.uint32))) for rows in ids) / tokens, 1),
     }
+    meta = CacheMeta("measure", "c", VOCAB, "t", "top_k", k=64)
+    streams = [to_streams(meta, record) for record in records]
+    noshuffle = Blosc("lz4", 5, Blosc.NOSHUFFLE)
+    report["ids_dictionary_slot_class_exp_golomb (chosen)"] = round(
+        sum(len(noshuffle.encode(s["ids"])) for s in streams) / tokens, 1)
+    kl = np.concatenate([bucketed_kl(record, from_streams(meta, record.n_positions, s).logp, record.tail_mass)
+                         for record, s in zip(records, streams)])
+    report["logp_sqrt_p_exp_golomb (chosen)"] = {
+        "bytes_per_token": round(sum(len(noshuffle.encode(s["logp"])) for s in streams) / tokens, 1),
+        "kl_error": float(kl.mean())}
     offsets = np.cumsum([0] + [len(record.logp) for record in records])
     for name, (codec, stored, decoded) in logp_options.items():
         kl = np.concatenate([bucketed_kl(record, decoded[start:end], record.tail_mass)

@@ -7,21 +7,31 @@ A record becomes up to five streams, each appended to a per-teacher zarr array b
 ``tail_mass``     uint16 [n]: the same fixed point applied to ``-log(tail)``, so the tail mass has a relative
                   error <= exp(1/2048) - 1 ~= 4.9e-4 for tails >= e^-64 (smaller tails read back as ~1.6e-28).
 ``row_len``       uint32 [n]: support size of each position (top_p only; top_k rows all hold k).
-``logp``          uint8 [total] (top_k, top_p) or [n * vocab] (full): index into ``LOGP_DEPTHS``, 256 levels of
-                  -logp. The spacing is 1/64 nats at logp = 0 and doubles every 2 ln 2 nats (step ~ p^-1/2, the
-                  spacing at which every level costs about the same KL), capped at 1/2 nats; the deepest level
-                  is -48.05. Error bound: |logp - decoded| <= ``LOGP_HALF_STEP[code]`` = half the step at the decoded
-                  level, i.e. <= 1/128 nats for logp >= -1.39, <= 1/32 for logp >= -4.16 and <= 1/4 everywhere
-                  down to -48 (below, p < 1.5e-21, it reads back as -48.05).
-``ids``           uint8 [bytes] (top_k, top_p): ids ascending within each position; gaps ``id - previous - 1``
-                  (the first id of a position as is) Exp-Golomb coded with the order that minimises the size.
-                  Byte 0 holds the order, then the unary prefixes, then the payload bits (LSB first).
-                  Lossless; ids must be < 2**32.
+``logp``          full: uint8 [n * vocab], index into ``LOGP_DEPTHS``, 256 levels of -logp. The spacing is 1/64
+                  nats at logp = 0 and doubles every 2 ln 2 nats, capped at 1/2 nats; the deepest level is -48.05.
+                  Error bound: |logp - decoded| <= ``LOGP_HALF_STEP[code]``, i.e. <= 1/128 nats for logp >= -1.39,
+                  <= 1/32 for logp >= -4.16 and <= 1/4 everywhere down to -48 (below, it reads back as -48.05).
+                  top_k / top_p: uint8 bytes. Each support probability is coded as q = round(sqrt(p) / step) with
+                  step = 1 / (16 * ceil(sqrt(L))) for a row of L entries (top-64: 1/128; top-16: 1/64; top-256:
+                  1/256). q >= 1 decodes to sqrt(p) = q * step, q = 0 (p < step^2 / 4) to sqrt(p) = step / sqrt(12).
+                  Error bound: |sqrt(p) - sqrt(decoded p)| <= step / 2 for every entry (p clipped to <= 1), so
+                  each entry adds at most ~2 (step/2)^2 and on average ~step^2 / 6 nats of KL: a row's expected
+                  KL error is ~L step^2 / 6 <= 6.5e-4 nats whatever L is (measured ~5e-4 for top-16/64/256).
+                  In logprob terms the step is ~2 / q nats: fine for probable tokens, coarse for p < 1e-4
+                  (whose KL weight is tiny). Codes are stored dictionary ids first (see ``ids``), Exp-Golomb
+                  coded with one order per class (row step, in/out of the dictionary).
+``ids``           uint8 bytes (top_k, top_p), lossless, ids < 2**32. Per record, a dictionary: the ids present
+                  in >= 10% (and >= 2) of its positions, ascending. Each row splits into the ids in the
+                  dictionary (coded as gaps between their dictionary ranks) and the others (gaps between ids);
+                  gaps are Exp-Golomb coded with one order per (part, place in the row in 64 classes), which
+                  tracks that gaps grow along a row. Sections, each with its orders coded first: dictionary
+                  size, dictionary gaps, per-row count of dictionary ids, rank gaps, other id gaps. Reads
+                  return ids ascending within each position, as written.
 
 What each step earns, measured for top-64 on Zipf-like synthetic teachers (docs/benchmarks_logit_cache.md): the
-gap code takes 75.7 bytes per position after lz4 (9.5 bits per id) against 90.4 for uint32 deltas under blosc
-shuffle; the logprob table 49.6 bytes at a KL error of 1.4e-4 nats, against 49.9 bytes at 5.7e-4 for a uniform
-256-level scale over the same range and 101.4 bytes for float16.
+ids take ~62 bytes per position against 75.7 for one Exp-Golomb order over plain gaps (format 1) and 90.4 for
+uint32 deltas; the sqrt(p) logprob codes ~30 bytes at a KL error of 5.0e-4 nats, against 49.6 bytes at 1.4e-4 for
+the 256-level table (format 1, still used for full) and 101.4 bytes for float16.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ import numpy as np
 
 from .records import CacheMeta, TeacherRecord
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 FIXED_POINT_SCALE = 1024  # codes per nat for sampled_logp and tail_mass
 FIXED_POINT_MAX_CODE = np.iinfo(np.uint16).max
@@ -41,6 +51,10 @@ FIXED_POINT_MAX_CODE = np.iinfo(np.uint16).max
 LOGP_FINEST_STEP = 1 / 64
 LOGP_COARSEST_STEP = 1 / 2
 LOGP_STEP_DOUBLING_NATS = 2 * math.log(2)
+SQRT_STEPS_PER_ROOT_LEN = 16  # a row of L entries gets sqrt(p) steps of 1 / (16 * ceil(sqrt(L)))
+N_SLOT_CLASSES = 64
+N_STEP_CLASSES = 18
+DICTIONARY_MIN_SHARE = 0.1  # ids in at least this share of a record's positions (and >= 2) form its dictionary
 
 
 def _logp_depths() -> np.ndarray:
@@ -77,12 +91,14 @@ ENCODING = {
     "row_len": {"dtype": "uint32", "code": "support size per position (top_p)"},
     "logp": {
         "dtype": "uint8",
-        "code": "nearest of 256 levels of -logp",
-        "finest_step": LOGP_FINEST_STEP,
-        "coarsest_step": LOGP_COARSEST_STEP,
-        "step_doubles_every_nats": LOGP_STEP_DOUBLING_NATS,
+        "full": {"code": "nearest of 256 levels of -logp", "finest_step": LOGP_FINEST_STEP,
+                 "coarsest_step": LOGP_COARSEST_STEP, "step_doubles_every_nats": LOGP_STEP_DOUBLING_NATS},
+        "support": {"code": "round(sqrt(p) / step), step = 1 / (s * ceil(sqrt(row_len))), per-class Exp-Golomb",
+                    "s": SQRT_STEPS_PER_ROOT_LEN},
     },
-    "ids": {"dtype": "uint8", "code": "ascending per position, gaps Exp-Golomb coded, order in byte 0"},
+    "ids": {"dtype": "uint8", "code": "record dictionary (ids in >= share of positions) + per-slot-class "
+            "Exp-Golomb gaps of dictionary ranks and of the other ids", "dictionary_min_share": DICTIONARY_MIN_SHARE,
+            "slot_classes": N_SLOT_CLASSES},
 }
 
 
@@ -171,6 +187,182 @@ def exp_golomb_decode(data: np.ndarray, count: int) -> np.ndarray:
     return ((high - 1) << order) | (payload & ((np.uint64(1) << order) - 1))
 
 
+# --- sections: Exp-Golomb with one order per class ---------------------------------------------------------
+
+_MAX_ORDER = 32
+_ORDERS = np.arange(_MAX_ORDER + 1)
+# Code length of a value of bit length b under order k: 2 * max(b - k, 0) + 1 + k (exact up to one carry bit)
+_LENGTH_BY_ORDER = 2 * np.maximum(np.arange(_MAX_ORDER + 2)[:, None] - _ORDERS, 0) + 1 + _ORDERS
+
+
+def _cheapest_orders(values: np.ndarray, classes: np.ndarray, n_classes: int) -> np.ndarray:
+    lengths = _bit_length(values).astype(np.int64)
+    histogram = np.bincount(classes * (_MAX_ORDER + 2) + lengths, minlength=n_classes * (_MAX_ORDER + 2))
+    return (histogram.reshape(n_classes, -1) @ _LENGTH_BY_ORDER).argmin(axis=1)
+
+
+def _write_codes(values: np.ndarray, orders: np.ndarray) -> list[np.ndarray]:
+    """Unary prefixes, then payloads, each byte aligned; ``orders[i]`` is the order of ``values[i]``."""
+    high = (values >> orders) + np.uint64(1)
+    prefix_bits = _bit_length(high) - np.uint64(1)
+    unary = _pack_bits((np.uint64(1) << prefix_bits) - np.uint64(1), prefix_bits + np.uint64(1))
+    payload = ((high - (np.uint64(1) << prefix_bits)) << orders) | (values & ((np.uint64(1) << orders) - np.uint64(1)))
+    return [unary, _pack_bits(payload, prefix_bits + orders)]
+
+
+def _read_codes(data: np.ndarray, position: int, orders: np.ndarray) -> tuple[np.ndarray, int]:
+    """Inverse of ``_write_codes`` for ``len(orders)`` values starting at byte ``position``."""
+    count = len(orders)
+    if count == 0:
+        return np.zeros(0, dtype=np.uint64), position
+    window = count // 2 + 16  # bytes of prefixes to scan; doubled until they hold ``count`` codes
+    while True:
+        prefix_ends = np.flatnonzero(np.unpackbits(data[position : position + window], bitorder="little") == 0)
+        if len(prefix_ends) >= count or position + window >= len(data):
+            break
+        window *= 2
+    prefix_ends = prefix_ends[:count]
+    if len(prefix_ends) < count:
+        raise ValueError(f"stream holds fewer than {count} codes")
+    prefix_bits = (np.diff(prefix_ends, prepend=-1) - 1).astype(np.uint64)
+    position += (int(prefix_ends[-1]) + 8) // 8
+    widths = prefix_bits + orders
+    payload_bytes = (int(widths.sum()) + 7) // 8
+    if position + payload_bytes > len(data):
+        raise ValueError("stream ends inside a payload")
+    payload = _unpack_bits(data[position : position + payload_bytes], widths)
+    high = (np.uint64(1) << prefix_bits) + (payload >> orders)
+    values = ((high - np.uint64(1)) << orders) | (payload & ((np.uint64(1) << orders) - np.uint64(1)))
+    return values, position + payload_bytes
+
+
+def _write_section(values: np.ndarray, classes: np.ndarray, n_classes: int) -> list[np.ndarray]:
+    """Values Exp-Golomb coded with the cheapest order of their class. Header: the per-class orders as
+    order-0 codes of their zigzagged differences."""
+    values = values.astype(np.uint64)
+    orders = _cheapest_orders(values, classes, n_classes).astype(np.int64)
+    steps = np.diff(orders, prepend=0)
+    zigzag = np.where(steps >= 0, 2 * steps, -2 * steps - 1).astype(np.uint64)
+    return _write_codes(zigzag, np.zeros(n_classes, np.uint64)) + _write_codes(values, orders.astype(np.uint64)[classes])
+
+
+def _read_section(data: np.ndarray, position: int, classes: np.ndarray, n_classes: int) -> tuple[np.ndarray, int]:
+    zigzag, position = _read_codes(data, position, np.zeros(n_classes, np.uint64))
+    zigzag = zigzag.astype(np.int64)
+    orders = np.cumsum(np.where(zigzag % 2 == 0, zigzag // 2, -(zigzag + 1) // 2))
+    if len(orders) and (orders.min() < 0 or orders.max() > _MAX_ORDER):
+        raise ValueError("corrupt section header")
+    return _read_codes(data, position, orders.astype(np.uint64)[classes])
+
+
+# --- top_k / top_p support: sqrt(p) codes, per-record id dictionary -----------------------------------------
+
+
+
+def sqrt_step(row_len: np.ndarray) -> np.ndarray:
+    """The sqrt(p) quantisation step of a row of ``row_len`` entries."""
+    return 1.0 / (SQRT_STEPS_PER_ROOT_LEN * np.ceil(np.sqrt(np.maximum(row_len, 1))))
+
+
+def _step_classes(row_len: np.ndarray) -> np.ndarray:
+    return np.minimum(_bit_length(np.ceil(np.sqrt(np.maximum(row_len, 1)))), N_STEP_CLASSES - 1).astype(np.int64)
+
+
+def quantise_sqrt_p(logp: np.ndarray, step: np.ndarray) -> np.ndarray:
+    root = np.exp(np.minimum(np.asarray(logp, dtype=np.float64), 0.0) / 2)
+    return np.rint(root / step).astype(np.uint64)
+
+
+def dequantise_sqrt_p(codes: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Code q >= 1 decodes to sqrt(p) = q * step; code 0 (sqrt(p) < step / 2) to sqrt(p) = step / sqrt(12)."""
+    root = np.where(codes > 0, codes * step, step / math.sqrt(12))
+    return (2 * np.log(root)).astype(np.float32)
+
+
+def _slots(row_len: np.ndarray) -> np.ndarray:
+    """Index of every element within its row."""
+    starts = np.cumsum(row_len) - row_len
+    return np.arange(int(row_len.sum())) - np.repeat(starts, row_len)
+
+
+def _slot_classes(row_len: np.ndarray) -> np.ndarray:
+    """Relative place of every element in its row, in N_SLOT_CLASSES classes."""
+    return (_slots(row_len) * N_SLOT_CLASSES) // np.repeat(np.maximum(row_len, 1), row_len)
+
+
+def _row_gaps(values: np.ndarray, row_len: np.ndarray) -> np.ndarray:
+    """Values ascending within rows -> value - previous - 1 (the first of a row as is)."""
+    previous = np.empty_like(values)
+    previous[1:] = values[:-1]
+    previous[(np.cumsum(row_len) - row_len)[row_len > 0]] = -1
+    return values - previous - 1
+
+
+def _row_ungap(gaps: np.ndarray, row_len: np.ndarray) -> np.ndarray:
+    running = np.cumsum(gaps.astype(np.int64) + 1)
+    before_row = np.concatenate([[0], running])[np.cumsum(row_len) - row_len]
+    return running - np.repeat(before_row, row_len) - 1
+
+
+def _encode_support(ids: np.ndarray, logp: np.ndarray, row_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ids stream, logp stream) of a support whose ids ascend within rows."""
+    n = len(row_len)
+    row = np.repeat(np.arange(n), row_len)
+    unique, counts = np.unique(ids, return_counts=True)
+    dictionary = unique[counts >= max(2, math.ceil(DICTIONARY_MIN_SHARE * n))]
+    inside = np.isin(ids, dictionary)
+    in_len = np.bincount(row[inside], minlength=n)
+    out_len = row_len - in_len
+    ranks = np.searchsorted(dictionary, ids[inside])
+    one = np.zeros(1, np.int64)
+    ids_stream = (
+        _write_section(np.array([len(dictionary)]), one, 1)
+        + _write_section(_row_gaps(dictionary, np.array([len(dictionary)])), np.zeros(len(dictionary), np.int64), 1)
+        + _write_section(in_len, np.zeros(n, np.int64), 1)
+        + _write_section(_row_gaps(ranks, in_len), _slot_classes(in_len), N_SLOT_CLASSES)
+        + _write_section(_row_gaps(ids[~inside], out_len), _slot_classes(out_len), N_SLOT_CLASSES)
+    )
+    step, step_class = np.repeat(sqrt_step(row_len), row_len), np.repeat(_step_classes(row_len), row_len)
+    codes = quantise_sqrt_p(logp, step)
+    order = np.concatenate([np.flatnonzero(inside), np.flatnonzero(~inside)])  # dictionary ids first
+    logp_stream = _write_section(codes[order], step_class[order] + N_STEP_CLASSES * ~inside[order], 2 * N_STEP_CLASSES)
+    return np.concatenate(ids_stream), np.concatenate(logp_stream)
+
+
+def _decode_support(ids_stream: np.ndarray, logp_stream: np.ndarray, row_len: np.ndarray, vocab_size: int):
+    """(ids, logp) ascending within rows."""
+    n = len(row_len)
+    one = np.zeros(1, np.int64)
+    size, position = _read_section(ids_stream, 0, one, 1)
+    size = int(size[0])
+    gaps, position = _read_section(ids_stream, position, np.zeros(size, np.int64), 1)
+    dictionary = _row_ungap(gaps, np.array([size]))
+    in_len, position = _read_section(ids_stream, position, np.zeros(n, np.int64), 1)
+    in_len = in_len.astype(np.int64)
+    out_len = row_len - in_len
+    if (out_len < 0).any():
+        raise ValueError("corrupt id stream")
+    gaps, position = _read_section(ids_stream, position, _slot_classes(in_len), N_SLOT_CLASSES)
+    ids_in = dictionary[_row_ungap(gaps, in_len)]
+    gaps, position = _read_section(ids_stream, position, _slot_classes(out_len), N_SLOT_CLASSES)
+    ids_out = _row_ungap(gaps, out_len)
+    # both parts ascend by (row, id): merge them
+    key_in = np.repeat(np.arange(n), in_len) * vocab_size + ids_in
+    key_out = np.repeat(np.arange(n), out_len) * vocab_size + ids_out
+    place_in = np.arange(len(key_in)) + np.searchsorted(key_out, key_in)
+    place_out = np.arange(len(key_out)) + np.searchsorted(key_in, key_out)
+    place = np.concatenate([place_in, place_out])
+    inside = np.concatenate([np.ones(len(key_in), bool), np.zeros(len(key_out), bool)])
+    rows = np.concatenate([np.repeat(np.arange(n), in_len), np.repeat(np.arange(n), out_len)])
+    classes = _step_classes(row_len)[rows] + N_STEP_CLASSES * ~inside
+    codes, _ = _read_section(logp_stream, 0, classes, 2 * N_STEP_CLASSES)
+    ids = np.empty(len(place), np.int64)
+    ids[place] = np.concatenate([ids_in, ids_out])
+    logp = np.empty(len(place), np.float32)
+    logp[place] = dequantise_sqrt_p(codes, sqrt_step(row_len)[rows])
+    return ids, logp
+
+
 # --- records <-> streams -----------------------------------------------------------------------------------
 
 def _require(condition: bool, message: str) -> None:
@@ -211,14 +403,14 @@ def to_streams(meta: CacheMeta, record: TeacherRecord) -> dict[str, np.ndarray]:
         _require(not np.isnan(logp).any(), "logp holds NaN")
         streams["logp"] = quantise_logp(logp.reshape(-1))
     elif meta.granularity in ("top_k", "top_p"):
-        gaps = _support_gaps(meta, record)
+        _support_gaps(meta, record)  # validates
         _require(not np.isnan(record.logp).any(), "logp holds NaN")
         with np.errstate(divide="ignore"):
             streams["tail_mass"] = _to_fixed_point(-np.log(np.clip(np.asarray(record.tail_mass, np.float64), 0, 1)))
         if meta.granularity == "top_p":
             streams["row_len"] = np.diff(np.asarray(record.offsets)).astype(np.uint32)
-        streams["logp"] = quantise_logp(record.logp)
-        streams["ids"] = exp_golomb_encode(gaps)
+        row_len = np.diff(np.asarray(record.offsets, dtype=np.int64))
+        streams["ids"], streams["logp"] = _encode_support(np.asarray(record.ids, np.int64), record.logp, row_len)
     return streams
 
 
@@ -226,18 +418,15 @@ def from_streams(meta: CacheMeta, n_positions: int, streams: dict[str, np.ndarra
     sampled = (-_from_fixed_point(streams["sampled_logp"])).astype(np.float32)
     if meta.granularity == "sampled":
         return TeacherRecord(sampled_logp=sampled)
-    logp = dequantise_logp(streams["logp"])
     if meta.granularity == "full":
+        logp = dequantise_logp(streams["logp"])
         return TeacherRecord(sampled_logp=sampled, logp=logp.reshape(n_positions, meta.vocab_size))
     if meta.granularity == "top_k":
         row_len = np.full(n_positions, meta.k, dtype=np.int64)
     else:
         row_len = streams["row_len"].astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(row_len)])
-    steps = exp_golomb_decode(streams["ids"], int(offsets[-1])).astype(np.int64) + 1
-    running = np.cumsum(steps)
-    before_row = np.concatenate([[0], running])[offsets[:-1]]
-    ids = running - np.repeat(before_row, row_len) - 1
+    ids, logp = _decode_support(streams["ids"], streams["logp"], row_len, meta.vocab_size)
     tail = np.exp(-_from_fixed_point(streams["tail_mass"])).astype(np.float32)
     return TeacherRecord(sampled_logp=sampled, ids=ids, logp=logp, offsets=offsets, tail_mass=tail)
 

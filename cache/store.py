@@ -60,9 +60,9 @@ STAGING_PREFIX = ".staging-"
 CAPACITY = 2**48
 POSITION_STREAMS = ("sampled_logp", "tail_mass", "row_len")
 # Blosc-lz4 with the shuffle that measured smallest per stream (docs/benchmarks_logit_cache.md): bitshuffle
-# turns the uint16 and logprob codes into mostly-constant bit planes (top-64 logp: 49.6 bytes per position
-# against 57.4 with plain lz4). The Exp-Golomb id bytes are nearly incompressible: plain numcodecs LZ4 is <= 1.2%
-# smaller there, but blosc is a zarr v3 spec codec (numcodecs LZ4 is not), so ids are blosc without shuffle.
+# turns the uint16 fixed-point values and the full-vocabulary logprob codes into mostly-constant bit planes.
+# The top_k/top_p ids and logp streams are Exp-Golomb bytes (format 2), which lz4 barely shrinks under any
+# shuffle; blosc is kept because it is a zarr v3 spec codec (numcodecs LZ4 is not).
 COMPRESSORS = {
     "sampled_logp": BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle"),
     "tail_mass": BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle"),
