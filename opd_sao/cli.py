@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,10 @@ def _cmd_run(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir or cfg.run_dir or default_run_dir(args.config))
+    if int(os.environ.get("RANK", "0")) > 0:  # a further rank of a DeepSpeed launch: rank 0 runs the pipeline
+        from .trainers.deepspeed_backend import follow
+
+        return follow(cfg)
     summary = run_pipeline(cfg, run_dir, log=lambda msg: print(msg, flush=True))
     print(f"\nrun finished: {run_dir}\n  summary: {run_dir / 'summary.json'}")
     for stage in summary["stages"]:
@@ -23,6 +28,7 @@ def _cmd_run(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opd-sao", description=__doc__)
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher's
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a staged post-training pipeline from a YAML config")
     run.add_argument("config")
@@ -32,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .audit import add_audit_parser
 
     add_audit_parser(sub)
+    from .server import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

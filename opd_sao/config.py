@@ -40,6 +40,7 @@ class ModelConfig(Strict):
 class EngineConfig(Strict):
     kind: Literal["embedded", "http"] = "embedded"
     urls: list[str] = []  # rollout servers for kind=http (SGLang native API or `opd-sao serve`)
+    weights_dir: Optional[str] = None  # kind=http: where weight syncs are written; every server must read it
     max_batch: int = Field(32, ge=1)  # concurrent sequences in the continuous batch
     dtype: Literal["float32", "bfloat16"] = "float32"
     deterministic: bool = False  # score every sequence alone with the trainer's kernels (see docs)

@@ -12,4 +12,10 @@ def build_engine(cfg, checkpoint, tokenizer, seed: int) -> RolloutEngine:
         return EmbeddedEngine(load_causal_lm(checkpoint, cfg.dtype), eos_id=tokenizer.eos_token_id,
                               pad_id=tokenizer.pad_token_id, max_batch=cfg.max_batch, seed=seed,
                               deterministic=cfg.deterministic)
+    if cfg.kind == "http":
+        from .router import Router
+
+        if not cfg.urls:
+            raise ValueError("engine.kind http needs engine.urls (the rollout servers, e.g. opd-sao serve or SGLang)")
+        return Router(cfg.urls, checkpoint=checkpoint, weights_dir=cfg.weights_dir, max_inflight=cfg.max_batch)
     raise NotImplementedError(f"engine kind {cfg.kind!r} is not available yet")

@@ -1,0 +1,23 @@
+"""Load-aware routing over several SGLang-API rollout servers (the seeds' long/short trajectory scheduling).
+
+Each request goes to the live server with the fewest estimated tokens in flight (`est_tokens`, else
+`max_new_tokens`), so long and short trajectories spread evenly instead of round-robin piling long ones
+onto one server. A server that stops answering is taken out and the requests it held are sent again to
+the others; none is lost. A weight sync is written once and loaded by every live server, each confirming
+the new `weight_version` (see `HTTPEngine`).
+"""
+from __future__ import annotations
+
+from .http import HTTPEngine, _Server
+
+
+class Router(HTTPEngine):
+    def __init__(self, urls: list[str], *, checkpoint=None, weights_dir=None, max_inflight: int = 32,
+                 timeout: float = 600.0):
+        if not urls:
+            raise ValueError("the router needs at least one rollout server URL (engine.urls)")
+        self._setup(list(urls), checkpoint=checkpoint, weights_dir=weights_dir, max_inflight=max_inflight,
+                    timeout=timeout)
+
+    def _pick(self, servers: list[_Server]) -> _Server:
+        return min(servers, key=lambda s: (s.load, s.inflight, self._servers.index(s)))

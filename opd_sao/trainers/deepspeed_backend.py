@@ -1,0 +1,341 @@
+"""DeepSpeed ZeRO trainer backend: policy and critic as DeepSpeed engines, data parallel over ranks.
+
+Rank 0 drives: it runs the pipeline, the rollouts and the `Learner`, exactly as with the torch backend.
+Every other rank runs `follow()`: it receives each of rank 0's backend calls (announced over
+torch.distributed), computes the forward and backward passes of its share of the batch rows, and takes
+part in ZeRO's collectives. The loss is computed once, on rank 0, over the whole batch; its gradient
+with respect to the per-token outputs is broadcast and every rank back-propagates its own rows. The
+update is therefore the single-process update (token mean over the whole batch, clipping on the global
+gradient norm) whatever the world size, and the Learner stays backend-agnostic.
+
+Launch (see docs/scale_out.md): `deepspeed --num_gpus N $(which opd-sao) run CONFIG trainer.backend=deepspeed`
+or `torchrun --nproc_per_node N -m opd_sao.cli run ...`; in a plain single process the backend starts a
+world of one itself.
+"""
+from __future__ import annotations
+
+import atexit
+import copy
+import gc
+import json
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import TrainerConfig
+from ..models import load_causal_lm, save_checkpoint
+from ..modeling import sequence_logprobs
+from .base import TrainerBackend
+from .critic import ValueModel
+
+# Followers block in a broadcast while rank 0 runs SFT, evaluations or rollouts; those can take hours.
+COLLECTIVE_TIMEOUT = timedelta(hours=6)
+
+
+@dataclass
+class Rows:
+    """The part of a batch the trainer's forward passes need; what rank 0 sends to the other ranks."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+@dataclass
+class _Pending:
+    """A grad=True forward waiting for its loss: this rank's rows (with graph) and rank 0's leaf."""
+
+    local: torch.Tensor
+    lo: int
+    hi: int
+    shape: tuple
+    leaf: Optional[torch.Tensor]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Join the launcher's process group, or start a world of one when run as a plain process."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               timeout=COLLECTIVE_TIMEOUT, verbose=False)
+
+
+def deepspeed_config(cfg: TrainerConfig, lr: float) -> dict:
+    """The user's `trainer.deepspeed_config` with the defaults this backend relies on filled in."""
+    ds = copy.deepcopy(cfg.deepspeed_config or {})
+    ds.setdefault("train_micro_batch_size_per_gpu", 1)  # nominal: a forward takes a whole batch share
+    ds.setdefault("gradient_accumulation_steps", 1)
+    ds.setdefault("gradient_clipping", cfg.grad_clip)
+    ds.setdefault("steps_per_print", 10**9)
+    ds.setdefault("zero_optimization", {"stage": 2})
+    if ds["zero_optimization"].get("stage", 0) not in (1, 2, 3):
+        raise ValueError("trainer.deepspeed_config.zero_optimization.stage must be 1, 2 or 3 "
+                         "(for unsharded single-process training use trainer.backend: torch)")
+    if ds["gradient_accumulation_steps"] != 1:
+        raise ValueError("trainer.deepspeed_config.gradient_accumulation_steps must be 1: "
+                         "one Learner step is one optimizer step")
+    if ds.get("fp16", {}).get("enabled"):
+        raise ValueError("trainer.deepspeed_config.fp16 is not supported; use trainer.dtype: bfloat16")
+    bf16 = bool(ds.get("bf16", {}).get("enabled", cfg.dtype == "bfloat16"))
+    if bf16 != (cfg.dtype == "bfloat16"):
+        raise ValueError(f"trainer.deepspeed_config.bf16.enabled={bf16} contradicts trainer.dtype={cfg.dtype}")
+    ds["bf16"] = {**ds.get("bf16", {}), "enabled": bf16}
+    if "optimizer" in ds:  # DeepSpeed builds it (e.g. DeepSpeedCPUAdam for offload); the lr is ours
+        ds["optimizer"].setdefault("params", {})["lr"] = lr
+    else:  # torch AdamW, as the torch backend: no optimizer op to compile
+        ds.setdefault("zero_allow_untested_optimizer", True)
+        if ds["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none":
+            ds.setdefault("zero_force_ds_cpu_optimizer", False)
+    return ds
+
+
+class DeepSpeedTrainer(TrainerBackend):
+    def __init__(self, checkpoint: str | Path, cfg: TrainerConfig, *, with_critic: bool = True):
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        init_distributed()
+        self.cfg, self.checkpoint = cfg, str(checkpoint)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device(get_accelerator().current_device_name())
+        self._announce("init", checkpoint=self.checkpoint, cfg=cfg.model_dump(), with_critic=with_critic)
+        policy_ds = deepspeed_config(cfg, cfg.policy_lr)
+        # Under ZeRO-3 every rank loads the full model, then DeepSpeed partitions it (partitioning while
+        # loading needs transformers' DeepSpeed integration, hence `accelerate`, which is no dependency).
+        self.zero3 = policy_ds["zero_optimization"]["stage"] == 3
+        policy = load_causal_lm(checkpoint, "float32")
+        self.policy, _ = self._engine(deepspeed, policy, policy_ds, cfg.policy_lr)
+        self.critic = None
+        if with_critic:
+            critic = ValueModel.from_pretrained(str(checkpoint), "float32")
+            if cfg.freeze_critic_attention:
+                critic.freeze_attention()
+            # The head reads fp32 hidden states; under bf16 DeepSpeed casts the head too.
+            critic.value_head.register_forward_pre_hook(lambda mod, args: (args[0].to(mod.weight.dtype),))
+            self.critic, _ = self._engine(deepspeed, critic, deepspeed_config(cfg, cfg.critic_lr), cfg.critic_lr)
+        self._pending: dict[str, Optional[_Pending]] = {"policy": None, "critic": None}
+        self.policy_version = 0
+        if self.rank == 0 and self.world > 1 and not _followers_waiting:
+            _followers_waiting.append(True)
+            atexit.register(_release_followers)
+
+    @staticmethod
+    def _engine(deepspeed, model: torch.nn.Module, ds: dict, lr: float):
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if "optimizer" in ds:
+            return deepspeed.initialize(model=model, model_parameters=trainable, config=ds)[:2]
+        opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+        return deepspeed.initialize(model=model, optimizer=opt, config=ds)[:2]
+
+    # --- the rank-0-drives protocol -------------------------------------------------------------------
+
+    def _announce(self, op: str, **kwargs) -> None:
+        """Rank 0 tells the followers which call comes next, with its arguments."""
+        if self.rank == 0 and self.world > 1:
+            dist.broadcast_object_list([(op, kwargs)], src=0)
+
+    # --- forward passes --------------------------------------------------------------------------------
+
+    def policy_logprobs(self, batch, temperature: float, grad: bool) -> torch.Tensor:
+        rows = Rows(batch.input_ids.cpu(), batch.attention_mask.cpu())
+        self._announce("_forward", kind="policy", rows=rows, temperature=temperature, grad=grad)
+        return self._forward("policy", rows, temperature, grad)
+
+    def critic_values(self, batch, grad: bool) -> torch.Tensor:
+        if self.critic is None:
+            raise RuntimeError("this trainer was built without a critic (the algorithm needs none)")
+        rows = Rows(batch.input_ids.cpu(), batch.attention_mask.cpu())
+        self._announce("_forward", kind="critic", rows=rows, temperature=1.0, grad=grad)
+        return self._forward("critic", rows, 1.0, grad)
+
+    def _forward(self, kind: str, rows: Rows, temperature: float, grad: bool) -> Optional[torch.Tensor]:
+        """This rank's contiguous share of the rows, gathered into the full [B, T] tensor on rank 0."""
+        B, T = rows.input_ids.shape
+        chunk = -(-B // self.world)
+        lo, hi = min(B, self.rank * chunk), min(B, (self.rank + 1) * chunk)
+        active = hi > lo
+        if not active:  # ZeRO-3 forwards are collective: every rank runs one, an empty share on a real row
+            lo, hi = 0, 1
+        mask = rows.attention_mask[lo:hi]
+        width = max(1, int(mask.sum(-1).max()))  # right padding: columns past the longest row are padding
+        ids, mask = rows.input_ids[lo:hi, :width].to(self.device), mask[:, :width].to(self.device)
+        engine = self.policy if kind == "policy" else self.critic
+        with torch.set_grad_enabled(grad):
+            if kind == "policy":
+                local = sequence_logprobs(engine, ids, mask, temperature)
+            else:
+                local = engine(ids, mask).float()
+            if not active:
+                local = local * 0
+        full = self._gather_rows(local.detach(), B, T, chunk, active)
+        leaf = full.to("cpu", copy=True).requires_grad_(grad) if self.rank == 0 else None
+        if grad:
+            self._pending[kind] = _Pending(local, lo, lo + local.shape[0], (B, T), leaf)
+        return leaf
+
+    def _gather_rows(self, local: torch.Tensor, B: int, T: int, chunk: int, active: bool) -> torch.Tensor:
+        padded = torch.zeros(chunk, T, dtype=torch.float32, device=self.device)
+        if active:
+            padded[: local.shape[0], : local.shape[1]] = local
+        if self.world == 1:
+            return padded[:B]
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded)
+        return torch.cat(parts)[:B]
+
+    # --- updates ---------------------------------------------------------------------------------------
+
+    def step_policy(self, loss: Optional[torch.Tensor]) -> float:
+        norm = self._step("policy", loss)
+        self.policy_version += 1
+        return norm
+
+    def step_critic(self, loss: Optional[torch.Tensor]) -> float:
+        return self._step("critic", loss)
+
+    def _step(self, kind: str, loss: Optional[torch.Tensor]) -> float:
+        """Back-propagate the loss of the latest grad=True forward of `kind`; one optimizer step."""
+        self._announce(f"step_{kind}", loss=None)
+        pending, self._pending[kind] = self._pending[kind], None
+        if pending is None:
+            raise RuntimeError(f"step_{kind} needs a {kind} forward with grad=True first")
+        if self.rank == 0:
+            (grad,) = torch.autograd.grad(loss, pending.leaf, allow_unused=True)
+            grad = torch.zeros(pending.shape) if grad is None else grad
+            grad = grad.to(self.device, torch.float32).contiguous()
+        else:
+            grad = torch.empty(pending.shape, dtype=torch.float32, device=self.device)
+        if self.world > 1:
+            dist.broadcast(grad, src=0)
+        rows = grad[pending.lo:pending.hi, : pending.local.shape[1]]
+        # DeepSpeed averages gradients over ranks; the sum over ranks is the loss's gradient.
+        surrogate = (pending.local * rows).sum() * self.world
+        engine = self.policy if kind == "policy" else self.critic
+        engine.backward(surrogate)
+        engine.step()
+        norm = engine.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
+
+    # --- weights out -----------------------------------------------------------------------------------
+
+    @property
+    def policy_model(self) -> torch.nn.Module:
+        """The policy module, on the accelerator, for ZeRO stages 0-2 (full weights on every rank)."""
+        if self.zero3:  # a direct forward would gather partitions alone and hang the other ranks
+            raise RuntimeError("under ZeRO-3 the policy is partitioned across ranks: use policy_logprobs() "
+                               "or policy_state_dict(), not policy_model")
+        return self.policy.module
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights on CPU on rank 0 (ZeRO-3: gathered one tensor at a time); {} on the other ranks."""
+        self._announce("policy_state_dict")
+        return self._full_state_dict()
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        import deepspeed
+
+        out: dict[str, torch.Tensor] = {}
+        first_name: dict[int, str] = {}
+        for name, tensor in self.policy.module.state_dict(keep_vars=True).items():
+            if id(tensor) in first_name:  # tied weights: one copy, under both names
+                if self.rank == 0:
+                    out[name] = out[first_name[id(tensor)]]
+                continue
+            first_name[id(tensor)] = name
+            partitioned = self.zero3 and hasattr(tensor, "ds_id")
+            with deepspeed.zero.GatheredParameters([tensor], enabled=partitioned):
+                if self.rank == 0:
+                    out[name] = tensor.detach().to("cpu", copy=True)
+        return out
+
+    def export_policy(self, out_dir: Path, tokenizer=None) -> Path:
+        """Rank 0 writes an HF checkpoint in trainer.dtype; the other ranks only help gather."""
+        self._announce("export_policy", out_dir=str(out_dir))
+        state = self._full_state_dict()
+        if self.rank == 0:
+            model = load_causal_lm(self.checkpoint, self.cfg.dtype)
+            model.load_state_dict(state)
+            save_checkpoint(model, tokenizer, Path(out_dir))
+        if self.world > 1:
+            dist.barrier()
+        return Path(out_dir)
+
+    # --- resumable state -------------------------------------------------------------------------------
+
+    def save_state(self, out_dir: Path) -> None:
+        """DeepSpeed checkpoints of both engines (every rank writes its shards: a shared filesystem)."""
+        self._announce("save_state", out_dir=str(out_dir))
+        out_dir = Path(out_dir)
+        self.policy.save_checkpoint(str(out_dir / "policy"), tag="state")
+        if self.critic is not None:
+            self.critic.save_checkpoint(str(out_dir / "critic"), tag="state")
+        if self.rank == 0:
+            (out_dir / "trainer_meta.json").write_text(json.dumps({"policy_version": self.policy_version}))
+        if self.world > 1:
+            dist.barrier()
+
+    def load_state(self, in_dir: Path) -> None:
+        self._announce("load_state", in_dir=str(in_dir))
+        in_dir = Path(in_dir)
+        for engine, sub in ((self.policy, "policy"), (self.critic, "critic")):
+            if engine is None:
+                continue
+            path, _ = engine.load_checkpoint(str(in_dir / sub), tag="state")
+            if path is None:
+                raise FileNotFoundError(f"no DeepSpeed {sub} checkpoint under {in_dir / sub}")
+        self.policy_version = json.loads((in_dir / "trainer_meta.json").read_text())["policy_version"]
+
+
+_followers_waiting: list[bool] = []  # rank 0: set once followers wait for calls; released at exit
+
+
+def _release_followers() -> None:
+    if dist.is_initialized():
+        dist.broadcast_object_list([("exit", {})], src=0)
+
+
+def follow(run_cfg=None) -> int:
+    """A non-zero rank: mirror rank 0's backend calls until rank 0 exits.
+
+    `run_cfg` (the pipeline's RunConfig) lets a rank that would wait for nothing fail at once.
+    """
+    if run_cfg is not None and not any(run_cfg.stage_trainer(s).backend == "deepspeed" for s in run_cfg.stages):
+        raise ValueError(f"launched as rank {os.environ.get('RANK')} of a multi-process run, but no stage uses "
+                         "trainer.backend: deepspeed (only DeepSpeed training uses the other ranks)")
+    init_distributed()
+    if dist.get_rank() == 0:
+        raise RuntimeError("follow() is for ranks other than 0; rank 0 runs the pipeline")
+    trainer: Optional[DeepSpeedTrainer] = None
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        op, kwargs = box[0]
+        if op == "exit":
+            return 0
+        if op == "init":
+            trainer = None  # a new stage: free the previous engines first
+            gc.collect()
+            trainer = DeepSpeedTrainer(kwargs["checkpoint"], TrainerConfig(**kwargs["cfg"]),
+                                       with_critic=kwargs["with_critic"])
+        else:
+            getattr(trainer, op)(**kwargs)

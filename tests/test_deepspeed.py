@@ -1,0 +1,174 @@
+"""DeepSpeed backend: 2 CPU processes (gloo) train SAO steps and match the single-process torch backend.
+
+One fixed batch of real rollouts; the torch backend trains on it in this process, the DeepSpeed backend
+in 2 processes under torchrun (this file is also the worker script). Rank 0 runs the Learner on the
+whole batch; each rank computes the forward and backward of half the rows.
+
+Tolerance: 1e-5 relative on per-step losses, gradient norms and ratios, 1e-5 absolute on the policy
+weights (lr 1e-3: one Adam step moves a weight by about 1e-3). Row-split forwards and the gradient
+all-reduce change float32 rounding only; measured: 3e-7 relative, 4e-7 absolute (the test prints them).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS, SAVE_AFTER, ZERO3_STEPS = 5, 3, 2
+LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-5
+
+
+def _trainer_cfg(**kw):
+    from opd_sao.config import TrainerConfig
+
+    return TrainerConfig(policy_lr=1e-3, critic_lr=1e-3, critic_steps=2, critic_warmup_steps=0, **kw)
+
+
+def _learner(backend):
+    from opd_sao.config import SAOConfig
+    from opd_sao.learner import Learner
+
+    return Learner(backend, "sao", SAOConfig(), critic_steps=2, critic_warmup_steps=0)
+
+
+def _load_batch(path: Path, pad_id: int):
+    from opd_sao.trajectory import Trajectory, collate
+
+    return collate([Trajectory.from_json(line) for line in path.read_text().splitlines()], pad_id)
+
+
+def _train(learner, batch, steps: int) -> list[dict]:
+    keys = ("policy_loss", "value_loss", "policy_grad_norm", "critic_grad_norm", "mask_fraction", "ratio_min",
+            "ratio_max")
+    return [{k: v for k, v in learner.step(batch, 1.0).items() if k in keys} for _ in range(steps)]
+
+
+def worker(args: dict) -> None:
+    """Rank 0: ZeRO-2 steps, save, continue; reload and continue; export; ZeRO-3 steps. Others follow."""
+    from opd_sao.models import load_causal_lm
+    from opd_sao.trainers.deepspeed_backend import DeepSpeedTrainer, follow, init_distributed
+
+    init_distributed()
+    if int(os.environ["RANK"]) != 0:
+        sys.exit(follow())
+    out, model = Path(args["out"]), args["model"]
+    batch = _load_batch(Path(args["batch"]), args["pad_id"])
+    zero2 = _trainer_cfg(backend="deepspeed", deepspeed_config={"zero_optimization": {"stage": 2}})
+    backend = DeepSpeedTrainer(model, zero2)
+    learner = _learner(backend)
+    history = _train(learner, batch, SAVE_AFTER)
+    backend.save_state(out / "state")
+    history += _train(learner, batch, STEPS - SAVE_AFTER)
+    continued = backend.policy_state_dict()
+
+    resumed_backend = DeepSpeedTrainer(model, zero2)
+    resumed_backend.load_state(out / "state")
+    resumed_version = resumed_backend.policy_version
+    _train(_learner(resumed_backend), batch, STEPS - SAVE_AFTER)
+    resumed = resumed_backend.policy_state_dict()
+    from opd_sao.models import load_tokenizer
+
+    exported = load_causal_lm(resumed_backend.export_policy(out / "export", load_tokenizer(model))).state_dict()
+
+    zero3 = _trainer_cfg(backend="deepspeed", deepspeed_config={"zero_optimization": {"stage": 3}})
+    z3_backend = DeepSpeedTrainer(model, zero3)
+    z3_history = _train(_learner(z3_backend), batch, ZERO3_STEPS)
+    torch.save({"history": history, "continued": continued, "resumed": resumed, "resumed_version": resumed_version,
+                "exported": exported, "z3_history": z3_history, "z3_weights": z3_backend.policy_state_dict(),
+                "world": z3_backend.world}, out / "results.pt")
+
+
+@pytest.fixture(scope="module")
+def fixed_batch(tmp_path_factory, tiny_model_dir, tokenizer):
+    """Real rollouts of the tiny model with varied positive rewards.
+
+    Rewards that sum to about zero would leave the value head's bias with a gradient of rounding noise,
+    and Adam's first step (lr * g / |g|) turns noise into a full-size update: not a backend difference.
+    """
+    from opd_sao.engines import EmbeddedEngine
+    from opd_sao.engines.base import SamplingParams
+    from opd_sao.models import load_causal_lm
+    from opd_sao.rollout import Episode, run_episodes
+    from stages.envs import ENVIRONMENTS
+
+    env_cls = ENVIRONMENTS.get("arithmetic")
+    tasks = env_cls().make_tasks("train", 10, seed=0)
+    engine = EmbeddedEngine(load_causal_lm(tiny_model_dir), eos_id=tokenizer.eos_token_id,
+                            pad_id=tokenizer.pad_token_id, max_batch=16, seed=0)
+    episodes = [Episode(env_cls(), task, tokenizer, SamplingParams(max_new_tokens=3 + i % 6), domain="arithmetic",
+                        max_turns=1, max_context_tokens=64, traj_id=f"t{i}") for i, task in enumerate(tasks)]
+    trajs = run_episodes(engine, episodes)
+    for i, traj in enumerate(trajs):
+        traj.add_reward(0.25 * (i % 4) + 0.1)
+    path = tmp_path_factory.mktemp("ds") / "batch.jsonl"
+    path.write_text("\n".join(t.to_json() for t in trajs) + "\n")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def _assert_histories_match(ours: list[dict], ref: list[dict]) -> float:
+    worst = 0.0
+    for step, (o, r) in enumerate(zip(ours, ref)):
+        assert o.keys() == r.keys()
+        for key in r:
+            rel = abs(o[key] - r[key]) / max(abs(r[key]), 1e-6)
+            worst = max(worst, rel)
+            assert rel < LOSS_RTOL, f"step {step} {key}: deepspeed {o[key]} vs torch {r[key]}"
+    return worst
+
+
+def test_two_process_zero2_matches_torch_backend_and_resumes(tmp_path, fixed_batch, tiny_model_dir, tokenizer):
+    from opd_sao.trainers import TorchTrainer
+
+    env = {**os.environ, "DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",  # gloo on CPU
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions"))
+    args = {"out": str(tmp_path), "model": str(tiny_model_dir), "batch": str(fixed_batch),
+            "pad_id": tokenizer.pad_token_id}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           __file__, json.dumps(args)]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the reference trains while the workers start
+    reference = TorchTrainer(tiny_model_dir, _trainer_cfg())
+    ref_learner = _learner(reference)
+    ref_history = _train(ref_learner, _load_batch(fixed_batch, tokenizer.pad_token_id), ZERO3_STEPS)
+    ref_after_z3 = reference.policy_state_dict()
+    ref_history += _train(ref_learner, _load_batch(fixed_batch, tokenizer.pad_token_id), STEPS - ZERO3_STEPS)
+    ref_final = reference.policy_state_dict()
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-4000:]
+    res = torch.load(tmp_path / "results.pt", weights_only=False)
+
+    assert res["world"] == 2
+    loss_rel = _assert_histories_match(res["history"], ref_history)
+    weight_diff = _max_diff(res["continued"], ref_final)
+    z3_rel = _assert_histories_match(res["z3_history"], ref_history[:ZERO3_STEPS])
+    z3_diff = _max_diff(res["z3_weights"], ref_after_z3)
+    print(f"\nZeRO-2 vs torch: loss rel {loss_rel:.2e}, weights {weight_diff:.2e}; "
+          f"ZeRO-3: loss rel {z3_rel:.2e}, weights {z3_diff:.2e}")
+    assert weight_diff < WEIGHT_ATOL and z3_diff < WEIGHT_ATOL
+    # checkpoint, reload, continue: the same weights as never stopping
+    assert res["resumed_version"] == SAVE_AFTER
+    assert _max_diff(res["resumed"], res["continued"]) < 1e-7
+    assert _max_diff(res["exported"], res["resumed"]) == 0
+
+
+if __name__ == "__main__":
+    worker(json.loads(sys.argv[-1]))

@@ -1,0 +1,175 @@
+"""Rollout servers: 3 `opd-sao serve` subprocesses on loopback, driven over SGLang's native API.
+
+The API client against our server (logprobs equal the trainer's, prompt scoring), load-aware routing,
+and an SAO stage that trains through the router while one server is SIGKILLed: no trajectory is lost.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+
+from opd_sao.engines.base import GenerationRequest, SamplingParams
+
+N_SERVERS = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_dir):
+    """[(url, process)]: real servers, one torch thread each, started in parallel."""
+    servers = []
+    for i in range(N_SERVERS):
+        port = _free_port()
+        cmd = [sys.executable, "-m", "opd_sao.cli", "serve", str(tiny_model_dir), "--port", str(port),
+               "--threads", "1", "--seed", str(i), "--max-batch", "16"]
+        servers.append((f"http://127.0.0.1:{port}", subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                                                     stderr=subprocess.PIPE, text=True)))
+    deadline = time.monotonic() + 120
+    for url, proc in servers:
+        while True:
+            try:
+                if requests.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, f"{url} did not start"
+            time.sleep(0.2)
+    yield servers
+    for _, proc in servers:
+        proc.kill()
+        proc.wait()
+
+
+def test_api_logprobs_match_the_trainer_and_prompts_are_scored(fleet, tiny_model_dir, tokenizer):
+    from opd_sao.engines.http import HTTPEngine, SGLangClient
+    from opd_sao.modeling import sequence_logprobs
+    from opd_sao.models import load_causal_lm
+
+    url = fleet[0][0]
+    engine = HTTPEngine(url, checkpoint=tiny_model_dir, max_inflight=4)
+    prompts = [[tokenizer.bos_token_id] + tokenizer.encode(f"{a}+{a}=", add_special_tokens=False) for a in range(6)]
+    results = engine.generate_all([GenerationRequest(p, SamplingParams(0.8, 1.0, 6, ignore_eos=True)) for p in prompts])
+    model = load_causal_lm(tiny_model_dir)
+    for prompt, res in zip(prompts, results):
+        assert len(res.token_ids) == 6 and res.finish_reason == "length" and res.versions == [0] * 6
+        ids = torch.tensor([prompt + res.token_ids])
+        trainer = sequence_logprobs(model, ids, torch.ones_like(ids), 0.8)[0, len(prompt):]
+        assert torch.allclose(torch.tensor(res.logprobs), trainer, atol=1e-5)
+
+    # teacher scoring: prompt logprobs and top-k, no generation
+    ids = prompts[0] + results[0].token_ids
+    scores = engine.score(ids, start=2, top_k=3)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    expected = [float(logp[t - 1, ids[t]]) for t in range(2, len(ids))]
+    assert torch.allclose(torch.tensor(scores.token_logprobs), torch.tensor(expected), atol=1e-5)
+    assert scores.top_ids[0] == logp[1].topk(3).indices.tolist()
+    assert len(scores.top_logprobs) == len(ids) - 2
+
+    # the API's own answers: unsupported options are refused by name, not ignored
+    bad = requests.post(url + "/generate", json={"input_ids": prompts[0], "sampling_params": {"top_k": 5}})
+    assert bad.status_code == 400 and "top_k" in bad.json()["error"]["message"]
+    SGLangClient(url).flush_cache()
+    engine.close()
+
+
+def test_a_dead_url_is_reported_at_start(fleet):
+    from opd_sao.engines.router import Router
+
+    dead = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(ValueError, match=f"rollout server {dead} is not answering /health"):
+        Router([fleet[0][0], dead])
+
+
+def test_router_sends_requests_to_the_server_with_fewest_tokens_in_flight(fleet, tiny_model_dir, tokenizer):
+    from opd_sao.engines.router import Router
+
+    a, b = fleet[0][0], fleet[1][0]
+    router = Router([a, b], checkpoint=tiny_model_dir, max_inflight=8)
+    prompt = [tokenizer.bos_token_id, 5, 6]
+    long = GenerationRequest(prompt, SamplingParams(max_new_tokens=64, ignore_eos=True), est_tokens=64)
+    shorts = [GenerationRequest(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True), est_tokens=4)
+              for _ in range(6)]
+    router.generate_all([long] + shorts)
+    stats = router.stats
+    # round-robin would put 3 short requests behind the long one; by load all 6 go to the other server
+    assert (stats[a]["requests"], stats[b]["requests"]) == (1, 6)
+    assert stats[a]["tokens"] == 64 and stats[b]["tokens"] == 24
+    router.close()
+
+
+def test_stage_trains_through_the_router_and_a_killed_server_loses_no_trajectory(
+        fleet, tmp_path, tiny_model_dir, tokenizer):
+    from opd_sao.config import EngineConfig, RolloutConfig, SAOConfig, TrainerConfig
+    from opd_sao.engines import build_engine
+    from opd_sao.learner import Learner
+    from opd_sao.rl_loop import RLLoop
+    from opd_sao.rollout import Episode
+    from opd_sao.tracking import MetricsLogger
+    from opd_sao.trainers import TorchTrainer
+    from stages.envs import ENVIRONMENTS
+
+    urls = [url for url, _ in fleet]
+    victim_url, victim = fleet[-1]
+    engine = build_engine(EngineConfig(kind="http", urls=urls, max_batch=4), tiny_model_dir, tokenizer, seed=0)
+    env_cls = ENVIRONMENTS.get("arithmetic")
+    tasks = itertools.cycle(env_cls().make_tasks("train", 50, seed=0))
+    started: set[str] = set()
+
+    class CountedEpisode(Episode):
+        def request(self):
+            started.add(self.traj.traj_id)
+            return super().request()
+
+    def make_episodes():
+        return [CountedEpisode(env_cls(), next(tasks), tokenizer, SamplingParams(max_new_tokens=12, ignore_eos=True),
+                               domain="arithmetic", max_turns=1, max_context_tokens=64)]
+
+    def kill_mid_stage(step: int) -> None:
+        if step != 0:
+            return
+        deadline = time.monotonic() + 10
+        while engine.stats[victim_url]["inflight"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+
+    batch = 4
+    backend = TorchTrainer(tiny_model_dir, TrainerConfig(train_batch_size=batch, critic_warmup_steps=0))
+    learner = Learner(backend, "sao", SAOConfig(), critic_steps=1, critic_warmup_steps=0)
+    loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes,
+                  rollout=RolloutConfig(group_size=1, max_staleness=2), train_batch_size=batch,
+                  pad_id=tokenizer.pad_token_id, logger=MetricsLogger(tmp_path / "metrics.jsonl", stage="t"),
+                  trained_log=tmp_path / "trained.jsonl", after_step=kill_mid_stage)
+    arrived = []
+    put = loop.buffer.put
+    loop.buffer.put = lambda traj: (arrived.append(traj), put(traj))
+    history = loop.run(steps=4)
+
+    stats = engine.stats
+    lines = (tmp_path / "trained.jsonl").read_text().splitlines()
+    trained = [t for line in lines for t in json.loads(line)["traj_ids"]]
+    assert len(history) == 4 and len(trained) == len(set(trained)) == 4 * batch
+    assert not stats[victim_url]["alive"] and stats[victim_url]["requeued"] >= 1  # the kill hit requests in flight
+    assert sorted(t.traj_id for t in arrived) == sorted(started)  # every started episode finished: none lost
+    assert all(stats[u]["alive"] and stats[u]["requests"] > 0 for u in urls[:-1])
+    # weights reached every live server, confirmed by the version each reports and stamps on its tokens
+    assert engine.version == backend.policy_version == 4
+    assert all(requests.get(u + "/get_model_info").json()["weight_version"] == "4" for u in urls[:-1])
+    assert max(max(t.versions) for t in arrived) >= 1
+    engine.close()
