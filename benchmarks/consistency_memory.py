@@ -2,8 +2,11 @@
 
 Each method runs in a fresh subprocess that first allocates the inputs (final hidden states [T, H] and
 an lm head [V, H]), reads its peak RSS, then computes the logprob of T target tokens; the figure is the
-growth of the peak RSS (`ru_maxrss`) over that baseline. Naive: logits = hidden @ W.T (a [T, V] fp32
-tensor), log_softmax, gather. Chunked: `opd_sao.consistency.chunked_token_logprobs`.
+growth of the peak RSS (`ru_maxrss`) over that baseline. glibc's mmap threshold is pinned at 128 KiB in
+the children, so every large tensor is its own mapping and is returned on free: otherwise the threshold
+adapts upwards and freed chunks linger in the heap, adding 0-130 MiB of noise to the chunked figure.
+Naive: logits = hidden @ W.T (a [T, V] fp32 tensor), log_softmax, gather. Chunked:
+`opd_sao.consistency.chunked_token_logprobs`.
 
     python benchmarks/consistency_memory.py           # T=4096, V=151936 (Qwen's vocabulary)
     python benchmarks/consistency_memory.py --quick   # T=2048, same V
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -51,7 +55,8 @@ def measure(method: str, tokens: int, vocab: int) -> dict:
 
 def run_child(method: str, tokens: int, vocab: int) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", method, "--tokens", str(tokens), "--vocab", str(vocab)],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

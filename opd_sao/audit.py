@@ -77,7 +77,7 @@ def _engine(args, checkpoint: Path, tokenizer):
     if args.engine == "embedded":
         cfg = EngineConfig(kind="embedded", dtype=args.dtype, deterministic=args.deterministic)
     elif args.engine.startswith(("http://", "https://")):
-        cfg = EngineConfig(kind="http", urls=[args.engine], deterministic=args.deterministic)
+        cfg = EngineConfig(kind="http", urls=[args.engine])
     else:
         raise ValueError(f"--engine must be 'embedded' or an http(s):// URL (got {args.engine!r})")
     try:
@@ -102,6 +102,8 @@ def run_audit(args) -> dict:
         raise FileNotFoundError(f"checkpoint {str(checkpoint)!r} is not an HF-format model directory (no config.json)")
     if args.deterministic and args.dtype != "float32":
         raise ValueError("--deterministic needs --dtype float32")
+    if args.deterministic and args.engine != "embedded":
+        raise ValueError("--deterministic is a mode of the embedded engine; rollout servers have none")
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--prompts and --max-new-tokens must be at least 1")
     out = Path(args.out) if args.out else checkpoint.parent / "audit"
@@ -118,7 +120,8 @@ def run_audit(args) -> dict:
                        alone=args.deterministic)
         reasons = over_threshold(report, args.threshold_mean, args.threshold_p99)
         data = {"checkpoint": str(checkpoint), "engine": args.engine, "engine_dtype": args.dtype,
-                "deterministic": args.deterministic, "prompts": len(trajs), "prompt_source": args.prompts_file or domain,
+                "deterministic": args.deterministic, "prompts": len(trajs),
+                "prompt_source": args.prompts_file or domain,
                 "temperature": args.temperature, "top_p": args.top_p,
                 "thresholds": {"mean_abs_diff": args.threshold_mean, "p99_abs_diff": args.threshold_p99},
                 "passed": not reasons, "reasons": reasons, **report.to_dict()}
@@ -154,6 +157,8 @@ def plot(report, path: Path) -> None:
         bins = np.logspace(np.log10(nonzero.min()), np.log10(max(nonzero.max(), nonzero.min() * 10)), 40)
         left.hist(nonzero, bins=bins)
         left.set_xscale("log")
+    else:
+        left.text(0.5, 0.5, "every token bitwise equal", ha="center", transform=left.transAxes)
     left.set_xlabel("|logp_trainer - logp_rollout| (nats)")
     left.set_ylabel("tokens")
     left.set_title(f"{report.tokens} tokens, {len(diffs) - len(nonzero)} bitwise equal; "
@@ -178,8 +183,11 @@ def plot(report, path: Path) -> None:
 def cmd_audit(args) -> int:
     data = run_audit(args)
     status = "passed" if data["passed"] else "FAILED"
-    numbers = (f"mean |dlogp| {data['mean_abs_diff']:.3g}, p99 {data['p99_abs_diff']:.3g}, max {data['max_abs_diff']:.3g}, "
-               f"k3 KL {data['k3_kl']:.3g}, DIS mask {100 * data['mask_fraction']:.2f}%" if data["tokens"] else "no tokens")
+    numbers = "no tokens"
+    if data["tokens"]:
+        numbers = (f"mean |dlogp| {data['mean_abs_diff']:.3g}, p99 {data['p99_abs_diff']:.3g}, "
+                   f"max {data['max_abs_diff']:.3g}, k3 KL {data['k3_kl']:.3g}, "
+                   f"DIS mask {100 * data['mask_fraction']:.2f}%")
     print(f"audit {status}: {data['tokens']} tokens from {data['prompts']} prompts: {numbers}")
     if not data["passed"]:
         diagnosis = data.get("diagnosis", {})

@@ -16,7 +16,7 @@ Two ways to recompute:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import numpy as np
@@ -59,7 +59,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
         picked = torch.empty(len(block), device=hidden.device)
         for start in range(0, vocab, vocab_chunk):
             logits = _logits(h, weight[start:start + vocab_chunk], bias, start, vocab_chunk) / temp
-            lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
+            lse = torch.logaddexp(lse, fused_logsumexp(logits))
             inside = (t >= start) & (t < start + logits.shape[-1])
             picked[inside] = logits[inside, t[inside] - start]
         out[block] = picked - lse
@@ -69,6 +69,14 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
         logp = nucleus_logprobs(logits, temperature[block].float(), top_p[block].float())
         out[block] = logp.gather(-1, targets[block].unsqueeze(-1)).squeeze(-1)
     return out
+
+
+def fused_logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dim, read off torch's fused log_softmax kernel (about 1.5x faster than
+    `torch.logsumexp` on CPU): lse = z_j - log_softmax(z)_j, taken at the argmax j, where log_softmax is
+    closest to 0, so no precision is lost."""
+    top, j = logits.max(dim=-1, keepdim=True)
+    return (top - torch.log_softmax(logits, dim=-1).gather(-1, j)).squeeze(-1)
 
 
 def _blocks(rows: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
@@ -135,18 +143,17 @@ class ActionTokens:
 
     @classmethod
     def of(cls, trajectories: list[Trajectory]) -> "ActionTokens":
-        cols: dict[str, list] = {k: [] for k in ("trajectory", "position", "target", "rollout_logp", "temperature", "top_p")}
-        for i, traj in enumerate(trajectories):
-            for j, acted in enumerate(traj.action_mask):
-                if acted:
-                    for key, value in zip(cols, (i, j, traj.token_ids[j], traj.rollout_logp[j], traj.temperature, traj.top_p)):
-                        cols[key].append(value)
-        long, flt = torch.long, torch.float32
-        return cls(*(torch.tensor(cols[k], dtype=long) for k in ("trajectory", "position", "target")),
-                   *(torch.tensor(cols[k], dtype=flt) for k in ("rollout_logp", "temperature", "top_p")))
+        rows = [(i, j, traj.token_ids[j], traj.rollout_logp[j], traj.temperature, traj.top_p)
+                for i, traj in enumerate(trajectories) for j, acted in enumerate(traj.action_mask) if acted]
+        cols = list(zip(*rows)) if rows else [()] * 6
+        return cls(*(torch.tensor(c, dtype=torch.long) for c in cols[:3]),
+                   *(torch.tensor(c, dtype=torch.float32) for c in cols[3:]))
 
     def __len__(self) -> int:
         return len(self.target)
+
+    def to(self, device) -> "ActionTokens":
+        return ActionTokens(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def lm_head(model) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -154,7 +161,8 @@ def lm_head(model) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     config = model.config
     for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
         if getattr(config, attr, None) not in (None, 1, 1.0):
-            raise ValueError(f"{type(model).__name__} transforms its logits ({attr}); use the alone (deterministic) checker")
+            raise ValueError(f"{type(model).__name__} transforms its logits ({attr}); "
+                             "use the alone (deterministic) checker")
     head = model.get_output_embeddings()
     return head.weight, head.bias
 
@@ -168,7 +176,7 @@ def action_hidden_states(model, trajectories: list[Trajectory], *, padding: str 
     mask and real-token position ids (the diagnosis compares the two sides: a correct model gives the
     same numbers either way).
     """
-    decoder = model.get_decoder()
+    decoder, device = model.get_decoder(), model_device(model)
     out = []
     for first in range(0, len(trajectories), batch_size):
         chunk = trajectories[first:first + batch_size]
@@ -182,12 +190,16 @@ def action_hidden_states(model, trajectories: list[Trajectory], *, padding: str 
             input_ids[i, offset:offset + len(seq)] = torch.tensor(seq)
             attention[i, offset:offset + len(seq)] = 1
             offsets.append(offset)
-        hidden = decoder(input_ids=input_ids, attention_mask=attention,
-                         position_ids=position_ids_for(attention)).last_hidden_state
+        hidden = decoder(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                         position_ids=position_ids_for(attention).to(device)).last_hidden_state
         for i, traj in enumerate(chunk):
             before = [offsets[i] + len(traj.prompt_ids) + j - 1 for j, acted in enumerate(traj.action_mask) if acted]
             out.append(hidden[i, before])
-    return torch.cat(out) if out else torch.empty(0, model.config.hidden_size)
+    return torch.cat(out) if out else torch.empty(0, model.config.hidden_size, device=device)
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
 
 
 def chunked_logprobs(model, trajectories: list[Trajectory], tokens: ActionTokens, *, temperature_scale: float = 1.0,
@@ -195,9 +207,10 @@ def chunked_logprobs(model, trajectories: list[Trajectory], tokens: ActionTokens
     """[N] the trainer's logprob of each action token, at `temperature_scale` x the rollout's temperature."""
     weight, bias = lm_head(model)
     hidden = action_hidden_states(model, trajectories, padding=padding)
+    on = tokens.to(hidden.device)
     with torch.no_grad():
-        return chunked_token_logprobs(hidden, weight, tokens.target, tokens.temperature * temperature_scale,
-                                      tokens.top_p, bias=bias)
+        return chunked_token_logprobs(hidden, weight, on.target, on.temperature * temperature_scale, on.top_p,
+                                      bias=bias).cpu()
 
 
 @torch.no_grad()
@@ -208,19 +221,20 @@ def alone_logprobs(model, trajectories: list[Trajectory]) -> torch.Tensor:
     weights give bitwise-equal numbers. top_p < 1 (the engine keeps its sampled logprobs there):
     `nucleus_logprobs` over the same unpadded logits. Costs one [L, V] forward per span, like the engine.
     """
-    out = []
+    out, device = [], model_device(model)
     for traj in trajectories:
         p = len(traj.prompt_ids)
         for start, end in action_spans(traj.action_mask):
-            ids = torch.tensor([traj.prompt_ids + traj.token_ids[:end]])
+            ids = torch.tensor([traj.prompt_ids + traj.token_ids[:end]], device=device)
             if traj.top_p >= 1.0:
                 logp = sequence_logprobs(model, ids, torch.ones_like(ids), traj.temperature)[0, p + start:p + end]
             else:
                 logits = forward_logits(model, ids, torch.ones_like(ids))[0, p + start - 1:p + end - 1]
                 n = end - start
-                logp = nucleus_logprobs(logits, torch.full((n,), traj.temperature), torch.full((n,), traj.top_p))
+                logp = nucleus_logprobs(logits, torch.full((n,), traj.temperature, device=device),
+                                        torch.full((n,), traj.top_p, device=device))
                 logp = logp.gather(-1, ids[0, p + start:p + end].unsqueeze(-1)).squeeze(-1)
-            out.append(logp.float())
+            out.append(logp.float().cpu())
     return torch.cat(out) if out else torch.empty(0)
 
 

@@ -81,7 +81,7 @@ def weight_gap(engine_model: torch.nn.Module, trainer_model: torch.nn.Module) ->
     Casting first makes a correct bf16 engine read as synced: load_state_dict rounds the same way.
     """
     theirs = trainer_model.state_dict()
-    gaps = [float((w.float() - theirs[k].to(w.dtype).float()).abs().max())
+    gaps = [float((w.float() - theirs[k].to(w.device, w.dtype).float()).abs().max())
             for k, w in engine_model.state_dict().items() if k in theirs and theirs[k].shape == w.shape]
     return max(gaps) if gaps else None
 
@@ -113,7 +113,7 @@ def diagnose(report: ConsistencyReport, trainer_model: torch.nn.Module, engine: 
     2. temperature: recomputing at another temperature (0.5x..2x) removes most of the drift.
     3. padding (trainer side): the trainer's model gives other logprobs with left than with right padding.
     4. padding (engine side): the same prompts generated one at a time (no padding) agree with the trainer.
-    5. dtype: engine and trainer run different dtypes (bf16 drift is expected, 1e-2-ish).
+    5. dtype: engine and trainer run different dtypes (bf16 drift is expected, up to ~1e-2).
     Every experiment that ran is in `evidence`, also the ones that did not decide.
     """
     if report.version_errors:
@@ -133,9 +133,9 @@ def diagnose(report: ConsistencyReport, trainer_model: torch.nn.Module, engine: 
         gap = weight_gap(engine_model, trainer_model)
         evidence["weight_max_abs_diff"] = gap
         if gap:
-            found.append(Diagnosis("version_skew", f"the engine's weights differ from the trainer's (max |dw| {gap:.3g}) "
-                                   f"although both claim policy version {report.trainer_version}: a weight sync was "
-                                   "missed or only partly applied (stale weights)"))
+            found.append(Diagnosis("version_skew", f"the engine's weights differ from the trainer's (max |dw| "
+                                   f"{gap:.3g}) although both claim policy version {report.trainer_version}: a "
+                                   "weight sync was missed or only partly applied (stale weights)"))
 
     trajs, tokens = report.trajectories, report.tokens_detail
     was_training = trainer_model.training
@@ -143,10 +143,10 @@ def diagnose(report: ConsistencyReport, trainer_model: torch.nn.Module, engine: 
     try:
         weight, bias = lm_head(trainer_model)
         hidden = action_hidden_states(trainer_model, trajs)
+        on = tokens.to(hidden.device)
         with torch.no_grad():
             def at(scale, h=hidden):
-                return chunked_token_logprobs(h, weight, tokens.target, tokens.temperature * scale, tokens.top_p,
-                                              bias=bias)
+                return chunked_token_logprobs(h, weight, on.target, on.temperature * scale, on.top_p, bias=bias).cpu()
             right = at(1.0)
             nominal = _mean_abs(right, tokens)
             fits = {round(f, 3): _mean_abs(at(f), tokens) for f in TEMPERATURE_FACTORS}
@@ -182,8 +182,8 @@ def diagnose(report: ConsistencyReport, trainer_model: torch.nn.Module, engine: 
 
     if engine_dtype and trainer_dtype and engine_dtype != trainer_dtype:
         found.append(Diagnosis("dtype", f"the engine runs {engine_dtype} and the trainer {trainer_dtype}: that "
-                               "rounding alone moves logprobs by ~1e-2; run both in float32 (engine.dtype) or raise "
-                               "this stage's gate thresholds"))
+                               "rounding alone moves logprobs by up to ~1e-2; run both in float32 (engine.dtype) "
+                               "or raise this stage's gate thresholds"))
 
     if not found:
         return Diagnosis("unknown", "no experiment explains the drift (versions, weights, temperature, padding and "
@@ -230,7 +230,8 @@ class ConsistencyGate:
                  engine_dtype: Optional[str] = None):
         self.cfg, self.stage, self.path = cfg, stage, Path(out_dir) / "gate.json"
         self.engine, self.backend, self.make_probe = engine, backend, make_probe
-        self.eps_low, self.eps_high, self.deterministic, self.engine_dtype = eps_low, eps_high, deterministic, engine_dtype
+        self.eps_low, self.eps_high = eps_low, eps_high
+        self.deterministic, self.engine_dtype = deterministic, engine_dtype
         self.evaluations: list[dict] = []
         self._last_version: Optional[int] = None
 
@@ -243,9 +244,13 @@ class ConsistencyGate:
             sync()
         engine = engine or self.engine
         version = self.backend.policy_version
+        try:
+            model = self.backend.policy_model
+        except RuntimeError as err:  # ZeRO-3: the policy is partitioned across ranks
+            raise ValueError(f"stage {self.stage!r}: the consistency gate needs the trainer's policy on one rank "
+                             f"({err}); use ZeRO stage 0-2 or set gate.enabled: false") from None
         with torch.no_grad():
             trajs = run_episodes(engine, self.make_probe())
-        model = self.backend.policy_model
         report = check(trajs, model, version=version, eps_low=self.eps_low, eps_high=self.eps_high,
                        alone=self.deterministic)
         reasons = over_threshold(report, self.cfg.mean_abs_diff, self.cfg.p99_abs_diff)
