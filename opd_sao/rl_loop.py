@@ -46,10 +46,13 @@ class RLLoop:
         return self.learner.backend
 
     def _admit(self, n: int) -> bool:
-        """Flow control: in async mode at most max_staleness batches ahead; in sync mode one batch per step."""
+        """Flow control: in async mode at most max_staleness batches ahead; in sync mode one batch per step.
+
+        Trajectories dropped as stale give their places back, or a tight bound could starve the trainer.
+        """
         ahead = self.rollout.max_staleness + 1 if self.rollout.asynchronous else 1
         with self._lock:
-            if self._started + n > (self._steps_done + ahead) * self.batch_size:
+            if self._started - self.buffer.dropped_stale + n > (self._steps_done + ahead) * self.batch_size:
                 return False
             self._started += n
             return True
@@ -113,12 +116,12 @@ class RLLoop:
         metrics = self.learner.step(batch, self.rollout.temperature)
         if self.slowdown_s:
             time.sleep(self.slowdown_s)
-        with self._lock:
-            self._steps_done += 1
         with self.trained_log.open("a") as f:
-            f.write(json.dumps({"step": self._steps_done - 1, "traj_ids": batch.traj_ids}) + "\n")
+            f.write(json.dumps({"step": self._steps_done, "traj_ids": batch.traj_ids}) + "\n")
         if self.backend.policy_version != version and self.backend.policy_version % self.rollout.sync_every == 0:
             self.sync_weights()
+        with self._lock:  # only now may the worker start the next batch's rollouts: on the new weights
+            self._steps_done += 1
         metrics["staleness_mean"] = sum(k * v for k, v in staleness.items()) / len(trajs)
         metrics["staleness_max"] = max(staleness)
         metrics["staleness_hist"] = {str(k): v for k, v in sorted(staleness.items())}
