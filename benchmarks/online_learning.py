@@ -1,0 +1,168 @@
+"""Online learning (SPEC 2.6b): SAO vs the running-mean baseline when the preferred chat style switches.
+
+Runs configs/online_learning.yaml (the chat user's preferred style rotates cute -> chuunibyou ->
+classical every `switch_every` trainer steps; reward = quality x style) once per algorithm and seed,
+all from one shared SFT warm start, with the same learning rates, batch and seeds. Both go through
+the same pipeline and RLLoop; only `algo` differs.
+
+Steps to recover: after a switch at step S, the number of steps until the mean batch reward over
+the last `window` steps, all taken at or after S, first reaches `level`: the smallest t - S + 1
+with t >= S + window - 1 and mean(reward[t-window+1 .. t]) >= level. A run that does not recover
+before the next switch (or the end) is censored: it counts as the whole phase length in the mean
+and is reported in `censored`.
+
+Prints one JSON object on its last line; writes a plot of reward vs step (mean over seeds) to `--plot`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from opd_sao.config import load_config  # noqa: E402
+from opd_sao.models import load_tokenizer  # noqa: E402
+from opd_sao.pipeline import ensure_base_model, run_pipeline  # noqa: E402
+from opd_sao.sft import run_sft, sft_examples  # noqa: E402
+from opd_sao.tracking import read_jsonl  # noqa: E402
+from stages.envs import ENVIRONMENTS  # noqa: E402
+from stages.envs.chat import StyleSchedule  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ALGOS = ("sao", "running_mean")
+
+
+def rolling(values: list[float], window: int) -> list[float]:
+    return [statistics.fmean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
+
+
+def steps_to_recover(rewards: list[float], switch: int, end: int, level: float, window: int):
+    """See the module docstring; None when the reward does not get back to `level` before `end`."""
+    for t in range(switch + window - 1, min(end, len(rewards))):
+        if statistics.fmean(rewards[t - window + 1: t + 1]) >= level:
+            return t - switch + 1
+    return None
+
+
+def warm_start(cfg, work: Path) -> Path:
+    """The SFT checkpoint every run starts from (built once, so both algorithms start identical)."""
+    stage = cfg.stages[0]
+    base = ensure_base_model(cfg, work)
+    tok = load_tokenizer(base)
+    env_cls = ENVIRONMENTS.get(stage.env)
+    examples = sft_examples(lambda: env_cls(**stage.env_options), tok, n=100_000, seed=cfg.seed)
+    return run_sft(base, work / "sft", examples, tok, stage.sft, cfg.seed)
+
+
+def run_one(config: Path, overrides: list[str], algo: str, seed: int, start: Path, out: Path) -> list[float]:
+    name = load_config(config, overrides).stages[0].name
+    cfg = load_config(config, overrides + [f"algo={algo}", f"seed={seed}", f"model.path={start}",
+                                           f"stages.{name}.init_from=base", f"stages.{name}.sft.steps=0",
+                                           "logging.wandb=false", "logging.progress=false"])
+    run_pipeline(cfg, out, log=lambda m: None)
+    return [r["reward_mean"] for r in read_jsonl(out / "stages" / name / "metrics.jsonl")]
+
+
+def analyse(curves: dict[str, list[list[float]]], schedule: StyleSchedule, steps: int, level: float,
+            window: int) -> dict:
+    switches = schedule.switches(steps)
+    bounds = switches + [steps]
+    result = {}
+    for algo, runs in curves.items():
+        per_switch = {}
+        for i, s in enumerate(switches):
+            label = f"step {s}: {schedule.style_at(s - 1)} -> {schedule.style_at(s)}"
+            phase = bounds[i + 1] - s
+            per_seed = [steps_to_recover(r, s, bounds[i + 1], level, window) for r in runs]
+            per_switch[label] = {
+                "per_seed": per_seed,
+                "mean": statistics.fmean(phase if k is None else k for k in per_seed),
+                "censored": sum(k is None for k in per_seed),
+                "reward_before": statistics.fmean(statistics.fmean(r[s - window: s]) for r in runs),
+                "reward_phase_mean": statistics.fmean(statistics.fmean(r[s: bounds[i + 1]]) for r in runs),
+            }
+        mean_curve = [statistics.fmean(r[t] for r in runs) for t in range(steps)]
+        result[algo] = {
+            "steps_to_recover": per_switch,
+            "mean_steps_to_recover": statistics.fmean(v["mean"] for v in per_switch.values()) if per_switch else None,
+            "initial_steps_to_level": [steps_to_recover(r, 0, bounds[0], level, window) for r in runs],
+            "reward_curve": [round(v, 4) for v in mean_curve],
+        }
+    return result
+
+
+def plot(curves: dict[str, list[list[float]]], schedule: StyleSchedule, steps: int, level: float, window: int,
+         out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for (algo, runs), color in zip(curves.items(), ("tab:blue", "tab:orange")):
+        mean = [statistics.fmean(r[t] for r in runs) for t in range(steps)]
+        ax.plot(mean, color=color, alpha=0.25, linewidth=1)
+        ax.plot(rolling(mean, window), color=color, linewidth=2,
+                label=f"{algo} ({len(runs)} seed{'s' * (len(runs) > 1)}, {window}-step mean)")
+    for s in schedule.switches(steps):
+        ax.axvline(s, color="grey", linestyle="--", linewidth=1)
+    for s in [0] + schedule.switches(steps):
+        ax.text(s + 0.5, 1.02, schedule.style_at(s), fontsize=9, va="bottom")
+    ax.axhline(level, color="grey", linestyle=":", linewidth=1)
+    ax.set(xlabel="trainer step", ylabel="batch reward (quality x style)", ylim=(0, 1.1), xlim=(0, steps))
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides applied to every run (both algorithms)")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "online_learning.yaml")
+    parser.add_argument("--quick", action="store_true", help="a smoke run under a minute: 3 short phases, one seed")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--level", type=float, default=0.5, help="the reward level that counts as recovered")
+    parser.add_argument("--window", type=int, default=5, help="steps in the rolling mean that must reach the level")
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "online_learning.png")
+    parser.add_argument("--keep", type=Path, help="keep the run directories here (default: a temporary directory)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads; the tiny model gains nothing from more, and a busy CPU loses a lot")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    overrides = list(args.overrides)
+    if args.quick:
+        name = load_config(args.config).stages[0].name
+        overrides += [f"stages.{name}.steps=24", f"stages.{name}.env_options.switch_every=8",
+                      f"stages.{name}.sft.steps=100", f"stages.{name}.eval.num_tasks=8",
+                      f"stages.{name}.eval.samples_per_task=1"]
+        args.seeds, args.window = args.seeds[:1], min(args.window, 3)
+    cfg = load_config(args.config, overrides)
+    stage = cfg.stages[0]
+    schedule = StyleSchedule(stage.env_options.get("style", "cute"), stage.env_options.get("switch_every", 0))
+    if not schedule.switches(stage.steps):
+        raise SystemExit(f"{args.config}: the chat stage's style never switches within {stage.steps} steps")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.keep or Path(tmp)
+        start = warm_start(cfg, work / "warm_start")
+        curves = {algo: [run_one(args.config, overrides, algo, seed, start, work / f"{algo}-seed{seed}")
+                         for seed in args.seeds] for algo in ALGOS}
+    result = analyse(curves, schedule, stage.steps, args.level, args.window)
+    plot(curves, schedule, stage.steps, args.level, args.window, args.plot)
+    sao, baseline = result["sao"]["mean_steps_to_recover"], result["running_mean"]["mean_steps_to_recover"]
+    print(json.dumps({
+        "benchmark": "online_learning", "config": str(args.config), "overrides": overrides, "seeds": args.seeds,
+        "steps": stage.steps, "switch_every": schedule.switch_every, "train_batch_size": cfg.stage_trainer(stage).train_batch_size,
+        "policy_lr": cfg.stage_trainer(stage).policy_lr, "level": args.level, "window": args.window,
+        "sao_recovers_faster": sao < baseline, "plot": str(args.plot), "wall_s": round(time.perf_counter() - t0, 1),
+        **result,
+    }))
+
+
+if __name__ == "__main__":
+    main()

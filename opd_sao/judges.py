@@ -1,0 +1,87 @@
+"""Judges: pluggable quality scorers for open-ended responses, registered by name and chosen in YAML.
+
+A judge answers one binary question, "is this response good?", so an environment can combine it
+with other binary criteria (the chat env multiplies it by a style check, SPEC 2.6). Judges are
+built once per process per (name, options): an environment is created per episode and must stay
+cheap, while a reward model is a network to load (or train) once.
+"""
+from __future__ import annotations
+
+import json
+import string
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from pathlib import Path
+
+from .registry import Registry
+
+JUDGES: Registry[type["Judge"]] = Registry("judge")
+register_judge = JUDGES.register
+
+ENDINGS = ".!?~"
+
+
+class Judge(ABC):
+    @abstractmethod
+    def quality(self, task: dict, response: str) -> bool:
+        """`task` is the environment's task dict (at least "prompt"); True when the response is good."""
+
+
+def words_of(text: str) -> list[str]:
+    return [w.strip(string.punctuation + "~") for w in text.lower().split() if w.strip(string.punctuation + "~")]
+
+
+@register_judge("rule")
+class RuleJudge(Judge):
+    """On topic (names the task's "topic"), well formed (ends a sentence), not too short or long, not repetitive."""
+
+    def __init__(self, min_words: int = 3, max_words: int = 12, max_repeats: int = 2):
+        self.min_words, self.max_words, self.max_repeats = min_words, max_words, max_repeats
+
+    def quality(self, task: dict, response: str) -> bool:
+        text, words = response.strip(), words_of(response)
+        return (task["topic"] in words
+                and self.min_words <= len(words) <= self.max_words
+                and text != "" and text[-1] in ENDINGS
+                and max(Counter(words).values()) <= self.max_repeats)
+
+
+@register_judge("reward_model")
+class RewardModelJudge(Judge):
+    """A trained Bradley-Terry reward model (opd_sao.reward_model); good = score above its calibrated threshold.
+
+    When `path` holds no model yet, one is trained there first from the chat environment's
+    preference pairs, so a config can name a reward model without a separate preparation step.
+    """
+
+    def __init__(self, path: str, threshold: float | None = None, train_pairs: int = 3000, train_steps: int = 300,
+                 seed: int = 0):
+        from .reward_model import RewardModel
+
+        if not (Path(path) / "config.json").is_file():
+            from stages.envs.chat import train_chat_reward_model
+
+            train_chat_reward_model(Path(path), n_pairs=train_pairs, steps=train_steps, seed=seed)
+        self.model = RewardModel(path)
+        self.threshold = self.model.threshold if threshold is None else threshold
+
+    def quality(self, task: dict, response: str) -> bool:
+        return float(self.model.score([task["prompt"]], [response])[0]) > self.threshold
+
+
+_built: dict[str, Judge] = {}
+_lock = threading.Lock()
+
+
+def build_judge(name: str, options: dict | None = None) -> Judge:
+    """The process-wide judge for (name, options), built on first use."""
+    key = json.dumps([name, options or {}], sort_keys=True)
+    with _lock:
+        if key not in _built:
+            judge_cls = JUDGES.get(name)
+            try:
+                _built[key] = judge_cls(**(options or {}))
+            except TypeError as err:
+                raise ValueError(f"judge {name!r}: bad judge_options {options}: {err}") from None
+        return _built[key]

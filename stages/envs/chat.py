@@ -1,0 +1,149 @@
+"""Chat domain: small-talk prompts, one response, reward = quality x style (SPEC 2.6, both binary).
+
+Quality comes from a pluggable judge (`judge: rule` or `judge: reward_model`, see opd_sao.judges).
+Style is whether the response is in the user's preferred style, one of three with markers a tiny
+byte-level model can emit: cute ends with "~", chuunibyou says "behold", classical says "doth". A
+response carrying two styles' markers is in none (hedging across styles does not pay).
+
+The preference belongs to the user, not to the task: fixed (`style:`) or, for the online-learning
+simulation, rotating cute -> chuunibyou -> classical every `switch_every` trainer steps. The RL
+stage hands a training environment `train_step` (the trainer's step count), so the switch follows
+training progress. Outside training (SFT demonstrations, evaluation, validity checks) a task's own
+"style" is the preference: train tasks come once per style, so the warm start learns all three
+equally and RL has to find the preferred one; eval tasks carry the first preferred style.
+"""
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+from opd_sao.judges import build_judge, words_of
+
+from .base import Environment, register_env
+
+STYLES = ("cute", "chuunibyou", "classical")
+RESPONSES = {  # short, so a 2-layer model writes them well; the first word already commits to a style
+    "cute": ("aww, i love {t} so much~", "aww, {t} make me happy~", "aww, {t} are so sweet~"),
+    "chuunibyou": ("behold! {t} obey me!", "behold the dark {t}!", "behold, {t} of the abyss!"),
+    "classical": ("verily, {t} doth please me.", "verily, {t} doth bring joy.", "verily, {t} doth shine."),
+}
+TOPICS = ("cats", "dogs", "tea", "coffee", "rain", "snow", "music", "stars", "bread", "books", "flowers", "oceans",
+          "trains", "cake", "birds", "autumn", "games", "rivers", "cheese", "clouds", "bees", "winter", "apples", "jazz")
+PROMPTS = ("user: tell me about {t}.\nbot:", "user: what do you think of {t}?\nbot:", "user: do you like {t}?\nbot:",
+           "user: say something about {t}.\nbot:", "user: how do you feel about {t}?\nbot:")
+FILLER = "and so on and on we go with more words here".split()
+
+
+def style_of(response: str) -> Optional[str]:
+    """The one style whose marker the response carries; None for no marker or several."""
+    words = words_of(response)
+    found = [style for style, hit in (("cute", response.strip().endswith("~")), ("chuunibyou", "behold" in words),
+                                      ("classical", "doth" in words)) if hit]
+    return found[0] if len(found) == 1 else None
+
+
+class StyleSchedule:
+    """The preferred style at a trainer step: `first`, then the next of STYLES every `switch_every` steps (0: never)."""
+
+    def __init__(self, first: str = "cute", switch_every: int = 0):
+        if first not in STYLES:
+            raise ValueError(f"chat style {first!r} is not one of {list(STYLES)}")
+        if switch_every < 0:
+            raise ValueError(f"chat switch_every must be >= 0 (got {switch_every})")
+        self.first, self.switch_every = first, switch_every
+
+    def style_at(self, step: int) -> str:
+        shift = step // self.switch_every if self.switch_every else 0
+        return STYLES[(STYLES.index(self.first) + shift) % len(STYLES)]
+
+    def switches(self, steps: int) -> list[int]:
+        """Trainer steps (< steps) at which the preferred style changes."""
+        return list(range(self.switch_every, steps, self.switch_every)) if self.switch_every else []
+
+
+@register_env("chat")
+class ChatEnv(Environment):
+    reads_train_step = True  # the RL stage passes train_step: the preference may follow training progress
+
+    def __init__(self, judge: str = "rule", judge_options: Optional[dict] = None, style: str = "cute",
+                 switch_every: int = 0, eval_fraction: float = 0.2,
+                 train_step: Optional[Callable[[], int]] = None):
+        super().__init__(judge=judge, judge_options=judge_options, style=style, switch_every=switch_every,
+                         eval_fraction=eval_fraction)
+        self.schedule = StyleSchedule(style, switch_every)
+        self.judge = build_judge(judge, judge_options)
+        self.eval_fraction, self.train_step = eval_fraction, train_step
+        self.task = None
+
+    def _prompts(self, split: str) -> list[tuple[str, int]]:
+        """(topic, prompt template) pairs of a split; a stable hash keeps train and eval apart."""
+        return [(t, i) for t in TOPICS for i in range(len(PROMPTS))
+                if (random.Random(f"chat-{t}-{i}").random() < self.eval_fraction) == (split == "eval")]
+
+    def make_tasks(self, split: str, n: int, seed: int) -> list[dict]:
+        styles = STYLES if split == "train" else (self.schedule.first,)
+        tasks = [{"id": f"chat-{split}-{t.replace(' ', '_')}-{i}-{s}", "prompt": PROMPTS[i].format(t=t), "topic": t,
+                  "style": s} for t, i in self._prompts(split) for s in styles]
+        random.Random(seed).shuffle(tasks)
+        return tasks[:n]
+
+    def preferred_style(self) -> str:
+        if self.train_step is None:
+            return self.task["style"]
+        return self.schedule.style_at(self.train_step())
+
+    def reset(self, task: dict) -> str:
+        self.task = task
+        return task["prompt"]
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        good = self.judge.quality(self.task, action) and style_of(action) == self.preferred_style()
+        return "", float(good), True
+
+    def reference_actions(self, task: dict) -> list[str]:
+        """A good response in the task's style (one of three phrasings, fixed per task)."""
+        phrasing = random.Random(task["id"]).choice(RESPONSES[task["style"]])
+        return [" " + phrasing.format(t=task["topic"])]
+
+    def preference_pairs(self, split: str, n: int, seed: int) -> list[tuple[str, str, str]]:
+        """(prompt, good response, degraded response): what the reward-model judge learns quality from."""
+        rng = random.Random(f"pairs-{split}-{seed}")
+        tasks = self.make_tasks(split, 10**6, seed)
+        pairs = []
+        for _ in range(n):
+            task = rng.choice(tasks)
+            topic = task["topic"]
+            chosen = rng.choice(RESPONSES[rng.choice(STYLES)]).format(t=topic)
+            pairs.append((task["prompt"], " " + chosen, " " + degrade(chosen, topic, rng)))
+        return pairs
+
+
+def degrade(response: str, topic: str, rng: random.Random) -> str:
+    """A plausible bad response: off topic, cut off, repetitive, rambling, or empty."""
+    kind = rng.choice(("off_topic", "cut_off", "repetitive", "rambling", "empty"))
+    if kind == "off_topic":
+        return response.replace(topic, rng.choice([t for t in TOPICS if t != topic]))
+    if kind == "cut_off":
+        words = response.split()
+        return " ".join(words[: rng.randint(1, len(words) - 1)]).rstrip(".!?~,")
+    if kind == "repetitive":
+        return " ".join([topic] * rng.randint(3, 5)) + response[-1]
+    if kind == "rambling":
+        return response[:-1] + " " + " ".join(FILLER) + response[-1]
+    return rng.choice(("", "...", "~"))
+
+
+def train_chat_reward_model(out: Path, *, n_pairs: int = 3000, steps: int = 300, seed: int = 0,
+                            shape=None) -> dict:
+    """Build a tiny backbone on the chat corpus, train a reward model on generated pairs, save it to `out`."""
+    from opd_sao.config import TinyModelConfig
+    from opd_sao.models import build_tiny_model
+    from opd_sao.reward_model import train_reward_model
+
+    env = ChatEnv()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = build_tiny_model(Path(tmp) / "init", env.corpus(), shape or TinyModelConfig(), seed)
+        return train_reward_model(init, out, env.preference_pairs("train", n_pairs, seed),
+                                  env.preference_pairs("eval", 500, seed + 1), steps=steps, seed=seed)

@@ -1,0 +1,140 @@
+"""The chat stage: judges, the style schedule, the reward model, and a few RL steps end to end."""
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from opd_sao.config import TinyModelConfig, parse_config
+from opd_sao.judges import build_judge
+from opd_sao.pipeline import run_pipeline
+from opd_sao.reward_model import RewardModel, best_threshold
+from stages import RunContext
+from stages.envs.chat import STYLES, ChatEnv, StyleSchedule, degrade, style_of, train_chat_reward_model
+from stages.rl import ChatStage
+
+TASK = {"id": "t", "prompt": "user: do you like cats?\nbot:", "topic": "cats", "style": "cute"}
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
+
+
+@pytest.mark.parametrize("response,good", [
+    (" aww, i love cats so much~", True),
+    ("behold the dark cats!", True),
+    ("verily, cats doth please me.", True),
+    ("Cats? I like cats.", True),
+    (" aww, i love dogs so much~", False),  # off topic
+    (" aww, i love cats so", False),  # cut off: no sentence end
+    ("cats cats cats~", False),  # repetitive
+    ("cats~", False),  # too short
+    ("verily, cats doth please me and so on and on we go with more words here.", False),  # rambling
+    ("", False),
+])
+def test_rule_judge(response, good):
+    assert build_judge("rule").quality(TASK, response) is good
+
+
+def test_style_markers_and_reward():
+    assert style_of(" aww, cats are so sweet~") == "cute"
+    assert style_of("behold! cats obey me!") == "chuunibyou"
+    assert style_of("verily, cats doth shine.") == "classical"
+    assert style_of("cats are nice.") is None
+    assert style_of("behold, cats doth shine~") is None  # every marker at once is no style
+    env = ChatEnv(style="classical", train_step=lambda: 0)
+    env.reset(TASK)
+    assert env.step(" verily, cats doth shine.") == ("", 1.0, True)
+    assert env.step(" aww, cats are so sweet~")[1] == 0.0  # good, but not the preferred style
+    assert env.step(" verily, dogs doth shine.")[1] == 0.0  # preferred style, off topic
+
+
+def test_style_schedule_follows_the_trainer_step():
+    schedule = StyleSchedule("cute", switch_every=10)
+    assert [schedule.style_at(s) for s in (0, 9, 10, 19, 20, 30)] == ["cute", "cute", "chuunibyou", "chuunibyou",
+                                                                      "classical", "cute"]
+    assert schedule.switches(35) == [10, 20, 30] and StyleSchedule("cute").switches(35) == []
+    step = [0]
+    env = ChatEnv(switch_every=10, train_step=lambda: step[0])
+    env.reset(TASK)
+    rewards = {}
+    for step[0] in (0, 10, 20):
+        rewards[step[0]] = [env.step(r)[1] for r in (" aww, cats are so sweet~", " behold the dark cats!",
+                                                      " verily, cats doth shine.")]
+    assert rewards == {0: [1, 0, 0], 10: [0, 1, 0], 20: [0, 0, 1]}
+    with pytest.raises(ValueError, match="not one of"):
+        ChatEnv(style="gothic")
+
+
+def test_warm_start_data_covers_every_style_and_splits_are_disjoint():
+    env = ChatEnv(style="chuunibyou")
+    train, held_out = env.make_tasks("train", 10**6, 0), env.make_tasks("eval", 10**6, 0)
+    assert {t["prompt"] for t in train}.isdisjoint(t["prompt"] for t in held_out)
+    demo_styles = Counter(style_of(env.reference_actions(t)[0]) for t in train)
+    assert set(demo_styles) == set(STYLES) and len(set(demo_styles.values())) == 1  # exactly uniform
+    assert {t["style"] for t in held_out} == {"chuunibyou"}
+    for task in train[:30]:  # outside training the oracle is the task's own style: it scores 1, a no-op 0
+        env.reset(task)
+        assert env.step(env.reference_actions(task)[0])[1] == 1.0 and env.step(env.noop_action(task))[1] == 0.0
+
+
+def test_preference_pairs_agree_with_the_rule_judge():
+    env, judge, rng = ChatEnv(), build_judge("rule"), random.Random(0)
+    tasks = {t["prompt"]: t for t in env.make_tasks("train", 10**6, 0)}
+    for prompt, chosen, rejected in env.preference_pairs("train", 300, seed=0):
+        assert judge.quality(tasks[prompt], chosen) and not judge.quality(tasks[prompt], rejected)
+    assert not judge.quality(TASK, degrade("i love cats so much~", "cats", rng))
+
+
+def test_best_threshold_separates():
+    assert best_threshold(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([-1.0, 0.0])) == 0.5  # midway between 0 and 1
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 2-layer, 32-wide model is fastest single-threaded, and much faster on a busy CPU
+    try:
+        out = tmp_path_factory.mktemp("rm") / "reward_model"
+        info = train_chat_reward_model(out, n_pairs=1000, steps=120, seed=0, shape=TinyModelConfig(**TINY))
+    finally:
+        torch.set_num_threads(threads)
+    return out, info
+
+
+def test_reward_model_ranks_held_out_pairs(reward_model_dir):
+    path, info = reward_model_dir
+    assert info["heldout_accuracy"] >= 0.8, info
+    AutoModelForSequenceClassification.from_pretrained(path)  # plain transformers loads it
+    model = RewardModel(path)
+    held_out = ChatEnv().preference_pairs("eval", 200, seed=7)
+    assert model.accuracy(held_out) >= 0.8
+    judge = build_judge("reward_model", {"path": str(path)})
+    assert judge.quality(TASK, " aww, i love cats so much~") and not judge.quality(TASK, " cats cats cats cats~")
+
+
+def test_bad_judge_options_are_one_line():
+    with pytest.raises(ValueError, match="judge 'rule': bad judge_options"):
+        build_judge("rule", {"colour": "red"})
+    with pytest.raises(KeyError, match="unknown judge 'oracle'"):
+        ChatEnv(judge="oracle")
+
+
+def test_chat_stage_end_to_end(tmp_path, reward_model_dir):
+    stage = {"name": "chat", "kind": "chat", "env": "chat", "steps": 4,
+             "env_options": {"judge": "reward_model", "judge_options": {"path": str(reward_model_dir[0])},
+                             "switch_every": 2},
+             "sft": {"steps": 3, "batch_size": 8}, "rollout": {"max_new_tokens": 12}, "eval": {"num_tasks": 8}}
+    cfg = parse_config({"seed": 1, "model": {"tiny": TINY}, "logging": {"wandb": False, "progress": False},
+                        "trainer": {"train_batch_size": 4, "critic_warmup_steps": 1}, "stages": [stage]})
+    summary = run_pipeline(cfg, tmp_path, log=lambda m: None)
+    entry = summary["stages"][0]
+    assert entry["kind"] == "chat" and set(entry["eval_after"]) == {"chat"}
+    assert 0.0 <= entry["eval_after"]["chat"] <= 1.0
+    metrics = [json.loads(line) for line in (tmp_path / "stages" / "chat" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 4 and all(0.0 <= m["reward_mean"] <= 1.0 for m in metrics)
+    # the training environments read the trainer's step; evaluation and SFT ones do not
+    ctx = RunContext(cfg=cfg, run_dir=tmp_path, base_checkpoint=tmp_path / "base_model", tokenizer=None)
+    chat = ChatStage(cfg.stages[0], ctx)
+    assert chat.env_factory(train_step=lambda: 7)().train_step() == 7 and chat.env_factory()().train_step is None
