@@ -84,7 +84,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--median-len", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the loop's two threads share the cores)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     steps = 6 if args.quick else args.steps
     max_len = args.median_len * 20
     with tempfile.TemporaryDirectory() as tmp:

@@ -40,6 +40,8 @@ __all__ = [
     "reverse_kl_advantage",
     "truncated_divergence",
     "gather_support_logp",
+    "renormalize_support",
+    "topk_overlap",
 ]
 
 
@@ -472,3 +474,61 @@ def truncated_divergence(
     P_m = beta * P_t + (1.0 - beta) * P_s
     log_P_m = P_m.clamp(min=tiny).log()
     return beta * _kl(P_t, log_P_t, log_P_m, bucket_mask) + (1.0 - beta) * _kl(P_s, log_P_s, log_P_m, bucket_mask)
+
+
+def renormalize_support(
+    teacher_logp_support: torch.Tensor,
+    support_mask: torch.Tensor,
+    tail_mass: torch.Tensor,
+) -> torch.Tensor:
+    """Teacher log-probs ``[N, S]`` rescaled so the support holds exactly ``1 - tail_mass`` ``[N]``.
+
+    Stored teacher log-probs are quantised (the logit cache keeps 256 levels), so
+    ``sum exp(logp) + tail`` is close to but not exactly 1, and ``truncated_divergence``
+    would infer a wrong tail bucket (``1 - sum``). This makes (support, tail) a proper
+    distribution with the stored tail: ``logp_i - logsumexp_support(logp) + log(1 - tail)``.
+    The tail is clamped to ``[0, 1 - tiny]``; padding entries come back as 0 (ignored by a mask).
+    Float32 (or the input's wider dtype); detached: the teacher is a constant target.
+    """
+    mask = _as_bool(support_mask)
+    dtype = teacher_logp_support.dtype if teacher_logp_support.dtype == torch.float64 else torch.float32
+    tiny = torch.finfo(dtype).tiny
+    logp = teacher_logp_support.detach().to(dtype)
+    masked = torch.where(mask, logp, torch.full_like(logp, float("-inf")))
+    norm = torch.logsumexp(masked, dim=-1, keepdim=True)
+    norm = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
+    kept = (1.0 - tail_mass.detach().to(dtype)).clamp(min=tiny, max=1.0).log().unsqueeze(-1)
+    return torch.where(mask, logp - norm + kept, torch.zeros_like(logp))
+
+
+def topk_overlap(
+    student_topk_ids: torch.Tensor,
+    teacher_logp_support: torch.Tensor,
+    support_ids: torch.Tensor,
+    support_mask: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
+    """Per position ``[N]``: the share of the student's top-m tokens that the teacher ranks in its top m.
+
+    ``m = min(k, support size)``. ``student_topk_ids`` ``[N, >= k]`` are the student's most
+    probable ids, most probable first; the teacher's ranking is taken inside its stored support
+    (``support_ids``, ``teacher_logp_support``, ``support_mask``: ``[N, S]``), which is exactly its
+    top-k for top-k supports and contains it for nuclei and full rows. A student token counts when
+    its teacher log-prob is at least the teacher's m-th largest (ties count: stored log-probs are
+    quantised, so equal values are common). 1 = the same m most likely tokens, 0 = disjoint.
+    Positions with an empty support give 0.
+    """
+    mask = _as_bool(support_mask)
+    m = mask.sum(dim=-1).clamp(max=k)  # [N]
+    scores = teacher_logp_support.detach().float().masked_fill(~mask, float("-inf"))
+    width = min(k, scores.shape[-1])
+    ranked = scores.topk(width, dim=-1).values  # [N, width], descending
+    threshold = ranked.gather(-1, (m - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)  # the m-th largest
+    student = student_topk_ids[..., :width]
+    match = (student.unsqueeze(-1) == support_ids.unsqueeze(-2)) & mask.unsqueeze(-2)  # [N, width, S]
+    teacher_of_student = torch.where(match, scores.unsqueeze(-2), torch.full_like(scores.unsqueeze(-2), float("-inf")))
+    teacher_of_student = teacher_of_student.max(dim=-1).values  # [N, width]: -inf when outside the support
+    in_top = (teacher_of_student >= threshold.unsqueeze(-1)) & torch.isfinite(teacher_of_student)
+    in_top &= torch.arange(width, device=m.device).unsqueeze(0) < m.unsqueeze(-1)  # only the student's top m
+    hits = in_top.sum(dim=-1).float()
+    return torch.where(m > 0, hits / m.clamp(min=1).float(), torch.zeros_like(hits))

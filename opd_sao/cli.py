@@ -7,23 +7,77 @@ import os
 import sys
 from pathlib import Path
 
+from .sandbox import SandboxUnavailableError
+
 
 def _cmd_run(args) -> int:
     from .config import load_config
     from .pipeline import default_run_dir, run_pipeline
 
-    cfg = load_config(args.config, args.overrides)
-    run_dir = Path(args.run_dir or cfg.run_dir or default_run_dir(args.config))
+    if args.resume:
+        run_dir = Path(args.resume)
+        if args.config or args.overrides:
+            raise ValueError("--resume continues a run with its saved config.yaml; give no config or overrides")
+        if not (run_dir / "config.yaml").is_file():
+            raise ValueError(f"{run_dir} is not a run directory (no config.yaml)")
+        cfg = load_config(run_dir / "config.yaml")
+    else:
+        if not args.config:
+            raise ValueError("give a config file (opd-sao run CONFIG) or --resume RUN_DIR")
+        cfg = load_config(args.config, args.overrides)
+        run_dir = Path(args.run_dir or cfg.run_dir or default_run_dir(args.config))
     if int(os.environ.get("RANK", "0")) > 0:  # a further rank of a DeepSpeed launch: rank 0 runs the pipeline
         from .trainers.deepspeed_backend import follow
 
         return follow(cfg)
-    summary = run_pipeline(cfg, run_dir, log=lambda msg: print(msg, flush=True))
-    print(f"\nrun finished: {run_dir}\n  summary: {run_dir / 'summary.json'}")
+    summary = run_pipeline(cfg, run_dir, log=lambda msg: print(msg, flush=True), resume=bool(args.resume))
+    print(f"\nrun finished: {run_dir}")
+    print(f"{'stage':<12} {'kind':<10} {'algo':<8} {'gate':<7} eval after (held-out, per domain)")
     for stage in summary["stages"]:
-        print(f"  {stage['name']:<12} {stage['kind']:<10} before {json.dumps(stage['eval_before'])} "
-              f"after {json.dumps(stage['eval_after'])}")
+        gate = stage.get("gate") or {}
+        verdict = "-" if "passed" not in gate else ("pass" if gate["passed"] else "FAIL")
+        scores = "  ".join(f"{d}={v:.3f}" for d, v in stage["eval_after"].items())
+        print(f"{stage['name']:<12} {stage['kind']:<10} {stage.get('algo', '-'):<8} {verdict:<7} {scores}")
+    print(f"summary: {run_dir / 'summary.json'}\nreport:  {summary['report']}")
     return 0
+
+
+def _cmd_cache(args) -> int:
+    """`opd-sao cache inspect|verify|gc DIR` (exit status 1 when verify finds corruption)."""
+    from cache.cli import main as cache_main
+
+    return cache_main([args.action, args.dir])
+
+
+def _cmd_validate_env(args) -> int:
+    """`opd-sao validate-env NAME`: the three-way validity check as JSON; exit status 1 when it fails."""
+    from stages.envs import ENVIRONMENTS
+
+    from .validity import check_environment
+
+    env_cls = ENVIRONMENTS.get(args.name)
+    try:
+        options = json.loads(args.options)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--options is not valid JSON: {err}") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"--options must be a JSON object (got {args.options!r})")
+    try:
+        env_cls(**options)
+    except TypeError as err:
+        raise ValueError(f"--options for environment {args.name!r}: {err}") from None
+    report = check_environment(args.name, lambda: env_cls(**options), n=args.n, seed=args.seed)
+    print(json.dumps(report.to_json()))
+    if not report.ok:
+        print(report.describe(), file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def _cmd_sandbox(args) -> int:
+    """`opd-sao sandbox run FILE [limits]`: the sandbox's own command line (opd_sao.sandbox.main)."""
+    from .sandbox import main as sandbox_main
+
+    return sandbox_main(args.args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,20 +85,39 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher's
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a staged post-training pipeline from a YAML config")
-    run.add_argument("config")
+    run.add_argument("config", nargs="?")
     run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.policy_lr=1e-5 stages.reasoning.steps=5")
     run.add_argument("--run-dir", help="run directory (default: runs/<timestamp>-<config name>)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run (completed stages are kept)")
     run.set_defaults(func=_cmd_run)
+    cache = sub.add_parser("cache", help="logit cache: size and bytes/token, integrity check, garbage collection")
+    cache.add_argument("action", choices=["inspect", "verify", "gc"])
+    cache.add_argument("dir", help="a logit cache directory (e.g. runs/<run>/stages/<opd stage>/logit_cache)")
+    cache.set_defaults(func=_cmd_cache)
+    validate = sub.add_parser("validate-env", help="check an environment: the oracle scores 1, a no-op and the "
+                                                   "untouched initial state score 0")
+    validate.add_argument("name", help="a registered environment")
+    validate.add_argument("--options", default="{}", help='environment options as a JSON object, e.g. \'{"tests": 3}\'')
+    validate.add_argument("--n", type=int, default=16, help="tasks to check, half from each split (default 16)")
+    validate.add_argument("--seed", type=int, default=0)
+    validate.set_defaults(func=_cmd_validate_env)
+    sandbox = sub.add_parser("sandbox", add_help=False, help="run one Python program in the agent sandbox "
+                                                             "(`opd-sao sandbox run FILE`, prints one JSON object)")
+    sandbox.add_argument("args", nargs=argparse.REMAINDER)
+    sandbox.set_defaults(func=_cmd_sandbox)
     from .audit import add_audit_parser
 
     add_audit_parser(sub)
     from .server import add_serve_parser
 
     add_serve_parser(sub)
+    from .reward_model import add_reward_model_parser
+
+    add_reward_model_parser(sub)
     return parser
 
 
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError)
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, SandboxUnavailableError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.command == "run" and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides += extra
+    elif extra and args.command == "sandbox":  # its own flags (-h, limits) belong to opd_sao.sandbox.main
+        args.args = extra + args.args
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:

@@ -70,6 +70,16 @@ class RolloutConfig(Strict):
     sync_every: int = Field(1, ge=1)  # policy steps between weight syncs to the engine
     max_turns: int = Field(1, ge=1)
     max_context_tokens: int = Field(512, ge=16)
+    compaction: bool = False  # summarise long agent episodes and continue from the summary (opd_sao/compaction.py)
+    compaction_budget: int = Field(256, ge=16)  # context tokens past which an episode compacts
+    compaction_instruction: str = "\n# summary of the task and attempts so far:\n"
+
+    @model_validator(mode="after")
+    def _room_for_a_summary(self) -> "RolloutConfig":
+        if self.compaction and self.compaction_budget + self.max_new_tokens >= self.max_context_tokens:
+            raise ValueError(f"compaction_budget {self.compaction_budget} + max_new_tokens {self.max_new_tokens} "
+                             f"must stay below max_context_tokens {self.max_context_tokens}")
+        return self
 
 
 class SAOConfig(Strict):
@@ -106,8 +116,9 @@ class GateConfig(Strict):
 class TeacherConfig(Strict):
     name: str
     checkpoint: str  # a local HF directory, or the name of an earlier stage of this run
-    domains: list[str]
+    domains: list[str] = Field(min_length=1)
     granularity: Optional[Granularity] = None  # default: the OPD stage's
+    kind: str = "in_process"  # a Teacher implementation registered in teachers/ (TEACHER_KINDS)
 
 
 class OPDConfig(Strict):
@@ -121,6 +132,23 @@ class OPDConfig(Strict):
     max_resident: int = Field(2, ge=1)
     prefetch: bool = True
     cache_dir: Optional[str] = None  # default: <stage dir>/logit_cache
+    local_dir: Optional[str] = None  # disk tier teachers are copied to before loading; default: <stage dir>/teacher_tier
+    copy_bandwidth_mb_s: Optional[float] = Field(None, gt=0)  # throttle the copy (simulates slow storage; benchmarks)
+    score_batch_size: int = Field(32, ge=1)  # trajectories per teacher forward pass
+    vocab_chunk: int = Field(8192, ge=1)  # vocabulary columns per lm-head chunk (teacher scoring, student support)
+
+    @model_validator(mode="after")
+    def _one_teacher_per_domain(self) -> "OPDConfig":
+        names, owner = set(), {}
+        for teacher in self.teachers:
+            if teacher.name in names:
+                raise ValueError(f"teacher name {teacher.name!r} is used twice")
+            names.add(teacher.name)
+            for domain in teacher.domains:
+                if domain in owner:
+                    raise ValueError(f"domain {domain!r} has two teachers ({owner[domain]!r} and {teacher.name!r})")
+                owner[domain] = teacher.name
+        return self
 
 
 class StageConfig(Strict):
@@ -152,6 +180,8 @@ class LoggingConfig(Strict):
 
 class RunConfig(Strict):
     seed: int = 0
+    torch_threads: Optional[int] = Field(1, ge=1)  # per process; tiny models run fastest single-threaded, and the
+    # rollout and trainer threads each get a core. None: torch's default
     algo: Algo = "sao"
     run_dir: Optional[str] = None
     model: ModelConfig = ModelConfig()
@@ -178,12 +208,19 @@ class RunConfig(Strict):
                         f"stage {stage.name!r}: teacher {teacher.name!r} checkpoint {teacher.checkpoint!r} "
                         f"is neither a local directory nor an earlier stage ({seen})"
                     )
+            taught = {d for teacher in stage.opd.teachers for d in teacher.domains}
+            if stage.opd.teachers and not set(stage.domains) <= taught:
+                raise ValueError(f"stage {stage.name!r}: domains {sorted(set(stage.domains) - taught)} have no teacher "
+                                 f"(teachers cover {sorted(taught)})")
             trainer = TrainerConfig(**{**self.trainer.model_dump(), **stage.trainer})
             grouped = self.stage_algo(stage) in ("grpo", "grpo_dis")
             if stage.rollout.group_size is None:
                 stage.rollout.group_size = 8 if grouped else 1
             if grouped and stage.rollout.group_size < 2:
                 raise ValueError(f"stage {stage.name!r}: {self.stage_algo(stage)} needs rollout.group_size >= 2")
+            if stage.rollout.compaction and stage.rollout.group_size > 1:
+                raise ValueError(f"stage {stage.name!r}: rollout.compaction needs group_size 1 (a compacted episode "
+                                 f"is several trajectories, which a group cannot compare)")
             if trainer.train_batch_size % stage.rollout.group_size:
                 raise ValueError(f"stage {stage.name!r}: trainer.train_batch_size {trainer.train_batch_size} must be "
                                  f"a multiple of rollout.group_size {stage.rollout.group_size}")

@@ -6,6 +6,7 @@ import os
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 from .config import RunConfig
@@ -82,6 +83,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
     from stages import STAGES, RunContext, discover
 
     discover()
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
     for stage in cfg.stages:  # unknown kinds fail before any work starts
         STAGES.get(stage.kind)
     run_dir = Path(run_dir)

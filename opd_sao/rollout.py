@@ -2,7 +2,8 @@
 
 Single-turn and multi-turn tasks share one path: prompt, then action, observation, action, ...
 Action spans keep exactly the token ids the engine sampled (no re-tokenisation); observation
-tokens get action_mask 0 and no logprob.
+tokens get action_mask 0 and no logprob. With compaction on, a long episode is several trajectory
+segments (see opd_sao.compaction), each exactly what the engine conditioned on.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import threading
 import time
 from typing import Callable, Iterator, Optional
 
+from .compaction import Compaction, next_segment, propagate_returns
 from .engines.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 from .trajectory import Trajectory
 
@@ -19,16 +21,20 @@ from .trajectory import Trajectory
 
 class Episode:
     def __init__(self, env, task: dict, tokenizer, params: SamplingParams, *, domain: str, max_turns: int,
-                 max_context_tokens: int, group: int = -1, traj_id: Optional[str] = None):
+                 max_context_tokens: int, group: int = -1, traj_id: Optional[str] = None,
+                 compaction: Optional[Compaction] = None):
         self.env, self.task, self.tokenizer, self.params = env, task, tokenizer, params
-        self.max_turns, self.max_context_tokens = max_turns, max_context_tokens
+        self.max_turns, self.max_context_tokens, self.compaction = max_turns, max_context_tokens, compaction
         first_observation = env.reset(task)
         prompt_ids = [tokenizer.bos_token_id] + tokenizer.encode(first_observation, add_special_tokens=False)
+        traj_id = traj_id or f"{domain}-{uuid.uuid4().hex[:16]}"
         self.traj = Trajectory(
-            traj_id=traj_id or f"{domain}-{uuid.uuid4().hex[:16]}",
-            domain=domain, prompt_ids=prompt_ids, temperature=params.temperature, top_p=params.top_p,
-            meta={"task_id": task["id"], "group": group, "turns": 0},
+            traj_id=traj_id, domain=domain, prompt_ids=prompt_ids, temperature=params.temperature, top_p=params.top_p,
+            meta={"task_id": task["id"], "group": group, "turns": 0, "episode": traj_id, "segment": 0},
         )
+        self.segments = [self.traj]  # self.traj is the last one, the segment being played
+        self.turns = 0  # environment steps over all segments
+        self._summarising: Optional[list[int]] = None  # during a compaction turn: the latest observation
 
     def request(self) -> GenerationRequest:
         ids = self.traj.prompt_ids + self.traj.token_ids
@@ -41,25 +47,56 @@ class Episode:
         """Record the action, step the environment; True when the episode is over."""
         traj = self.traj
         traj.append(result.token_ids, action=True, logp=result.logprobs, versions=result.versions)
+        if self._summarising is not None:
+            return self._continue_after_summary(result.token_ids)
+        self.turns += 1
         traj.meta["turns"] += 1
         action_ids = [t for t in result.token_ids if t != self.tokenizer.eos_token_id]
         observation, reward, done = self.env.step(self.tokenizer.decode(action_ids))
         traj.add_reward(reward)
         traj.finish_reason = "done" if done else result.finish_reason
         if done:
-            return True
+            return self._end()
         obs_ids = self.tokenizer.encode(observation, add_special_tokens=False) if observation else []
         total = len(traj.prompt_ids) + len(traj.token_ids) + len(obs_ids)
-        if traj.meta["turns"] >= self.max_turns or total >= self.max_context_tokens - 1:
-            traj.finish_reason = "max_turns" if traj.meta["turns"] >= self.max_turns else "context"
-            return True
+        if self.turns >= self.max_turns:
+            return self._end("max_turns")
+        if self.compaction and total > self.compaction.budget:
+            instruction = self.tokenizer.encode(self.compaction.instruction, add_special_tokens=False)
+            if total + len(instruction) < self.max_context_tokens - 1:
+                traj.append(obs_ids + instruction, action=False)  # the next action is the summary
+                self._summarising = obs_ids
+                return False
+        if total >= self.max_context_tokens - 1:
+            return self._end("context")
         if obs_ids:
             traj.append(obs_ids, action=False)
         return False
 
+    def _continue_after_summary(self, summary_ids: list[int]) -> bool:
+        """Close the segment on its summary; go on in a new one that starts from the compacted context."""
+        observation, self._summarising = self._summarising, None
+        self.traj.finish_reason = "compacted"
+        segment = next_segment(self.segments, summary_ids, observation)
+        if len(segment.prompt_ids) >= self.max_context_tokens - 1:
+            return self._end("context")
+        self.traj = segment
+        self.segments.append(segment)
+        return False
+
+    def _end(self, reason: Optional[str] = None) -> bool:
+        if reason:
+            self.traj.finish_reason = reason
+        propagate_returns(self.segments)
+        return True
+
 
 def run_episodes(engine: RolloutEngine, episodes: list[Episode]) -> list[Trajectory]:
-    """Play episodes to the end with continuous batching (evaluation, probes, synchronous use)."""
+    """Play episodes to the end with continuous batching (evaluation, probes, synchronous use).
+
+    One trajectory per episode: its first segment, whose total reward is the episode's (all segments of a
+    compacted episode are in `episode.segments`).
+    """
     pending: "queue.SimpleQueue[GenerationRequest]" = queue.SimpleQueue()
     for ep in episodes:
         pending.put(ep.request())
@@ -80,7 +117,7 @@ def run_episodes(engine: RolloutEngine, episodes: list[Episode]) -> list[Traject
             pending.put(episode.request())
 
     engine.generate(requests(), on_result)
-    return [ep.traj for ep in episodes]
+    return [ep.segments[0] for ep in episodes]
 
 
 class RolloutWorker(threading.Thread):
@@ -119,7 +156,8 @@ class RolloutWorker(threading.Thread):
     def _on_result(self, result: GenerationResult) -> None:
         episode: Episode = result.request.tag
         if episode.on_result(result):
-            self.on_trajectory(episode.traj)
+            for traj in episode.segments:
+                self.on_trajectory(traj)
         else:
             self._continuations.put(episode.request())
 

@@ -6,10 +6,14 @@ environment decides single- or multi-turn, the reward, and the reference solutio
 from __future__ import annotations
 
 import itertools
+import json
 import statistics
 
 from tqdm import tqdm
 
+from opd_sao.buffer import TrajectoryBuffer, recover
+from opd_sao.checkpointing import StageState, truncate_step_log
+from opd_sao.compaction import Compaction
 from opd_sao.engines import build_engine
 from opd_sao.engines.base import SamplingParams
 from opd_sao.evaluation import evaluate
@@ -18,21 +22,26 @@ from opd_sao.learner import Learner, needs_critic
 from opd_sao.rl_loop import RLLoop
 from opd_sao.rollout import Episode
 from opd_sao.sft import run_sft, sft_examples
-from opd_sao.tracking import MetricsLogger
+from opd_sao.tracking import MetricsLogger, read_jsonl
 from opd_sao.trainers import build_backend
+from opd_sao.validity import require_valid
 
 from .base import Stage, StageResult, register_stage
 from .envs import ENVIRONMENTS, sample_tasks
 
 TRAIN_TASK_POOL = 100_000
+VALIDITY_TASKS = 16  # tasks the oracle / no-op / initial-state check samples at stage start
 
 
 class RLStage(Stage):
-    def env_factory(self):
+    def env_factory(self, train_step=None):
+        """`train_step()` (the trainer's step count) goes to environments whose reward follows training."""
         if not self.cfg.env:
             raise ValueError(f"stage {self.cfg.name!r} ({self.cfg.kind}) needs `env:` (one of {ENVIRONMENTS.names()})")
         env_cls = ENVIRONMENTS.get(self.cfg.env)
         options = dict(self.cfg.env_options)
+        if train_step is not None and getattr(env_cls, "reads_train_step", False):
+            options["train_step"] = train_step
         return lambda: env_cls(**options)
 
     def _progress(self, total: int, what: str):
@@ -44,30 +53,55 @@ class RLStage(Stage):
         cfg, run = self.cfg, self.ctx.cfg
         if not cfg.sft.steps:
             return start, None
-        tok = self.ctx.tokenizer
+        tok, done = self.ctx.tokenizer, self.dir / "sft_checkpoint"
+        record = self.dir / "sft_eval.json"
+        if self.ctx.resume and (done / "config.json").is_file() and record.is_file():
+            return done, json.loads(record.read_text())["eval_init"]
         before = evaluate(start, env_factory, tok, domain=cfg.env, rollout=cfg.rollout, eval_cfg=cfg.eval, seed=run.seed)
         examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=run.seed)
         with self._progress(cfg.sft.steps, "sft") as bar:
-            sft_ckpt = run_sft(start, self.dir / "sft_checkpoint", examples, tok, cfg.sft, run.seed, bar)
+            sft_ckpt = run_sft(start, done, examples, tok, cfg.sft, run.seed, bar)
+        record.write_text(json.dumps({"eval_init": before}))
         return sft_ckpt, before
+
+    def resume_point(self, backend, learner) -> tuple[int, list, dict]:
+        """(start step, recovered waiting trajectories, resume report); a fresh start is step 0."""
+        state, rollout = StageState(self.dir), self.cfg.rollout
+        if not self.ctx.resume:
+            for leftover in ("trained.jsonl", "metrics.jsonl", "buffer/buffer.jsonl", "gate.json"):
+                (self.dir / leftover).unlink(missing_ok=True)
+            return 0, [], {}
+        step = 0
+        if state.exists() or (state.path.with_name("state.old") / "loop.json").is_file():
+            meta = state.load(backend)
+            step = meta["step"]
+            learner.restore(meta["learner"])
+        trained = truncate_step_log(self.dir / "trained.jsonl", step)
+        truncate_step_log(self.dir / "metrics.jsonl", step)
+        trained_ids = {traj_id for record in trained for traj_id in record["traj_ids"]}
+        waiting, dropped = recover(self.dir / "buffer", trained_ids, backend.policy_version, rollout.max_staleness)
+        return step, waiting, {"from_step": step, "buffer_reused": len(waiting), "buffer_dropped_stale": dropped}
 
     def run(self) -> StageResult:
         cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
         env_factory = self.env_factory()
+        require_valid(cfg.env, env_factory, n=VALIDITY_TASKS, seed=run.seed)  # before any work
         start, eval_init = self.warm_start(self.ctx.resolve_checkpoint(cfg.init_from), env_factory)
         algo, trainer_cfg = run.stage_algo(cfg), run.stage_trainer(cfg)
         backend = build_backend(trainer_cfg, start, with_critic=needs_critic(algo))
         engine = build_engine(run.engine, start, tok, seed=run.seed)
         learner = Learner(backend, algo, cfg.sao, critic_steps=trainer_cfg.critic_steps,
                           critic_warmup_steps=trainer_cfg.critic_warmup_steps)
+        train_env = self.env_factory(train_step=lambda: learner.steps_done)
         tasks = sample_tasks(env_factory().make_tasks("train", TRAIN_TASK_POOL, run.seed), run.seed)
         groups = itertools.count()
         params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens)
+        compaction = Compaction.from_rollout(cfg.rollout)
 
         def make_episodes() -> list[Episode]:
             task, group = next(tasks), next(groups)
-            return [Episode(env_factory(), task, tok, params, domain=cfg.env, max_turns=cfg.rollout.max_turns,
-                            max_context_tokens=cfg.rollout.max_context_tokens, group=group)
+            return [Episode(train_env(), task, tok, params, domain=cfg.env, max_turns=cfg.rollout.max_turns,
+                            max_context_tokens=cfg.rollout.max_context_tokens, group=group, compaction=compaction)
                     for _ in range(cfg.rollout.group_size)]
 
         gate = ConsistencyGate(cfg.gate, stage=cfg.name, out_dir=self.dir, engine=engine, backend=backend,
@@ -75,19 +109,32 @@ class RLStage(Stage):
                                                                  n=cfg.gate.probe_size, seed=run.seed),
                                eps_low=cfg.sao.eps_low, eps_high=cfg.sao.eps_high,
                                deterministic=run.engine.deterministic)
+        start_step, waiting, resumed = self.resume_point(backend, learner)
+        state = StageState(self.dir)
+
+        def after_step(step: int) -> None:
+            gate.after_step(step)
+            if (step + 1) % cfg.checkpoint_every == 0:
+                state.save(backend, step + 1, {"learner": learner.state()})
+
+        buffer = TrajectoryBuffer(cfg.rollout.group_size, spill_dir=self.dir / "buffer", memory_budget=cfg.buffer_memory)
         with self._progress(cfg.steps, algo) as bar:
+            bar.update(start_step)
             loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes, rollout=cfg.rollout,
                           train_batch_size=trainer_cfg.train_batch_size, pad_id=tok.pad_token_id,
                           logger=MetricsLogger(self.dir / "metrics.jsonl", stage=cfg.name, wandb_run=self.ctx.wandb_run),
                           trained_log=self.dir / "trained.jsonl", slowdown_s=trainer_cfg.slowdown_s, progress=bar,
-                          after_step=gate.after_step)
+                          after_step=after_step, buffer=buffer)
             gate.run("start", sync=loop.sync_weights)
-            history = loop.run(cfg.steps)
+            history = loop.run(cfg.steps, start_step, waiting)
             gate.run("final", sync=loop.sync_weights)  # before the checkpoint is promoted
         checkpoint = backend.export_policy(self.dir / "checkpoint", tok)
         engine.close()
+        history = read_jsonl(self.dir / "metrics.jsonl")  # the whole stage, resumed or not
         summary = {"algo": algo, "steps": len(history), "start_checkpoint": str(start), "train": _train_summary(history),
                    "gate": gate.summary()}
+        if resumed:
+            summary["resume"] = resumed
         if eval_init is not None:
             summary["eval_init"] = {cfg.env: eval_init}
         return StageResult(checkpoint, summary, start_checkpoint=start)

@@ -4,8 +4,10 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("WANDB_MODE", "disabled")
+torch.set_num_threads(1)  # tiny models: one thread is fastest, and the rollout and trainer threads get a core each
 
 
 @pytest.fixture(scope="session")

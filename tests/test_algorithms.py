@@ -424,3 +424,44 @@ def test_divergence_float32_and_bf16_inputs():
 def test_divergence_unknown_kind():
     with pytest.raises(ValueError):
         truncated_divergence(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool), kind="kl")
+
+
+# ----------------------------------------------------------------------------
+# OPD helpers: renormalize_support, topk_overlap
+# ----------------------------------------------------------------------------
+
+def test_renormalize_support_keeps_the_stored_tail():
+    from opd_sao.algorithms import renormalize_support
+
+    # row 0: stored (quantised) probs 0.5, 0.3 (sum 0.8) with stored tail 0.1 -> support must hold 0.9:
+    # 0.5 * 0.9 / 0.8 = 0.5625, 0.3 * 0.9 / 0.8 = 0.3375. Row 1: one real entry 0.7, tail 0.3 -> 0.7; padding -> 0.
+    logp = torch.log(torch.tensor([[0.5, 0.3], [0.7, 0.123]], dtype=D))
+    mask = torch.tensor([[True, True], [True, False]])
+    out = renormalize_support(logp, mask, torch.tensor([0.1, 0.3], dtype=D))
+    assert out[0].exp().tolist() == pytest.approx([0.5625, 0.3375])
+    assert out[1, 0].exp().item() == pytest.approx(0.7)
+    assert out[1, 1].item() == 0.0
+    # the (support, tail) pair is a proper distribution, so truncated_divergence infers the stored tail:
+    # identical student -> divergence 0
+    d = truncated_divergence(out, out, mask)
+    assert d.tolist() == pytest.approx([0.0, 0.0], abs=1e-12)
+
+
+def test_topk_overlap_by_hand():
+    from opd_sao.algorithms import topk_overlap
+
+    # row 0: teacher support {1: .5, 2: .3, 3: .1}, k = 2 -> teacher top-2 = {1, 2};
+    #        student top-2 = (3, 1) -> shares {1} -> 1/2.
+    # row 1: teacher support {4} only (size 1) -> m = 1; student top-1 = 4 -> 1/1.
+    # row 2: teacher top-2 {5, 6}; student (7, 8) -> 0.
+    support_ids = torch.tensor([[1, 2, 3], [4, 0, 0], [5, 6, 9]])
+    teacher = torch.log(torch.tensor([[0.5, 0.3, 0.1], [0.9, 1.0, 1.0], [0.4, 0.35, 0.05]]))
+    mask = torch.tensor([[True, True, True], [True, False, False], [True, True, True]])
+    student = torch.tensor([[3, 1], [4, 0], [7, 8]])
+    assert topk_overlap(student, teacher, support_ids, mask, k=2).tolist() == pytest.approx([0.5, 1.0, 0.0])
+    # ties: teacher {1: .4, 2: .2, 3: .2}, k = 2 -> the 2nd largest is .2, so ids 2 and 3 both rank in its top 2;
+    # student (3, 1) -> 2/2. Student (2, 5): 5 is outside the support -> 1/2.
+    tie_ids = torch.tensor([[1, 2, 3], [1, 2, 3]])
+    tie_lp = torch.log(torch.tensor([[0.4, 0.2, 0.2], [0.4, 0.2, 0.2]]))
+    both = torch.ones(2, 3, dtype=torch.bool)
+    assert topk_overlap(torch.tensor([[3, 1], [2, 5]]), tie_lp, tie_ids, both, k=2).tolist() == pytest.approx([1.0, 0.5])

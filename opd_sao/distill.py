@@ -1,0 +1,286 @@
+"""The OPD learning step (SPEC 4): losses from cached teacher outputs on the student's own rollouts.
+
+`OPDLearner.step(batch)` is what `RLLoop` calls in an OPD stage (it is Learner-shaped: `backend`,
+`step`, `state`, `restore`). It gets each trajectory's teacher record through `TeacherTargets` (scored
+if missing, written to the logit cache, read back from it) and then, per the teacher's granularity:
+
+* `sampled`: the per-token reverse-KL advantage `-(logp_student - logp_teacher)` on the sampled token
+  (optionally plus `reward_weight` x (task reward - running mean)), through the SAO policy loss, so
+  tokens whose student/rollout ratio left the DIS band are masked exactly as in SAO.
+* `top_k`, `top_p`: `truncated_divergence` between teacher and student on the teacher's stored support
+  plus one tail bucket (the stored tail mass; the student's tail is summed exactly over the logits
+  outside the support), forward KL, reverse KL or JSD (`opd.divergence`).
+* `full`: the same divergence over the whole vocabulary.
+
+The student's support log-probs come from its final hidden states and the lm head one vocabulary chunk
+at a time under activation checkpointing, so neither pass keeps an [N, V] logits tensor alive (`full`
+excepted: its target is [N, V] by definition). Divergence rows are at temperature 1 (the distributions
+being matched); the sampled path uses the rollout temperature, as the DIS ratio must.
+
+The loss is a token mean over every action token of the batch: sum of per-token terms / N.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from . import algorithms as A
+from .config import OPDConfig, SAOConfig
+from .consistency import lm_head
+from .modeling import position_ids_for
+from .trajectory import Batch
+
+MASKED = -1.0e30  # finite stand-in for -inf inside logsumexp, so an empty set has a finite gradient (0)
+
+
+# ----------------------------------------------------------------------------
+# student forward pieces
+# ----------------------------------------------------------------------------
+
+def student_action_hidden(model, batch: Batch) -> torch.Tensor:
+    """[N, H] final hidden state before every action token (rows: trajectory order, then position), with grad."""
+    decoder = model.get_decoder()
+    hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                     position_ids=position_ids_for(batch.attention_mask)).last_hidden_state
+    b, t = batch.action_mask.bool().nonzero(as_tuple=True)
+    return hidden[b, t - 1]
+
+
+def _chunk_terms(h, weight, bias, local, inside, start: int, end: int, top_k: int):
+    logits = h @ weight[start:end].T
+    if bias is not None:
+        logits = logits + bias[start:end]
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    member = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device).scatter_add_(1, local, inside.int()) > 0
+    rest = torch.logsumexp(logits.masked_fill(member, MASKED), dim=-1)
+    picked = logits.gather(1, local).masked_fill(~inside, 0.0)
+    top = logits.detach().topk(min(top_k, logits.shape[1]), dim=-1) if top_k else None
+    return lse, rest, picked, (top.values if top else logits.new_empty(0)), (top.indices if top else local.new_empty(0))
+
+
+def student_support_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                             support_ids: torch.Tensor, support_mask: torch.Tensor, *, vocab_chunk: int = 8192,
+                             top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Student log-probs on a support, the exact log tail mass outside it, and its top-k ids (no grad).
+
+    hidden [N, H] (with grad), weight [V, H], support_ids / support_mask [N, S]. Returns
+    (support_logp [N, S] (0 on padding), tail_logp [N], top-k ids [N, k] most probable first or None).
+    One vocabulary chunk at a time under activation checkpointing: the backward recomputes each chunk,
+    so memory is N x vocab_chunk, not N x V.
+    """
+    vocab = weight.shape[0]
+    ids = support_ids.long().clamp(0, vocab - 1)
+    mask = support_mask.bool()
+    lse_parts, rest_parts, picked = [], [], None
+    top_vals, top_ids = None, None
+    for start in range(0, vocab, vocab_chunk):
+        end = min(start + vocab_chunk, vocab)
+        inside = mask & (ids >= start) & (ids < end)
+        local = (ids - start).clamp(0, end - start - 1)
+        if hidden.requires_grad:
+            lse, rest, part, vals, idx = checkpoint(_chunk_terms, hidden, weight, bias, local, inside, start, end,
+                                                    top_k, use_reentrant=False)
+        else:
+            lse, rest, part, vals, idx = _chunk_terms(hidden, weight, bias, local, inside, start, end, top_k)
+        lse_parts.append(lse)
+        rest_parts.append(rest)
+        picked = part if picked is None else picked + part
+        if top_k:
+            idx = idx + start
+            if top_vals is None:
+                top_vals, top_ids = vals, idx
+            else:
+                merged = torch.cat([top_vals, vals], dim=1).topk(min(top_k, top_vals.shape[1] + vals.shape[1]), dim=1)
+                top_ids = torch.cat([top_ids, idx], dim=1).gather(1, merged.indices)
+                top_vals = merged.values
+    lse = torch.logsumexp(torch.stack(lse_parts), dim=0)
+    rest = torch.logsumexp(torch.stack(rest_parts), dim=0)
+    support_logp = torch.where(mask, picked - lse.unsqueeze(1), torch.zeros_like(picked))
+    return support_logp, rest - lse, top_ids
+
+
+# ----------------------------------------------------------------------------
+# teacher records -> padded tensors
+# ----------------------------------------------------------------------------
+
+def padded_support(records) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [N, S], teacher logp [N, S], mask [N, S], tail [N]) from top-k / top-p records, rows in order."""
+    lens = np.concatenate([np.diff(r.offsets) for r in records]).astype(np.int64)
+    ids = torch.from_numpy(np.concatenate([r.ids for r in records]).astype(np.int64))
+    logp = torch.from_numpy(np.concatenate([r.logp for r in records]).astype(np.float32))
+    tail = torch.from_numpy(np.concatenate([r.tail_mass for r in records]).astype(np.float32))
+    n, width = len(lens), int(lens.max()) if len(lens) else 0
+    lens_t = torch.from_numpy(lens)
+    row = torch.repeat_interleave(torch.arange(n), lens_t)
+    starts = torch.cumsum(lens_t, 0) - lens_t
+    col = torch.arange(len(ids)) - torch.repeat_interleave(starts, lens_t)
+    ids_pad = torch.zeros((n, width), dtype=torch.long)
+    logp_pad = torch.zeros((n, width))
+    mask = torch.zeros((n, width), dtype=torch.bool)
+    ids_pad[row, col], logp_pad[row, col], mask[row, col] = ids, logp, True
+    return ids_pad, logp_pad, mask, tail
+
+
+# ----------------------------------------------------------------------------
+# the learner
+# ----------------------------------------------------------------------------
+
+def _mean(x: torch.Tensor) -> float:
+    return float(x.mean()) if x.numel() else 0.0
+
+
+class OPDLearner:
+    def __init__(self, backend, opd: OPDConfig, sao: SAOConfig, targets, *, overlap_k: Optional[int] = None):
+        self.backend, self.opd, self.sao, self.targets = backend, opd, sao, targets
+        self.overlap_k = overlap_k or opd.top_k
+        self.baseline = A.RunningMeanBaseline(sao.baseline_window)
+        self.steps_done = 0
+
+    def state(self) -> dict:
+        return {"steps_done": self.steps_done, "baseline": list(self.baseline.rewards)}
+
+    def restore(self, state: dict) -> None:
+        self.steps_done = state["steps_done"]
+        self.baseline.update(state["baseline"])
+
+    def step(self, batch: Batch, temperature: float) -> dict:
+        fetched = self.targets.fetch(batch.trajectories)
+        registry = self.targets.registry
+        trajs = batch.trajectories
+        mask = batch.action_mask.bool()
+        counts = mask.sum(1).tolist()
+        for traj, record, n in zip(trajs, fetched.records, counts):
+            if record.n_positions != n:
+                raise RuntimeError(f"teacher record for {traj.traj_id} has {record.n_positions} positions, "
+                                   f"the trajectory {n} action tokens")
+        grans = [registry.specs[name].granularity for name in fetched.teachers]
+        rows_b, rows_t = mask.nonzero(as_tuple=True)
+        n_total = max(1, len(rows_b))
+        seq_rewards = batch.rewards.sum(-1)
+        teacher_sampled = torch.zeros(mask.shape)
+        teacher_sampled[rows_b, rows_t] = torch.from_numpy(
+            np.concatenate([r.sampled_logp for r in fetched.records]).astype(np.float32)) if len(rows_b) else 0.0
+
+        row_kl = torch.zeros(len(rows_b))  # per action row: the reverse-KL estimate reported as "kl"
+        row_mass = torch.full((len(rows_b),), float("nan"))  # teacher mass covered by the support
+        row_overlap = torch.full((len(rows_b),), float("nan"))
+        metrics: dict = {"reward_mean": float(seq_rewards.mean()), "batch_size": float(len(trajs))}
+        loss = torch.zeros(())
+
+        by_gran = {g: torch.tensor([grans[i] == g for i in range(len(trajs))], dtype=torch.bool)
+                   for g in ("sampled", "top_k", "top_p", "full")}
+        pg_traj = by_gran["sampled"] | (self.opd.reward_weight > 0)
+        if bool(pg_traj.any()):
+            loss = loss + self._policy_gradient(batch, temperature, teacher_sampled, by_gran["sampled"], pg_traj,
+                                                seq_rewards, row_kl, rows_b, rows_t, n_total, metrics)
+        div_traj = by_gran["top_k"] | by_gran["top_p"] | by_gran["full"]
+        if bool(div_traj.any()):
+            loss = loss + self._divergence(batch, fetched.records, by_gran, rows_b, row_kl, row_mass, row_overlap,
+                                           n_total, metrics)
+        metrics["policy_grad_norm"] = self.backend.step_policy(loss)
+        metrics["policy_loss"] = float(loss.detach())
+        self.baseline.update(seq_rewards)
+        self.steps_done += 1
+        self._report(metrics, fetched, trajs, rows_b, row_kl, row_mass, row_overlap, seq_rewards)
+        return metrics
+
+    def _policy_gradient(self, batch, temperature, teacher_sampled, sampled_traj, pg_traj, seq_rewards, row_kl,
+                         rows_b, rows_t, n_total, metrics) -> torch.Tensor:
+        mask = batch.action_mask.bool()
+        sampled_mask = mask & sampled_traj.unsqueeze(1)
+        pg_mask = mask & pg_traj.unsqueeze(1)
+        logp = self.backend.policy_logprobs(batch, temperature, grad=True)
+        advantages = A.reverse_kl_advantage(logp, teacher_sampled, sampled_mask)
+        if self.opd.reward_weight > 0:
+            reward_adv = A.broadcast_sequence_advantage(seq_rewards - self.baseline.value, mask)
+            advantages = advantages + self.opd.reward_weight * reward_adv
+        pg_loss, pg_metrics = A.sao_policy_loss(logp, batch.rollout_logp, advantages, pg_mask,
+                                                self.sao.eps_low, self.sao.eps_high)
+        on_sampled = sampled_mask[rows_b, rows_t]
+        row_kl[on_sampled] = (logp.detach() - teacher_sampled)[rows_b, rows_t][on_sampled]  # k1 estimator
+        acted = pg_mask
+        metrics.update(mask_fraction=pg_metrics["mask_fraction"], ratio_mean=pg_metrics["ratio_mean"],
+                       adv_mean=float(advantages[acted].mean()) if acted.any() else 0.0,
+                       adv_std=float(advantages[acted].std()) if acted.sum() > 1 else 0.0)
+        return pg_loss * (float(pg_mask.sum()) / n_total)
+
+    def _divergence(self, batch, records, by_gran, rows_b, row_kl, row_mass, row_overlap, n_total,
+                    metrics) -> torch.Tensor:
+        opd = self.opd
+        model = self.backend.policy_model
+        weight, bias = lm_head(model)
+        hidden = student_action_hidden(model, batch)
+        total = torch.zeros(())
+        div_sum, div_rows = 0.0, 0
+        for gran in ("top_k", "top_p", "full"):
+            traj_sel = by_gran[gran]
+            if not bool(traj_sel.any()):
+                continue
+            rows = traj_sel[rows_b]
+            h = hidden[rows]
+            recs = [records[i] for i in traj_sel.nonzero().squeeze(1).tolist()]
+            if gran == "full":
+                logits = h @ weight.T
+                if bias is not None:
+                    logits = logits + bias
+                s_logp = torch.log_softmax(logits.float(), dim=-1)
+                t_logp = torch.log_softmax(torch.from_numpy(np.concatenate([r.logp for r in recs])).float(), dim=-1)
+                ids = torch.arange(weight.shape[0]).expand(len(h), -1)
+                support = torch.ones(t_logp.shape, dtype=torch.bool)
+                s_tail = torch.full((len(h),), math.log(torch.finfo(torch.float32).tiny))
+                top_ids = s_logp.detach().topk(min(self.overlap_k, s_logp.shape[1]), dim=-1).indices
+                mass = torch.ones(len(h))
+            else:
+                ids, t_raw, support, tail = padded_support(recs)
+                t_logp = A.renormalize_support(t_raw, support, tail)
+                s_logp, s_tail, top_ids = student_support_logprobs(h, weight, bias, ids, support,
+                                                                   vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k)
+                mass = 1.0 - tail
+            div = A.truncated_divergence(s_logp, t_logp, support, s_tail, kind=opd.divergence, beta=opd.jsd_beta)
+            total = total + div.sum() / n_total
+            div_sum, div_rows = div_sum + float(div.detach().sum()), div_rows + len(div)
+            with torch.no_grad():
+                if opd.divergence == "reverse_kl":
+                    rkl = div.detach()
+                else:
+                    rkl = A.truncated_divergence(s_logp.detach(), t_logp, support, s_tail.detach(), kind="reverse_kl")
+                row_kl[rows] = rkl.float()
+                row_mass[rows] = mass.float()
+                row_overlap[rows] = A.topk_overlap(top_ids, t_logp, ids, support, self.overlap_k)
+                metrics[f"support_size_{gran}"] = float(support.sum(1).float().mean())
+        metrics["divergence"] = div_sum / max(1, div_rows)
+        return total
+
+    def _report(self, metrics, fetched, trajs, rows_b, row_kl, row_mass, row_overlap, seq_rewards) -> None:
+        metrics["kl"] = _mean(row_kl)
+        teacher_of_row = [fetched.teachers[i] for i in rows_b.tolist()]
+        domain_of_row = [trajs[i].domain for i in rows_b.tolist()]
+        for key, labels in (("kl_teacher", teacher_of_row), ("kl_domain", domain_of_row)):
+            for label in sorted(set(labels)):
+                sel = torch.tensor([x == label for x in labels], dtype=torch.bool)
+                metrics[f"{key}/{label}"] = _mean(row_kl[sel])
+        finite = ~row_mass.isnan()
+        if bool(finite.any()):
+            metrics["support_mass"] = _mean(row_mass[finite])
+            for label in sorted(set(teacher_of_row)):
+                sel = finite & torch.tensor([x == label for x in teacher_of_row], dtype=torch.bool)
+                if bool(sel.any()):
+                    metrics[f"support_mass/{label}"] = _mean(row_mass[sel])
+            metrics["topk_overlap"] = _mean(row_overlap[~row_overlap.isnan()])
+        for domain in sorted({t.domain for t in trajs}):
+            sel = torch.tensor([t.domain == domain for t in trajs], dtype=torch.bool)
+            metrics[f"reward_domain/{domain}"] = _mean(seq_rewards[sel])
+        stats = self.targets.prefetcher.stats
+        metrics.update(
+            cache_hit_rate=fetched.hit_rate, cache_hits=fetched.hits, cache_misses=fetched.misses,
+            corrupt_rescored=fetched.corrupt_rescored, prefetch_stall_s=fetched.stall_s,
+            prefetch_stall_total_s=stats["stall_s"], teacher_score_s=fetched.score_s,
+            cache_write_s=fetched.cache_write_s, cache_read_s=fetched.cache_read_s,
+            teacher_loads=stats["loads"], teacher_evictions=stats["evictions"], teacher_copies=stats["copies"],
+        )

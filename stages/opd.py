@@ -1,0 +1,226 @@
+"""The OPD stage: several teachers distilled into one student on the student's own rollouts (SPEC 4).
+
+The student samples on prompts from every listed domain (`domains:`, environment names; default: the
+teachers' domains), round robin, one rollout per prompt, through the same asynchronous machinery as the
+RL stages (`RLLoop`: a rollout worker thread keeps the engine generating while the trainer trains,
+staleness bound, weight sync). Each trajectory goes to its domain's teacher; teacher outputs go through
+the logit cache (`teachers.TeacherTargets`); `opd_sao.distill.OPDLearner` trains on what the cache holds.
+
+Per domain, episodes use the environment options and rollout lengths (max_new_tokens, max_turns,
+max_context_tokens) of the first stage of the run that trained on that environment, if there is one,
+else this stage's own; temperature and top_p are this stage's (one policy temperature per batch).
+
+Teachers are scored in the trainer thread, one after another, with the next teacher prefetched (copied
+to the local disk tier and loaded into host memory) in the background while the current one scores.
+Why not a separate scoring thread: on one device scoring and training contend for the same compute, so a
+third thread buys no throughput; the cache already decouples scoring from training (a separate process
+can fill it ahead, and a resumed stage reuses it), and the rollout worker keeps generating meanwhile.
+
+`summary.json` gets, per domain: the teacher's score, the student's score before and after, and the
+fraction of the teacher's score the student reached (all with the same evaluation settings the pipeline
+uses for its per-stage evaluation).
+"""
+from __future__ import annotations
+
+import itertools
+import statistics
+import threading
+from pathlib import Path
+
+from tqdm import tqdm
+
+from opd_sao.buffer import TrajectoryBuffer, recover
+from opd_sao.checkpointing import StageState, truncate_step_log
+from opd_sao.config import EvalConfig, RolloutConfig, StageConfig
+from opd_sao.distill import OPDLearner
+from opd_sao.engines import build_engine
+from opd_sao.engines.base import SamplingParams
+from opd_sao.evaluation import evaluate
+from opd_sao.gate import ConsistencyGate, probe_episodes
+from opd_sao.rl_loop import RLLoop
+from opd_sao.rollout import Episode
+from opd_sao.tracking import MetricsLogger, read_jsonl
+from opd_sao.trainers import build_backend
+from teachers import Prefetcher, TeacherRegistry, TeacherTargets
+from teachers.registry import describe
+
+from .base import Stage, StageResult, register_stage
+from .envs import ENVIRONMENTS, sample_tasks
+
+TRAIN_TASK_POOL = 100_000
+EPISODE_FIELDS = ("max_new_tokens", "max_turns", "max_context_tokens")
+
+
+class Domain:
+    """One domain as the OPD stage sees it: its environment, episode settings and evaluation settings."""
+
+    def __init__(self, name: str, own: StageConfig, stages: list[StageConfig]):
+        source = next((s for s in stages if s.env == name and s.kind != own.kind), None)
+        if name not in ENVIRONMENTS:
+            ENVIRONMENTS.get(name)  # raises: unknown environment, with the registered ones
+        self.name, self.source = name, source.name if source else None
+        env_cls, options = ENVIRONMENTS.get(name), dict(source.env_options) if source else {}
+        self.factory = lambda: env_cls(**options)
+        base = source.rollout if source else own.rollout
+        self.rollout = RolloutConfig(**{**own.rollout.model_dump(), **{f: getattr(base, f) for f in EPISODE_FIELDS}})
+        self.eval_rollout: RolloutConfig = base  # what the pipeline's Evaluator uses for this domain
+        self.eval_cfg: EvalConfig = source.eval if source else own.eval
+
+
+@register_stage("opd")
+class OPDStage(Stage):
+    def domain_names(self) -> list[str]:
+        if self.cfg.domains:
+            return list(self.cfg.domains)
+        return list(dict.fromkeys(d for t in self.cfg.opd.teachers for d in t.domains))
+
+    def _progress(self, total: int):
+        return tqdm(total=total, desc=f"{self.cfg.name}: opd", disable=not self.ctx.cfg.logging.progress, leave=False,
+                    dynamic_ncols=True)
+
+    def _resume_point(self, backend, learner) -> tuple[int, list, dict]:
+        state, rollout = StageState(self.dir), self.cfg.rollout
+        if not self.ctx.resume:
+            for leftover in ("trained.jsonl", "metrics.jsonl", "buffer/buffer.jsonl", "gate.json"):
+                (self.dir / leftover).unlink(missing_ok=True)
+            return 0, [], {}
+        step = 0
+        if state.exists() or (state.path.with_name("state.old") / "loop.json").is_file():
+            meta = state.load(backend)
+            step = meta["step"]
+            learner.restore(meta["learner"])
+        trained = truncate_step_log(self.dir / "trained.jsonl", step)
+        truncate_step_log(self.dir / "metrics.jsonl", step)
+        trained_ids = {traj_id for record in trained for traj_id in record["traj_ids"]}
+        waiting, dropped = recover(self.dir / "buffer", trained_ids, backend.policy_version, rollout.max_staleness)
+        return step, waiting, {"from_step": step, "buffer_reused": len(waiting), "buffer_dropped_stale": dropped}
+
+    def run(self) -> StageResult:
+        cfg, run, tok, opd = self.cfg, self.ctx.cfg, self.ctx.tokenizer, self.cfg.opd
+        names = self.domain_names()
+        if not names:
+            raise ValueError(f"stage {cfg.name!r} (opd) needs `domains:` or teachers with domains")
+        domains = {name: Domain(name, cfg, run.stages) for name in names}
+        start = self.ctx.resolve_checkpoint(cfg.init_from)
+        registry = TeacherRegistry.from_config(opd, domains=names, resolve=self.ctx.resolve_checkpoint,
+                                               student_checkpoint=start, student_tokenizer=tok)
+        for name in names:
+            registry.teacher_for(name)  # every domain has a teacher (KeyError names the uncovered one)
+        trainer_cfg = run.stage_trainer(cfg)
+        backend = build_backend(trainer_cfg, start, with_critic=False)
+        engine = build_engine(run.engine, start, tok, seed=run.seed)
+        bandwidth = opd.copy_bandwidth_mb_s * 1e6 if opd.copy_bandwidth_mb_s else None
+        prefetcher = Prefetcher(registry.build_all(), local_dir=Path(opd.local_dir or self.dir / "teacher_tier"),
+                                max_resident=opd.max_resident, enabled=opd.prefetch, copy_bandwidth=bandwidth)
+        try:
+            targets = TeacherTargets(registry, prefetcher, Path(opd.cache_dir or self.dir / "logit_cache"))
+            learner = OPDLearner(backend, opd, cfg.sao, targets)
+            history, gate, resumed = self._train(domains, backend, engine, learner, targets, trainer_cfg)
+            checkpoint = backend.export_policy(self.dir / "checkpoint", tok)
+        finally:
+            engine.close()
+            prefetcher.close()
+        history = read_jsonl(self.dir / "metrics.jsonl")
+        summary = {
+            "algo": "opd", "steps": len(history), "start_checkpoint": str(start),
+            "granularity": opd.granularity, "divergence": opd.divergence, "teachers": describe(registry),
+            "train": _train_summary(history), "prefetch": {**{k: round(v, 4) if isinstance(v, float) else v
+                                                              for k, v in prefetcher.stats.items()},
+                                                           "enabled": opd.prefetch, "max_resident": opd.max_resident},
+            "distillation": self._distillation(domains, registry, start, checkpoint), "gate": gate.summary(),
+        }
+        if resumed:
+            summary["resume"] = resumed
+        return StageResult(checkpoint, summary, start_checkpoint=start)
+
+    def _train(self, domains: dict[str, Domain], backend, engine, learner, targets, trainer_cfg):
+        cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
+        streams = {name: sample_tasks(d.factory().make_tasks("train", TRAIN_TASK_POOL, run.seed), run.seed + i)
+                   for i, (name, d) in enumerate(domains.items())}
+        order = itertools.cycle(list(domains))
+        groups = itertools.count()
+        lock = threading.Lock()
+
+        def make_episodes() -> list[Episode]:
+            with lock:
+                name = next(order)
+                task, group = next(streams[name]), next(groups)
+            d = domains[name]
+            params = SamplingParams(d.rollout.temperature, d.rollout.top_p, d.rollout.max_new_tokens)
+            return [Episode(d.factory(), task, tok, params, domain=name, max_turns=d.rollout.max_turns,
+                            max_context_tokens=d.rollout.max_context_tokens, group=group)
+                    for _ in range(cfg.rollout.group_size)]
+
+        def probe() -> list[Episode]:
+            per = -(-cfg.gate.probe_size // len(domains))
+            return [ep for name, d in domains.items()
+                    for ep in probe_episodes(d.factory, tok, d.rollout, domain=name, n=per, seed=run.seed)]
+
+        gate = ConsistencyGate(cfg.gate, stage=cfg.name, out_dir=self.dir, engine=engine, backend=backend,
+                               make_probe=probe, eps_low=cfg.sao.eps_low, eps_high=cfg.sao.eps_high,
+                               deterministic=run.engine.deterministic)
+        start_step, waiting, resumed = self._resume_point(backend, learner)
+        state = StageState(self.dir)
+
+        def after_step(step: int) -> None:
+            gate.after_step(step)
+            if (step + 1) % cfg.checkpoint_every == 0:
+                state.save(backend, step + 1, {"learner": learner.state()})
+
+        targets.warm_up()  # teachers start copying and loading while the first rollouts are generated
+        buffer = TrajectoryBuffer(cfg.rollout.group_size, spill_dir=self.dir / "buffer", memory_budget=cfg.buffer_memory)
+        with self._progress(cfg.steps) as bar:
+            bar.update(start_step)
+            loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes, rollout=cfg.rollout,
+                          train_batch_size=trainer_cfg.train_batch_size, pad_id=tok.pad_token_id,
+                          logger=MetricsLogger(self.dir / "metrics.jsonl", stage=cfg.name, wandb_run=self.ctx.wandb_run),
+                          trained_log=self.dir / "trained.jsonl", slowdown_s=trainer_cfg.slowdown_s, progress=bar,
+                          after_step=after_step, buffer=buffer)
+            gate.run("start", sync=loop.sync_weights)
+            history = loop.run(cfg.steps, start_step, waiting)
+            gate.run("final", sync=loop.sync_weights)  # before the checkpoint is promoted
+        return history, gate, resumed
+
+    def _distillation(self, domains: dict[str, Domain], registry, start: Path, checkpoint: Path) -> dict:
+        """Per domain: teacher score, student before / after, and the share of the teacher's score reached."""
+        seed, tok = self.ctx.cfg.seed, self.ctx.tokenizer
+        scores: dict[tuple[str, str], float] = {}
+
+        def score(ckpt: Path, d: Domain) -> float:
+            key = (str(Path(ckpt).resolve()), d.name)
+            if key not in scores:
+                scores[key] = round(evaluate(ckpt, d.factory, tok, domain=d.name, rollout=d.eval_rollout,
+                                             eval_cfg=d.eval_cfg, seed=seed), 4)
+            return scores[key]
+
+        out = {}
+        for name, d in domains.items():
+            spec = registry.teacher_for(name)
+            teacher, before, after = score(spec.checkpoint, d), score(start, d), score(checkpoint, d)
+            out[name] = {"teacher": spec.name, "teacher_score": teacher, "student_before": before,
+                         "student_after": after,
+                         "recovered": round(after / teacher, 4) if teacher > 0 else None}
+        return out
+
+
+def _train_summary(history: list[dict]) -> dict:
+    if not history:
+        return {}
+    quarter = max(1, len(history) // 4)
+    first, last = history[:quarter], history[-quarter:]
+
+    def mean(key, rows):
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        return round(statistics.fmean(values), 5) if values else None
+
+    out = {"kl_first_quarter": mean("kl", first), "kl_last_quarter": mean("kl", last),
+           "reward_first_quarter": mean("reward_mean", first), "reward_last_quarter": mean("reward_mean", last),
+           "support_mass_mean": mean("support_mass", history), "topk_overlap_first_quarter": mean("topk_overlap", first),
+           "topk_overlap_last_quarter": mean("topk_overlap", last), "cache_hit_rate_mean": mean("cache_hit_rate", history),
+           "prefetch_stall_s_total": round(sum(r.get("prefetch_stall_s", 0.0) for r in history), 4),
+           "corrupt_rescored": sum(r.get("corrupt_rescored", 0) for r in history),
+           "trainer_idle_fraction": history[-1].get("trainer_idle_fraction"),
+           "samples_per_s": history[-1].get("samples_per_s")}
+    for key in sorted({k for r in history for k in r if k.startswith(("kl_teacher/", "kl_domain/"))}):
+        out[f"{key}_first_quarter"], out[f"{key}_last_quarter"] = mean(key, first), mean(key, last)
+    return out

@@ -1,0 +1,72 @@
+"""What a teacher is: a resolved spec from the config, and the `Teacher` interface its implementations follow.
+
+A teacher is bound to the domains it teaches; the OPD stage sends each student trajectory to its domain's
+teacher. Implementations are registered by kind (`TeacherConfig.kind`, default `in_process`) so a new way
+to score (another runtime, a remote scorer) is one registered class; the prefetcher, the logit cache and
+the OPD stage do not change. No implementation keeps a server: a teacher is loaded from its local-tier
+copy when the prefetcher says so and dropped when evicted.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from cache import CacheMeta, TeacherRecord
+from opd_sao.registry import Registry
+from opd_sao.trajectory import Trajectory
+
+TEACHER_KINDS: Registry[type["Teacher"]] = Registry("teacher kind")
+register_teacher = TEACHER_KINDS.register
+
+
+class TeacherIncompatibleError(ValueError):
+    """A teacher does not share the student's tokenizer or vocabulary (OPD compares token ids)."""
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    name: str
+    kind: str
+    checkpoint: Path  # the source checkpoint (an earlier stage's, or an external HF directory)
+    domains: tuple[str, ...]
+    granularity: str
+    k: Optional[int]  # top_k only
+    p: Optional[float]  # top_p only
+    checkpoint_hash: str
+    vocab_size: int
+    tokenizer_hash: str  # fingerprint of the vocabulary (token -> id) and special tokens
+
+    @property
+    def cache_meta(self) -> CacheMeta:
+        return CacheMeta(teacher=self.name, checkpoint_hash=self.checkpoint_hash, vocab_size=self.vocab_size,
+                         tokenizer_hash=self.tokenizer_hash, granularity=self.granularity,  # type: ignore[arg-type]
+                         k=self.k, p=self.p)
+
+
+class Teacher(ABC):
+    """One teacher model. `load` puts it in host memory from a local directory, `unload` frees it."""
+
+    def __init__(self, spec: TeacherSpec, *, score_batch_size: int = 32, vocab_chunk: int = 8192):
+        self.spec = spec
+        self.score_batch_size, self.vocab_chunk = score_batch_size, vocab_chunk
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @abstractmethod
+    def load(self, local_dir: Path) -> None:
+        """Load the weights from `local_dir` (the local-tier copy of `spec.checkpoint`) into host memory."""
+
+    @abstractmethod
+    def unload(self) -> None: ...
+
+    @property
+    @abstractmethod
+    def loaded(self) -> bool: ...
+
+    @abstractmethod
+    def score(self, trajectories: list[Trajectory]) -> list[TeacherRecord]:
+        """One record per trajectory over its action tokens, at `spec.granularity` (what goes into the cache)."""

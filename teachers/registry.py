@@ -1,0 +1,122 @@
+"""The teachers of an OPD stage, from its config: resolved checkpoints, domain routing, compatibility checks.
+
+`TeacherRegistry.from_config` resolves each teacher's checkpoint (an earlier stage's name through the run
+context, or a local HF directory), fixes its granularity (the teacher's own or the stage's) and its cache
+identity, and checks up front, before any rollout, that it shares the student's tokenizer and vocabulary:
+OPD compares token ids, so a teacher with another vocabulary would be silently wrong, not just worse.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Callable, Optional
+
+from opd_sao.config import OPDConfig
+from opd_sao.models import checkpoint_hash, load_tokenizer
+
+from .base import TEACHER_KINDS, Teacher, TeacherIncompatibleError, TeacherSpec
+
+
+def vocab_fingerprint(tokenizer) -> str:
+    """Hash of the token -> id map and the special token ids: equal iff the two tokenizers agree on ids."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
+    return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()[:16]
+
+
+def model_vocab_size(checkpoint: Path) -> int:
+    config = Path(checkpoint) / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{checkpoint} is not an HF-format model directory (no config.json)")
+    return int(json.loads(config.read_text())["vocab_size"])
+
+
+def _tokenizer_difference(student, teacher) -> str:
+    """A short, specific description of how two tokenizers differ."""
+    s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
+    if len(s_vocab) != len(t_vocab):
+        return f"tokenizer sizes differ: student {len(s_vocab)}, teacher {len(t_vocab)} tokens"
+    s_by_id = {i: tok for tok, i in s_vocab.items()}
+    t_by_id = {i: tok for tok, i in t_vocab.items()}
+    differing = [i for i in sorted(s_by_id) if s_by_id.get(i) != t_by_id.get(i)]
+    if differing:
+        i = differing[0]
+        return (f"{len(differing)} token ids map to different tokens "
+                f"(e.g. id {i}: student {s_by_id.get(i)!r}, teacher {t_by_id.get(i)!r})")
+    for what in ("bos", "eos", "pad"):
+        s_id, t_id = getattr(student, f"{what}_token_id"), getattr(teacher, f"{what}_token_id")
+        if s_id != t_id:
+            return f"{what} token ids differ: student {s_id}, teacher {t_id}"
+    return "tokenizers differ"
+
+
+class TeacherRegistry:
+    def __init__(self, specs: list[TeacherSpec], *, score_batch_size: int = 32, vocab_chunk: int = 8192):
+        self.specs = {spec.name: spec for spec in specs}
+        self.score_batch_size, self.vocab_chunk = score_batch_size, vocab_chunk
+        self._by_domain: dict[str, str] = {}
+        for spec in specs:
+            for domain in spec.domains:
+                if domain in self._by_domain:
+                    raise ValueError(f"domain {domain!r} has two teachers ({self._by_domain[domain]!r}, {spec.name!r})")
+                self._by_domain[domain] = spec.name
+
+    @classmethod
+    def from_config(cls, opd: OPDConfig, *, domains: list[str], resolve: Callable[[str], Path],
+                    student_checkpoint: Path, student_tokenizer) -> "TeacherRegistry":
+        """Resolve and check every teacher; ValueError (TeacherIncompatibleError) with the reason otherwise."""
+        if not opd.teachers:
+            raise ValueError("an OPD stage needs at least one teacher (opd.teachers)")
+        student_vocab = model_vocab_size(student_checkpoint)
+        student_print = vocab_fingerprint(student_tokenizer)
+        specs = []
+        for teacher in opd.teachers:
+            if teacher.kind not in TEACHER_KINDS:
+                TEACHER_KINDS.get(teacher.kind)  # raises with the registered kinds
+            unused = sorted(set(teacher.domains) - set(domains))
+            if unused:
+                raise ValueError(f"teacher {teacher.name!r} teaches {unused}, which are not among the stage's "
+                                 f"domains {domains}")
+            checkpoint = Path(resolve(teacher.checkpoint))
+            vocab = model_vocab_size(checkpoint)
+            tokenizer = load_tokenizer(checkpoint)
+            fingerprint = vocab_fingerprint(tokenizer)
+            where = f"teacher {teacher.name!r} ({checkpoint}) cannot teach student {student_checkpoint}"
+            if vocab != student_vocab:
+                raise TeacherIncompatibleError(f"{where}: model vocabulary sizes differ: student {student_vocab}, "
+                                               f"teacher {vocab} (OPD needs a shared tokenizer and vocabulary)")
+            if fingerprint != student_print:
+                raise TeacherIncompatibleError(f"{where}: {_tokenizer_difference(student_tokenizer, tokenizer)} "
+                                               f"(OPD needs a shared tokenizer and vocabulary)")
+            granularity = teacher.granularity or opd.granularity
+            specs.append(TeacherSpec(
+                name=teacher.name, kind=teacher.kind, checkpoint=checkpoint, domains=tuple(teacher.domains),
+                granularity=granularity, k=opd.top_k if granularity == "top_k" else None,
+                p=opd.top_p if granularity == "top_p" else None, checkpoint_hash=checkpoint_hash(checkpoint),
+                vocab_size=vocab, tokenizer_hash=fingerprint))
+        return cls(specs, score_batch_size=opd.score_batch_size, vocab_chunk=opd.vocab_chunk)
+
+    def teacher_for(self, domain: str) -> TeacherSpec:
+        if domain not in self._by_domain:
+            raise KeyError(f"no teacher for domain {domain!r}; teachers cover {sorted(self._by_domain)}")
+        return self.specs[self._by_domain[domain]]
+
+    @property
+    def domains(self) -> list[str]:
+        return list(self._by_domain)
+
+    def build(self, name: str, **options) -> Teacher:
+        spec = self.specs[name]
+        return TEACHER_KINDS.get(spec.kind)(spec, score_batch_size=self.score_batch_size,
+                                            vocab_chunk=self.vocab_chunk, **options)
+
+    def build_all(self, **options) -> dict[str, Teacher]:
+        return {name: self.build(name, **options) for name in self.specs}
+
+
+def describe(registry: TeacherRegistry, order: Optional[list[str]] = None) -> dict:
+    """The summary.json view of the teachers."""
+    return {name: {"checkpoint": str(spec.checkpoint), "domains": list(spec.domains), "granularity": spec.granularity,
+                   "k": spec.k, "p": spec.p, "checkpoint_hash": spec.checkpoint_hash, "kind": spec.kind}
+            for name, spec in registry.specs.items() if order is None or name in order}

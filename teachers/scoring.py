@@ -1,0 +1,185 @@
+"""Teacher outputs from final hidden states, one vocabulary chunk at a time.
+
+A teacher scores a student trajectory by one forward pass to its final hidden states; the lm head is
+then applied to the action rows only, `row_block` rows by `vocab_chunk` columns at a time, so peak memory
+is row_block x vocab_chunk floats however long the sequences and however large the vocabulary (the
+`full` granularity's output is [n, V] by definition; nothing else is).
+
+One pass over the chunks gives, per row: the logsumexp of all logits (a running `logaddexp`), the logit
+of the sampled token, and for truncated supports a running candidate set (top-k, or the top `probe`
+tokens for top-p) plus the logsumexp of every logit evicted from it. The tail mass is therefore summed
+directly from the logits outside the support (exp(rest_lse - lse)), not computed as 1 - kept, so a tiny
+tail keeps its relative precision. A top-p row whose nucleus is larger than the probe falls back to its
+full sorted row, a few rows at a time.
+
+Output layout is the logit cache's `TeacherRecord`: support ids ascending within each position, offsets
+per position, logprobs, tail mass, and the sampled token's logprob at every granularity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from cache import TeacherRecord
+
+VOCAB_CHUNK = 8192
+ROW_BLOCK = 256
+TOP_P_PROBE = 256  # nuclei are looked for among each row's 256 most probable tokens first
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class ScoredRows:
+    """Teacher outputs for N action rows (all trajectories of a batch, in order)."""
+
+    sampled_logp: torch.Tensor  # float32 [N]
+    ids: Optional[torch.Tensor] = None  # int64 [total] ascending within each row (top_k, top_p)
+    logp: Optional[torch.Tensor] = None  # float32 [total] (top_k, top_p) or [N, V] (full)
+    row_len: Optional[torch.Tensor] = None  # int64 [N] (top_k, top_p)
+    tail_mass: Optional[torch.Tensor] = None  # float32 [N] (top_k, top_p)
+
+    def split(self, counts: list[int]) -> list[TeacherRecord]:
+        """One record per trajectory; counts = action rows of each trajectory."""
+        records, row, flat = [], 0, 0
+        for n in counts:
+            sampled = self.sampled_logp[row:row + n].numpy().astype(np.float32)
+            if self.row_len is not None:
+                lens = self.row_len[row:row + n]
+                total = int(lens.sum())
+                offsets = np.concatenate([[0], np.cumsum(lens.numpy())]).astype(np.int64)
+                records.append(TeacherRecord(
+                    sampled_logp=sampled, ids=self.ids[flat:flat + total].numpy().astype(np.int64),
+                    logp=self.logp[flat:flat + total].numpy().astype(np.float32), offsets=offsets,
+                    tail_mass=self.tail_mass[row:row + n].numpy().astype(np.float32)))
+                flat += total
+            elif self.logp is not None:
+                records.append(TeacherRecord(sampled_logp=sampled, logp=self.logp[row:row + n].numpy()))
+            else:
+                records.append(TeacherRecord(sampled_logp=sampled))
+            row += n
+        return records
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], start: int, end: int) -> torch.Tensor:
+    logits = h @ weight[start:end].T
+    if bias is not None:
+        logits = logits + bias[start:end]
+    return logits.float()
+
+
+def _merge(cand_vals, cand_ids, rest_lse, logits, start, keep: int):
+    """Keep the `keep` largest of (candidates, this chunk); add the evicted ones to rest_lse."""
+    chunk_ids = torch.arange(start, start + logits.shape[1], device=logits.device).expand(logits.shape[0], -1)
+    vals = torch.cat([cand_vals, logits], dim=1)
+    ids = torch.cat([cand_ids, chunk_ids], dim=1)
+    top = vals.topk(min(keep, vals.shape[1]), dim=1)
+    evicted = torch.ones_like(vals, dtype=torch.bool).scatter_(1, top.indices, False)
+    rest_lse = torch.logaddexp(rest_lse, torch.logsumexp(vals.masked_fill(~evicted, NEG_INF), dim=1))
+    return top.values, ids.gather(1, top.indices), rest_lse
+
+
+@torch.no_grad()
+def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, *,
+               granularity: str, k: Optional[int] = None, p: Optional[float] = None,
+               vocab_chunk: int = VOCAB_CHUNK, row_block: int = ROW_BLOCK, probe: int = TOP_P_PROBE) -> ScoredRows:
+    """Teacher outputs for hidden [N, H] (the state before each action token) and the sampled targets [N].
+
+    Logprobs are of softmax(hidden @ weight.T + bias) at temperature 1, in float32.
+    """
+    if granularity not in ("sampled", "top_k", "top_p", "full"):
+        raise ValueError(f"unknown granularity {granularity!r}")
+    n, vocab = hidden.shape[0], weight.shape[0]
+    hidden = hidden.to(weight.dtype)
+    keep = {"top_k": k, "top_p": min(probe, vocab)}.get(granularity)
+    if granularity == "top_k" and not (k and 1 <= k <= vocab):
+        raise ValueError(f"top_k needs 1 <= k <= vocab size {vocab}, got {k}")
+    if granularity == "top_p" and not (p and 0 < p <= 1):
+        raise ValueError(f"top_p needs 0 < p <= 1, got {p}")
+    dev = hidden.device
+    sampled = torch.empty(n, dtype=torch.float32, device=dev)
+    full = torch.empty((n, vocab), dtype=torch.float32, device=dev) if granularity == "full" else None
+    ids_out, logp_out, len_out, tail_out = [], [], [], []
+    for first in range(0, n, row_block):
+        h, t = hidden[first:first + row_block], targets[first:first + row_block]
+        rows = h.shape[0]
+        lse = torch.full((rows,), NEG_INF, device=dev)
+        picked = torch.empty(rows, device=dev)
+        rest = torch.full((rows,), NEG_INF, device=dev)
+        cand_vals = torch.empty((rows, 0), device=dev)
+        cand_ids = torch.empty((rows, 0), dtype=torch.long, device=dev)
+        for start in range(0, vocab, vocab_chunk):
+            logits = _logits(h, weight, bias, start, min(start + vocab_chunk, vocab))
+            lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=1))
+            inside = (t >= start) & (t < start + logits.shape[1])
+            picked[inside] = logits[inside, t[inside] - start]
+            if full is not None:
+                full[first:first + rows, start:start + logits.shape[1]] = logits
+            elif keep:
+                cand_vals, cand_ids, rest = _merge(cand_vals, cand_ids, rest, logits, start, keep)
+        sampled[first:first + rows] = picked - lse
+        if full is not None:
+            full[first:first + rows] -= lse.unsqueeze(1)
+        elif granularity == "top_k":
+            order = cand_ids.argsort(dim=1)
+            ids_out.append(cand_ids.gather(1, order).reshape(-1))
+            logp_out.append((cand_vals.gather(1, order) - lse.unsqueeze(1)).reshape(-1))
+            len_out.append(torch.full((rows,), k, dtype=torch.long, device=dev))
+            tail_out.append((rest - lse).exp())
+        elif granularity == "top_p":
+            parts = _nuclei(h, weight, bias, lse, cand_vals, cand_ids, rest, p, vocab, vocab_chunk, row_block)
+            for out, part in zip((ids_out, logp_out, len_out, tail_out), parts):
+                out.append(part)
+    sampled = sampled.cpu()
+    if full is not None:
+        return ScoredRows(sampled_logp=sampled, logp=full.cpu())
+    if granularity == "sampled":
+        return ScoredRows(sampled_logp=sampled)
+    cat = lambda xs, dtype: torch.cat(xs).cpu() if xs else torch.empty(0, dtype=dtype)  # noqa: E731
+    return ScoredRows(sampled_logp=sampled, ids=cat(ids_out, torch.long), logp=cat(logp_out, torch.float32),
+                      row_len=cat(len_out, torch.long), tail_mass=cat(tail_out, torch.float32))
+
+
+def _nucleus_of_sorted(vals_desc: torch.Tensor, lse: torch.Tensor, p: float) -> torch.Tensor:
+    """Size of the shortest prefix of each descending row whose probability reaches p."""
+    cumulative = (vals_desc - lse.unsqueeze(1)).double().exp().cumsum(dim=1)
+    return ((cumulative < p).sum(dim=1) + 1).clamp(max=vals_desc.shape[1])
+
+
+def _nuclei(h, weight, bias, lse, cand_vals, cand_ids, rest, p, vocab, vocab_chunk, row_block):
+    """(ids ascending, logp, row_len, tail) of each row's nucleus, from the candidates or the full row."""
+    rows = h.shape[0]
+    covered = (torch.logsumexp(cand_vals, dim=1) - lse).double().exp() >= p
+    if cand_vals.shape[1] >= vocab:
+        covered[:] = True
+    ids_rows: list[torch.Tensor] = [None] * rows  # type: ignore[list-item]
+    logp_rows: list[torch.Tensor] = [None] * rows  # type: ignore[list-item]
+    tail = torch.empty(rows, device=h.device)
+
+    def take(index, vals_desc, ids_desc, rest_lse):
+        size = _nucleus_of_sorted(vals_desc, lse[index], p)
+        width = torch.arange(vals_desc.shape[1], device=vals_desc.device)
+        beyond = width.unsqueeze(0) >= size.unsqueeze(1)
+        tail_lse = torch.logaddexp(rest_lse, torch.logsumexp(vals_desc.masked_fill(~beyond, NEG_INF), dim=1))
+        tail[index] = (tail_lse - lse[index]).exp()
+        for j, row in enumerate(index.tolist()):
+            m = int(size[j])
+            ids, vals = ids_desc[j, :m], vals_desc[j, :m]
+            order = ids.argsort()
+            ids_rows[row] = ids[order]
+            logp_rows[row] = vals[order] - lse[row]
+
+    index = covered.nonzero().squeeze(1)
+    if len(index):  # topk output is already descending
+        take(index, cand_vals[index], cand_ids[index], rest[index])
+    index = (~covered).nonzero().squeeze(1)
+    per_block = max(1, row_block * vocab_chunk // vocab)
+    for block in index.split(per_block):
+        logits = _logits(h[block], weight, bias, 0, vocab)
+        vals, ids = logits.sort(dim=1, descending=True)
+        take(block, vals, ids, torch.full((len(block),), NEG_INF, device=h.device))
+    row_len = torch.tensor([len(x) for x in ids_rows], dtype=torch.long, device=h.device)
+    return torch.cat(ids_rows), torch.cat(logp_rows), row_len, tail

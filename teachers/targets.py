@@ -1,0 +1,139 @@
+"""Teacher targets for a batch of student trajectories, always through the logit cache.
+
+For each trajectory: its domain's teacher; if the teacher's cache has no record for it, the teacher scores
+it (teachers one after another, the next one prefetched while the current one scores) and the record is
+written to the cache; then every record is read back from the cache, so the trainer trains on exactly
+what the cache holds. A record that fails verification (`CorruptRecordError`) is never used: the teacher's
+cache is garbage-collected (every failing record and the chunks only they used are dropped, since a damaged
+chunk cannot even be appended to) and those trajectories are re-scored and read back. A valid record is reused: records are keyed by a hash of the trajectory's tokens
+and action mask, so a trajectory the student samples again (or one replayed after a resume) costs no
+teacher forward, and a record can never be applied to a different token sequence.
+
+Teacher order within a batch: teachers already in host memory first (least recently used first), then
+the others in config order; right after a teacher is taken, the next one that has work is prefetched.
+With n teachers and max_resident m >= 2 this loads n - m teachers per batch, the fewest possible when
+every batch needs every teacher (plain LRU over a fixed order would reload all n).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cache import CacheMismatchError, CorruptRecordError, LogitCache, TeacherCache, TeacherRecord
+from opd_sao.trajectory import Trajectory
+
+from .prefetch import Prefetcher
+from .registry import TeacherRegistry
+
+
+def cache_key(traj: Trajectory) -> str:
+    """Content address of what a teacher record depends on: the token sequence and which tokens are actions."""
+    payload = json.dumps([traj.prompt_ids, traj.token_ids, traj.action_mask], separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+@dataclass
+class Targets:
+    """Teacher outputs aligned with a batch's trajectories, and what it took to get them."""
+
+    teachers: list[str]  # teacher name per trajectory
+    records: list[TeacherRecord]  # per trajectory, as read back from the cache
+    hits: int = 0  # trajectories whose record was already cached (and valid)
+    misses: int = 0  # trajectories the teachers scored for this batch
+    corrupt_rescored: int = 0  # records that failed verification on read and were re-scored
+    stall_s: float = 0.0  # time spent waiting for a teacher to be loaded
+    score_s: float = 0.0  # teacher forward passes
+    cache_write_s: float = 0.0
+    cache_read_s: float = 0.0
+    per_teacher: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class TeacherTargets:
+    def __init__(self, registry: TeacherRegistry, prefetcher: Prefetcher, cache_dir: Path):
+        self.registry, self.prefetcher = registry, prefetcher
+        self.cache = LogitCache(cache_dir)
+        self.caches: dict[str, TeacherCache] = {}
+        for name, spec in registry.specs.items():
+            try:
+                self.caches[name] = self.cache.open_teacher(spec.cache_meta)
+            except CacheMismatchError as err:
+                raise ValueError(f"{err} (teacher {name!r}: delete that directory or set opd.cache_dir "
+                                 f"to a fresh one)") from None
+
+    def order(self, names: set[str]) -> list[str]:
+        resident = [n for n in self.prefetcher.resident() if n in names]
+        return resident + [n for n in self.registry.specs if n in names and n not in resident]
+
+    def warm_up(self) -> None:
+        """Stage start: copy every teacher to the local tier and load the first ones, in the background."""
+        names = list(self.registry.specs)
+        for name in names[: self.prefetcher.max_resident]:
+            self.prefetcher.prefetch(name)
+        self.prefetcher.stage_to_disk(names[self.prefetcher.max_resident:])
+
+    def _score_into_cache(self, name: str, trajs: list[Trajectory], out: Targets, next_name: str | None) -> None:
+        stall_before = self.prefetcher.stats["stall_s"]
+        with self.prefetcher.use(name) as teacher:
+            if next_name is not None:
+                self.prefetcher.prefetch(next_name)
+            t0 = time.perf_counter()
+            records = teacher.score(trajs)
+            out.score_s += time.perf_counter() - t0
+        out.stall_s += self.prefetcher.stats["stall_s"] - stall_before
+        t0 = time.perf_counter()
+        for traj, record in zip(trajs, records):
+            self.caches[name].put(cache_key(traj), record)
+        out.cache_write_s += time.perf_counter() - t0
+
+    def fetch(self, trajectories: list[Trajectory]) -> Targets:
+        names = [self.registry.teacher_for(t.domain).name for t in trajectories]
+        keys = [cache_key(t) for t in trajectories]
+        out = Targets(teachers=names, records=[None] * len(trajectories))  # type: ignore[list-item]
+        missing = [i for i, (name, key) in enumerate(zip(names, keys)) if key not in self.caches[name]]
+        out.misses = len(missing)
+        self._score(trajectories, names, keys, missing, out)
+        corrupt = self._read(names, keys, range(len(trajectories)), out)
+        if corrupt:
+            # Drop every record that fails verification and the chunks only they used (a damaged chunk cannot
+            # even be appended to), then re-score them; a second failure propagates: the disk is failing.
+            for name in sorted({names[i] for i in corrupt}):
+                self.caches[name].collect_garbage()
+            out.corrupt_rescored = len(corrupt)
+            self._score(trajectories, names, keys, corrupt, out)
+            still = self._read(names, keys, corrupt, out)
+            if still:
+                raise CorruptRecordError([keys[i] for i in still], "re-scored records fail verification again")
+        out.hits = len(trajectories) - out.misses - out.corrupt_rescored
+        for name in set(names):
+            out.per_teacher[name] = {"trajectories": names.count(name),
+                                     "scored": sum(1 for i in missing + corrupt if names[i] == name)}
+        return out
+
+    def _score(self, trajectories, names, keys, index: list[int], out: Targets) -> None:
+        """Score trajectories[index] teacher by teacher (next one prefetched) and commit them to the cache."""
+        by_teacher: dict[str, dict[str, Trajectory]] = {}
+        for i in index:  # a batch may hold the same sequence twice: scored once
+            by_teacher.setdefault(names[i], {})[keys[i]] = trajectories[i]
+        order = self.order(set(by_teacher))
+        for j, name in enumerate(order):
+            self._score_into_cache(name, list(by_teacher[name].values()), out,
+                                   order[j + 1] if j + 1 < len(order) else None)
+
+    def _read(self, names, keys, index, out: Targets) -> list[int]:
+        """Read records back from the cache into out.records; returns the indices that failed verification."""
+        t0, corrupt = time.perf_counter(), []
+        for i in index:
+            try:
+                out.records[i] = self.caches[names[i]].get(keys[i])
+            except CorruptRecordError:
+                corrupt.append(i)
+        out.cache_read_s += time.perf_counter() - t0
+        return corrupt

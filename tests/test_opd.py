@@ -1,0 +1,225 @@
+"""The OPD stage: student-side chunked support, the learner on real teachers through the cache, the stage end to end."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cache import LogitCache
+from opd_sao.config import ConfigError, OPDConfig, SAOConfig, TrainerConfig, parse_config
+from opd_sao.distill import OPDLearner, padded_support, student_support_logprobs
+from opd_sao.models import load_causal_lm, load_tokenizer, save_checkpoint
+from opd_sao.modeling import sequence_logprobs
+from opd_sao.pipeline import run_pipeline
+from opd_sao.trainers import TorchTrainer
+from opd_sao.trajectory import Trajectory, collate
+from teachers import Prefetcher, TeacherRegistry, TeacherTargets
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
+
+
+# ----------------------------------------------------------------------------
+# student side: chunked support log-probs == dense, values and gradients
+# ----------------------------------------------------------------------------
+
+def test_student_support_logprobs_match_dense():
+    torch.manual_seed(0)
+    n, h, v = 9, 6, 301
+    hidden = torch.randn(n, h, dtype=torch.float64, requires_grad=True)
+    weight = (torch.randn(v, h, dtype=torch.float64) * 0.7).requires_grad_()
+    ids = torch.stack([torch.randperm(v)[:5] for _ in range(n)])
+    mask = torch.ones(n, 5, dtype=torch.bool)
+    mask[0, 3:] = False  # a padded row: its padding ids (0 here) must not count as support
+    ids[0, 3:] = 0
+    coef = torch.randn(n, 5, dtype=torch.float64)
+
+    s_logp, tail, top = student_support_logprobs(hidden, weight, None, ids, mask, vocab_chunk=64, top_k=4)
+    ((s_logp * coef).sum() + tail.exp().sum()).backward()
+    g_hidden, g_weight = hidden.grad.clone(), weight.grad.clone()
+
+    hidden.grad = weight.grad = None
+    dense = torch.log_softmax(hidden @ weight.T, dim=-1)
+    ref = torch.where(mask, dense.gather(1, ids), torch.zeros(()))
+    in_support = torch.zeros(n, v, dtype=torch.bool)
+    in_support[torch.arange(n).repeat_interleave(5)[mask.flatten()], ids[mask]] = True
+    ref_tail = torch.logsumexp(dense.masked_fill(in_support, float("-inf")), dim=-1)
+    ((ref * coef).sum() + ref_tail.exp().sum()).backward()
+
+    assert torch.allclose(s_logp, ref, atol=1e-10) and torch.allclose(tail, ref_tail, atol=1e-10)
+    assert torch.allclose(g_hidden, hidden.grad, atol=1e-9) and torch.allclose(g_weight, weight.grad, atol=1e-9)
+    assert torch.equal(top, dense.topk(4, dim=-1).indices)
+
+
+def test_padded_support_layout():
+    from cache import TeacherRecord
+
+    a = TeacherRecord(sampled_logp=np.zeros(2, np.float32), ids=np.array([3, 7, 1]), logp=np.array([-1, -2, -0.5]),
+                      offsets=np.array([0, 2, 3]), tail_mass=np.array([0.1, 0.2], np.float32))
+    b = TeacherRecord(sampled_logp=np.zeros(1, np.float32), ids=np.array([4, 5, 6]), logp=np.array([-1, -1, -1]),
+                      offsets=np.array([0, 3]), tail_mass=np.array([0.3], np.float32))
+    ids, logp, mask, tail = padded_support([a, b])
+    assert ids.tolist() == [[3, 7, 0], [1, 0, 0], [4, 5, 6]]
+    assert mask.tolist() == [[True, True, False], [True, False, False], [True, True, True]]
+    assert logp[0, :2].tolist() == [-1.0, -2.0] and tail.tolist() == pytest.approx([0.1, 0.2, 0.3])
+
+
+# ----------------------------------------------------------------------------
+# the learner on real tiny models, targets through a real cache
+# ----------------------------------------------------------------------------
+
+def _trajectories(model, tokenizer, domains, n_per=3, seed=0):
+    """Short trajectories with the model's own logprobs as rollout logprobs (DIS ratio 1 when it is the student)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for d in domains:
+        for i in range(n_per):
+            prompt = [tokenizer.bos_token_id] + tokenizer.encode(f"{d[:3]} {i}{i + 3}=", add_special_tokens=False)
+            tokens = rng.integers(5, 200, size=int(rng.integers(2, 5))).tolist()
+            seq = torch.tensor([prompt + tokens])
+            with torch.no_grad():
+                logp = sequence_logprobs(model, seq, torch.ones_like(seq))[0, len(prompt):].tolist()
+            out.append(Trajectory(traj_id=f"{d}-{i}", domain=d, prompt_ids=prompt, token_ids=tokens,
+                                  action_mask=[1] * len(tokens), rollout_logp=logp, versions=[0] * len(tokens),
+                                  rewards=[0.0] * (len(tokens) - 1) + [float(i % 2)]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def perturbed_teacher(tiny_model_dir, tmp_path_factory):
+    torch.manual_seed(1)
+    model = load_causal_lm(tiny_model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return save_checkpoint(model, load_tokenizer(tiny_model_dir), tmp_path_factory.mktemp("teacher") / "ckpt")
+
+
+def _learner(student, teacher_dirs, tokenizer, tmp_path, *, lr=1e-9, **opd):
+    teachers = [{"name": f"t_{d}", "checkpoint": str(path), "domains": [d], **extra}
+                for d, (path, extra) in teacher_dirs.items()]
+    cfg = OPDConfig(teachers=teachers, top_k=8, vocab_chunk=100, **opd)
+    reg = TeacherRegistry.from_config(cfg, domains=list(teacher_dirs), resolve=Path, student_checkpoint=student,
+                                      student_tokenizer=tokenizer)
+    pf = Prefetcher(reg.build_all(), local_dir=tmp_path / "tier", max_resident=1)
+    targets = TeacherTargets(reg, pf, tmp_path / "cache")
+    backend = TorchTrainer(student, TrainerConfig(policy_lr=lr), with_critic=False)
+    return OPDLearner(backend, cfg, SAOConfig(), targets), pf
+
+
+@pytest.mark.parametrize("granularity", ["sampled", "top_k", "top_p", "full"])
+def test_student_equal_to_teacher_has_zero_kl(tiny_model_dir, tokenizer, tmp_path, granularity):
+    learner, pf = _learner(tiny_model_dir, {"digits_reverse": (tiny_model_dir, {})}, tokenizer, tmp_path,
+                           granularity=granularity, top_p=0.6)
+    trajs = _trajectories(load_causal_lm(tiny_model_dir), tokenizer, ["digits_reverse"])
+    m = learner.step(collate(trajs, tokenizer.pad_token_id), 1.0)
+    pf.close()
+    # the only difference is the cache's quantisation: <= 1/2048 nats on the sampled logprob, <= 1/128 nats near
+    # the mode, up to 1/8 nats at logp ~ -6, where this untrained model puts every token of a full row
+    assert abs(m["kl"]) < {"sampled": 2e-3, "top_k": 1e-3, "top_p": 1e-3, "full": 5e-3}[granularity]
+    assert m["kl_teacher/t_digits_reverse"] == m["kl_domain/digits_reverse"] == m["kl"]
+    assert m["cache_misses"] == len(trajs) and m["cache_hit_rate"] == 0.0 and m["prefetch_stall_s"] >= 0.0
+    if granularity == "sampled":
+        assert m["mask_fraction"] == 0.0 and "support_mass" not in m
+    else:
+        assert m["topk_overlap"] == 1.0 and 0.0 < m["support_mass"] <= 1.0
+        assert m["divergence"] == pytest.approx(m["kl"], abs=1e-3)
+    if granularity == "top_p":
+        assert m["support_mass"] >= 0.6 - 1e-3
+
+
+@pytest.mark.parametrize("granularity,divergence", [("top_k", "forward_kl"), ("top_p", "jsd"),
+                                                    ("full", "reverse_kl")])
+def test_learner_reduces_divergence_and_reuses_cache(tiny_model_dir, tokenizer, perturbed_teacher, tmp_path,
+                                                     granularity, divergence):
+    learner, pf = _learner(tiny_model_dir, {"digits_reverse": (perturbed_teacher, {})}, tokenizer, tmp_path, lr=3e-3,
+                           granularity=granularity, divergence=divergence)
+    batch = collate(_trajectories(load_causal_lm(tiny_model_dir), tokenizer, ["digits_reverse"], n_per=4),
+                    tokenizer.pad_token_id)
+    history = [learner.step(batch, 1.0) for _ in range(6)]
+    pf.close()
+    assert history[-1]["divergence"] < 0.9 * history[0]["divergence"]
+    assert history[-1]["kl"] < history[0]["kl"]
+    assert [h["cache_hit_rate"] for h in history] == [0.0] + [1.0] * 5  # scored once, then replayed from the cache
+    assert pf.stats["loads"] == 1
+
+
+def test_mixed_granularities_and_reward_mixing(tiny_model_dir, tokenizer, perturbed_teacher, tmp_path):
+    dirs = {"digits_reverse": (perturbed_teacher, {"granularity": "sampled"}), "digits_sort": (tiny_model_dir, {})}
+    learner, pf = _learner(tiny_model_dir, dirs, tokenizer, tmp_path, granularity="top_k", reward_weight=0.5)
+    trajs = _trajectories(load_causal_lm(tiny_model_dir), tokenizer, list(dirs))
+    m = learner.step(collate(trajs, tokenizer.pad_token_id), 1.0)
+    pf.close()
+    assert {"kl_teacher/t_digits_reverse", "kl_teacher/t_digits_sort", "kl_domain/digits_sort",
+            "support_mass/t_digits_sort", "mask_fraction", "topk_overlap"} <= set(m)
+    assert "support_mass/t_digits_reverse" not in m  # a sampled teacher keeps no support
+    assert m["kl_teacher/t_digits_sort"] == pytest.approx(0.0, abs=1e-3)  # the student is that teacher
+    assert m["kl_teacher/t_digits_reverse"] != pytest.approx(0.0, abs=1e-2)
+    assert pf.stats["loads"] == 2 and pf.stats["evictions"] == 1  # max_resident 1: one at a time
+    assert np.isfinite(m["policy_grad_norm"]) and m["policy_grad_norm"] > 0
+
+
+# ----------------------------------------------------------------------------
+# config checks and the stage end to end
+# ----------------------------------------------------------------------------
+
+def _opd_stage(**opd):
+    return {"name": "opd", "kind": "opd", "init_from": "base", "steps": 2,
+            "domains": ["digits_reverse", "digits_sort"], "rollout": {"max_new_tokens": 4},
+            "eval": {"num_tasks": 4},
+            "opd": {"granularity": "top_k", "top_k": 8, "max_resident": 1, "vocab_chunk": 128,
+                    "teachers": [{"name": "t_rev", "checkpoint": "rev", "domains": ["digits_reverse"]},
+                                 {"name": "t_sort", "checkpoint": "sort", "domains": ["digits_sort"]}], **opd}}
+
+
+def _teacher_stage(name, env):
+    return {"name": name, "kind": "reasoning", "env": env, "init_from": "base", "steps": 1,
+            "sft": {"steps": 3, "batch_size": 8}, "rollout": {"max_new_tokens": 4}, "eval": {"num_tasks": 4}}
+
+
+def _run_config(**opd):
+    return {"seed": 2, "model": {"tiny": TINY}, "logging": {"wandb": False, "progress": False},
+            "trainer": {"train_batch_size": 4, "critic_warmup_steps": 0},
+            "stages": [_teacher_stage("rev", "digits_reverse"), _teacher_stage("sort", "digits_sort"),
+                       _opd_stage(**opd)]}
+
+
+def test_config_checks_domains_and_teachers():
+    bad = _run_config()
+    bad["stages"][2]["domains"].append("arithmetic")
+    with pytest.raises(ConfigError, match=r"domains \['arithmetic'\] have no teacher"):
+        parse_config(bad)
+    bad = _run_config()
+    bad["stages"][2]["opd"]["teachers"][1]["domains"] = ["digits_reverse"]
+    with pytest.raises(ConfigError, match="two teachers"):
+        parse_config(bad)
+    bad = _run_config()
+    bad["stages"][2]["opd"]["teachers"][0]["checkpoint"] = "later"
+    with pytest.raises(ConfigError, match="neither a local directory nor an earlier stage"):
+        parse_config(bad)
+
+
+def test_opd_stage_end_to_end(tmp_path):
+    summary = run_pipeline(parse_config(_run_config()), tmp_path, log=lambda m: None)
+    stage = summary["stages"][2]
+    assert stage["kind"] == "opd" and stage["algo"] == "opd" and stage["steps"] == 2
+    assert set(stage["distillation"]) == {"digits_reverse", "digits_sort"}
+    for domain, row in stage["distillation"].items():
+        assert {"teacher", "teacher_score", "student_before", "student_after", "recovered"} <= set(row)
+        assert row["student_after"] == stage["eval_after"][domain]  # same settings as the pipeline's evaluation
+    rev = summary["stages"][0]["eval_after"]["digits_reverse"]
+    assert stage["distillation"]["digits_reverse"]["teacher_score"] == rev
+    assert stage["prefetch"]["loads"] >= 2 and stage["gate"]["passed"]
+    stage_dir = tmp_path / "stages" / "opd"
+    metrics = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    needed = {"kl", "kl_teacher/t_rev", "kl_teacher/t_sort", "kl_domain/digits_reverse", "kl_domain/digits_sort",
+              "support_mass", "topk_overlap", "cache_hit_rate", "prefetch_stall_s", "reward_mean", "staleness_mean"}
+    assert needed <= set().union(*metrics)
+    cache = LogitCache(stage_dir / "logit_cache")
+    assert set(cache.teachers()) == {"t_rev", "t_sort"}
+    assert sum(len(cache.open_teacher(meta)) for meta in cache.teachers().values()) >= 8
+    assert (stage_dir / "checkpoint" / "config.json").is_file()
+    assert {p.name.split("-")[0] for p in (stage_dir / "teacher_tier").iterdir()} == {"t_rev", "t_sort"}

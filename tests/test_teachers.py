@@ -1,0 +1,395 @@
+"""Teachers: chunked scoring against a dense reference, the registry's checks, prefetch and LRU, cache-backed targets."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cache import encode_full, encode_top_k, encode_top_p
+from opd_sao.config import OPDConfig
+from opd_sao.modeling import forward_logits
+from opd_sao.models import build_tiny_model, load_causal_lm, load_tokenizer, save_checkpoint
+from opd_sao.trajectory import Trajectory
+from teachers import (InProcessTeacher, Prefetcher, Teacher, TeacherIncompatibleError, TeacherRegistry,
+                      TeacherTargets, cache_key, copy_checkpoint, register_teacher, score_rows)
+from teachers.base import TeacherSpec
+
+
+# ----------------------------------------------------------------------------
+# chunked scoring == dense reference
+# ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dense_case():
+    torch.manual_seed(0)
+    n, h, v = 29, 12, 997  # vocab not a multiple of the chunk
+    hidden, weight, bias = torch.randn(n, h), torch.randn(v, h) * 0.8, torch.randn(v) * 0.1
+    targets = torch.randint(0, v, (n,))
+    return hidden, weight, bias, targets, torch.log_softmax(hidden @ weight.T + bias, dim=-1)
+
+
+@pytest.mark.parametrize("chunk", [64, 100, 4096])
+def test_top_k_matches_dense(dense_case, chunk):
+    hidden, weight, bias, targets, dense = dense_case
+    rec = score_rows(hidden, weight, bias, targets, granularity="top_k", k=9, vocab_chunk=chunk, row_block=7).split(
+        [len(targets)])[0]
+    ref = encode_top_k(dense, 9, targets)
+    assert (rec.ids == ref.ids).all() and (rec.offsets == ref.offsets).all()
+    np.testing.assert_allclose(rec.logp, ref.logp, atol=2e-5)
+    np.testing.assert_allclose(rec.tail_mass, ref.tail_mass, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(rec.sampled_logp, dense.gather(1, targets[:, None])[:, 0].numpy(), atol=2e-5)
+
+
+@pytest.mark.parametrize("probe", [8, 256])  # 8: most nuclei are larger than the probe -> full-row fallback
+def test_top_p_matches_dense_ragged(dense_case, probe):
+    hidden, weight, bias, targets, dense = dense_case
+    rec = score_rows(hidden, weight, bias, targets, granularity="top_p", p=0.9, vocab_chunk=128, probe=probe).split(
+        [len(targets)])[0]
+    ref = encode_top_p(dense, 0.9, targets)
+    assert (rec.offsets == ref.offsets).all() and len(set(np.diff(rec.offsets))) > 1  # ragged
+    assert (rec.ids == ref.ids).all()
+    np.testing.assert_allclose(rec.logp, ref.logp, atol=2e-5)
+    np.testing.assert_allclose(rec.tail_mass, ref.tail_mass, rtol=1e-4, atol=1e-7)
+    kept = np.add.reduceat(np.exp(rec.logp), rec.offsets[:-1])
+    assert (kept >= 0.9 - 1e-5).all() and np.allclose(kept + rec.tail_mass, 1.0, atol=1e-5)
+
+
+def test_full_and_sampled_match_dense(dense_case):
+    hidden, weight, bias, targets, dense = dense_case
+    full = score_rows(hidden, weight, bias, targets, granularity="full", vocab_chunk=50).split([10, 19])
+    ref = encode_full(dense, targets)
+    np.testing.assert_allclose(np.concatenate([r.logp for r in full]), ref.logp, atol=2e-5)
+    sampled = score_rows(hidden, weight, None, targets, granularity="sampled", vocab_chunk=50).split([29])[0]
+    no_bias = torch.log_softmax(hidden @ weight.T, -1).gather(1, targets[:, None])[:, 0]
+    np.testing.assert_allclose(sampled.sampled_logp, no_bias.numpy(), atol=2e-5)
+    assert sampled.ids is None and sampled.tail_mass is None
+
+
+def test_tiny_tail_keeps_relative_precision():
+    # one dominant logit: the tail is ~1e-20, far below float32 rounding of 1 - kept
+    hidden = torch.ones(1, 1)
+    weight = torch.tensor([[60.0], [10.0], [12.0], [11.0]])
+    rec = score_rows(hidden, weight, None, torch.tensor([0]), granularity="top_k", k=1, vocab_chunk=2).split([1])[0]
+    expected = (math_exp(10 - 60) + math_exp(12 - 60) + math_exp(11 - 60))
+    assert rec.tail_mass[0] == pytest.approx(expected, rel=1e-4)
+
+
+def math_exp(x):
+    import math
+
+    return math.exp(x)
+
+
+# ----------------------------------------------------------------------------
+# the in-process teacher on a real tiny model
+# ----------------------------------------------------------------------------
+
+def _trajectories(tokenizer, n=5, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt = [tokenizer.bos_token_id] + tokenizer.encode(f"rev {i}{i + 1}{i + 2}=", add_special_tokens=False)
+        length = int(rng.integers(2, 6))
+        tokens = rng.integers(5, 300, size=length).tolist()
+        mask = [1] * length
+        if length >= 4:  # an observation span in the middle: not scored
+            mask[1] = 0
+        out.append(Trajectory(traj_id=f"t{i}", domain="digits_reverse", prompt_ids=prompt, token_ids=tokens,
+                              action_mask=mask, rollout_logp=[0.0] * length, versions=[0] * length,
+                              rewards=[0.0] * length))
+    return out
+
+
+def _spec(path: Path, name="t", granularity="top_k", k=8, p=None, domains=("digits_reverse",), vocab=None):
+    return TeacherSpec(name=name, kind="in_process", checkpoint=Path(path), domains=tuple(domains),
+                       granularity=granularity, k=k if granularity == "top_k" else None,
+                       p=p if granularity == "top_p" else None, checkpoint_hash=f"hash-{name}",
+                       vocab_size=vocab or 0, tokenizer_hash="tok")
+
+
+@pytest.mark.parametrize("granularity", ["sampled", "top_k", "top_p", "full"])
+def test_in_process_teacher_scores_action_tokens(tiny_model_dir, tokenizer, granularity):
+    model = load_causal_lm(tiny_model_dir)
+    vocab = model.config.vocab_size
+    spec = _spec(tiny_model_dir, granularity=granularity, k=8, p=0.5, vocab=vocab)
+    teacher = InProcessTeacher(spec, score_batch_size=2, vocab_chunk=100)
+    teacher.load(tiny_model_dir)
+    trajs = _trajectories(tokenizer)
+    records = teacher.score(trajs)
+    for traj, rec in zip(trajs, records):
+        seq = torch.tensor([traj.prompt_ids + traj.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(forward_logits(model, seq, torch.ones_like(seq))[0].float(), -1)
+        p = len(traj.prompt_ids)
+        rows = [p + j - 1 for j, m in enumerate(traj.action_mask) if m]
+        targets = [t for t, m in zip(traj.token_ids, traj.action_mask) if m]
+        dense = logp[rows]
+        assert rec.n_positions == traj.num_action_tokens
+        np.testing.assert_allclose(rec.sampled_logp, dense[range(len(rows)), targets].numpy(), atol=1e-4)
+        if granularity == "top_k":
+            assert (rec.ids == encode_top_k(dense, 8, targets).ids).all()
+        if granularity == "top_p":
+            assert (rec.offsets == encode_top_p(dense, 0.5, targets).offsets).all()
+        if granularity == "full":
+            np.testing.assert_allclose(rec.logp, dense.numpy(), atol=1e-4)
+    teacher.unload()
+    assert not teacher.loaded
+
+
+# ----------------------------------------------------------------------------
+# the registry: resolution and the up-front tokenizer / vocabulary check
+# ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def other_tokenizer_model(tmp_path_factory):
+    from opd_sao.config import TinyModelConfig
+
+    texts = [f"completely different words {i} zebra quokka" for i in range(300)]
+    shape = TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
+    return build_tiny_model(tmp_path_factory.mktemp("other") / "tiny", texts, shape, seed=1)
+
+
+def _opd(teachers, **kw):
+    return OPDConfig(teachers=teachers, **kw)
+
+
+def test_registry_resolves_and_routes(tiny_model_dir, tokenizer):
+    opd = _opd([{"name": "a", "checkpoint": "stage_a", "domains": ["d1"]},
+                {"name": "b", "checkpoint": str(tiny_model_dir), "domains": ["d2"], "granularity": "top_p"}],
+               granularity="top_k", top_k=4, top_p=0.8)
+    resolve = {"stage_a": tiny_model_dir}.get
+    reg = TeacherRegistry.from_config(opd, domains=["d1", "d2"], resolve=lambda r: resolve(r) or Path(r),
+                                      student_checkpoint=tiny_model_dir, student_tokenizer=tokenizer)
+    assert reg.teacher_for("d1").name == "a" and reg.teacher_for("d2").name == "b"
+    a, b = reg.specs["a"], reg.specs["b"]
+    assert (a.granularity, a.k, a.p) == ("top_k", 4, None) and (b.granularity, b.k, b.p) == ("top_p", None, 0.8)
+    assert a.cache_meta.checkpoint_hash == b.cache_meta.checkpoint_hash  # same weights
+    with pytest.raises(KeyError, match="no teacher for domain 'd3'"):
+        reg.teacher_for("d3")
+
+
+def test_registry_refuses_other_tokenizer(tiny_model_dir, tokenizer, other_tokenizer_model):
+    opd = _opd([{"name": "alien", "checkpoint": str(other_tokenizer_model), "domains": ["d1"]}])
+    with pytest.raises(TeacherIncompatibleError) as err:
+        TeacherRegistry.from_config(opd, domains=["d1"], resolve=Path, student_checkpoint=tiny_model_dir,
+                                    student_tokenizer=tokenizer)
+    message = str(err.value)
+    assert "alien" in message and "cannot teach" in message and "shared tokenizer and vocabulary" in message
+    assert ("token ids map to different tokens" in message or "sizes differ" in message)
+
+
+def test_registry_refuses_unknown_kind_and_foreign_domain(tiny_model_dir, tokenizer):
+    opd = _opd([{"name": "a", "checkpoint": str(tiny_model_dir), "domains": ["d1"], "kind": "telepathy"}])
+    with pytest.raises(KeyError, match="unknown teacher kind 'telepathy'"):
+        TeacherRegistry.from_config(opd, domains=["d1"], resolve=Path, student_checkpoint=tiny_model_dir,
+                                    student_tokenizer=tokenizer)
+    opd = _opd([{"name": "a", "checkpoint": str(tiny_model_dir), "domains": ["d1", "elsewhere"]}])
+    with pytest.raises(ValueError, match="elsewhere"):
+        TeacherRegistry.from_config(opd, domains=["d1"], resolve=Path, student_checkpoint=tiny_model_dir,
+                                    student_tokenizer=tokenizer)
+
+
+# ----------------------------------------------------------------------------
+# prefetch: background copy + load, LRU with a residency cap, stall accounting
+# ----------------------------------------------------------------------------
+
+class SlowTeacher(Teacher):
+    """Loads in `load_s` seconds and tracks how many teachers are in memory at once."""
+
+    live = 0
+    peak = 0
+    lock = threading.Lock()
+
+    def __init__(self, spec, load_s=0.0, fail=False, **kw):
+        super().__init__(spec, **kw)
+        self.load_s, self.fail, self._loaded = load_s, fail, False
+
+    def load(self, local_dir):
+        assert (Path(local_dir) / "config.json").is_file()  # always from the local tier
+        with SlowTeacher.lock:
+            SlowTeacher.live += 1
+            SlowTeacher.peak = max(SlowTeacher.peak, SlowTeacher.live)
+        time.sleep(self.load_s)
+        if self.fail:
+            with SlowTeacher.lock:
+                SlowTeacher.live -= 1
+            raise OSError("disk on fire")
+        self._loaded = True
+
+    def unload(self):
+        if self._loaded:
+            with SlowTeacher.lock:
+                SlowTeacher.live -= 1
+        self._loaded = False
+
+    @property
+    def loaded(self):
+        return self._loaded
+
+    def score(self, trajectories):
+        return []
+
+
+@pytest.fixture
+def checkpoints(tmp_path):
+    paths = {}
+    for name in "abc":
+        path = tmp_path / "src" / name
+        path.mkdir(parents=True)
+        (path / "config.json").write_text("{}")
+        (path / "model.safetensors").write_bytes(bytes(200_000))
+        paths[name] = path
+    SlowTeacher.live = SlowTeacher.peak = 0
+    return paths
+
+
+def _prefetcher(checkpoints, tmp_path, *, load_s=0.0, **kw):
+    teachers = {n: SlowTeacher(_spec(p, name=n), load_s=load_s) for n, p in checkpoints.items()}
+    return Prefetcher(teachers, local_dir=tmp_path / "tier", **kw)
+
+
+def test_lru_eviction_and_residency_cap(checkpoints, tmp_path):
+    pf = _prefetcher(checkpoints, tmp_path, max_resident=2, enabled=False)
+    for name in "abab":
+        with pf.use(name):
+            pass
+    assert pf.resident() == ["a", "b"] and pf.stats["loads"] == 2 and pf.stats["hits"] == 2
+    with pf.use("c"):  # evicts a, the least recently used
+        assert pf.resident() == ["b", "c"]
+    with pf.use("b"):
+        pass
+    with pf.use("a"):  # evicts c now (b was used more recently)
+        pass
+    assert pf.resident() == ["b", "a"] and pf.stats["evictions"] == 2 and SlowTeacher.peak == 2
+    assert pf.stats["copies"] == 3 and pf.stats["disk_hits"] >= 1  # a reloads from the local tier, no copy
+    pf.close()
+    assert SlowTeacher.live == 0
+
+
+def test_prefetch_hides_loading(checkpoints, tmp_path):
+    def run(enabled):
+        pf = _prefetcher(checkpoints, tmp_path / str(enabled), load_s=0.25, max_resident=2, enabled=enabled)
+        order = ["a", "b", "c"]
+        pf.prefetch("a")
+        time.sleep(0.4)  # e.g. the first rollouts being generated
+        for i, name in enumerate(order):
+            with pf.use(name):
+                if i + 1 < len(order):
+                    pf.prefetch(order[i + 1])
+                time.sleep(0.35)  # scoring with the current teacher
+        stall = pf.stats["stall_s"]
+        pf.close()
+        return stall, SlowTeacher.peak
+
+    stall_off, _ = run(False)
+    SlowTeacher.peak = 0
+    stall_on, peak = run(True)
+    assert stall_off >= 0.5  # b and c loaded on demand (a too, unless prefetched: off means never)
+    assert stall_on < 0.15 and peak <= 2
+
+
+def test_pinned_teacher_is_never_evicted(checkpoints, tmp_path):
+    pf = _prefetcher(checkpoints, tmp_path, max_resident=1, enabled=True)
+    with pf.use("a"):
+        pf.prefetch("b")
+        time.sleep(0.2)
+        assert pf.resident() == ["a"]  # b waits for a slot: a is in use
+    with pf.use("b"):
+        assert pf.resident() == ["b"]
+    pf.close()
+    assert SlowTeacher.peak == 1
+
+
+def test_load_failure_is_reported(checkpoints, tmp_path):
+    teachers = {"a": SlowTeacher(_spec(checkpoints["a"], name="a"), fail=True)}
+    pf = Prefetcher(teachers, local_dir=tmp_path / "tier", max_resident=1, enabled=True)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        with pf.use("a"):
+            pass
+    pf.close()
+
+
+def test_copy_is_throttled_and_atomic(checkpoints, tmp_path):
+    t0 = time.perf_counter()
+    size = copy_checkpoint(checkpoints["a"], tmp_path / "copy", bandwidth=1e6)  # 200 KB at 1 MB/s
+    took = time.perf_counter() - t0
+    assert size == 200_002 and took >= 0.19
+    assert (tmp_path / "copy" / "model.safetensors").stat().st_size == 200_000
+    assert not (tmp_path / "copy.partial").exists()
+
+
+# ----------------------------------------------------------------------------
+# targets through the logit cache: write, read back, reuse, re-score corrupt records
+# ----------------------------------------------------------------------------
+
+class CountingTeacher(InProcessTeacher):
+    scored = 0
+
+    def score(self, trajectories):
+        CountingTeacher.scored += len(trajectories)
+        return super().score(trajectories)
+
+
+register_teacher("counting_test")(CountingTeacher)
+
+
+def _targets(tiny_model_dir, tokenizer, cache_dir, tmp_path, granularity="top_k"):
+    opd = _opd([{"name": "rev", "checkpoint": str(tiny_model_dir), "domains": ["digits_reverse"],
+                 "kind": "counting_test"}], granularity=granularity, top_k=8, score_batch_size=4, vocab_chunk=128)
+    reg = TeacherRegistry.from_config(opd, domains=["digits_reverse"], resolve=Path, student_checkpoint=tiny_model_dir,
+                                      student_tokenizer=tokenizer)
+    pf = Prefetcher(reg.build_all(), local_dir=tmp_path / "tier", max_resident=1)
+    return TeacherTargets(reg, pf, cache_dir)
+
+
+def test_targets_write_then_read_back_and_reuse(tiny_model_dir, tokenizer, tmp_path):
+    CountingTeacher.scored = 0
+    targets = _targets(tiny_model_dir, tokenizer, tmp_path / "cache", tmp_path)
+    trajs = _trajectories(tokenizer)
+    first = targets.fetch(trajs)
+    assert (first.hits, first.misses) == (0, 5) and CountingTeacher.scored == 5
+    assert all(cache_key(t) in targets.caches["rev"] for t in trajs)
+    # what the trainer gets is what the cache holds (quantised), not the teacher's raw float output
+    raw = targets.prefetcher.teachers["rev"]
+    with targets.prefetcher.use("rev"):
+        fresh = raw.score(trajs[:1])[0]
+    assert (first.records[0].ids == fresh.ids).all()
+    assert np.abs(first.records[0].logp - fresh.logp).max() <= 0.25
+    again = targets.fetch(list(reversed(trajs)))
+    assert (again.hits, again.misses) == (5, 0) and again.hit_rate == 1.0 and CountingTeacher.scored == 6
+    targets.prefetcher.close()
+
+
+def test_corrupt_record_is_rescored_never_used(tiny_model_dir, tokenizer, tmp_path):
+    targets = _targets(tiny_model_dir, tokenizer, tmp_path / "cache", tmp_path)
+    trajs = _trajectories(tokenizer)
+    good = targets.fetch(trajs)
+    chunks = [f for f in (tmp_path / "cache" / "rev").rglob("c/*") if f.is_file()]
+    assert chunks
+    for chunk in chunks:  # flip bytes in every chunk file
+        data = bytearray(chunk.read_bytes())
+        for i in range(len(data) // 2, len(data)):
+            data[i] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+    CountingTeacher.scored = 0
+    again = targets.fetch(trajs)
+    assert again.corrupt_rescored == 5 and CountingTeacher.scored == 5
+    for a, b in zip(good.records, again.records):
+        np.testing.assert_array_equal(a.ids, b.ids)
+        np.testing.assert_allclose(a.logp, b.logp)
+    targets.prefetcher.close()
+
+
+def test_cache_of_another_checkpoint_is_refused(tiny_model_dir, tokenizer, tmp_path):
+    _targets(tiny_model_dir, tokenizer, tmp_path / "cache", tmp_path).prefetcher.close()
+    retrained = tmp_path / "retrained"
+    model = load_causal_lm(tiny_model_dir)
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)
+    save_checkpoint(model, load_tokenizer(tiny_model_dir), retrained)
+    with pytest.raises(ValueError, match="checkpoint_hash differs"):
+        _targets(retrained, tokenizer, tmp_path / "cache", tmp_path)
