@@ -107,18 +107,22 @@ class OPDStage(Stage):
         for name in names:
             registry.teacher_for(name)  # every domain has a teacher (KeyError names the uncovered one)
         trainer_cfg = run.stage_trainer(cfg)
-        backend = build_backend(trainer_cfg, start, with_critic=False)
-        engine = build_engine(run.engine, start, tok, seed=run.seed)
         bandwidth = opd.copy_bandwidth_mb_s * 1e6 if opd.copy_bandwidth_mb_s else None
         prefetcher = Prefetcher(registry.build_all(), local_dir=Path(opd.local_dir or self.dir / "teacher_tier"),
                                 max_resident=opd.max_resident, enabled=opd.prefetch, copy_bandwidth=bandwidth)
+        engine = None
         try:
             targets = TeacherTargets(registry, prefetcher, Path(opd.cache_dir or self.dir / "logit_cache"))
+            targets.warm_up()  # teachers copy and load in the background from here on: trainer and engine
+            # loading, the consistency probe and the first rollouts all overlap with it
+            backend = build_backend(trainer_cfg, start, with_critic=False)
+            engine = build_engine(run.engine, start, tok, seed=run.seed)
             learner = OPDLearner(backend, opd, cfg.sao, targets)
             history, gate, resumed = self._train(domains, backend, engine, learner, targets, trainer_cfg)
             checkpoint = backend.export_policy(self.dir / "checkpoint", tok)
         finally:
-            engine.close()
+            if engine is not None:
+                engine.close()
             prefetcher.close()
         history = read_jsonl(self.dir / "metrics.jsonl")
         summary = {
@@ -167,13 +171,14 @@ class OPDStage(Stage):
             if (step + 1) % cfg.checkpoint_every == 0:
                 state.save(backend, step + 1, {"learner": learner.state()})
 
-        targets.warm_up()  # teachers start copying and loading while the first rollouts are generated
-        buffer = TrajectoryBuffer(cfg.rollout.group_size, spill_dir=self.dir / "buffer", memory_budget=cfg.buffer_memory)
+        buffer = TrajectoryBuffer(cfg.rollout.group_size, spill_dir=self.dir / "buffer",
+                                  memory_budget=cfg.buffer_memory)
         with self._progress(cfg.steps) as bar:
             bar.update(start_step)
             loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes, rollout=cfg.rollout,
                           train_batch_size=trainer_cfg.train_batch_size, pad_id=tok.pad_token_id,
-                          logger=MetricsLogger(self.dir / "metrics.jsonl", stage=cfg.name, wandb_run=self.ctx.wandb_run),
+                          logger=MetricsLogger(self.dir / "metrics.jsonl", stage=cfg.name,
+                                               wandb_run=self.ctx.wandb_run),
                           trained_log=self.dir / "trained.jsonl", slowdown_s=trainer_cfg.slowdown_s, progress=bar,
                           after_step=after_step, buffer=buffer)
             gate.run("start", sync=loop.sync_weights)
@@ -215,8 +220,10 @@ def _train_summary(history: list[dict]) -> dict:
 
     out = {"kl_first_quarter": mean("kl", first), "kl_last_quarter": mean("kl", last),
            "reward_first_quarter": mean("reward_mean", first), "reward_last_quarter": mean("reward_mean", last),
-           "support_mass_mean": mean("support_mass", history), "topk_overlap_first_quarter": mean("topk_overlap", first),
-           "topk_overlap_last_quarter": mean("topk_overlap", last), "cache_hit_rate_mean": mean("cache_hit_rate", history),
+           "support_mass_mean": mean("support_mass", history),
+           "topk_overlap_first_quarter": mean("topk_overlap", first),
+           "topk_overlap_last_quarter": mean("topk_overlap", last),
+           "cache_hit_rate_mean": mean("cache_hit_rate", history),
            "prefetch_stall_s_total": round(sum(r.get("prefetch_stall_s", 0.0) for r in history), 4),
            "corrupt_rescored": sum(r.get("corrupt_rescored", 0) for r in history),
            "trainer_idle_fraction": history[-1].get("trainer_idle_fraction"),

@@ -5,9 +5,10 @@ it (teachers one after another, the next one prefetched while the current one sc
 written to the cache; then every record is read back from the cache, so the trainer trains on exactly
 what the cache holds. A record that fails verification (`CorruptRecordError`) is never used: the teacher's
 cache is garbage-collected (every failing record and the chunks only they used are dropped, since a damaged
-chunk cannot even be appended to) and those trajectories are re-scored and read back. A valid record is reused: records are keyed by a hash of the trajectory's tokens
-and action mask, so a trajectory the student samples again (or one replayed after a resume) costs no
-teacher forward, and a record can never be applied to a different token sequence.
+chunk cannot even be appended to) and those trajectories are re-scored and read back. A valid record is
+reused: records are keyed by a hash of the trajectory's tokens and action mask, so a trajectory the
+student samples again (or one replayed after a resume) costs no teacher forward, and a record can never
+be applied to a different token sequence.
 
 Teacher order within a batch: teachers already in host memory first (least recently used first), then
 the others in config order; right after a teacher is taken, the next one that has work is prefetched.
