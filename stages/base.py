@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from opd_sao.buffer import recover
+from opd_sao.checkpointing import StageState, truncate_step_log
 from opd_sao.config import RunConfig, StageConfig
 from opd_sao.registry import Registry
 
@@ -57,3 +59,21 @@ class Stage(ABC):
 
     @abstractmethod
     def run(self) -> StageResult: ...
+
+    def resume_point(self, backend, learner) -> tuple[int, list, dict]:
+        """(start step, recovered waiting trajectories, resume report); a fresh start is step 0."""
+        state, rollout = StageState(self.dir), self.cfg.rollout
+        if not self.ctx.resume:
+            for leftover in ("trained.jsonl", "metrics.jsonl", "buffer/buffer.jsonl", "gate.json"):
+                (self.dir / leftover).unlink(missing_ok=True)
+            return 0, [], {}
+        step = 0
+        if state.exists() or (state.path.with_name("state.old") / "loop.json").is_file():
+            meta = state.load(backend)
+            step = meta["step"]
+            learner.restore(meta["learner"])
+        trained = truncate_step_log(self.dir / "trained.jsonl", step)
+        truncate_step_log(self.dir / "metrics.jsonl", step)
+        trained_ids = {traj_id for record in trained for traj_id in record["traj_ids"]}
+        waiting, dropped = recover(self.dir / "buffer", trained_ids, backend.policy_version, rollout.max_staleness)
+        return step, waiting, {"from_step": step, "buffer_reused": len(waiting), "buffer_dropped_stale": dropped}

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from opd_sao.buffer import TrajectoryBuffer, recover
-from opd_sao.checkpointing import StageState, truncate_step_log
+from opd_sao.buffer import TrajectoryBuffer
+from opd_sao.checkpointing import StageState
 from opd_sao.config import EvalConfig, RolloutConfig, StageConfig
 from opd_sao.distill import OPDLearner
 from opd_sao.engines import build_engine
@@ -77,23 +77,6 @@ class OPDStage(Stage):
     def _progress(self, total: int):
         return tqdm(total=total, desc=f"{self.cfg.name}: opd", disable=not self.ctx.cfg.logging.progress, leave=False,
                     dynamic_ncols=True)
-
-    def _resume_point(self, backend, learner) -> tuple[int, list, dict]:
-        state, rollout = StageState(self.dir), self.cfg.rollout
-        if not self.ctx.resume:
-            for leftover in ("trained.jsonl", "metrics.jsonl", "buffer/buffer.jsonl", "gate.json"):
-                (self.dir / leftover).unlink(missing_ok=True)
-            return 0, [], {}
-        step = 0
-        if state.exists() or (state.path.with_name("state.old") / "loop.json").is_file():
-            meta = state.load(backend)
-            step = meta["step"]
-            learner.restore(meta["learner"])
-        trained = truncate_step_log(self.dir / "trained.jsonl", step)
-        truncate_step_log(self.dir / "metrics.jsonl", step)
-        trained_ids = {traj_id for record in trained for traj_id in record["traj_ids"]}
-        waiting, dropped = recover(self.dir / "buffer", trained_ids, backend.policy_version, rollout.max_staleness)
-        return step, waiting, {"from_step": step, "buffer_reused": len(waiting), "buffer_dropped_stale": dropped}
 
     def run(self) -> StageResult:
         cfg, run, tok, opd = self.cfg, self.ctx.cfg, self.ctx.tokenizer, self.cfg.opd
@@ -163,7 +146,7 @@ class OPDStage(Stage):
         gate = ConsistencyGate(cfg.gate, stage=cfg.name, out_dir=self.dir, engine=engine, backend=backend,
                                make_probe=probe, eps_low=cfg.sao.eps_low, eps_high=cfg.sao.eps_high,
                                deterministic=run.engine.deterministic)
-        start_step, waiting, resumed = self._resume_point(backend, learner)
+        start_step, waiting, resumed = self.resume_point(backend, learner)
         state = StageState(self.dir)
 
         def after_step(step: int) -> None:

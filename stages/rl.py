@@ -11,8 +11,8 @@ import statistics
 
 from tqdm import tqdm
 
-from opd_sao.buffer import TrajectoryBuffer, recover
-from opd_sao.checkpointing import StageState, truncate_step_log
+from opd_sao.buffer import TrajectoryBuffer
+from opd_sao.checkpointing import StageState
 from opd_sao.compaction import Compaction
 from opd_sao.engines import build_engine
 from opd_sao.engines.base import SamplingParams
@@ -63,24 +63,6 @@ class RLStage(Stage):
             sft_ckpt = run_sft(start, done, examples, tok, cfg.sft, run.seed, bar)
         record.write_text(json.dumps({"eval_init": before}))
         return sft_ckpt, before
-
-    def resume_point(self, backend, learner) -> tuple[int, list, dict]:
-        """(start step, recovered waiting trajectories, resume report); a fresh start is step 0."""
-        state, rollout = StageState(self.dir), self.cfg.rollout
-        if not self.ctx.resume:
-            for leftover in ("trained.jsonl", "metrics.jsonl", "buffer/buffer.jsonl", "gate.json"):
-                (self.dir / leftover).unlink(missing_ok=True)
-            return 0, [], {}
-        step = 0
-        if state.exists() or (state.path.with_name("state.old") / "loop.json").is_file():
-            meta = state.load(backend)
-            step = meta["step"]
-            learner.restore(meta["learner"])
-        trained = truncate_step_log(self.dir / "trained.jsonl", step)
-        truncate_step_log(self.dir / "metrics.jsonl", step)
-        trained_ids = {traj_id for record in trained for traj_id in record["traj_ids"]}
-        waiting, dropped = recover(self.dir / "buffer", trained_ids, backend.policy_version, rollout.max_staleness)
-        return step, waiting, {"from_step": step, "buffer_reused": len(waiting), "buffer_dropped_stale": dropped}
 
     def run(self) -> StageResult:
         cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
