@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -22,6 +23,13 @@ hf_logging.disable_progress_bar()  # one bar per stage is ours to draw; loading 
 hf_logging.set_verbosity_error()
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+
+# transformers builds a model inside context managers that patch process-wide state (the default
+# dtype, the meta device, no-op `nn.init` functions) and restore it on exit. Two threads loading at
+# once (the teacher prefetcher and the trainer) interleave those saves and restores and can leave
+# the patches in place: later models come out on the meta device or uninitialised. Every model
+# construction in the project goes through `pretrained` or holds this lock.
+MODEL_INIT_LOCK = threading.RLock()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -66,7 +74,8 @@ def build_tiny_model(out_dir: Path, texts: list[str], shape: TinyModelConfig, se
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True,
     )
-    model = LlamaForCausalLM(config)
+    with MODEL_INIT_LOCK:
+        model = LlamaForCausalLM(config)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, out_dir)
@@ -80,8 +89,14 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
+def pretrained(auto_class, path: str | Path, **kwargs) -> torch.nn.Module:
+    """`auto_class.from_pretrained`, serialised across threads (see MODEL_INIT_LOCK)."""
+    with MODEL_INIT_LOCK:
+        return auto_class.from_pretrained(str(path), **kwargs)
+
+
 def load_causal_lm(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation="eager")
+    model = pretrained(AutoModelForCausalLM, path, dtype=DTYPES[dtype], attn_implementation="eager")
     model.config.use_cache = False
     return model
 

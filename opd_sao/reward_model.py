@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
-from .models import load_tokenizer, save_checkpoint
+from .models import load_tokenizer, pretrained, save_checkpoint
 
 Pair = tuple[str, str, str]  # (prompt, chosen response, rejected response)
 
@@ -59,7 +59,7 @@ class RewardModel:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"no reward model at {str(path)!r} (no config.json)")
-        self.model = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
+        self.model = pretrained(AutoModelForSequenceClassification, path).eval()
         self.tokenizer = load_tokenizer(path)
         self.info = getattr(self.model.config, "reward_model", None) or {}
         self.threshold = float(self.info.get("threshold", 0.0))
@@ -81,8 +81,8 @@ def train_reward_model(init: str | Path, out: str | Path, pairs: list[Pair], hel
         raise ValueError("training a reward model needs training and held-out preference pairs")
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(init)
-    model = AutoModelForSequenceClassification.from_pretrained(str(init), num_labels=1,
-                                                               pad_token_id=tokenizer.pad_token_id).train()
+    model = pretrained(AutoModelForSequenceClassification, init, num_labels=1,
+                       pad_token_id=tokenizer.pad_token_id).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
     for _ in range(steps):

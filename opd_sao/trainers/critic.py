@@ -10,7 +10,7 @@ from torch import nn
 from transformers import AutoModel
 
 from ..modeling import position_ids_for
-from ..models import DTYPES
+from ..models import DTYPES, MODEL_INIT_LOCK
 
 
 class ValueModel(nn.Module):
@@ -23,8 +23,9 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: str = "float32") -> "ValueModel":
-        backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation="eager")
-        return cls(backbone, backbone.config.hidden_size)
+        with MODEL_INIT_LOCK:  # the head's nn.init must not run while another thread loads a model
+            backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation="eager")
+            return cls(backbone, backbone.config.hidden_size)
 
     def freeze_attention(self) -> None:
         for name, param in self.backbone.named_parameters():
