@@ -236,16 +236,55 @@ class TeacherCache:
         return from_streams(self.meta, entry.n_positions, self._read_streams(traj_id, entry))
 
     def get_many(self, traj_ids: list[str]) -> list[TeacherRecord]:
-        """Records in order; one CorruptRecordError naming every corrupt id, so all are re-scored at once."""
+        """Records in order; one CorruptRecordError naming every corrupt id, so all are re-scored at once.
+
+        Records committed together lie side by side, so each stream is read once over the span that covers
+        them all (one zarr read per stream, not one per record) and sliced; each record's CRC is still
+        checked on its own. A span that fails to decode falls back to record-by-record reads, which name
+        the damaged records."""
+        self._log.refresh()
+        entries = {}
+        for traj_id in traj_ids:
+            entry = self._log.records.get(traj_id)
+            if entry is None:
+                raise KeyError(traj_id)
+            entries[traj_id] = entry
+        spans = self._read_covering_spans(list(entries.values()))
         records, corrupt = [], []
         for traj_id in traj_ids:
+            entry = entries[traj_id]
             try:
-                records.append(self.get(traj_id))
+                if spans is None:
+                    streams = self._read_streams(traj_id, entry)
+                else:
+                    streams = {name: spans[name][1][start - spans[name][0]: start - spans[name][0] + length]
+                               for name, (start, length) in entry.spans.items()}
+                    if checksum(streams) != entry.crc:
+                        raise CorruptRecordError([traj_id], "checksum mismatch")
+                records.append(from_streams(self.meta, entry.n_positions, streams))
             except CorruptRecordError:
                 corrupt.append(traj_id)
         if corrupt:
             raise CorruptRecordError(corrupt, "checksum mismatch or unreadable chunk")
         return records
+
+    def _read_covering_spans(self, entries: list[_Entry]) -> dict[str, tuple[int, np.ndarray]] | None:
+        """Per stream, (start, data) over the span covering every entry; None if that span is much longer than
+        the entries' own data (records scattered through the cache) or does not decode."""
+        out = {}
+        for name in self._arrays:
+            ranges = [entry.spans[name] for entry in entries if entry.spans.get(name, (0, 0))[1]]
+            if not ranges:
+                out[name] = (0, np.zeros(0, STREAM_DTYPES[name]))
+                continue
+            start, end = min(a for a, _ in ranges), max(a + n for a, n in ranges)
+            if end - start > 4 * sum(n for _, n in ranges) + 4096:
+                return None
+            try:
+                out[name] = (start, self._arrays[name][start:end])
+            except Exception:  # a damaged chunk: let the per-record path say which records it hits
+                return None
+        return out
 
     def invalidate(self, traj_id: str) -> None:
         """Drop the record (e.g. a corrupt one) so it can be put again; a no-op for an absent id."""

@@ -7,16 +7,16 @@ segments (see opd_sao.compaction), each exactly what the engine conditioned on.
 """
 from __future__ import annotations
 
-import uuid
 import queue
 import threading
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, Optional
 
 from .compaction import Compaction, next_segment, propagate_returns
 from .engines.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 from .trajectory import Trajectory
-
 
 
 class Episode:
@@ -91,6 +91,44 @@ class Episode:
         return True
 
 
+class EnvSteps:
+    """Applies generation results to their episodes; slow environments step on worker threads.
+
+    A sandboxed program takes ~0.1 s: stepping it on the engine's thread would stall every other
+    sequence in the batch. Fast environments step inline, which keeps their order deterministic.
+    An episode has one request in flight at a time, so its steps never run concurrently.
+    """
+
+    def __init__(self, on_finished: Callable[[Episode], None], on_continue: Callable[[GenerationRequest], None],
+                 workers: int = 8):
+        self.on_finished, self.on_continue = on_finished, on_continue
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env-step")
+        self.error: Optional[BaseException] = None
+
+    def __call__(self, result: GenerationResult) -> None:
+        episode: Episode = result.request.tag
+        if getattr(episode.env, "slow_steps", False):
+            self._pool.submit(self._apply, episode, result)
+        else:
+            self._apply(episode, result)
+
+    def _apply(self, episode: Episode, result: GenerationResult) -> None:
+        try:
+            if episode.on_result(result):
+                self.on_finished(episode)
+            else:
+                self.on_continue(episode.request())
+        except BaseException as err:  # re-raised on the rollout thread by `check`
+            self.error = self.error or err
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
 def run_episodes(engine: RolloutEngine, episodes: list[Episode]) -> list[Trajectory]:
     """Play episodes to the end with continuous batching (evaluation, probes, synchronous use).
 
@@ -101,22 +139,26 @@ def run_episodes(engine: RolloutEngine, episodes: list[Episode]) -> list[Traject
     for ep in episodes:
         pending.put(ep.request())
     remaining = [len(episodes)]
+    lock = threading.Lock()
+
+    def finished(_episode: Episode) -> None:
+        with lock:
+            remaining[0] -= 1
+
+    steps = EnvSteps(finished, pending.put)
 
     def requests():
-        while remaining[0] > 0:
+        while remaining[0] > 0 and steps.error is None:
             try:
                 yield pending.get_nowait()
             except queue.Empty:
                 yield None
 
-    def on_result(result: GenerationResult) -> None:
-        episode: Episode = result.request.tag
-        if episode.on_result(result):
-            remaining[0] -= 1
-        else:
-            pending.put(episode.request())
-
-    engine.generate(requests(), on_result)
+    try:
+        engine.generate(requests(), steps)
+    finally:
+        steps.close()
+    steps.check()
     return [ep.segments[0] for ep in episodes]
 
 
@@ -134,11 +176,13 @@ class RolloutWorker(threading.Thread):
         self.stop_event = threading.Event()
         self.error: Optional[BaseException] = None
         self._continuations: "queue.SimpleQueue[GenerationRequest]" = queue.SimpleQueue()
+        self._steps = EnvSteps(self._finished, self._continuations.put)
         self._waiting: list[Episode] = []  # the next group, built but not yet admitted
         self._staged: list[Episode] = []  # admitted, first requests not yet handed to the engine
 
     def _requests(self) -> Iterator[Optional[GenerationRequest]]:
         while not self.stop_event.is_set():
+            self._steps.check()
             try:
                 yield self._continuations.get_nowait()
                 continue
@@ -153,19 +197,17 @@ class RolloutWorker(threading.Thread):
                 self._staged, self._waiting = self._waiting, []
             yield self._staged.pop().request()
 
-    def _on_result(self, result: GenerationResult) -> None:
-        episode: Episode = result.request.tag
-        if episode.on_result(result):
-            for traj in episode.segments:
-                self.on_trajectory(traj)
-        else:
-            self._continuations.put(episode.request())
+    def _finished(self, episode: Episode) -> None:
+        for traj in episode.segments:
+            self.on_trajectory(traj)
 
     def run(self) -> None:
         try:
-            self.engine.generate(self._requests(), self._on_result)
+            self.engine.generate(self._requests(), self._steps)
         except BaseException as err:  # surfaced to the trainer thread, never swallowed
             self.error = err
+        finally:
+            self._steps.close()
 
     def stop(self) -> None:
         self.stop_event.set()

@@ -90,8 +90,7 @@ class TeacherTargets:
             out.score_s += time.perf_counter() - t0
         out.stall_s += self.prefetcher.stats["stall_s"] - stall_before
         t0 = time.perf_counter()
-        for traj, record in zip(trajs, records):
-            self.caches[name].put(cache_key(traj), record)
+        self.caches[name].put_many({cache_key(traj): record for traj, record in zip(trajs, records)})
         out.cache_write_s += time.perf_counter() - t0
 
     def fetch(self, trajectories: list[Trajectory]) -> Targets:
@@ -131,10 +130,18 @@ class TeacherTargets:
     def _read(self, names, keys, index, out: Targets) -> list[int]:
         """Read records back from the cache into out.records; returns the indices that failed verification."""
         t0, corrupt = time.perf_counter(), []
+        by_teacher: dict[str, list[int]] = {}
         for i in index:
+            by_teacher.setdefault(names[i], []).append(i)
+        for name, rows in by_teacher.items():
             try:
-                out.records[i] = self.caches[names[i]].get(keys[i])
-            except CorruptRecordError:
-                corrupt.append(i)
+                records = self.caches[name].get_many([keys[i] for i in rows])
+            except CorruptRecordError as err:
+                bad = set(err.traj_ids)
+                corrupt += [i for i in rows if keys[i] in bad]
+                rows = [i for i in rows if keys[i] not in bad]
+                records = self.caches[name].get_many([keys[i] for i in rows])
+            for i, record in zip(rows, records):
+                out.records[i] = record
         out.cache_read_s += time.perf_counter() - t0
-        return corrupt
+        return sorted(corrupt)

@@ -40,6 +40,16 @@ class BrokenNoopEnv(ArithmeticEnv):
         return "", float(action.strip() in ("", self.task["answer"])), True
 
 
+@register_env("test-failing-slow")
+class FailingSlowEnv(ArithmeticEnv):
+    """Steps on the rollout's worker threads (like the sandboxed code env), and its step raises."""
+
+    slow_steps = True
+
+    def step(self, action):
+        raise RuntimeError("environment step failed")
+
+
 def _task(task_id="code-2(x+6)"):
     env = code_factory()
     return next(t for t in env.make_tasks("train", 10**6, 0) + env.make_tasks("eval", 10**6, 0) if t["id"] == task_id)
@@ -87,6 +97,16 @@ def multi_turn(tiny_model_dir, tokenizer):
 # ----------------------------------------------------------------------------
 # the environment
 # ----------------------------------------------------------------------------
+
+def test_an_error_in_a_slow_step_surfaces_instead_of_hanging(tiny_model_dir, tokenizer):
+    engine = EmbeddedEngine(load_causal_lm(tiny_model_dir), eos_id=tokenizer.eos_token_id,
+                            pad_id=tokenizer.pad_token_id, max_batch=4, seed=0)
+    factory = ENVIRONMENTS.get("test-failing-slow")
+    episodes = make_episodes(factory, factory().make_tasks("train", 3, seed=0), tokenizer, RolloutConfig(),
+                             domain="arithmetic", temperature=1.0)
+    with pytest.raises(RuntimeError, match="environment step failed"):
+        run_episodes(engine, episodes)
+
 
 def test_code_tasks_split_and_render():
     env = code_factory()

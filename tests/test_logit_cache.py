@@ -383,3 +383,19 @@ def test_teacher_names_become_safe_directories_and_records_can_be_replaced(tmp_p
     assert teacher.get("traj-1").sampled_logp.tolist() == [-1.0] and len(teacher) == 1
     with pytest.raises(KeyError):
         teacher.get("traj-2")
+
+
+def test_get_many_reads_across_batches_in_any_order(tmp_path):
+    cache, meta = big_top_k_teacher(tmp_path)
+    teacher = cache.open_teacher(meta)
+    for batch in range(3):
+        rows = {f"t{batch}-{i}": teacher_rows(3 + i, seed=10 * batch + i) for i in range(4)}
+        teacher.put_many({traj_id: encode_top_k(logits, 64, sampled) for traj_id, (logits, sampled) in rows.items()})
+    wanted = ["t2-3", "t0-0", "t1-2", "t0-0", "t2-0"]
+    together = teacher.get_many(wanted)
+    for traj_id, record in zip(wanted, together):
+        alone = teacher.get(traj_id)
+        assert record.n_positions == alone.n_positions
+        np.testing.assert_array_equal(record.ids, alone.ids)
+        np.testing.assert_array_equal(record.logp, alone.logp)
+        np.testing.assert_array_equal(record.tail_mass, alone.tail_mass)

@@ -17,6 +17,10 @@ register_env = ENVIRONMENTS.register
 
 
 class Environment(ABC):
+    # True when `step` takes real time (a sandboxed program): rollouts then step it on a worker thread
+    # while the engine keeps generating for other episodes, instead of stalling the batch.
+    slow_steps = False
+
     def __init__(self, **options):
         self.options = options
 

@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import random
+import threading
 from collections import OrderedDict
 
 from opd_sao.sandbox import SandboxLimits, SandboxResult, detect_mode, run_python
@@ -68,17 +69,19 @@ class _VerdictCache:
     """
 
     def __init__(self, size: int = 8192):
-        self.size, self._items = size, OrderedDict()
+        self.size, self._items, self._lock = size, OrderedDict(), threading.Lock()  # episodes step on threads
 
     def run(self, job: str, limits: SandboxLimits, mode: str) -> SandboxResult:
-        if job in self._items:
-            self._items.move_to_end(job)
-            return self._items[job]
+        with self._lock:
+            if job in self._items:
+                self._items.move_to_end(job)
+                return self._items[job]
         result = run_python(HARNESS, stdin=job, limits=limits, mode=mode)
         if result.limit_hit != "wall":
-            self._items[job] = result
-            if len(self._items) > self.size:
-                self._items.popitem(last=False)
+            with self._lock:
+                self._items[job] = result
+                if len(self._items) > self.size:
+                    self._items.popitem(last=False)
         return result
 
 
@@ -89,6 +92,8 @@ _VERDICTS = _VerdictCache()
 class CodeEnv(Environment):
     """Options: `allow_rlimit_only` (run without bubblewrap, see opd_sao.sandbox), `wall_s` per run,
     `tests` hidden inputs per task, `eval_fraction` of the task space held out."""
+
+    slow_steps = True  # every step runs a program in the sandbox
 
     def __init__(self, allow_rlimit_only: bool = False, wall_s: float = 3.0, tests: int = 3,
                  eval_fraction: float = 0.2):
