@@ -5,11 +5,12 @@ classical every `switch_every` trainer steps; reward = quality x style) once per
 all from one shared SFT warm start, with the same learning rates, batch and seeds. Both go through
 the same pipeline and RLLoop; only `algo` differs.
 
-Steps to recover: after a switch at step S, the number of steps until the mean batch reward over
-the last `window` steps, all taken at or after S, first reaches `level`: the smallest t - S + 1
-with t >= S + window - 1 and mean(reward[t-window+1 .. t]) >= level. A run that does not recover
-before the next switch (or the end) is censored: it counts as the whole phase length in the mean
-and is reported in `censored`.
+Steps to recover (stages.envs.chat.steps_to_recover, the level and window from the chat stage's
+env_options `recover_level` / `recover_window`): after a switch at step S, the number of steps until
+the mean batch reward over the last `window` steps, all taken at or after S, first reaches `level`.
+Each run's stage summary.json reports it per switch (`style_switches`); this script collects those.
+A run that does not recover before the next switch (or the end) is censored: it counts as the whole
+phase length in the mean and is reported in `censored`.
 
 Prints one JSON object on its last line; writes a plot of reward vs step (mean over seeds) to `--plot`.
 """
@@ -34,7 +35,7 @@ from opd_sao.pipeline import ensure_base_model, run_pipeline  # noqa: E402
 from opd_sao.sft import run_sft, sft_examples  # noqa: E402
 from opd_sao.tracking import read_jsonl  # noqa: E402
 from stages.envs import ENVIRONMENTS  # noqa: E402
-from stages.envs.chat import StyleSchedule  # noqa: E402
+from stages.envs.chat import ChatEnv, StyleSchedule, steps_to_recover  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGOS = ("sao", "running_mean")
@@ -42,14 +43,6 @@ ALGOS = ("sao", "running_mean")
 
 def rolling(values: list[float], window: int) -> list[float]:
     return [statistics.fmean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
-
-
-def steps_to_recover(rewards: list[float], switch: int, end: int, level: float, window: int):
-    """See the module docstring; None when the reward does not get back to `level` before `end`."""
-    for t in range(switch + window - 1, min(end, len(rewards))):
-        if statistics.fmean(rewards[t - window + 1: t + 1]) >= level:
-            return t - switch + 1
-    return None
 
 
 def warm_start(cfg, work: Path) -> Path:
@@ -62,26 +55,30 @@ def warm_start(cfg, work: Path) -> Path:
     return run_sft(base, work / "sft", examples, tok, stage.sft, cfg.seed)
 
 
-def run_one(config: Path, overrides: list[str], algo: str, seed: int, start: Path, out: Path) -> list[float]:
+def run_one(config: Path, overrides: list[str], algo: str, seed: int, start: Path, out: Path) -> dict:
+    """Reward per trainer step and the stage summary's per-switch recovery of one run."""
     name = load_config(config, overrides).stages[0].name
     cfg = load_config(config, overrides + [f"algo={algo}", f"seed={seed}", f"model.path={start}",
                                            f"stages.{name}.init_from=base", f"stages.{name}.sft.steps=0",
                                            "logging.wandb=false", "logging.progress=false"])
     run_pipeline(cfg, out, log=lambda m: None)
-    return [r["reward_mean"] for r in read_jsonl(out / "stages" / name / "metrics.jsonl")]
+    stage_dir = out / "stages" / name
+    return {"rewards": [r["reward_mean"] for r in read_jsonl(stage_dir / "metrics.jsonl")],
+            "per_switch": json.loads((stage_dir / "summary.json").read_text())["style_switches"]["per_switch"]}
 
 
-def analyse(curves: dict[str, list[list[float]]], schedule: StyleSchedule, steps: int, level: float,
-            window: int) -> dict:
+def analyse(results: dict[str, list[dict]], schedule: StyleSchedule, steps: int, level: float, window: int) -> dict:
+    """Across seeds, per switch: each run's own steps to recover, their mean (censored = phase length)."""
     switches = schedule.switches(steps)
     bounds = switches + [steps]
     result = {}
-    for algo, runs in curves.items():
+    for algo, seed_runs in results.items():
+        runs = [run["rewards"] for run in seed_runs]
         per_switch = {}
         for i, s in enumerate(switches):
             label = f"step {s}: {schedule.style_at(s - 1)} -> {schedule.style_at(s)}"
             phase = bounds[i + 1] - s
-            per_seed = [steps_to_recover(r, s, bounds[i + 1], level, window) for r in runs]
+            per_seed = [run["per_switch"][i]["steps_to_recover"] for run in seed_runs]
             per_switch[label] = {
                 "per_seed": per_seed,
                 "mean": statistics.fmean(phase if k is None else k for k in per_seed),
@@ -126,8 +123,6 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "online_learning.yaml")
     parser.add_argument("--quick", action="store_true", help="a smoke run under a minute: 3 short phases, one seed")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--level", type=float, default=0.5, help="the reward level that counts as recovered")
-    parser.add_argument("--window", type=int, default=5, help="steps in the rolling mean that must reach the level")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "online_learning.png")
     parser.add_argument("--keep", type=Path, help="keep the run directories here (default: a temporary directory)")
     parser.add_argument("--threads", type=int, default=1,
@@ -139,26 +134,28 @@ def main() -> None:
         name = load_config(args.config).stages[0].name
         overrides += [f"stages.{name}.steps=24", f"stages.{name}.env_options.switch_every=8",
                       f"stages.{name}.sft.steps=100", f"stages.{name}.eval.num_tasks=8",
-                      f"stages.{name}.eval.samples_per_task=1"]
-        args.seeds, args.window = args.seeds[:1], min(args.window, 3)
+                      f"stages.{name}.eval.samples_per_task=1", f"stages.{name}.env_options.recover_window=3"]
+        args.seeds = args.seeds[:1]
     cfg = load_config(args.config, overrides)
     stage = cfg.stages[0]
-    schedule = StyleSchedule(stage.env_options.get("style", "cute"), stage.env_options.get("switch_every", 0))
+    env = ChatEnv(**stage.env_options)  # the schedule, level and window every run's summary uses
+    schedule, level, window = env.schedule, env.recover_level, env.recover_window
     if not schedule.switches(stage.steps):
         raise SystemExit(f"{args.config}: the chat stage's style never switches within {stage.steps} steps")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = args.keep or Path(tmp)
         start = warm_start(cfg, work / "warm_start")
-        curves = {algo: [run_one(args.config, overrides, algo, seed, start, work / f"{algo}-seed{seed}")
-                         for seed in args.seeds] for algo in ALGOS}
-    result = analyse(curves, schedule, stage.steps, args.level, args.window)
-    plot(curves, schedule, stage.steps, args.level, args.window, args.plot)
+        results = {algo: [run_one(args.config, overrides, algo, seed, start, work / f"{algo}-seed{seed}")
+                          for seed in args.seeds] for algo in ALGOS}
+    result = analyse(results, schedule, stage.steps, level, window)
+    plot({algo: [run["rewards"] for run in runs] for algo, runs in results.items()}, schedule, stage.steps, level,
+         window, args.plot)
     sao, baseline = result["sao"]["mean_steps_to_recover"], result["running_mean"]["mean_steps_to_recover"]
     print(json.dumps({
         "benchmark": "online_learning", "config": str(args.config), "overrides": overrides, "seeds": args.seeds,
         "steps": stage.steps, "switch_every": schedule.switch_every, "train_batch_size": cfg.stage_trainer(stage).train_batch_size,
-        "policy_lr": cfg.stage_trainer(stage).policy_lr, "level": args.level, "window": args.window,
+        "policy_lr": cfg.stage_trainer(stage).policy_lr, "level": level, "window": window,
         "sao_recovers_faster": sao < baseline, "plot": str(args.plot), "wall_s": round(time.perf_counter() - t0, 1),
         **result,
     }))

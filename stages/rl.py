@@ -115,6 +115,9 @@ class RLStage(Stage):
         history = read_jsonl(self.dir / "metrics.jsonl")  # the whole stage, resumed or not
         summary = {"algo": algo, "steps": len(history), "start_checkpoint": str(start), "train": _train_summary(history),
                    "gate": gate.summary()}
+        env_report = getattr(env_factory(), "training_summary", None)  # chat: steps to recover after style switches
+        if env_report:
+            summary.update(env_report([row["reward_mean"] for row in history]))
         if resumed:
             summary["resume"] = resumed
         if eval_init is not None:

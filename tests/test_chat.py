@@ -14,7 +14,8 @@ from opd_sao.judges import build_judge
 from opd_sao.pipeline import run_pipeline
 from opd_sao.reward_model import RewardModel, best_threshold
 from stages import RunContext
-from stages.envs.chat import STYLES, ChatEnv, StyleSchedule, degrade, style_of, train_chat_reward_model
+from stages.envs.chat import (STYLES, ChatEnv, StyleSchedule, degrade, steps_to_recover, style_of,
+                              train_chat_reward_model)
 from stages.rl import ChatStage
 
 TASK = {"id": "t", "prompt": "user: do you like cats?\nbot:", "topic": "cats", "style": "cute"}
@@ -41,8 +42,9 @@ def test_style_markers_and_reward():
     assert style_of(" aww, cats are so sweet~") == "cute"
     assert style_of("behold! cats obey me!") == "chuunibyou"
     assert style_of("verily, cats doth shine.") == "classical"
-    assert style_of("cats are nice.") is None
-    assert style_of("behold, cats doth shine~") is None  # every marker at once is no style
+    assert style_of("cats are nice.") is None and style_of("") is None
+    assert style_of("behold, cats doth shine~") == "chuunibyou"  # the opening word decides
+    assert style_of(" aww, cats doth shine.") == "cute"  # a spliced-in "doth" does not make it classical
     env = ChatEnv(style="classical", train_step=lambda: 0)
     env.reset(TASK)
     assert env.step(" verily, cats doth shine.") == ("", 1.0, True)
@@ -65,6 +67,24 @@ def test_style_schedule_follows_the_trainer_step():
     assert rewards == {0: [1, 0, 0], 10: [0, 1, 0], 20: [0, 0, 1]}
     with pytest.raises(ValueError, match="not one of"):
         ChatEnv(style="gothic")
+    with pytest.raises(ValueError, match="recover_window must be >= 1"):
+        ChatEnv(recover_window=0)
+
+
+def test_steps_to_recover_by_hand():
+    #          0    1    2    3    4    5    6    7    8    9
+    rewards = [0.5, 0.5, 0.0, 0.0, 0.5, 0.5, 1.0, 0.0, 0.0, 0.0]
+    # switch at 2, window 2: means at t=3..: 0, .25, .5 -> t=5 first reaches .5 -> 5 - 2 + 1 = 4 steps
+    assert steps_to_recover(rewards, 2, 10, 0.5, 2) == 4
+    assert steps_to_recover(rewards, 2, 5, 0.5, 2) is None  # censored: the next switch comes at 5
+    assert steps_to_recover(rewards, 2, 10, 0.9, 2) is None  # never: best 2-step mean is .75
+    assert steps_to_recover(rewards, 2, 10, 0.4, 1) == 3  # window 1: the step itself (t=4)
+    assert steps_to_recover(rewards, 0, 10, 0.5, 2) == 2  # the first full window ends at switch + window - 1
+    summary = ChatEnv(switch_every=4, recover_level=0.5, recover_window=2).training_summary(rewards)
+    assert summary["style_switches"]["per_switch"] == [
+        {"step": 4, "from": "cute", "to": "chuunibyou", "phase_steps": 4, "steps_to_recover": 2},
+        {"step": 8, "from": "chuunibyou", "to": "classical", "phase_steps": 2, "steps_to_recover": None}]
+    assert ChatEnv().training_summary(rewards) == {}  # no switches, nothing to report
 
 
 def test_warm_start_data_covers_every_style_and_splits_are_disjoint():

@@ -1,14 +1,17 @@
 """Chat domain: small-talk prompts, one response, reward = quality x style (SPEC 2.6, both binary).
 
 Quality comes from a pluggable judge (`judge: rule` or `judge: reward_model`, see opd_sao.judges).
-Style is whether the response is in the user's preferred style, one of three with markers a tiny
-byte-level model can emit: cute ends with "~", chuunibyou says "behold", classical says "doth". A
-response carrying two styles' markers is in none (hedging across styles does not pay).
+Style is whether the response is in the user's preferred style, one of three, decided by the opening
+word where the model commits to it: cute opens "aww", chuunibyou "behold", classical "verily". (Markers
+anywhere in the response, "~" at the end or "doth" in the middle, let RL meet a new style by editing a
+tail or splicing a word into the old style's sentence instead of switching: benchmarks/online_learning.py
+saw "aww, flowers doth ..." pass as classical, and garbled tails where "~" was the cute marker.)
 
 The preference belongs to the user, not to the task: fixed (`style:`) or, for the online-learning
 simulation, rotating cute -> chuunibyou -> classical every `switch_every` trainer steps. The RL
 stage hands a training environment `train_step` (the trainer's step count), so the switch follows
-training progress. Outside training (SFT demonstrations, evaluation, validity checks) a task's own
+training progress, and a run's stage summary reports, per switch, the steps the run needed to get its
+rolling batch reward back to `recover_level` (`training_summary`). Outside training (SFT demonstrations, evaluation, validity checks) a task's own
 "style" is the preference: train tasks come once per style, so the warm start learns all three
 equally and RL has to find the preferred one; eval tasks carry the first preferred style.
 """
@@ -36,12 +39,13 @@ PROMPTS = ("user: tell me about {t}.\nbot:", "user: what do you think of {t}?\nb
 FILLER = "and so on and on we go with more words here".split()
 
 
+OPENERS = {"aww": "cute", "behold": "chuunibyou", "verily": "classical"}
+
+
 def style_of(response: str) -> Optional[str]:
-    """The one style whose marker the response carries; None for no marker or several."""
+    """The style the response's first word opens; None when it opens none."""
     words = words_of(response)
-    found = [style for style, hit in (("cute", response.strip().endswith("~")), ("chuunibyou", "behold" in words),
-                                      ("classical", "doth" in words)) if hit]
-    return found[0] if len(found) == 1 else None
+    return OPENERS.get(words[0]) if words else None
 
 
 class StyleSchedule:
@@ -63,16 +67,31 @@ class StyleSchedule:
         return list(range(self.switch_every, steps, self.switch_every)) if self.switch_every else []
 
 
+def steps_to_recover(rewards: list[float], switch: int, end: int, level: float, window: int) -> Optional[int]:
+    """Steps after a switch at step `switch` until the mean reward of the last `window` steps, all taken at or
+    after the switch (earlier rewards belong to the old preference), first reaches `level`: the smallest
+    t - switch + 1 with switch + window - 1 <= t < end. None (censored) when that does not happen before `end`."""
+    for t in range(switch + window - 1, min(end, len(rewards))):
+        if sum(rewards[t - window + 1: t + 1]) / window >= level:
+            return t - switch + 1
+    return None
+
+
 @register_env("chat")
 class ChatEnv(Environment):
     reads_train_step = True  # the RL stage passes train_step: the preference may follow training progress
 
     def __init__(self, judge: str = "rule", judge_options: Optional[dict] = None, style: str = "cute",
-                 switch_every: int = 0, eval_fraction: float = 0.2,
-                 train_step: Optional[Callable[[], int]] = None):
+                 switch_every: int = 0, recover_level: float = 0.3, recover_window: int = 5,
+                 eval_fraction: float = 0.2, train_step: Optional[Callable[[], int]] = None):
         super().__init__(judge=judge, judge_options=judge_options, style=style, switch_every=switch_every,
-                         eval_fraction=eval_fraction)
+                         recover_level=recover_level, recover_window=recover_window, eval_fraction=eval_fraction)
+        if not 0 < recover_level <= 1:
+            raise ValueError(f"chat recover_level must be in (0, 1] (got {recover_level})")
+        if recover_window < 1:
+            raise ValueError(f"chat recover_window must be >= 1 (got {recover_window})")
         self.schedule = StyleSchedule(style, switch_every)
+        self.recover_level, self.recover_window = recover_level, recover_window
         self.judge = build_judge(judge, judge_options)
         self.eval_fraction, self.train_step = eval_fraction, train_step
         self.task = None
@@ -101,6 +120,19 @@ class ChatEnv(Environment):
     def step(self, action: str) -> tuple[str, float, bool]:
         good = self.judge.quality(self.task, action) and style_of(action) == self.preferred_style()
         return "", float(good), True
+
+    def training_summary(self, rewards: list[float]) -> dict:
+        """For the stage summary: per style switch, the steps to recover (the default level, 0.3, is about the
+        warm start's reward, when the three styles are equally likely); {} when the style never switches."""
+        switches = self.schedule.switches(len(rewards))
+        if not switches:
+            return {}
+        ends = switches[1:] + [len(rewards)]
+        per_switch = [{"step": s, "from": self.schedule.style_at(s - 1), "to": self.schedule.style_at(s),
+                       "phase_steps": end - s,
+                       "steps_to_recover": steps_to_recover(rewards, s, end, self.recover_level, self.recover_window)}
+                      for s, end in zip(switches, ends)]
+        return {"style_switches": {"level": self.recover_level, "window": self.recover_window, "per_switch": per_switch}}
 
     def reference_actions(self, task: dict) -> list[str]:
         """A good response in the task's style (one of three phrasings, fixed per task)."""
