@@ -1,4 +1,4 @@
-"""SAO vs GRPO under forced staleness: the quickstart's reasoning stage with a slowed trainer.
+"""SAO vs GRPO under forced staleness: configs/reasoning.yaml (the reasoning stage alone) with a slowed trainer.
 
 The trainer sleeps `--slowdown` seconds per step, so the rollout worker runs up to `max_staleness`
 policy versions ahead and most trajectories are trained on off-policy. Prints one JSON object on
@@ -15,14 +15,14 @@ from pathlib import Path
 from opd_sao.config import load_config
 from opd_sao.pipeline import run_pipeline
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+REASONING = Path(__file__).resolve().parents[1] / "configs" / "reasoning.yaml"
 
 
 def run_algo(algo: str, steps: int, slowdown: float, max_staleness: int, out: Path) -> dict:
     overrides = [f"algo={algo}", f"trainer.slowdown_s={slowdown}", f"stages.reasoning.steps={steps}",
                  f"stages.reasoning.rollout.max_staleness={max_staleness}", "logging.wandb=false",
                  "logging.progress=false"]
-    summary = run_pipeline(load_config(QUICKSTART, overrides), out / algo, log=lambda m: None)
+    summary = run_pipeline(load_config(REASONING, overrides), out / algo, log=lambda m: None)
     stage = summary["stages"][0]
     return {
         "eval_before": stage["eval_before"]["arithmetic"],

@@ -6,9 +6,9 @@ RL stages (`RLLoop`: a rollout worker thread keeps the engine generating while t
 staleness bound, weight sync). Each trajectory goes to its domain's teacher; teacher outputs go through
 the logit cache (`teachers.TeacherTargets`); `opd_sao.distill.OPDLearner` trains on what the cache holds.
 
-Per domain, episodes use the environment options and rollout lengths (max_new_tokens, max_turns,
-max_context_tokens) of the first stage of the run that trained on that environment, if there is one,
-else this stage's own; temperature and top_p are this stage's (one policy temperature per batch).
+Per domain, episodes use the environment options and rollout lengths of the stage of the run that trained
+on that environment (stages.domains.Domain); temperature and top_p are this stage's (one policy
+temperature per batch).
 
 Teachers are scored in the trainer thread, one after another, with the next teacher prefetched (copied
 to the local disk tier and loaded into host memory) in the background while the current one scores.
@@ -31,7 +31,6 @@ from tqdm import tqdm
 
 from opd_sao.buffer import TrajectoryBuffer
 from opd_sao.checkpointing import StageState
-from opd_sao.config import EvalConfig, RolloutConfig, StageConfig
 from opd_sao.distill import OPDLearner
 from opd_sao.engines import build_engine
 from opd_sao.engines.base import SamplingParams
@@ -45,26 +44,10 @@ from teachers import Prefetcher, TeacherRegistry, TeacherTargets
 from teachers.registry import describe
 
 from .base import Stage, StageResult, register_stage
-from .envs import ENVIRONMENTS, sample_tasks
+from .domains import Domain
+from .envs import sample_tasks
 
 TRAIN_TASK_POOL = 100_000
-EPISODE_FIELDS = ("max_new_tokens", "max_turns", "max_context_tokens")
-
-
-class Domain:
-    """One domain as the OPD stage sees it: its environment, episode settings and evaluation settings."""
-
-    def __init__(self, name: str, own: StageConfig, stages: list[StageConfig]):
-        source = next((s for s in stages if s.env == name and s.kind != own.kind), None)
-        if name not in ENVIRONMENTS:
-            ENVIRONMENTS.get(name)  # raises: unknown environment, with the registered ones
-        self.name, self.source = name, source.name if source else None
-        env_cls, options = ENVIRONMENTS.get(name), dict(source.env_options) if source else {}
-        self.factory = lambda: env_cls(**options)
-        base = source.rollout if source else own.rollout
-        self.rollout = RolloutConfig(**{**own.rollout.model_dump(), **{f: getattr(base, f) for f in EPISODE_FIELDS}})
-        self.eval_rollout: RolloutConfig = base  # what the pipeline's Evaluator uses for this domain
-        self.eval_cfg: EvalConfig = source.eval if source else own.eval
 
 
 @register_stage("opd")

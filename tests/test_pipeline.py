@@ -74,3 +74,25 @@ def test_bad_overrides_are_reported(tmp_path, override, needle):
 def test_missing_config_file(tmp_path):
     result = _cli("run", "nowhere.yaml", cwd=tmp_path)
     assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def test_sft_stage_warms_up_every_domain_before_the_rl_stages(tmp_path):
+    warmup = {"name": "warmup", "kind": "sft", "domains": ["arithmetic", "digits_reverse"],
+              "sft": {"steps": 3, "batch_size": 8}}
+    reverse = {"name": "reverse", "kind": "reasoning", "env": "digits_reverse", "steps": 2,
+               "rollout": {"max_new_tokens": 4}, "eval": {"num_tasks": 8}}
+    cfg = _config()
+    cfg["stages"] = [warmup, {**cfg["stages"][0], "sft": {"steps": 0}}, reverse]
+    summary = run_pipeline(parse_config(cfg), tmp_path, log=lambda m: None)
+    first, second = summary["stages"][:2]
+    assert first["kind"] == "sft" and first["algo"] == "sft" and first["domains"] == ["arithmetic", "digits_reverse"]
+    assert set(first["eval_after"]) == {"arithmetic", "digits_reverse"}
+    assert second["start_checkpoint"] == first["checkpoint"]  # the RL stage starts from the warm start
+    assert AutoModelForCausalLM.from_pretrained(first["checkpoint"]).config.vocab_size > 0
+
+
+def test_sft_stage_without_domains_is_refused(tmp_path):
+    cfg = _config()
+    cfg["stages"] = [{"name": "warmup", "kind": "sft", "sft": {"steps": 3}}]
+    with pytest.raises(ValueError, match="warmup.*needs `domains:`"):
+        run_pipeline(parse_config(cfg), tmp_path, log=lambda m: None)

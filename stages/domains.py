@@ -1,0 +1,30 @@
+"""A domain as a multi-domain stage (OPD, SFT) sees it: the environment with the options, episode lengths
+and evaluation settings of the stage of the run that trains on it.
+
+Per domain, episodes use the environment options and rollout lengths (max_new_tokens, max_turns,
+max_context_tokens) of the first other-kind stage whose `env` is that domain, if there is one, else the
+asking stage's own; temperature and top_p are always the asking stage's.
+"""
+from __future__ import annotations
+
+from opd_sao.config import EvalConfig, RolloutConfig, StageConfig
+
+from .envs import ENVIRONMENTS
+
+EPISODE_FIELDS = ("max_new_tokens", "max_turns", "max_context_tokens")
+
+
+class Domain:
+    """Its environment factory, episode settings and evaluation settings."""
+
+    def __init__(self, name: str, own: StageConfig, stages: list[StageConfig]):
+        source = next((s for s in stages if s.env == name and s.kind != own.kind), None)
+        if name not in ENVIRONMENTS:
+            ENVIRONMENTS.get(name)  # raises: unknown environment, with the registered ones
+        self.name, self.source = name, source.name if source else None
+        env_cls, options = ENVIRONMENTS.get(name), dict(source.env_options) if source else {}
+        self.factory = lambda: env_cls(**options)
+        base = source.rollout if source else own.rollout
+        self.rollout = RolloutConfig(**{**own.rollout.model_dump(), **{f: getattr(base, f) for f in EPISODE_FIELDS}})
+        self.eval_rollout: RolloutConfig = base  # what the pipeline's Evaluator uses for this domain
+        self.eval_cfg: EvalConfig = source.eval if source else own.eval

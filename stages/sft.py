@@ -1,0 +1,41 @@
+"""The SFT stage: one supervised warm start on the reference solutions of several domains at once.
+
+A real post-training run starts its RL stages from a model that already has some skill in every domain;
+this stage gives the tiny model that start. Domains are environment names (`domains:`), mixed in equal
+shares; each uses the environment options of the stage that trains on it (stages.domains.Domain).
+Settings are the `sft:` block (steps, lr, batch_size). An interrupted SFT stage is re-run from its start
+(it is short); its checkpoint is written atomically, so a completed one is never half there.
+"""
+from __future__ import annotations
+
+import random
+
+from tqdm import tqdm
+
+from opd_sao.sft import run_sft, sft_examples
+
+from .base import Stage, StageResult, register_stage
+from .domains import Domain
+
+TASK_POOL = 100_000
+
+
+@register_stage("sft")
+class SFTStage(Stage):
+    def run(self) -> StageResult:
+        cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
+        if not cfg.domains:
+            raise ValueError(f"stage {cfg.name!r} (sft) needs `domains:` (environment names to learn)")
+        if not cfg.sft.steps:
+            raise ValueError(f"stage {cfg.name!r} (sft) needs `sft: {{steps: N}}` with N > 0")
+        pools = [sft_examples(Domain(name, cfg, run.stages).factory, tok, n=TASK_POOL, seed=run.seed)
+                 for name in cfg.domains]
+        rng, share = random.Random(run.seed), max(len(pool) for pool in pools)
+        mixture = [example for pool in pools for example in rng.choices(pool, k=share)]
+        start = self.ctx.resolve_checkpoint(cfg.init_from)
+        with tqdm(total=cfg.sft.steps, desc=f"{cfg.name}: sft", disable=not run.logging.progress, leave=False,
+                  dynamic_ncols=True) as bar:
+            checkpoint = run_sft(start, self.dir / "checkpoint", mixture, tok, cfg.sft, run.seed, bar)
+        return StageResult(checkpoint, {"algo": "sft", "steps": cfg.sft.steps, "domains": list(cfg.domains),
+                                        "examples_per_domain": share, "start_checkpoint": str(start)},
+                           start_checkpoint=start)
