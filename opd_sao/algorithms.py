@@ -237,6 +237,9 @@ def length_adaptive_lambda(action_lengths: torch.Tensor, alpha: float = 1.5) -> 
 # Critic (SPEC 2.3)
 # ----------------------------------------------------------------------------
 
+VAR_EPS = 1e-12  # returns are in reward units; a variance below this is round-off, not signal
+
+
 def value_loss(
     values: torch.Tensor,
     returns: torch.Tensor,
@@ -247,7 +250,9 @@ def value_loss(
     ``returns`` is a target (detached). Metrics: ``value_loss`` and
     ``explained_variance = 1 - Var(R - V) / Var(R)`` over action tokens
     (population variances). explained_variance is 0.0, not nan, when there are
-    no action tokens or Var(R) == 0, so it can always be logged and compared.
+    no action tokens or Var(R) is 0 up to float round-off (``VAR_EPS``: all-zero
+    rewards leave ~1e-18 of residue in R = A + V, which would log as -1e14), so
+    it can always be logged and compared.
     """
     mask = _as_bool(action_mask)
     values = _zero_outside(values, mask)
@@ -259,7 +264,7 @@ def value_loss(
     explained_variance = 0.0
     if r.numel() > 0:
         var_r = r.var(unbiased=False)
-        if var_r.item() > 0:
+        if var_r.item() > VAR_EPS:
             explained_variance = float((1.0 - (r - v).var(unbiased=False) / var_r).item())
     return loss, {"value_loss": float(loss.detach().item()), "explained_variance": explained_variance}
 

@@ -244,6 +244,9 @@ def test_explained_variance_constant_returns_is_zero_not_nan():
     assert m["explained_variance"] == 0.0
     _, m = value_loss(t([[1.0, 2.0]]), t([[1.0, 1.0]]), t([[0, 0]]))
     assert m["explained_variance"] == 0.0 and m["value_loss"] == 0.0
+    # all-zero rewards: R = A + V leaves float round-off, which must not log as -1e14
+    _, m = value_loss(t([[0.3, 0.5, 0.2]]), t([[0.0, 1e-9, -1e-9]]), t([[1, 1, 1]]))
+    assert m["explained_variance"] == 0.0
 
 
 # ----------------------------------------------------------------------------
