@@ -117,13 +117,14 @@ def write_report(run_dir: Path) -> Path:
     if recovered:
         last = summary["stages"][-1]["name"]
         lines += ["", f"## Forgetting and recovery (last stage: {last})", "",
-                  "| domain | best earlier | before last stage | after last stage | recovered |", "|---|---|---|---|---|"]
+                  "| domain | best earlier | before last stage | after last stage | forgotten | recovered |",
+                  "|---|---|---|---|---|---|"]
         for d, r in recovered.items():
             lost = r["best_earlier"] - r["before_last_stage"]
             regained = r["after_last_stage"] - r["before_last_stage"]
-            share = f"{regained / lost:.0%}" if lost > 1e-9 else "nothing lost"
+            share = f"{regained / lost:.0%} ({regained:+.3f})" if lost > 1e-9 else f"nothing to recover ({regained:+.3f})"
             lines.append(f"| {d} | {_fmt(r['best_earlier'])} | {_fmt(r['before_last_stage'])} | "
-                         f"{_fmt(r['after_last_stage'])} | {share} |")
+                         f"{_fmt(r['after_last_stage'])} | {max(lost, 0.0):.3f} | {share} |")
     lines += ["", "## Stages", "", "| stage | kind | algo | steps | wall s | gate | resumed |", "|---|---|---|---|---|---|---|"]
     for s in summary["stages"]:
         gate = s.get("gate") or {}

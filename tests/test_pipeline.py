@@ -96,3 +96,19 @@ def test_sft_stage_without_domains_is_refused(tmp_path):
     cfg["stages"] = [{"name": "warmup", "kind": "sft", "sft": {"steps": 3}}]
     with pytest.raises(ValueError, match="warmup.*needs `domains:`"):
         run_pipeline(parse_config(cfg), tmp_path, log=lambda m: None)
+
+
+def test_report_states_what_was_forgotten_and_recovered(tmp_path):
+    from opd_sao.report import forgetting, write_report
+
+    stages = [{"name": n, "kind": k, "algo": k, "steps": 1, "eval_before": {"a": 0.1, "b": 0.2}, "eval_after": after}
+              for n, k, after in [("rl1", "reasoning", {"a": 0.9, "b": 0.3}), ("rl2", "chat", {"a": 0.5, "b": 0.8}),
+                                  ("opd", "opd", {"a": 0.8, "b": 0.7})]]
+    (tmp_path / "summary.json").write_text(json.dumps({"stages": stages}))
+    assert forgetting({"stages": stages}) == {
+        "a": {"best_earlier": 0.9, "before_last_stage": 0.5, "after_last_stage": 0.8},
+        "b": {"best_earlier": 0.8, "before_last_stage": 0.8, "after_last_stage": 0.7}}
+    report = write_report(tmp_path).read_text()
+    assert "| a | 0.900 | 0.500 | 0.800 | 0.400 | 75% (+0.300) |" in report
+    assert "| b | 0.800 | 0.800 | 0.700 | 0.000 | nothing to recover (-0.100) |" in report
+    assert (tmp_path / "plots" / "domains.png").is_file()
