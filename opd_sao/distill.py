@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from . import algorithms as A
 from .config import OPDConfig, SAOConfig
 from .consistency import lm_head
+from .learner import ResumableLearner
 from .modeling import position_ids_for
 from .trajectory import Batch
 
@@ -135,19 +136,11 @@ def _mean(x: torch.Tensor) -> float:
     return float(x.mean()) if x.numel() else 0.0
 
 
-class OPDLearner:
+class OPDLearner(ResumableLearner):
     def __init__(self, backend, opd: OPDConfig, sao: SAOConfig, targets, *, overlap_k: Optional[int] = None):
+        super().__init__(sao.baseline_window)
         self.backend, self.opd, self.sao, self.targets = backend, opd, sao, targets
         self.overlap_k = overlap_k or opd.top_k
-        self.baseline = A.RunningMeanBaseline(sao.baseline_window)
-        self.steps_done = 0
-
-    def state(self) -> dict:
-        return {"steps_done": self.steps_done, "baseline": list(self.baseline.rewards)}
-
-    def restore(self, state: dict) -> None:
-        self.steps_done = state["steps_done"]
-        self.baseline.update(state["baseline"])
 
     def step(self, batch: Batch, temperature: float) -> dict:
         fetched = self.targets.fetch(batch.trajectories)

@@ -19,22 +19,29 @@ def needs_critic(algo: str) -> bool:
     return algo in ALGOS_WITH_CRITIC
 
 
-class Learner:
-    def __init__(self, backend: TrainerBackend, algo: str, cfg: SAOConfig, *, critic_steps: int,
-                 critic_warmup_steps: int):
-        self.backend, self.algo, self.cfg = backend, algo, cfg
-        self.critic_steps = critic_steps
-        self.critic_warmup_steps = critic_warmup_steps if needs_critic(algo) else 0
-        self.baseline = A.RunningMeanBaseline(cfg.baseline_window)
+class ResumableLearner:
+    """The step count and running-mean window: what a resumed stage needs beyond the backend's weights and
+    optimizers (the RL learner and the OPD learner both keep them)."""
+
+    def __init__(self, baseline_window: int):
+        self.baseline = A.RunningMeanBaseline(baseline_window)
         self.steps_done = 0
 
     def state(self) -> dict:
-        """What a resumed run needs beyond the backend's weights and optimizers."""
         return {"steps_done": self.steps_done, "baseline": list(self.baseline.rewards)}
 
     def restore(self, state: dict) -> None:
         self.steps_done = state["steps_done"]
         self.baseline.update(state["baseline"])
+
+
+class Learner(ResumableLearner):
+    def __init__(self, backend: TrainerBackend, algo: str, cfg: SAOConfig, *, critic_steps: int,
+                 critic_warmup_steps: int):
+        super().__init__(cfg.baseline_window)
+        self.backend, self.algo, self.cfg = backend, algo, cfg
+        self.critic_steps = critic_steps
+        self.critic_warmup_steps = critic_warmup_steps if needs_critic(algo) else 0
 
     @property
     def warming_up(self) -> bool:

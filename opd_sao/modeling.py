@@ -6,7 +6,6 @@ wherever they can (the consistency checker measures where they cannot).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:

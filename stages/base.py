@@ -6,10 +6,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from opd_sao.buffer import recover
+from tqdm import tqdm
+
+from opd_sao.buffer import TrajectoryBuffer, recover
 from opd_sao.checkpointing import StageState, truncate_step_log
-from opd_sao.config import RunConfig, StageConfig
+from opd_sao.config import RunConfig, StageConfig, TrainerConfig
+from opd_sao.gate import ConsistencyGate
 from opd_sao.registry import Registry
+from opd_sao.rl_loop import RLLoop
+from opd_sao.tracking import MetricsLogger
 
 STAGES: Registry[type["Stage"]] = Registry("stage kind")
 register_stage = STAGES.register
@@ -59,6 +64,42 @@ class Stage(ABC):
 
     @abstractmethod
     def run(self) -> StageResult: ...
+
+    def progress(self, total: int, what: str):
+        """The stage's live progress bar (`logging.progress: false` turns it off)."""
+        return tqdm(total=total, desc=f"{self.cfg.name}: {what}", disable=not self.ctx.cfg.logging.progress,
+                    leave=False, dynamic_ncols=True)
+
+    def train(self, *, engine, backend, learner, make_episodes, make_probe, trainer_cfg: TrainerConfig,
+              what: str) -> tuple[ConsistencyGate, dict]:
+        """The asynchronous loop (RLLoop) for `steps`, resumable, gated at the start and before promotion.
+
+        Returns (gate, resume report). The step history is in metrics.jsonl, trained ids in trained.jsonl.
+        """
+        cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
+        gate = ConsistencyGate(cfg.gate, stage=cfg.name, out_dir=self.dir, engine=engine, backend=backend,
+                               make_probe=make_probe, eps_low=cfg.sao.eps_low, eps_high=cfg.sao.eps_high,
+                               deterministic=run.engine.deterministic)
+        start_step, waiting, resumed = self.resume_point(backend, learner)
+        state = StageState(self.dir)
+
+        def after_step(step: int) -> None:
+            gate.after_step(step)
+            if (step + 1) % cfg.checkpoint_every == 0:
+                state.save(backend, step + 1, {"learner": learner.state()})
+
+        buffer = TrajectoryBuffer(cfg.rollout.group_size, spill_dir=self.dir / "buffer", memory_budget=cfg.buffer_memory)
+        with self.progress(cfg.steps, what) as bar:
+            bar.update(start_step)
+            loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes, rollout=cfg.rollout,
+                          train_batch_size=trainer_cfg.train_batch_size, pad_id=tok.pad_token_id,
+                          logger=MetricsLogger(self.dir / "metrics.jsonl", stage=cfg.name, wandb_run=self.ctx.wandb_run),
+                          trained_log=self.dir / "trained.jsonl", slowdown_s=trainer_cfg.slowdown_s, progress=bar,
+                          after_step=after_step, buffer=buffer)
+            gate.run("start", sync=loop.sync_weights)
+            loop.run(cfg.steps, start_step, waiting)
+            gate.run("final", sync=loop.sync_weights)  # before the checkpoint is promoted
+        return gate, resumed
 
     def resume_point(self, backend, learner) -> tuple[int, list, dict]:
         """(start step, recovered waiting trajectories, resume report); a fresh start is step 0."""

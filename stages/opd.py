@@ -27,18 +27,13 @@ import statistics
 import threading
 from pathlib import Path
 
-from tqdm import tqdm
-
-from opd_sao.buffer import TrajectoryBuffer
-from opd_sao.checkpointing import StageState
 from opd_sao.distill import OPDLearner
 from opd_sao.engines import build_engine
 from opd_sao.engines.base import SamplingParams
 from opd_sao.evaluation import evaluate
-from opd_sao.gate import ConsistencyGate, probe_episodes
-from opd_sao.rl_loop import RLLoop
+from opd_sao.gate import probe_episodes
 from opd_sao.rollout import Episode
-from opd_sao.tracking import MetricsLogger, read_jsonl
+from opd_sao.tracking import read_jsonl
 from opd_sao.trainers import build_backend
 from teachers import Prefetcher, TeacherRegistry, TeacherTargets
 from teachers.registry import describe
@@ -56,10 +51,6 @@ class OPDStage(Stage):
         if self.cfg.domains:
             return list(self.cfg.domains)
         return list(dict.fromkeys(d for t in self.cfg.opd.teachers for d in t.domains))
-
-    def _progress(self, total: int):
-        return tqdm(total=total, desc=f"{self.cfg.name}: opd", disable=not self.ctx.cfg.logging.progress, leave=False,
-                    dynamic_ncols=True)
 
     def run(self) -> StageResult:
         cfg, run, tok, opd = self.cfg, self.ctx.cfg, self.ctx.tokenizer, self.cfg.opd
@@ -84,7 +75,7 @@ class OPDStage(Stage):
             backend = build_backend(trainer_cfg, start, with_critic=False)
             engine = build_engine(run.engine, start, tok, seed=run.seed)
             learner = OPDLearner(backend, opd, cfg.sao, targets)
-            history, gate, resumed = self._train(domains, backend, engine, learner, targets, trainer_cfg)
+            gate, resumed = self._train(domains, backend, engine, learner, trainer_cfg)
             checkpoint = backend.export_policy(self.dir / "checkpoint", tok)
         finally:
             if engine is not None:
@@ -103,7 +94,7 @@ class OPDStage(Stage):
             summary["resume"] = resumed
         return StageResult(checkpoint, summary, start_checkpoint=start)
 
-    def _train(self, domains: dict[str, Domain], backend, engine, learner, targets, trainer_cfg):
+    def _train(self, domains: dict[str, Domain], backend, engine, learner, trainer_cfg):
         cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
         streams = {name: sample_tasks(d.factory().make_tasks("train", TRAIN_TASK_POOL, run.seed), run.seed + i)
                    for i, (name, d) in enumerate(domains.items())}
@@ -126,31 +117,8 @@ class OPDStage(Stage):
             return [ep for name, d in domains.items()
                     for ep in probe_episodes(d.factory, tok, d.rollout, domain=name, n=per, seed=run.seed)]
 
-        gate = ConsistencyGate(cfg.gate, stage=cfg.name, out_dir=self.dir, engine=engine, backend=backend,
-                               make_probe=probe, eps_low=cfg.sao.eps_low, eps_high=cfg.sao.eps_high,
-                               deterministic=run.engine.deterministic)
-        start_step, waiting, resumed = self.resume_point(backend, learner)
-        state = StageState(self.dir)
-
-        def after_step(step: int) -> None:
-            gate.after_step(step)
-            if (step + 1) % cfg.checkpoint_every == 0:
-                state.save(backend, step + 1, {"learner": learner.state()})
-
-        buffer = TrajectoryBuffer(cfg.rollout.group_size, spill_dir=self.dir / "buffer",
-                                  memory_budget=cfg.buffer_memory)
-        with self._progress(cfg.steps) as bar:
-            bar.update(start_step)
-            loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes, rollout=cfg.rollout,
-                          train_batch_size=trainer_cfg.train_batch_size, pad_id=tok.pad_token_id,
-                          logger=MetricsLogger(self.dir / "metrics.jsonl", stage=cfg.name,
-                                               wandb_run=self.ctx.wandb_run),
-                          trained_log=self.dir / "trained.jsonl", slowdown_s=trainer_cfg.slowdown_s, progress=bar,
-                          after_step=after_step, buffer=buffer)
-            gate.run("start", sync=loop.sync_weights)
-            history = loop.run(cfg.steps, start_step, waiting)
-            gate.run("final", sync=loop.sync_weights)  # before the checkpoint is promoted
-        return history, gate, resumed
+        return self.train(engine=engine, backend=backend, learner=learner, make_episodes=make_episodes,
+                          make_probe=probe, trainer_cfg=trainer_cfg, what="opd")
 
     def _distillation(self, domains: dict[str, Domain], registry, start: Path, checkpoint: Path) -> dict:
         """Per domain: teacher score, student before / after, and the share of the teacher's score reached."""

@@ -9,20 +9,15 @@ import itertools
 import json
 import statistics
 
-from tqdm import tqdm
-
-from opd_sao.buffer import TrajectoryBuffer
-from opd_sao.checkpointing import StageState
 from opd_sao.compaction import Compaction
 from opd_sao.engines import build_engine
 from opd_sao.engines.base import SamplingParams
 from opd_sao.evaluation import evaluate
-from opd_sao.gate import ConsistencyGate, probe_episodes
+from opd_sao.gate import probe_episodes
 from opd_sao.learner import Learner, needs_critic
-from opd_sao.rl_loop import RLLoop
 from opd_sao.rollout import Episode
 from opd_sao.sft import run_sft, sft_examples
-from opd_sao.tracking import MetricsLogger, read_jsonl
+from opd_sao.tracking import read_jsonl
 from opd_sao.trainers import build_backend
 from opd_sao.validity import require_valid
 
@@ -44,10 +39,6 @@ class RLStage(Stage):
             options["train_step"] = train_step
         return lambda: env_cls(**options)
 
-    def _progress(self, total: int, what: str):
-        enabled = self.ctx.cfg.logging.progress
-        return tqdm(total=total, desc=f"{self.cfg.name}: {what}", disable=not enabled, leave=False, dynamic_ncols=True)
-
     def warm_start(self, start, env_factory) -> tuple:
         """SFT on reference solutions when configured; returns (checkpoint, eval before SFT or None)."""
         cfg, run = self.cfg, self.ctx.cfg
@@ -59,7 +50,7 @@ class RLStage(Stage):
             return done, json.loads(record.read_text())["eval_init"]
         before = evaluate(start, env_factory, tok, domain=cfg.env, rollout=cfg.rollout, eval_cfg=cfg.eval, seed=run.seed)
         examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=run.seed)
-        with self._progress(cfg.sft.steps, "sft") as bar:
+        with self.progress(cfg.sft.steps, "sft") as bar:
             sft_ckpt = run_sft(start, done, examples, tok, cfg.sft, run.seed, bar)
         record.write_text(json.dumps({"eval_init": before}))
         return sft_ckpt, before
@@ -86,30 +77,10 @@ class RLStage(Stage):
                             max_context_tokens=cfg.rollout.max_context_tokens, group=group, compaction=compaction)
                     for _ in range(cfg.rollout.group_size)]
 
-        gate = ConsistencyGate(cfg.gate, stage=cfg.name, out_dir=self.dir, engine=engine, backend=backend,
-                               make_probe=lambda: probe_episodes(env_factory, tok, cfg.rollout, domain=cfg.env,
-                                                                 n=cfg.gate.probe_size, seed=run.seed),
-                               eps_low=cfg.sao.eps_low, eps_high=cfg.sao.eps_high,
-                               deterministic=run.engine.deterministic)
-        start_step, waiting, resumed = self.resume_point(backend, learner)
-        state = StageState(self.dir)
-
-        def after_step(step: int) -> None:
-            gate.after_step(step)
-            if (step + 1) % cfg.checkpoint_every == 0:
-                state.save(backend, step + 1, {"learner": learner.state()})
-
-        buffer = TrajectoryBuffer(cfg.rollout.group_size, spill_dir=self.dir / "buffer", memory_budget=cfg.buffer_memory)
-        with self._progress(cfg.steps, algo) as bar:
-            bar.update(start_step)
-            loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes, rollout=cfg.rollout,
-                          train_batch_size=trainer_cfg.train_batch_size, pad_id=tok.pad_token_id,
-                          logger=MetricsLogger(self.dir / "metrics.jsonl", stage=cfg.name, wandb_run=self.ctx.wandb_run),
-                          trained_log=self.dir / "trained.jsonl", slowdown_s=trainer_cfg.slowdown_s, progress=bar,
-                          after_step=after_step, buffer=buffer)
-            gate.run("start", sync=loop.sync_weights)
-            history = loop.run(cfg.steps, start_step, waiting)
-            gate.run("final", sync=loop.sync_weights)  # before the checkpoint is promoted
+        gate, resumed = self.train(engine=engine, backend=backend, learner=learner, make_episodes=make_episodes,
+                                   make_probe=lambda: probe_episodes(env_factory, tok, cfg.rollout, domain=cfg.env,
+                                                                     n=cfg.gate.probe_size, seed=run.seed),
+                                   trainer_cfg=trainer_cfg, what=algo)
         checkpoint = backend.export_policy(self.dir / "checkpoint", tok)
         engine.close()
         history = read_jsonl(self.dir / "metrics.jsonl")  # the whole stage, resumed or not

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import random
 
-from tqdm import tqdm
-
 from opd_sao.sft import run_sft, sft_examples
 
 from .base import Stage, StageResult, register_stage
@@ -33,8 +31,7 @@ class SFTStage(Stage):
         rng, share = random.Random(run.seed), max(len(pool) for pool in pools)
         mixture = [example for pool in pools for example in rng.choices(pool, k=share)]
         start = self.ctx.resolve_checkpoint(cfg.init_from)
-        with tqdm(total=cfg.sft.steps, desc=f"{cfg.name}: sft", disable=not run.logging.progress, leave=False,
-                  dynamic_ncols=True) as bar:
+        with self.progress(cfg.sft.steps, "sft") as bar:
             checkpoint = run_sft(start, self.dir / "checkpoint", mixture, tok, cfg.sft, run.seed, bar)
         return StageResult(checkpoint, {"algo": "sft", "steps": cfg.sft.steps, "domains": list(cfg.domains),
                                         "examples_per_domain": share, "start_checkpoint": str(start)},

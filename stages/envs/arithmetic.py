@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import random
 
-from .base import Environment, register_env
+from .base import ExactAnswerEnv, register_env
 
 
 @register_env("arithmetic")
-class ArithmeticEnv(Environment):
+class ArithmeticEnv(ExactAnswerEnv):
     """`a+b=` (and `a-b=`, `a*b=` when listed in `ops`); the answer is checked exactly.
 
     A task is in the eval split when a stable hash of its operands says so, so train and eval never overlap.
@@ -16,9 +16,8 @@ class ArithmeticEnv(Environment):
     def __init__(self, max_operand: int = 30, ops: str = "+", eval_fraction: float = 0.2):
         super().__init__(max_operand=max_operand, ops=ops, eval_fraction=eval_fraction)
         self.max_operand, self.ops, self.eval_fraction = max_operand, ops, eval_fraction
-        self.task = None
 
-    def _all_tasks(self, split: str) -> list[dict]:
+    def all_tasks(self, split: str) -> list[dict]:
         out = []
         for op in self.ops:
             for a in range(self.max_operand + 1):
@@ -30,18 +29,3 @@ class ArithmeticEnv(Environment):
                         answer = {"+": a + b, "-": a - b, "*": a * b}[op]
                         out.append({"id": f"arith-{a}{op}{b}", "prompt": f"{a}{op}{b}=", "answer": str(answer)})
         return out
-
-    def make_tasks(self, split: str, n: int, seed: int) -> list[dict]:
-        tasks = self._all_tasks(split)
-        random.Random(seed).shuffle(tasks)
-        return tasks[:n]
-
-    def reset(self, task: dict) -> str:
-        self.task = task
-        return task["prompt"]
-
-    def step(self, action: str) -> tuple[str, float, bool]:
-        return "", float(action.strip() == self.task["answer"]), True
-
-    def reference_actions(self, task: dict) -> list[str]:
-        return [task["answer"]]

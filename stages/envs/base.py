@@ -50,6 +50,38 @@ class Environment(ABC):
         return texts
 
 
+class ExactAnswerEnv(Environment):
+    """Single-turn tasks `{"id", "prompt", "answer"}`: reward 1 for exactly the answer, the answer is the oracle.
+
+    Subclasses list their tasks in `all_tasks(split)`; `make_tasks` samples from it.
+    """
+
+    task: Optional[dict] = None
+
+    @abstractmethod
+    def all_tasks(self, split: str) -> list[dict]: ...
+
+    def make_tasks(self, split: str, n: int, seed: int) -> list[dict]:
+        return shuffled(self.all_tasks(split), n, seed)
+
+    def reset(self, task: dict) -> str:
+        self.task = task
+        return task["prompt"]
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        return "", float(action.strip() == self.task["answer"]), True
+
+    def reference_actions(self, task: dict) -> list[str]:
+        return [task["answer"]]
+
+
+def shuffled(tasks: list[dict], n: int, seed: int) -> list[dict]:
+    """`n` tasks of the list in a seeded random order (the usual `make_tasks`)."""
+    tasks = list(tasks)
+    random.Random(seed).shuffle(tasks)
+    return tasks[:n]
+
+
 def sample_tasks(tasks: list[dict], seed: int):
     """An endless shuffled stream over the task list."""
     rng = random.Random(seed)

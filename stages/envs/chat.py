@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 from opd_sao.judges import build_judge, words_of
 
-from .base import Environment, register_env
+from .base import Environment, register_env, shuffled
 
 STYLES = ("cute", "chuunibyou", "classical")
 RESPONSES = {  # short, so a 2-layer model writes them well; the first word already commits to a style
@@ -105,8 +105,7 @@ class ChatEnv(Environment):
         styles = STYLES if split == "train" else (self.schedule.first,)
         tasks = [{"id": f"chat-{split}-{t.replace(' ', '_')}-{i}-{s}", "prompt": PROMPTS[i].format(t=t), "topic": t,
                   "style": s} for t, i in self._prompts(split) for s in styles]
-        random.Random(seed).shuffle(tasks)
-        return tasks[:n]
+        return shuffled(tasks, n, seed)
 
     def preferred_style(self) -> str:
         if self.train_step is None:

@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 from opd_sao.sandbox import SandboxLimits, SandboxResult, detect_mode, run_python
 
-from .base import Environment, register_env
+from .base import Environment, register_env, shuffled
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +116,7 @@ class CodeEnv(Environment):
         return out
 
     def make_tasks(self, split: str, n: int, seed: int) -> list[dict]:
-        tasks = self._all_tasks(split)
-        random.Random(seed).shuffle(tasks)
-        return tasks[:n]
+        return shuffled(self._all_tasks(split), n, seed)
 
     def reset(self, task: dict) -> str:
         self.task, self.score = task, 0.0

@@ -12,10 +12,10 @@ from __future__ import annotations
 import itertools
 import random
 
-from .base import Environment, register_env
+from .base import ExactAnswerEnv, register_env
 
 
-class DigitTaskEnv(Environment):
+class DigitTaskEnv(ExactAnswerEnv):
     verb = ""
 
     def __init__(self, min_len: int = 3, max_len: int = 4, eval_fraction: float = 0.2):
@@ -23,13 +23,12 @@ class DigitTaskEnv(Environment):
         if not 1 <= min_len <= max_len <= 6:
             raise ValueError(f"need 1 <= min_len <= max_len <= 6, got {min_len}, {max_len}")
         self.min_len, self.max_len, self.eval_fraction = min_len, max_len, eval_fraction
-        self.task = None
 
     @staticmethod
     def solve(digits: str) -> str:
         raise NotImplementedError
 
-    def make_tasks(self, split: str, n: int, seed: int) -> list[dict]:
+    def all_tasks(self, split: str) -> list[dict]:
         tasks = []
         for length in range(self.min_len, self.max_len + 1):
             for combo in itertools.product("0123456789", repeat=length):
@@ -38,18 +37,7 @@ class DigitTaskEnv(Environment):
                 if in_eval == (split == "eval"):
                     tasks.append({"id": f"{self.verb}-{digits}", "prompt": f"{self.verb} {digits}=",
                                   "answer": self.solve(digits)})
-        random.Random(seed).shuffle(tasks)
-        return tasks[:n]
-
-    def reset(self, task: dict) -> str:
-        self.task = task
-        return task["prompt"]
-
-    def step(self, action: str) -> tuple[str, float, bool]:
-        return "", float(action.strip() == self.task["answer"]), True
-
-    def reference_actions(self, task: dict) -> list[str]:
-        return [task["answer"]]
+        return tasks
 
 
 @register_env("digits_reverse")
