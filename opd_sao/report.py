@@ -65,7 +65,8 @@ def _plot_curves(run_dir: Path, stages: list[dict], out: Path) -> None:
         offset += len(records)
         for ax in axes:
             ax.axvline(offset, color="grey", lw=0.5, ls=":")
-    axes[0].legend(fontsize=7, ncol=4)
+    if axes[0].get_legend_handles_labels()[0]:  # an SFT-only run has no step curves
+        axes[0].legend(fontsize=7, ncol=4)
     axes[-1].set_xlabel("train step (stages back to back)")
     _save(fig, out)
 
