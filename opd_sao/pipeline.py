@@ -85,8 +85,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
     discover()
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    for stage in cfg.stages:  # unknown kinds fail before any work starts
-        STAGES.get(stage.kind)
+    for stage in cfg.stages:  # unknown kinds and configs a kind cannot run fail before any work starts
+        STAGES.get(stage.kind).check(stage)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:

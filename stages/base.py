@@ -65,6 +65,10 @@ class Stage(ABC):
     @abstractmethod
     def run(self) -> StageResult: ...
 
+    @classmethod
+    def check(cls, cfg: StageConfig) -> None:
+        """Raise ValueError for a stage config this kind cannot run; called for every stage before any work."""
+
     def progress(self, total: int, what: str):
         """The stage's live progress bar (`logging.progress: false` turns it off)."""
         return tqdm(total=total, desc=f"{self.cfg.name}: {what}", disable=not self.ctx.cfg.logging.progress,

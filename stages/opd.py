@@ -40,29 +40,34 @@ from teachers.registry import describe
 
 from .base import Stage, StageResult, register_stage
 from .domains import Domain
-from .envs import sample_tasks
+from .envs import ENVIRONMENTS, sample_tasks
 
 TRAIN_TASK_POOL = 100_000
 
 
 @register_stage("opd")
 class OPDStage(Stage):
-    def domain_names(self) -> list[str]:
-        if self.cfg.domains:
-            return list(self.cfg.domains)
-        return list(dict.fromkeys(d for t in self.cfg.opd.teachers for d in t.domains))
+    @staticmethod
+    def domain_names(cfg) -> list[str]:
+        if cfg.domains:
+            return list(cfg.domains)
+        return list(dict.fromkeys(d for t in cfg.opd.teachers for d in t.domains))
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        names = cls.domain_names(cfg)
+        if not names:
+            raise ValueError(f"stage {cfg.name!r} (opd) needs `domains:` or teachers with domains")
+        for name in names:  # that every domain has a teacher is checked by the config schema
+            ENVIRONMENTS.get(name)
 
     def run(self) -> StageResult:
         cfg, run, tok, opd = self.cfg, self.ctx.cfg, self.ctx.tokenizer, self.cfg.opd
-        names = self.domain_names()
-        if not names:
-            raise ValueError(f"stage {cfg.name!r} (opd) needs `domains:` or teachers with domains")
+        names = self.domain_names(cfg)
         domains = {name: Domain(name, cfg, run.stages) for name in names}
         start = self.ctx.resolve_checkpoint(cfg.init_from)
         registry = TeacherRegistry.from_config(opd, domains=names, resolve=self.ctx.resolve_checkpoint,
                                                student_checkpoint=start, student_tokenizer=tok)
-        for name in names:
-            registry.teacher_for(name)  # every domain has a teacher (KeyError names the uncovered one)
         trainer_cfg = run.stage_trainer(cfg)
         bandwidth = opd.copy_bandwidth_mb_s * 1e6 if opd.copy_bandwidth_mb_s else None
         prefetcher = Prefetcher(registry.build_all(), local_dir=Path(opd.local_dir or self.dir / "teacher_tier"),

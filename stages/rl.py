@@ -29,10 +29,14 @@ VALIDITY_TASKS = 16  # tasks the oracle / no-op / initial-state check samples at
 
 
 class RLStage(Stage):
+    @classmethod
+    def check(cls, cfg) -> None:
+        if not cfg.env:
+            raise ValueError(f"stage {cfg.name!r} ({cfg.kind}) needs `env:` (one of {ENVIRONMENTS.names()})")
+        ENVIRONMENTS.get(cfg.env)
+
     def env_factory(self, train_step=None):
         """`train_step()` (the trainer's step count) goes to environments whose reward follows training."""
-        if not self.cfg.env:
-            raise ValueError(f"stage {self.cfg.name!r} ({self.cfg.kind}) needs `env:` (one of {ENVIRONMENTS.names()})")
         env_cls = ENVIRONMENTS.get(self.cfg.env)
         options = dict(self.cfg.env_options)
         if train_step is not None and getattr(env_cls, "reads_train_step", False):

@@ -14,18 +14,24 @@ from opd_sao.sft import run_sft, sft_examples
 
 from .base import Stage, StageResult, register_stage
 from .domains import Domain
+from .envs import ENVIRONMENTS
 
 TASK_POOL = 100_000
 
 
 @register_stage("sft")
 class SFTStage(Stage):
-    def run(self) -> StageResult:
-        cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
+    @classmethod
+    def check(cls, cfg) -> None:
         if not cfg.domains:
             raise ValueError(f"stage {cfg.name!r} (sft) needs `domains:` (environment names to learn)")
         if not cfg.sft.steps:
             raise ValueError(f"stage {cfg.name!r} (sft) needs `sft: {{steps: N}}` with N > 0")
+        for name in cfg.domains:
+            ENVIRONMENTS.get(name)
+
+    def run(self) -> StageResult:
+        cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
         pools = [sft_examples(Domain(name, cfg, run.stages).factory, tok, n=TASK_POOL, seed=run.seed)
                  for name in cfg.domains]
         rng, share = random.Random(run.seed), max(len(pool) for pool in pools)

@@ -95,7 +95,8 @@ def test_sft_stage_without_domains_is_refused(tmp_path):
     cfg = _config()
     cfg["stages"] = [{"name": "warmup", "kind": "sft", "sft": {"steps": 3}}]
     with pytest.raises(ValueError, match="warmup.*needs `domains:`"):
-        run_pipeline(parse_config(cfg), tmp_path, log=lambda m: None)
+        run_pipeline(parse_config(cfg), tmp_path / "run", log=lambda m: None)
+    assert not (tmp_path / "run").exists()  # refused before any work
 
 
 def test_report_states_what_was_forgotten_and_recovered(tmp_path):
@@ -112,3 +113,17 @@ def test_report_states_what_was_forgotten_and_recovered(tmp_path):
     assert "| a | 0.900 | 0.500 | 0.800 | 0.400 | 75% (+0.300) |" in report
     assert "| b | 0.800 | 0.800 | 0.700 | 0.000 | nothing to recover (-0.100) |" in report
     assert (tmp_path / "plots" / "domains.png").is_file()
+
+
+@pytest.mark.parametrize("stage, needle", [
+    ({"name": "r", "kind": "reasoning"}, "needs `env:`"),
+    ({"name": "r", "kind": "reasoning", "env": "sudoku"}, "unknown environment 'sudoku'"),
+    ({"name": "o", "kind": "opd", "domains": ["arithmetic"],
+      "opd": {"teachers": [{"name": "t", "checkpoint": "reasoning", "domains": ["chat"]}]}}, "have no teacher"),
+])
+def test_a_stage_config_its_kind_cannot_run_is_refused_before_any_work(tmp_path, stage, needle):
+    cfg = _config()
+    cfg["stages"] = [cfg["stages"][0], stage]  # the first stage is fine: nothing of it may run
+    with pytest.raises((ValueError, KeyError), match=needle):
+        run_pipeline(parse_config(cfg), tmp_path / "run", log=lambda m: None)
+    assert not (tmp_path / "run").exists()
