@@ -108,25 +108,42 @@ def build_parser() -> argparse.ArgumentParser:
     from .audit import add_audit_parser
 
     add_audit_parser(sub)
-    from .server import add_serve_parser
-
-    add_serve_parser(sub)
-    from .reward_model import add_reward_model_parser
-
-    add_reward_model_parser(sub)
+    serve = sub.add_parser("serve", help="serve a checkpoint for rollouts over SGLang's native HTTP API")
+    serve.add_argument("checkpoint", help="a local HF-format model directory")
+    serve.add_argument("--port", type=int, required=True)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--max-batch", type=int, default=32, help="sequences decoded together (continuous batch)")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    serve.add_argument("--seed", type=int, default=0, help="sampling seed")
+    serve.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    serve.add_argument("--weight-version", default="default", help="reported until the first weight update (as SGLang)")
+    serve.set_defaults(func=_cmd_serve)
+    reward = sub.add_parser("reward-model", help="train the chat judge's reward model from generated preference pairs")
+    reward.add_argument("out", help="directory to write the HF-format reward model to")
+    reward.add_argument("--pairs", type=int, default=3000)
+    reward.add_argument("--steps", type=int, default=300)
+    reward.add_argument("--seed", type=int, default=0)
+    reward.set_defaults(func=_cmd_reward_model)
     return parser
+
+
+def _cmd_serve(args) -> int:  # the server module imports torch: only when serving
+    from .server import serve
+
+    return serve(args)
+
+
+def _cmd_reward_model(args) -> int:
+    from .reward_model import cmd_reward_model
+
+    return cmd_reward_model(args)
 
 
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, SandboxUnavailableError)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    from .gate import GateFailure
-
+    # Nothing heavy (torch, transformers) is imported here: `opd-sao sandbox run` and `cache` stay fast.
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command == "run" and all("=" in e and not e.startswith("-") for e in extra):
@@ -141,8 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"opd-sao {args.command}: error: {message}", file=sys.stderr)
         return 2
-    except GateFailure as err:  # a stage stopped by its consistency gate: the report, not a traceback
-        print(f"opd-sao {args.command}: error: {err}", file=sys.stderr)
+    except Exception as err:
+        from .gate import GateFailure
+
+        if not isinstance(err, GateFailure):
+            raise
+        print(f"opd-sao {args.command}: error: {err}", file=sys.stderr)  # the gate's report, not a traceback
         return 1
 
 

@@ -105,16 +105,7 @@ def train_reward_model(init: str | Path, out: str | Path, pairs: list[Pair], hel
     return info
 
 
-def add_reward_model_parser(sub) -> None:
-    parser = sub.add_parser("reward-model", help="train the chat judge's reward model from generated preference pairs")
-    parser.add_argument("out", help="directory to write the HF-format reward model to")
-    parser.add_argument("--pairs", type=int, default=3000)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.set_defaults(func=_cmd_reward_model)
-
-
-def _cmd_reward_model(args) -> int:
+def cmd_reward_model(args) -> int:
     from stages.envs.chat import train_chat_reward_model
 
     info = train_chat_reward_model(Path(args.out), n_pairs=args.pairs, steps=args.steps, seed=args.seed)

@@ -281,16 +281,3 @@ def serve(args) -> int:
     finally:
         httpd.server_close()
     return 0
-
-
-def add_serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve a checkpoint for rollouts over SGLang's native HTTP API")
-    p.add_argument("checkpoint", help="a local HF-format model directory")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--max-batch", type=int, default=32, help="sequences decoded together (continuous batch)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--weight-version", default="default", help="reported until the first weight update (as SGLang)")
-    p.set_defaults(func=serve)
