@@ -7,8 +7,10 @@ the same pipeline and RLLoop; only `algo` differs.
 
 Steps to recover (stages.envs.chat.steps_to_recover, the level and window from the chat stage's
 env_options `recover_level` / `recover_window`): after a switch at step S, the number of steps until
-the mean batch reward over the last `window` steps, all taken at or after S, first reaches `level`.
-Each run's stage summary.json reports it per switch (`style_switches`); this script collects those.
+the mean batch reward over the last `window` steps, all taken at or after S + settle, first reaches
+`level` (settle = the stage's max_staleness: batches that may still hold rollouts scored under the old
+preference). Each run's stage summary.json reports it per switch (`style_switches`); this script
+collects those.
 A run that does not recover before the next switch (or the end) is censored: it counts as the whole
 phase length in the mean and is reported in `censored`.
 

@@ -91,8 +91,9 @@ class RLStage(Stage):
         summary = {"algo": algo, "steps": len(history), "start_checkpoint": str(start), "train": _train_summary(history),
                    "gate": gate.summary()}
         env_report = getattr(env_factory(), "training_summary", None)  # chat: steps to recover after style switches
-        if env_report:
-            summary.update(env_report([row["reward_mean"] for row in history]))
+        if env_report:  # settle: steps whose batches may hold rollouts scored under the previous reward
+            settle = cfg.rollout.max_staleness if cfg.rollout.asynchronous else 0
+            summary.update(env_report([row["reward_mean"] for row in history], settle=settle))
         if resumed:
             summary["resume"] = resumed
         if eval_init is not None:

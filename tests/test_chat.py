@@ -80,6 +80,7 @@ def test_steps_to_recover_by_hand():
     assert steps_to_recover(rewards, 2, 10, 0.9, 2) is None  # never: best 2-step mean is .75
     assert steps_to_recover(rewards, 2, 10, 0.4, 1) == 3  # window 1: the step itself (t=4)
     assert steps_to_recover(rewards, 0, 10, 0.5, 2) == 2  # the first full window ends at switch + window - 1
+    assert steps_to_recover(rewards, 2, 10, 0.5, 2, settle=3) == 5  # windows start at step 5: t=6 is the first, (.5 + 1) / 2
     summary = ChatEnv(switch_every=4, recover_level=0.5, recover_window=2).training_summary(rewards)
     assert summary["style_switches"]["per_switch"] == [
         {"step": 4, "from": "cute", "to": "chuunibyou", "phase_steps": 4, "steps_to_recover": 2},

@@ -67,11 +67,14 @@ class StyleSchedule:
         return list(range(self.switch_every, steps, self.switch_every)) if self.switch_every else []
 
 
-def steps_to_recover(rewards: list[float], switch: int, end: int, level: float, window: int) -> Optional[int]:
-    """Steps after a switch at step `switch` until the mean reward of the last `window` steps, all taken at or
-    after the switch (earlier rewards belong to the old preference), first reaches `level`: the smallest
-    t - switch + 1 with switch + window - 1 <= t < end. None (censored) when that does not happen before `end`."""
-    for t in range(switch + window - 1, min(end, len(rewards))):
+def steps_to_recover(rewards: list[float], switch: int, end: int, level: float, window: int,
+                     settle: int = 0) -> Optional[int]:
+    """Steps after a switch at step `switch` until the mean reward of the last `window` steps first reaches
+    `level`: the smallest t - switch + 1 with switch + settle + window - 1 <= t < end. None (censored) when that
+    does not happen before `end`. The window starts `settle` steps after the switch: earlier rewards belong to
+    the old preference, and so may the first `settle` batches after it (asynchronous rollouts up to
+    `max_staleness` versions old were scored before the switch)."""
+    for t in range(switch + settle + window - 1, min(end, len(rewards))):
         if sum(rewards[t - window + 1: t + 1]) / window >= level:
             return t - switch + 1
     return None
@@ -120,18 +123,21 @@ class ChatEnv(Environment):
         good = self.judge.quality(self.task, action) and style_of(action) == self.preferred_style()
         return "", float(good), True
 
-    def training_summary(self, rewards: list[float]) -> dict:
+    def training_summary(self, rewards: list[float], settle: int = 0) -> dict:
         """For the stage summary: per style switch, the steps to recover (the default level, 0.3, is about the
-        warm start's reward, when the three styles are equally likely); {} when the style never switches."""
+        warm start's reward, when the three styles are equally likely); {} when the style never switches.
+        `settle`: batches after a switch that may hold rollouts scored before it (see steps_to_recover)."""
         switches = self.schedule.switches(len(rewards))
         if not switches:
             return {}
         ends = switches[1:] + [len(rewards)]
         per_switch = [{"step": s, "from": self.schedule.style_at(s - 1), "to": self.schedule.style_at(s),
                        "phase_steps": end - s,
-                       "steps_to_recover": steps_to_recover(rewards, s, end, self.recover_level, self.recover_window)}
+                       "steps_to_recover": steps_to_recover(rewards, s, end, self.recover_level, self.recover_window,
+                                                             settle)}
                       for s, end in zip(switches, ends)]
-        return {"style_switches": {"level": self.recover_level, "window": self.recover_window, "per_switch": per_switch}}
+        return {"style_switches": {"level": self.recover_level, "window": self.recover_window, "settle": settle,
+                                   "per_switch": per_switch}}
 
     def reference_actions(self, task: dict) -> list[str]:
         """A good response in the task's style (one of three phrasings, fixed per task)."""
