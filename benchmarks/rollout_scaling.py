@@ -22,10 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import requests
 
 from opd_sao.config import TinyModelConfig
 from opd_sao.engines.base import GenerationRequest, SamplingParams
+from opd_sao.engines.http import wait_until_healthy
 from opd_sao.engines.router import Router
 from opd_sao.models import build_tiny_model, load_tokenizer
 from opd_sao.server import serve
@@ -59,20 +59,6 @@ def _serve_when_told(conn, port: int, seed: int) -> None:
     checkpoint = conn.recv()
     serve(argparse.Namespace(checkpoint=checkpoint, port=port, host="127.0.0.1", max_batch=SERVER_BATCH,
                              dtype="float32", seed=seed, threads=1, weight_version="default"))
-
-
-def wait_healthy(servers) -> None:
-    deadline = time.monotonic() + 180
-    for url, proc, _ in servers:
-        while True:
-            try:
-                if requests.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if not proc.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"server {url} did not start")
-            time.sleep(0.1)
 
 
 def workload(tokenizer, n: int, long: int, short: int) -> list[GenerationRequest]:
@@ -116,7 +102,8 @@ def main(argv=None) -> dict:
             tokenizer = load_tokenizer(model)
             for _, _, conn in servers:
                 conn.send(str(model))
-            wait_healthy(servers)
+            for url, proc, _ in servers:
+                wait_until_healthy(url, proc.is_alive)
             rows = []
             for n in sizes:
                 router = Router([url for url, _, _ in servers[:n]], checkpoint=model, max_inflight=SERVER_BATCH)

@@ -18,6 +18,7 @@ import requests
 import torch
 
 from opd_sao.engines.base import GenerationRequest, SamplingParams
+from opd_sao.engines.http import wait_until_healthy
 
 N_SERVERS = 3
 
@@ -38,17 +39,8 @@ def fleet(tiny_model_dir):
                "--threads", "1", "--seed", str(i), "--max-batch", "16"]
         servers.append((f"http://127.0.0.1:{port}", subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                                                                      stderr=subprocess.PIPE, text=True)))
-    deadline = time.monotonic() + 120
     for url, proc in servers:
-        while True:
-            try:
-                if requests.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, f"{url} did not start"
-            time.sleep(0.2)
+        wait_until_healthy(url, lambda proc=proc: proc.poll() is None, timeout_s=120)
     yield servers
     for _, proc in servers:
         proc.kill()

@@ -158,6 +158,18 @@ def publish_checkpoint(state_dict: dict[str, torch.Tensor], template: str | Path
     return out_dir
 
 
+def wait_until_healthy(url: str, is_alive, timeout_s: float = 180.0, poll_s: float = 0.2) -> None:
+    """Block until the server at `url` answers /health; RuntimeError if `is_alive()` turns False (the process
+    died) or `timeout_s` passes first. For whoever starts servers (tests, benchmarks, launch scripts)."""
+    client, deadline = SGLangClient(url, timeout=1.0), time.monotonic() + timeout_s
+    while not client.health():
+        if not is_alive():
+            raise RuntimeError(f"rollout server {url} exited before answering /health")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rollout server {url} did not answer /health within {timeout_s:.0f} s")
+        time.sleep(poll_s)
+
+
 @dataclass
 class _Server:
     client: SGLangClient
