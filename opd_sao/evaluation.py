@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from .compaction import Compaction
 from .config import EvalConfig, RolloutConfig
 from .engines.base import SamplingParams
 from .engines.embedded import EmbeddedEngine
@@ -14,10 +15,13 @@ from .rollout import Episode, run_episodes
 
 def make_episodes(env_factory, tasks, tokenizer, rollout: RolloutConfig, *, domain: str, temperature: float,
                   repeats: int = 1) -> list[Episode]:
+    """Episodes played as in training, compaction included, so a held-out score measures the trained behaviour."""
     params = SamplingParams(temperature=temperature, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens)
+    compaction = Compaction.from_rollout(rollout)
     return [
         Episode(env_factory(), task, tokenizer, params, domain=domain, max_turns=rollout.max_turns,
-                max_context_tokens=rollout.max_context_tokens, traj_id=f"eval-{domain}-{task['id']}-{r}")
+                max_context_tokens=rollout.max_context_tokens, traj_id=f"eval-{domain}-{task['id']}-{r}",
+                compaction=compaction)
         for task in tasks for r in range(repeats)
     ]
 

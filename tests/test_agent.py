@@ -236,6 +236,16 @@ def test_compaction_continues_from_the_summary_in_new_segments(tiny_model_dir, t
     assert _max_logp_gap(tiny_model_dir, tokenizer, segments) < 1e-4
 
 
+def test_evaluation_plays_episodes_with_the_stage_compaction(tiny_model_dir, tokenizer):
+    rollout = RolloutConfig(max_new_tokens=8, max_turns=4, max_context_tokens=256, compaction=True,
+                            compaction_budget=40)
+    tasks = code_factory().make_tasks("eval", 2, seed=0)
+    episodes = make_episodes(code_factory, tasks, tokenizer, rollout, domain="code", temperature=1.0)
+    assert all(ep.compaction == Compaction.from_rollout(rollout) for ep in episodes)
+    assert all(ep.compaction is None for ep in make_episodes(code_factory, tasks, tokenizer, RolloutConfig(),
+                                                             domain="code", temperature=1.0))
+
+
 def test_later_rewards_reach_every_earlier_segment():
     segments = []
     for own in (0.0, 0.25, 0.5):
