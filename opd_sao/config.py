@@ -54,10 +54,19 @@ class TrainerConfig(Strict):
     critic_warmup_steps: int = Field(10, ge=0)
     freeze_critic_attention: bool = True
     grad_clip: float = Field(1.0, gt=0)
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # policy and critic AdamW (torch; DeepSpeed unless its config has an optimizer)
+    weight_decay: float = Field(0.0, ge=0)
     train_batch_size: int = Field(16, ge=1)
     dtype: Literal["float32", "bfloat16"] = "float32"
     deepspeed_config: Optional[dict[str, Any]] = None
     slowdown_s: float = Field(0.0, ge=0)  # artificial delay per step, to force staleness in experiments
+
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> "TrainerConfig":
+        if not all(0 <= b < 1 for b in self.adam_betas):
+            raise ValueError(f"adam_betas must both be in [0, 1) (got {list(self.adam_betas)})")
+        return self
 
 
 class RolloutConfig(Strict):

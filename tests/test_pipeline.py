@@ -127,3 +127,17 @@ def test_a_stage_config_its_kind_cannot_run_is_refused_before_any_work(tmp_path,
     with pytest.raises((ValueError, KeyError), match=needle):
         run_pipeline(parse_config(cfg), tmp_path / "run", log=lambda m: None)
     assert not (tmp_path / "run").exists()
+
+
+def test_optimizer_settings_reach_both_optimizers_and_bad_betas_are_refused(tiny_model_dir):
+    from opd_sao.config import TrainerConfig
+    from opd_sao.trainers import TorchTrainer
+
+    backend = TorchTrainer(tiny_model_dir, TrainerConfig(adam_betas=(0.5, 0.9), weight_decay=0.1), with_critic=True)
+    for opt in (backend.policy_opt, backend.critic_opt):
+        group = opt.param_groups[0]
+        assert group["betas"] == (0.5, 0.9) and group["weight_decay"] == 0.1
+    cfg = _config()
+    cfg["trainer"]["adam_betas"] = [0.9, 1.0]
+    with pytest.raises(Exception, match=r"adam_betas must both be in \[0, 1\)"):
+        parse_config(cfg)

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import torch
 
+from ..config import TrainerConfig
 from ..trajectory import Batch
+
+
+def adamw(params, lr: float, cfg: TrainerConfig) -> torch.optim.AdamW:
+    """The policy's and the critic's optimizer, with the config's betas and weight decay."""
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
 
 
 class TrainerBackend(ABC):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..config import TrainerConfig
 from ..models import load_causal_lm, save_checkpoint
 from ..modeling import sequence_logprobs
-from .base import TrainerBackend
+from .base import TrainerBackend, adamw
 from .critic import ValueModel
 
 # Followers block in a broadcast while rank 0 runs SFT, evaluations or rollouts; those can take hours.
@@ -124,7 +124,7 @@ class DeepSpeedTrainer(TrainerBackend):
         # loading needs transformers' DeepSpeed integration, hence `accelerate`, which is no dependency).
         self.zero3 = policy_ds["zero_optimization"]["stage"] == 3
         policy = load_causal_lm(checkpoint, "float32")
-        self.policy, _ = self._engine(deepspeed, policy, policy_ds, cfg.policy_lr)
+        self.policy, _ = self._engine(deepspeed, policy, policy_ds, cfg.policy_lr, cfg)
         self.critic = None
         if with_critic:
             critic = ValueModel.from_pretrained(str(checkpoint), "float32")
@@ -132,7 +132,7 @@ class DeepSpeedTrainer(TrainerBackend):
                 critic.freeze_attention()
             # The head reads fp32 hidden states; under bf16 DeepSpeed casts the head too.
             critic.value_head.register_forward_pre_hook(lambda mod, args: (args[0].to(mod.weight.dtype),))
-            self.critic, _ = self._engine(deepspeed, critic, deepspeed_config(cfg, cfg.critic_lr), cfg.critic_lr)
+            self.critic, _ = self._engine(deepspeed, critic, deepspeed_config(cfg, cfg.critic_lr), cfg.critic_lr, cfg)
         self._pending: dict[str, Optional[_Pending]] = {"policy": None, "critic": None}
         self.policy_version = 0
         if self.rank == 0 and self.world > 1 and not _followers_waiting:
@@ -140,11 +140,11 @@ class DeepSpeedTrainer(TrainerBackend):
             atexit.register(_release_followers)
 
     @staticmethod
-    def _engine(deepspeed, model: torch.nn.Module, ds: dict, lr: float):
+    def _engine(deepspeed, model: torch.nn.Module, ds: dict, lr: float, cfg: TrainerConfig):
         trainable = [p for p in model.parameters() if p.requires_grad]
         if "optimizer" in ds:
             return deepspeed.initialize(model=model, model_parameters=trainable, config=ds)[:2]
-        opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+        opt = adamw(trainable, lr, cfg)
         return deepspeed.initialize(model=model, optimizer=opt, config=ds)[:2]
 
     # --- the rank-0-drives protocol -------------------------------------------------------------------

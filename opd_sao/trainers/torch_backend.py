@@ -10,7 +10,7 @@ from ..config import TrainerConfig
 from ..modeling import sequence_logprobs
 from ..models import load_causal_lm, save_checkpoint
 from ..trajectory import Batch
-from .base import TrainerBackend
+from .base import TrainerBackend, adamw
 from .critic import ValueModel
 
 
@@ -18,14 +18,14 @@ class TorchTrainer(TrainerBackend):
     def __init__(self, checkpoint: str | Path, cfg: TrainerConfig, *, with_critic: bool = True):
         self.cfg = cfg
         self.policy = load_causal_lm(checkpoint, cfg.dtype).train()
-        self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.policy_lr, weight_decay=0.0)
+        self.policy_opt = adamw(self.policy.parameters(), cfg.policy_lr, cfg)
         self.critic = None
         if with_critic:
             self.critic = ValueModel.from_pretrained(str(checkpoint), cfg.dtype).train()
             if cfg.freeze_critic_attention:
                 self.critic.freeze_attention()
             trainable = [p for p in self.critic.parameters() if p.requires_grad]
-            self.critic_opt = torch.optim.AdamW(trainable, lr=cfg.critic_lr, weight_decay=0.0)
+            self.critic_opt = adamw(trainable, cfg.critic_lr, cfg)
         self.policy_version = 0
 
     @property
