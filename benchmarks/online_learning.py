@@ -125,7 +125,8 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "online_learning.yaml")
     parser.add_argument("--quick", action="store_true", help="a smoke run under a minute: 3 short phases, one seed")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "online_learning.png")
+    parser.add_argument("--plot", type=Path, help="where the plot goes (default: docs/online_learning.png; with "
+                                                  "--quick, online_learning_quick.png in the temp directory)")
     parser.add_argument("--keep", type=Path, help="keep the run directories here (default: a temporary directory)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads; the tiny model gains nothing from more, and a busy CPU loses a lot")
@@ -138,6 +139,9 @@ def main() -> None:
                       f"stages.{name}.sft.steps=100", f"stages.{name}.eval.num_tasks=8",
                       f"stages.{name}.eval.samples_per_task=1", f"stages.{name}.env_options.recover_window=3"]
         args.seeds = args.seeds[:1]
+    if args.plot is None:  # a smoke run must not overwrite the documented plot
+        args.plot = Path(tempfile.gettempdir()) / "online_learning_quick.png" if args.quick else \
+            ROOT / "docs" / "online_learning.png"
     cfg = load_config(args.config, overrides)
     stage = cfg.stages[0]
     env = ChatEnv(**stage.env_options)  # the schedule, level and window every run's summary uses
