@@ -58,22 +58,19 @@ class Evaluator:
     """Scores checkpoints on every domain, remembering results so a checkpoint is scored once."""
 
     def __init__(self, cfg: RunConfig, tokenizer):
-        from stages.envs import ENVIRONMENTS
+        from stages.domains import Domain
 
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.domains = {
-            name: (stage, (lambda cls, opts: (lambda: cls(**opts)))(ENVIRONMENTS.get(name), dict(stage.env_options)))
-            for name, stage in eval_domains(cfg).items()
-        }
+        self.domains = {name: Domain(name, None, cfg.stages) for name in eval_domains(cfg)}
         self._seen: dict[str, dict[str, float]] = {}
 
     def __call__(self, checkpoint: Path) -> dict[str, float]:
         key = str(Path(checkpoint).resolve())
         if key not in self._seen:
             self._seen[key] = {
-                name: round(evaluate(checkpoint, factory, self.tokenizer, domain=name, rollout=stage.rollout,
-                                     eval_cfg=stage.eval, seed=self.cfg.seed), 4)
-                for name, (stage, factory) in self.domains.items()
+                name: round(evaluate(checkpoint, d.factory, self.tokenizer, domain=name, rollout=d.eval_rollout,
+                                     eval_cfg=d.eval_cfg, seed=self.cfg.seed), 4)
+                for name, d in self.domains.items()
             }
         return self._seen[key]
 

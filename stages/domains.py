@@ -3,9 +3,12 @@ and evaluation settings of the stage of the run that trains on it.
 
 Per domain, episodes use the environment options and rollout lengths (max_new_tokens, max_turns,
 max_context_tokens) of the first other-kind stage whose `env` is that domain, if there is one, else the
-asking stage's own; temperature and top_p are always the asking stage's.
+asking stage's own; temperature and top_p are always the asking stage's. Without an asking stage (the
+pipeline's per-stage evaluation), everything comes from the first stage that trains on the domain.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 from opd_sao.config import EvalConfig, RolloutConfig, StageConfig
 
@@ -17,14 +20,16 @@ EPISODE_FIELDS = ("max_new_tokens", "max_turns", "max_context_tokens")
 class Domain:
     """Its environment factory, episode settings and evaluation settings."""
 
-    def __init__(self, name: str, own: StageConfig, stages: list[StageConfig]):
-        source = next((s for s in stages if s.env == name and s.kind != own.kind), None)
-        if name not in ENVIRONMENTS:
-            ENVIRONMENTS.get(name)  # raises: unknown environment, with the registered ones
+    def __init__(self, name: str, own: Optional[StageConfig], stages: list[StageConfig]):
+        source = next((s for s in stages if s.env == name and (own is None or s.kind != own.kind)), None)
+        if source is None and own is None:
+            raise ValueError(f"no stage trains on domain {name!r}")
+        env_cls = ENVIRONMENTS.get(name)  # raises for an unknown environment, naming the registered ones
         self.name, self.source = name, source.name if source else None
-        env_cls, options = ENVIRONMENTS.get(name), dict(source.env_options) if source else {}
+        options = dict(source.env_options) if source else {}
         self.factory = lambda: env_cls(**options)
         base = source.rollout if source else own.rollout
-        self.rollout = RolloutConfig(**{**own.rollout.model_dump(), **{f: getattr(base, f) for f in EPISODE_FIELDS}})
+        sampling = (own or source).rollout
+        self.rollout = RolloutConfig(**{**sampling.model_dump(), **{f: getattr(base, f) for f in EPISODE_FIELDS}})
         self.eval_rollout: RolloutConfig = base  # what the pipeline's Evaluator uses for this domain
         self.eval_cfg: EvalConfig = source.eval if source else own.eval
