@@ -8,6 +8,7 @@ cheap, while a reward model is a network to load (or train) once.
 from __future__ import annotations
 
 import json
+import random
 import string
 import threading
 from abc import ABC, abstractmethod
@@ -23,6 +24,8 @@ ENDINGS = ".!?~"
 
 
 class Judge(ABC):
+    stochastic = False  # True when the same response can be judged differently on another call
+
     @abstractmethod
     def quality(self, task: dict, response: str) -> bool:
         """`task` is the environment's task dict (at least "prompt"); True when the response is good."""
@@ -70,8 +73,36 @@ class RewardModelJudge(Judge):
         return float(self.model.score([task["prompt"]], [response])[0]) > self.threshold
 
 
+@register_judge("noisy")
+class NoisyJudge(Judge):
+    """Another judge made inconsistent and topic-dependent, as an LLM judge is: a response the inner judge
+    accepts is rejected with probability `miss_rate` x the topic's harshness (fixed per topic, uniform in
+    [0, 1]). So expected quality depends on the prompt, which a per-state critic can learn and a global
+    baseline cannot (the online-learning simulation, SPEC 2.6b, whose paper judge is an LLM)."""
+
+    stochastic = True
+
+    def __init__(self, inner: str = "rule", inner_options: dict | None = None, miss_rate: float = 0.5,
+                 seed: int = 0):
+        if not 0 <= miss_rate <= 1:
+            raise ValueError(f"noisy judge: miss_rate must be in [0, 1] (got {miss_rate})")
+        self.inner = build_judge(inner, inner_options)
+        self.miss_rate, self.rng, self.rng_lock = miss_rate, random.Random(seed), threading.Lock()
+
+    @staticmethod
+    def harshness(task: dict) -> float:
+        return random.Random(f"harshness-{task.get('topic', task['prompt'])}").random()
+
+    def quality(self, task: dict, response: str) -> bool:
+        if not self.inner.quality(task, response):
+            return False
+        with self.rng_lock:
+            draw = self.rng.random()
+        return draw >= self.miss_rate * self.harshness(task)
+
+
 _built: dict[str, Judge] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a judge may build the judge it wraps
 
 
 def build_judge(name: str, options: dict | None = None) -> Judge:

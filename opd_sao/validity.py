@@ -3,12 +3,14 @@
 On a sample of train and eval tasks: the oracle solution must score 1, a no-op must score 0, and the
 untouched initial state (submitting nothing) must score 0. A verifier that fails any of these would
 reward the wrong thing, so an environment that fails is refused at stage start. Environments without
-reference actions (judge-scored ones, e.g. chat) have no binary verifier to check: the check is skipped.
+reference actions have no oracle to check: the check is skipped. A stochastic reward (a noisy judge) is
+replayed: the oracle must score 1 at least once, the no-op and the initial state never.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+STOCHASTIC_REPLAYS = 64  # a noisy judge passing a good answer 1 time in 5 still misses all 64 with p ~ 1e-6
 CHECKS = {"oracle": "the oracle does not score 1", "noop": "a no-op scores above 0",
           "initial": "the untouched initial state scores above 0"}
 
@@ -60,12 +62,12 @@ def check_environment(name: str, env_factory, n: int = 16, seed: int = 0) -> Val
     if not tasks or all(o is None for o in oracles):
         report.skipped = "no tasks" if not tasks else "no reference actions: the reward is not a binary verifier"
         return report
+    replays = STOCHASTIC_REPLAYS if probe.stochastic_reward else 1
     for task, oracle in zip(tasks, oracles):
-        scores = {"oracle": play(env_factory(), task, oracle or []),
-                  "noop": play(env_factory(), task, [probe.noop_action(task)]),
-                  "initial": play(env_factory(), task, [""])}
-        for check, score in scores.items():
-            if (abs(score - 1.0) > 1e-6) if check == "oracle" else (score > 1e-6):
+        plays = {"oracle": oracle or [], "noop": [probe.noop_action(task)], "initial": [""]}
+        for check, actions in plays.items():
+            scores = [play(env_factory(), task, actions) for _ in range(replays)]
+            if all(abs(s - 1.0) > 1e-6 for s in scores) if check == "oracle" else any(s > 1e-6 for s in scores):
                 report.failures[check].append(task["id"])
     return report
 

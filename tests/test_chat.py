@@ -13,6 +13,7 @@ from opd_sao.config import TinyModelConfig, parse_config
 from opd_sao.judges import build_judge
 from opd_sao.pipeline import run_pipeline
 from opd_sao.reward_model import RewardModel, best_threshold
+from opd_sao.validity import check_environment, play
 from stages import RunContext
 from stages.envs.chat import (STYLES, ChatEnv, StyleSchedule, degrade, steps_to_recover, style_of,
                               train_chat_reward_model)
@@ -133,6 +134,29 @@ def test_reward_model_ranks_held_out_pairs(reward_model_dir):
     assert model.accuracy(held_out) >= 0.8
     judge = build_judge("reward_model", {"path": str(path)})
     assert judge.quality(TASK, " aww, i love cats so much~") and not judge.quality(TASK, " cats cats cats cats~")
+
+
+def test_noisy_judge_rejects_by_topic_harshness():
+    judge = build_judge("noisy", {"miss_rate": 0.8, "seed": 3})
+    assert not any(judge.quality(TASK, "cats cats cats~") for _ in range(50))  # what the inner judge rejects
+    for topic in ("cats", "jazz", "rain"):
+        task = {**TASK, "prompt": f"user: do you like {topic}?\nbot:", "topic": topic}
+        passed = sum(judge.quality(task, f" aww, i love {topic} so much~") for _ in range(4000)) / 4000
+        assert passed == pytest.approx(1 - 0.8 * judge.harshness(task), abs=0.03)
+    rates = {judge.harshness({"topic": t, "prompt": ""}) for t in ("cats", "jazz", "rain")}
+    assert len(rates) == 3  # topics differ: expected quality depends on the prompt
+    with pytest.raises(ValueError, match="miss_rate must be in"):
+        build_judge("noisy", {"miss_rate": 1.5})
+
+
+def test_a_noisy_judge_is_validity_checked_by_replaying():
+    options = {"judge": "noisy", "judge_options": {"miss_rate": 0.9, "seed": 1}}
+    env = ChatEnv(**options)
+    assert env.stochastic_reward and not ChatEnv().stochastic_reward
+    tasks = env.make_tasks("train", 16, 0)
+    single = [play(ChatEnv(**options), t, env.reference_actions(t)) for t in tasks]
+    assert 0 < sum(single) < len(tasks)  # one play of the oracle is not enough to judge the environment
+    assert check_environment("chat", lambda: ChatEnv(**options)).ok
 
 
 def test_bad_judge_options_are_one_line():

@@ -5,6 +5,7 @@ and an SAO stage that trains through the router while one server is SIGKILLed: n
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import signal
@@ -77,7 +78,20 @@ def test_api_logprobs_match_the_trainer_and_prompts_are_scored(fleet, tiny_model
     bad = requests.post(url + "/generate", json={"input_ids": prompts[0], "sampling_params": {"top_k": 5}})
     assert bad.status_code == 400 and "top_k" in bad.json()["error"]["message"]
     SGLangClient(url).flush_cache()
+    weights = engine.weights_dir
     engine.close()
+    assert not weights.exists()  # its own temporary weights directory goes with it
+
+
+def test_an_unclosed_engine_leaves_no_weights_directory(fleet, tiny_model_dir):
+    from opd_sao.engines.http import HTTPEngine
+
+    engine = HTTPEngine(fleet[0][0], checkpoint=tiny_model_dir)
+    weights = engine.weights_dir
+    assert weights.is_dir()
+    del engine
+    gc.collect()
+    assert not weights.exists()
 
 
 def test_a_dead_url_is_reported_at_start(fleet):

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -219,8 +220,10 @@ class HTTPEngine(RolloutEngine):
         self._version = 0
         self.tokens_generated = 0
         self.template = Path(checkpoint) if checkpoint is not None else None
-        self._own_weights_dir = weights_dir is None
         self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="opd-sao-weights-"))
+        # a directory of our own goes at close(), or when the engine is collected or the process exits unclosed
+        self._remove_weights_dir = weakref.finalize(self, shutil.rmtree, self.weights_dir, True) \
+            if weights_dir is None else None
         if checkpoint is not None:
             self.load_weights(checkpoint, 0)
 
@@ -378,5 +381,5 @@ class HTTPEngine(RolloutEngine):
     def close(self) -> None:
         for server in self._servers:
             server.pool.shutdown(wait=False)
-        if self._own_weights_dir:
-            shutil.rmtree(self.weights_dir, ignore_errors=True)
+        if self._remove_weights_dir is not None:
+            self._remove_weights_dir()

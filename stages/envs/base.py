@@ -20,6 +20,9 @@ class Environment(ABC):
     # True when `step` takes real time (a sandboxed program): rollouts then step it on a worker thread
     # while the engine keeps generating for other episodes, instead of stalling the batch.
     slow_steps = False
+    # True when the same action can score differently on replay (a noisy judge): the validity check then
+    # replays every episode, requiring the oracle to score 1 at least once and the others never to score.
+    stochastic_reward = False
 
     def __init__(self, **options):
         self.options = options

@@ -96,6 +96,7 @@ class ChatEnv(Environment):
         self.schedule = StyleSchedule(style, switch_every)
         self.recover_level, self.recover_window = recover_level, recover_window
         self.judge = build_judge(judge, judge_options)
+        self.stochastic_reward = self.judge.stochastic
         self.eval_fraction, self.train_step = eval_fraction, train_step
         self.task = None
 
