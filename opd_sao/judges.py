@@ -77,8 +77,9 @@ class RewardModelJudge(Judge):
 class NoisyJudge(Judge):
     """Another judge made inconsistent and topic-dependent, as an LLM judge is: a response the inner judge
     accepts is rejected with probability `miss_rate` x the topic's harshness (fixed per topic, uniform in
-    [0, 1]). So expected quality depends on the prompt, which a per-state critic can learn and a global
-    baseline cannot (the online-learning simulation, SPEC 2.6b, whose paper judge is an LLM)."""
+    [0, 1]). Expected quality then depends on the prompt, which a per-state critic can learn and a global
+    baseline cannot: the online-learning simulation (SPEC 2.6b, whose paper judge is an LLM) was run with it
+    to see whether that lets SAO's critic recover faster (it did not, docs/benchmarks.md)."""
 
     stochastic = True
 
