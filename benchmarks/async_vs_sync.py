@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
+from opd_sao.checkpoints import build_tiny_model, load_causal_lm, load_tokenizer
 from opd_sao.config import RolloutConfig, SAOConfig, TinyModelConfig, TrainerConfig
 from opd_sao.engines import EmbeddedEngine
 from opd_sao.engines.base import SamplingParams
-from opd_sao.learner import Learner, needs_critic
-from opd_sao.models import build_tiny_model, load_causal_lm, load_tokenizer
-from opd_sao.rl_loop import RLLoop
-from opd_sao.rollout import Episode
-from opd_sao.tracking import MetricsLogger
+from opd_sao.rl.learner import Learner, needs_critic
+from opd_sao.rl.loop import RLLoop
+from opd_sao.rl.rollout import Episode
+from opd_sao.runs.tracking import MetricsLogger
 from opd_sao.trainers import TorchTrainer
 from stages.envs import ENVIRONMENTS
 

@@ -34,7 +34,7 @@ def measure(method: str, tokens: int, vocab: int) -> dict:
     """Runs in the child: the peak-RSS growth of one computation, its time and its logprobs."""
     import torch
 
-    from opd_sao.consistency import chunked_token_logprobs
+    from opd_sao.consistency.check import chunked_token_logprobs
 
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)

@@ -48,10 +48,22 @@ import zarr
 from numcodecs import LZ4, Blosc
 from zarr.storage import LocalStore
 
-from cache import CacheMeta, LogitCache, TeacherRecord, encode_full, encode_top_k, encode_top_p
+from cache import (
+    CacheMeta,
+    LogitCache,
+    TeacherRecord,
+    encode_full,
+    encode_top_k,
+    encode_top_p,
+)
 from cache.cli import inspect
 from cache.encoding import (
-    LOGP_DEPTHS, dequantise_logp, exp_golomb_encode, from_streams, quantise_logp, to_streams,
+    LOGP_DEPTHS,
+    dequantise_logp,
+    exp_golomb_encode,
+    from_streams,
+    quantise_logp,
+    to_streams,
 )
 from cache.store import COMPRESSORS, chunk_elements
 

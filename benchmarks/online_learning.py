@@ -31,11 +31,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from opd_sao.checkpoints import load_tokenizer  # noqa: E402
 from opd_sao.config import load_config  # noqa: E402
-from opd_sao.models import load_tokenizer  # noqa: E402
 from opd_sao.pipeline import ensure_base_model, run_pipeline  # noqa: E402
-from opd_sao.sft import run_sft, sft_examples  # noqa: E402
-from opd_sao.tracking import read_jsonl  # noqa: E402
+from opd_sao.runs.tracking import read_jsonl  # noqa: E402
+from opd_sao.supervised import run_sft, sft_examples  # noqa: E402
 from stages.envs import ENVIRONMENTS  # noqa: E402
 from stages.envs.chat import ChatEnv, StyleSchedule, steps_to_recover  # noqa: E402
 

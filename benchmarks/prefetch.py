@@ -23,8 +23,13 @@ from pathlib import Path
 
 import torch
 
+from opd_sao.checkpoints import (
+    build_tiny_model,
+    load_causal_lm,
+    load_tokenizer,
+    save_checkpoint,
+)
 from opd_sao.config import TinyModelConfig, parse_config
-from opd_sao.models import build_tiny_model, load_causal_lm, load_tokenizer, save_checkpoint
 from opd_sao.pipeline import run_pipeline
 
 DOMAINS = ["digits_reverse", "digits_sort", "digits_copy"]

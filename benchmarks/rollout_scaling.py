@@ -22,13 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-
+from opd_sao.checkpoints import build_tiny_model, load_tokenizer
 from opd_sao.config import TinyModelConfig
 from opd_sao.engines.base import GenerationRequest, SamplingParams
 from opd_sao.engines.http import wait_until_healthy
 from opd_sao.engines.router import Router
-from opd_sao.models import build_tiny_model, load_tokenizer
-from opd_sao.server import serve
+from opd_sao.engines.server import serve
 from stages.envs import ENVIRONMENTS
 
 SERVER_BATCH = 16  # sequences each server decodes together; also the router's slots per server

@@ -49,7 +49,15 @@ import zarr
 from zarr.codecs import BloscCodec
 from zarr.storage import LocalStore
 
-from .encoding import ENCODING, FORMAT_VERSION, STREAM_DTYPES, STREAMS, checksum, from_streams, to_streams
+from .encoding import (
+    ENCODING,
+    FORMAT_VERSION,
+    STREAM_DTYPES,
+    STREAMS,
+    checksum,
+    from_streams,
+    to_streams,
+)
 from .errors import CacheMismatchError, CorruptRecordError
 from .records import CacheMeta, TeacherRecord
 

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from .sandbox import SandboxUnavailableError
+from stages.envs.sandbox import SandboxUnavailableError
 
 
 def _cmd_run(args) -> int:
@@ -49,13 +49,18 @@ def _cmd_cache(args) -> int:
     return cache_main([args.action, args.dir])
 
 
-def _cmd_validate_env(args) -> int:
-    """`opd-sao validate-env NAME`: the three-way validity check as JSON; exit status 1 when it fails."""
+def _environment(name: str):
+    """The environment class registered as `name` (imports every environment on first use)."""
     from stages.envs import ENVIRONMENTS
 
-    from .validity import check_environment
+    return ENVIRONMENTS.get(name)
 
-    env_cls = ENVIRONMENTS.get(args.name)
+
+def _cmd_validate_env(args) -> int:
+    """`opd-sao validate-env NAME`: the three-way validity check as JSON; exit status 1 when it fails."""
+    from stages.envs.validity import check_environment
+
+    env_cls = _environment(args.name)
     try:
         options = json.loads(args.options)
     except json.JSONDecodeError as err:
@@ -75,7 +80,7 @@ def _cmd_validate_env(args) -> int:
 
 def _cmd_sandbox(args) -> int:
     """`opd-sao sandbox run FILE [limits]`: the sandbox's own command line (opd_sao.sandbox.main)."""
-    from .sandbox import main as sandbox_main
+    from stages.envs.sandbox import main as sandbox_main
 
     return sandbox_main(args.args)
 
@@ -105,9 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "(`opd-sao sandbox run FILE`, prints one JSON object)")
     sandbox.add_argument("args", nargs=argparse.REMAINDER)
     sandbox.set_defaults(func=_cmd_sandbox)
-    from .audit import add_audit_parser
+    from opd_sao.consistency.audit import add_audit_parser
 
-    add_audit_parser(sub)
+    add_audit_parser(sub, _environment)
     serve = sub.add_parser("serve", help="serve a checkpoint for rollouts over SGLang's native HTTP API")
     serve.add_argument("checkpoint", help="a local HF-format model directory")
     serve.add_argument("--port", type=int, required=True)
@@ -128,15 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_serve(args) -> int:  # the server module imports torch: only when serving
-    from .server import serve
+    from opd_sao.engines.server import serve
 
     return serve(args)
 
 
 def _cmd_reward_model(args) -> int:
-    from .reward_model import cmd_reward_model
+    """`opd-sao reward-model --out DIR`: train the chat environment's reward model, print its figures as JSON."""
+    from stages.envs.chat import train_chat_reward_model
 
-    return cmd_reward_model(args)
+    info = train_chat_reward_model(Path(args.out), n_pairs=args.pairs, steps=args.steps, seed=args.seed)
+    print(json.dumps({"path": args.out, **info}))
+    return 0
 
 
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, SandboxUnavailableError)
@@ -159,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"opd-sao {args.command}: error: {message}", file=sys.stderr)
         return 2
     except Exception as err:
-        from .gate import GateFailure
+        from opd_sao.consistency.gate import GateFailure
 
         if not isinstance(err, GateFailure):
             raise

@@ -9,11 +9,12 @@ from pathlib import Path
 import torch
 import yaml
 
+from opd_sao.checkpoints import build_tiny_model, load_tokenizer
+from opd_sao.runs.evaluation import evaluate
+from opd_sao.runs.report import forgetting, write_report
+from opd_sao.runs.tracking import start_wandb
+
 from .config import RunConfig
-from .evaluation import evaluate
-from .models import build_tiny_model, load_tokenizer
-from .report import forgetting, write_report
-from .tracking import start_wandb
 
 
 def write_json_atomic(path: Path, data) -> None:

@@ -1,5 +1,5 @@
 """Stages, registered by kind. Every module in this folder is imported, so a new stage is one file here."""
-from opd_sao.discovery import import_submodules
+from opd_sao.registry import import_submodules
 
 from .base import STAGES, RunContext, Stage, StageResult, register_stage
 

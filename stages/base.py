@@ -8,13 +8,13 @@ from typing import Any, Optional
 
 from tqdm import tqdm
 
-from opd_sao.buffer import TrajectoryBuffer, recover
-from opd_sao.checkpointing import StageState, truncate_step_log
 from opd_sao.config import RunConfig, StageConfig, TrainerConfig
-from opd_sao.gate import ConsistencyGate
+from opd_sao.consistency.gate import ConsistencyGate
 from opd_sao.registry import Registry
-from opd_sao.rl_loop import RLLoop
-from opd_sao.tracking import MetricsLogger
+from opd_sao.rl.buffer import TrajectoryBuffer, recover
+from opd_sao.rl.loop import RLLoop
+from opd_sao.runs.checkpointing import StageState, truncate_step_log
+from opd_sao.runs.tracking import MetricsLogger
 
 STAGES: Registry[type["Stage"]] = Registry("stage kind")
 register_stage = STAGES.register

@@ -27,16 +27,16 @@ import statistics
 import threading
 from pathlib import Path
 
-from opd_sao.distill import OPDLearner
+from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
 from opd_sao.engines.base import SamplingParams
-from opd_sao.evaluation import evaluate
-from opd_sao.gate import probe_episodes
-from opd_sao.rollout import Episode
-from opd_sao.tracking import read_jsonl
+from opd_sao.rl.distill import OPDLearner
+from opd_sao.rl.rollout import Episode
+from opd_sao.runs.evaluation import evaluate
+from opd_sao.runs.tracking import read_jsonl
 from opd_sao.trainers import build_backend
-from teachers import Prefetcher, TeacherRegistry, TeacherTargets
-from teachers.registry import describe
+from teachers import Prefetcher, TeacherSet, TeacherTargets
+from teachers.routing import describe
 
 from .base import Stage, StageResult, register_stage
 from .domains import Domain
@@ -66,7 +66,7 @@ class OPDStage(Stage):
         names = self.domain_names(cfg)
         domains = {name: Domain(name, cfg, run.stages) for name in names}
         start = self.ctx.resolve_checkpoint(cfg.init_from)
-        registry = TeacherRegistry.from_config(opd, domains=names, resolve=self.ctx.resolve_checkpoint,
+        registry = TeacherSet.from_config(opd, domains=names, resolve=self.ctx.resolve_checkpoint,
                                                student_checkpoint=start, student_tokenizer=tok)
         trainer_cfg = run.stage_trainer(cfg)
         bandwidth = opd.copy_bandwidth_mb_s * 1e6 if opd.copy_bandwidth_mb_s else None

@@ -9,17 +9,17 @@ import itertools
 import json
 import statistics
 
-from opd_sao.compaction import Compaction
+from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
 from opd_sao.engines.base import SamplingParams
-from opd_sao.evaluation import evaluate
-from opd_sao.gate import probe_episodes
-from opd_sao.learner import Learner, needs_critic
-from opd_sao.rollout import Episode
-from opd_sao.sft import run_sft, sft_examples
-from opd_sao.tracking import read_jsonl
+from opd_sao.rl.compaction import Compaction
+from opd_sao.rl.learner import Learner, needs_critic
+from opd_sao.rl.rollout import Episode
+from opd_sao.runs.evaluation import evaluate
+from opd_sao.runs.tracking import read_jsonl
+from opd_sao.supervised import run_sft, sft_examples
 from opd_sao.trainers import build_backend
-from opd_sao.validity import require_valid
+from stages.envs.validity import require_valid
 
 from .base import Stage, StageResult, register_stage
 from .envs import ENVIRONMENTS, sample_tasks

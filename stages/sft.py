@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from opd_sao.sft import run_sft, sft_examples
+from opd_sao.supervised import run_sft, sft_examples
 
 from .base import Stage, StageResult, register_stage
 from .domains import Domain

@@ -1,6 +1,6 @@
 """Teachers for on-policy distillation: registry from config, in-process scoring, prefetch, cache-backed targets.
 
-    registry = TeacherRegistry.from_config(stage.opd, domains=..., resolve=ctx.resolve_checkpoint,
+    registry = TeacherSet.from_config(stage.opd, domains=..., resolve=ctx.resolve_checkpoint,
                                            student_checkpoint=..., student_tokenizer=...)  # checks vocabularies
     prefetcher = Prefetcher(registry.build_all(), local_dir=..., max_resident=2)
     targets = TeacherTargets(registry, prefetcher, cache_dir)
@@ -12,17 +12,24 @@ A new way to score is one file in teachers/ with a class registered by `@registe
 import importlib
 import pkgutil
 
-from .base import TEACHER_KINDS, Teacher, TeacherIncompatibleError, TeacherSpec, register_teacher
+from .base import (
+    TEACHER_KINDS,
+    Teacher,
+    TeacherIncompatibleError,
+    TeacherSpec,
+    register_teacher,
+)
 
 for _module in pkgutil.iter_modules(__path__):  # every module here is imported, so a new teacher kind is one file
     if not _module.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_module.name}")
+from teachers.routing import TeacherSet, vocab_fingerprint
+
 from .in_process import InProcessTeacher
 from .prefetch import Prefetcher, copy_checkpoint
-from .registry import TeacherRegistry, vocab_fingerprint
 from .scoring import ScoredRows, score_rows
 from .targets import Targets, TeacherTargets, cache_key
 
 __all__ = ["TEACHER_KINDS", "Teacher", "TeacherIncompatibleError", "TeacherSpec", "register_teacher",
-           "InProcessTeacher", "Prefetcher", "copy_checkpoint", "TeacherRegistry", "vocab_fingerprint",
+           "InProcessTeacher", "Prefetcher", "copy_checkpoint", "TeacherSet", "vocab_fingerprint",
            "ScoredRows", "score_rows", "Targets", "TeacherTargets", "cache_key"]

@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 
 from cache import TeacherRecord
-from opd_sao.consistency import action_hidden_states, lm_head
-from opd_sao.models import load_causal_lm
+from opd_sao.checkpoints import load_causal_lm
+from opd_sao.consistency.check import action_hidden_states, lm_head
 from opd_sao.trajectory import Trajectory
 
 from .base import Teacher, register_teacher

@@ -23,11 +23,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cache import CacheMismatchError, CorruptRecordError, LogitCache, TeacherCache, TeacherRecord
+from cache import (
+    CacheMismatchError,
+    CorruptRecordError,
+    LogitCache,
+    TeacherCache,
+    TeacherRecord,
+)
 from opd_sao.trajectory import Trajectory
+from teachers.routing import TeacherSet
 
 from .prefetch import Prefetcher
-from .registry import TeacherRegistry
 
 
 def cache_key(traj: Trajectory) -> str:
@@ -58,7 +64,7 @@ class Targets:
 
 
 class TeacherTargets:
-    def __init__(self, registry: TeacherRegistry, prefetcher: Prefetcher, cache_dir: Path):
+    def __init__(self, registry: TeacherSet, prefetcher: Prefetcher, cache_dir: Path):
         self.registry, self.prefetcher = registry, prefetcher
         self.cache = LogitCache(cache_dir)
         self.caches: dict[str, TeacherCache] = {}

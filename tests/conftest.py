@@ -12,8 +12,8 @@ torch.set_num_threads(1)  # tiny models: one thread is fastest, and the rollout 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
+    from opd_sao.checkpoints import build_tiny_model
     from opd_sao.config import TinyModelConfig
-    from opd_sao.models import build_tiny_model
     from stages.envs import ENVIRONMENTS
 
     texts = []
@@ -25,6 +25,6 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
-    from opd_sao.models import load_tokenizer
+    from opd_sao.checkpoints import load_tokenizer
 
     return load_tokenizer(tiny_model_dir)

@@ -8,7 +8,7 @@ from opd_sao.pipeline import run_pipeline
 # A complete new stage kind, written as a user would drop it into stages/.
 STAGE_FILE = '''
 """A teacher made by supervised fine-tuning on one environment's reference solutions."""
-from opd_sao.sft import run_sft, sft_examples
+from opd_sao.supervised import run_sft, sft_examples
 from stages.base import Stage, StageResult, register_stage
 from stages.envs import ENVIRONMENTS
 

@@ -8,21 +8,29 @@ import pytest
 import torch
 
 from opd_sao import algorithms, cli
-from opd_sao.compaction import Compaction, propagate_returns
-from opd_sao.config import ConfigError, RolloutConfig, RunConfig, SAOConfig, StageConfig, TrainerConfig, parse_config
+from opd_sao.checkpoints import load_causal_lm
+from opd_sao.config import (
+    ConfigError,
+    RolloutConfig,
+    RunConfig,
+    SAOConfig,
+    StageConfig,
+    TrainerConfig,
+    parse_config,
+)
 from opd_sao.engines import EmbeddedEngine
 from opd_sao.engines.base import SamplingParams
-from opd_sao.evaluation import make_episodes
-from opd_sao.learner import Learner
-from opd_sao.models import load_causal_lm
-from opd_sao.rollout import Episode, run_episodes
+from opd_sao.rl.compaction import Compaction, propagate_returns
+from opd_sao.rl.learner import Learner
+from opd_sao.rl.rollout import Episode, run_episodes
+from opd_sao.runs.evaluation import make_episodes
 from opd_sao.trainers import TorchTrainer
 from opd_sao.trajectory import Trajectory, collate
-from opd_sao.validity import check_environment
 from stages import RunContext
 from stages.envs import ENVIRONMENTS, register_env
-from stages.envs.arithmetic import ArithmeticEnv
 from stages.envs import code as code_env
+from stages.envs.arithmetic import ArithmeticEnv
+from stages.envs.validity import check_environment
 from stages.rl import AgentStage
 
 OPTIONS = {"allow_rlimit_only": True}  # bubblewrap where it exists; rlimits only where it is missing
@@ -184,7 +192,7 @@ def test_agent_advantages_are_gae_over_the_action_tokens_only(multi_turn, tiny_m
         return policy_loss(logp, rollout_logp, advantages, mask, *args)
 
     monkeypatch.setattr(backend, "critic_values", values_spy)
-    monkeypatch.setattr("opd_sao.learner.A.sao_policy_loss", loss_spy)
+    monkeypatch.setattr("opd_sao.rl.learner.A.sao_policy_loss", loss_spy)
     learner.step(batch, 1.0)
     advantages, values, mask = seen["advantages"], seen["values"], batch.action_mask.bool()
     assert (advantages[~mask] == 0).all()  # observation, prompt and padding tokens get none

@@ -10,13 +10,20 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from opd_sao.config import TinyModelConfig, parse_config
-from opd_sao.judges import build_judge
 from opd_sao.pipeline import run_pipeline
-from opd_sao.reward_model import RewardModel, best_threshold
-from opd_sao.validity import check_environment, play
 from stages import RunContext
-from stages.envs.chat import (STYLES, ChatEnv, StyleSchedule, degrade, steps_to_recover, style_of,
-                              train_chat_reward_model)
+from stages.envs.chat import (
+    STYLES,
+    ChatEnv,
+    StyleSchedule,
+    degrade,
+    steps_to_recover,
+    style_of,
+    train_chat_reward_model,
+)
+from stages.envs.chat.judges import build_judge
+from stages.envs.chat.reward_model import RewardModel, best_threshold
+from stages.envs.validity import check_environment, play
 from stages.rl import ChatStage
 
 TASK = {"id": "t", "prompt": "user: do you like cats?\nbot:", "topic": "cats", "style": "cute"}
@@ -119,7 +126,7 @@ def reward_model_dir(tmp_path_factory):
     torch.set_num_threads(1)  # a 2-layer, 32-wide model is fastest single-threaded, and much faster on a busy CPU
     try:
         out = tmp_path_factory.mktemp("rm") / "reward_model"
-        info = train_chat_reward_model(out, n_pairs=1000, steps=120, seed=0, shape=TinyModelConfig(**TINY))
+        info = train_chat_reward_model(out, n_pairs=1500, steps=200, seed=0, shape=TinyModelConfig(**TINY))
     finally:
         torch.set_num_threads(threads)
     return out, info

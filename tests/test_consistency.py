@@ -14,15 +14,21 @@ import pytest
 import torch
 import yaml
 
+from opd_sao.checkpoints import load_causal_lm, save_checkpoint
 from opd_sao.cli import main
 from opd_sao.config import GateConfig, RolloutConfig, TrainerConfig
-from opd_sao.consistency import (action_spans, check, chunked_token_logprobs, kl_estimators, position_buckets,
-                                 version_errors)
+from opd_sao.consistency.check import (
+    action_spans,
+    check,
+    chunked_token_logprobs,
+    kl_estimators,
+    position_buckets,
+    version_errors,
+)
+from opd_sao.consistency.gate import ConsistencyGate, GateFailure, probe_episodes
 from opd_sao.engines.embedded import EmbeddedEngine
-from opd_sao.gate import ConsistencyGate, GateFailure, probe_episodes
 from opd_sao.modeling import nucleus_logprobs
-from opd_sao.models import load_causal_lm, save_checkpoint
-from opd_sao.rollout import run_episodes
+from opd_sao.rl.rollout import run_episodes
 from opd_sao.trainers.torch_backend import TorchTrainer
 from opd_sao.trajectory import Trajectory, collate
 from stages.envs import ENVIRONMENTS

@@ -33,7 +33,7 @@ def _trainer_cfg(**kw):
 
 def _learner(backend):
     from opd_sao.config import SAOConfig
-    from opd_sao.learner import Learner
+    from opd_sao.rl.learner import Learner
 
     return Learner(backend, "sao", SAOConfig(), critic_steps=2, critic_warmup_steps=0)
 
@@ -52,8 +52,12 @@ def _train(learner, batch, steps: int) -> list[dict]:
 
 def worker(args: dict) -> None:
     """Rank 0: ZeRO-2 steps, save, continue; reload and continue; export; ZeRO-3 steps. Others follow."""
-    from opd_sao.models import load_causal_lm
-    from opd_sao.trainers.deepspeed_backend import DeepSpeedTrainer, follow, init_distributed
+    from opd_sao.checkpoints import load_causal_lm
+    from opd_sao.trainers.deepspeed_backend import (
+        DeepSpeedTrainer,
+        follow,
+        init_distributed,
+    )
 
     init_distributed()
     if int(os.environ["RANK"]) != 0:
@@ -73,7 +77,7 @@ def worker(args: dict) -> None:
     resumed_version = resumed_backend.policy_version
     _train(_learner(resumed_backend), batch, STEPS - SAVE_AFTER)
     resumed = resumed_backend.policy_state_dict()
-    from opd_sao.models import load_tokenizer
+    from opd_sao.checkpoints import load_tokenizer
 
     exported = load_causal_lm(resumed_backend.export_policy(out / "export", load_tokenizer(model))).state_dict()
 
@@ -92,10 +96,10 @@ def fixed_batch(tmp_path_factory, tiny_model_dir, tokenizer):
     Rewards that sum to about zero would leave the value head's bias with a gradient of rounding noise,
     and Adam's first step (lr * g / |g|) turns noise into a full-size update: not a backend difference.
     """
+    from opd_sao.checkpoints import load_causal_lm
     from opd_sao.engines import EmbeddedEngine
     from opd_sao.engines.base import SamplingParams
-    from opd_sao.models import load_causal_lm
-    from opd_sao.rollout import Episode, run_episodes
+    from opd_sao.rl.rollout import Episode, run_episodes
     from stages.envs import ENVIRONMENTS
 
     env_cls = ENVIRONMENTS.get("arithmetic")

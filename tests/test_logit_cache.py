@@ -27,12 +27,12 @@ from cache.cli import gc, inspect, main, verify
 from cache.encoding import (
     LOGP_HALF_STEP,
     dequantise_logp,
+    dequantise_sqrt_p,
     exp_golomb_decode,
     exp_golomb_encode,
     from_streams,
     quantise_logp,
     quantise_sqrt_p,
-    dequantise_sqrt_p,
     sqrt_step,
     to_streams,
 )

@@ -3,7 +3,7 @@ import threading
 
 import torch
 
-from opd_sao.models import load_causal_lm
+from opd_sao.checkpoints import load_causal_lm
 from opd_sao.trainers.critic import ValueModel
 
 

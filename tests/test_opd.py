@@ -9,14 +9,20 @@ import pytest
 import torch
 
 from cache import LogitCache
-from opd_sao.config import ConfigError, OPDConfig, SAOConfig, TrainerConfig, parse_config
-from opd_sao.distill import OPDLearner, padded_support, student_support_logprobs
-from opd_sao.models import load_causal_lm, load_tokenizer, save_checkpoint
+from opd_sao.checkpoints import load_causal_lm, load_tokenizer, save_checkpoint
+from opd_sao.config import (
+    ConfigError,
+    OPDConfig,
+    SAOConfig,
+    TrainerConfig,
+    parse_config,
+)
 from opd_sao.modeling import sequence_logprobs
 from opd_sao.pipeline import run_pipeline
+from opd_sao.rl.distill import OPDLearner, padded_support, student_support_logprobs
 from opd_sao.trainers import TorchTrainer
 from opd_sao.trajectory import Trajectory, collate
-from teachers import Prefetcher, TeacherRegistry, TeacherTargets
+from teachers import Prefetcher, TeacherSet, TeacherTargets
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
 
@@ -101,7 +107,7 @@ def _learner(student, teacher_dirs, tokenizer, tmp_path, *, lr=1e-9, **opd):
     teachers = [{"name": f"t_{d}", "checkpoint": str(path), "domains": [d], **extra}
                 for d, (path, extra) in teacher_dirs.items()]
     cfg = OPDConfig(teachers=teachers, top_k=8, vocab_chunk=100, **opd)
-    reg = TeacherRegistry.from_config(cfg, domains=list(teacher_dirs), resolve=Path, student_checkpoint=student,
+    reg = TeacherSet.from_config(cfg, domains=list(teacher_dirs), resolve=Path, student_checkpoint=student,
                                       student_tokenizer=tokenizer)
     pf = Prefetcher(reg.build_all(), local_dir=tmp_path / "tier", max_resident=1)
     targets = TeacherTargets(reg, pf, tmp_path / "cache")

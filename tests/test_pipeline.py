@@ -100,7 +100,7 @@ def test_sft_stage_without_domains_is_refused(tmp_path):
 
 
 def test_report_states_what_was_forgotten_and_recovered(tmp_path):
-    from opd_sao.report import forgetting, write_report
+    from opd_sao.runs.report import forgetting, write_report
 
     stages = [{"name": n, "kind": k, "algo": k, "steps": 1, "eval_before": {"a": 0.1, "b": 0.2}, "eval_after": after}
               for n, k, after in [("rl1", "reasoning", {"a": 0.9, "b": 0.3}), ("rl2", "chat", {"a": 0.5, "b": 0.8}),

@@ -4,14 +4,14 @@ from __future__ import annotations
 import itertools
 import json
 
+from opd_sao.checkpoints import load_causal_lm
 from opd_sao.config import RolloutConfig, SAOConfig, TrainerConfig
 from opd_sao.engines import EmbeddedEngine
 from opd_sao.engines.base import SamplingParams
-from opd_sao.learner import Learner
-from opd_sao.models import load_causal_lm
-from opd_sao.rl_loop import RLLoop
-from opd_sao.rollout import Episode
-from opd_sao.tracking import MetricsLogger
+from opd_sao.rl.learner import Learner
+from opd_sao.rl.loop import RLLoop
+from opd_sao.rl.rollout import Episode
+from opd_sao.runs.tracking import MetricsLogger
 from opd_sao.trainers import TorchTrainer
 from stages.envs import ENVIRONMENTS
 

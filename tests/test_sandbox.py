@@ -15,8 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from opd_sao import sandbox
-from opd_sao.sandbox import SandboxLimits, SandboxUnavailableError, detect_mode, main, run_python
+from stages.envs import sandbox
+from stages.envs.sandbox import (
+    SandboxLimits,
+    SandboxUnavailableError,
+    detect_mode,
+    main,
+    run_python,
+)
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")
 

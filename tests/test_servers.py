@@ -49,9 +49,9 @@ def fleet(tiny_model_dir):
 
 
 def test_api_logprobs_match_the_trainer_and_prompts_are_scored(fleet, tiny_model_dir, tokenizer):
+    from opd_sao.checkpoints import load_causal_lm
     from opd_sao.engines.http import HTTPEngine, SGLangClient
     from opd_sao.modeling import sequence_logprobs
-    from opd_sao.models import load_causal_lm
 
     url = fleet[0][0]
     engine = HTTPEngine(url, checkpoint=tiny_model_dir, max_inflight=4)
@@ -123,10 +123,10 @@ def test_stage_trains_through_the_router_and_a_killed_server_loses_no_trajectory
         fleet, tmp_path, tiny_model_dir, tokenizer):
     from opd_sao.config import EngineConfig, RolloutConfig, SAOConfig, TrainerConfig
     from opd_sao.engines import build_engine
-    from opd_sao.learner import Learner
-    from opd_sao.rl_loop import RLLoop
-    from opd_sao.rollout import Episode
-    from opd_sao.tracking import MetricsLogger
+    from opd_sao.rl.learner import Learner
+    from opd_sao.rl.loop import RLLoop
+    from opd_sao.rl.rollout import Episode
+    from opd_sao.runs.tracking import MetricsLogger
     from opd_sao.trainers import TorchTrainer
     from stages.envs import ENVIRONMENTS
 

@@ -10,14 +10,28 @@ import pytest
 import torch
 
 from cache import encode_full, encode_top_k, encode_top_p
+from opd_sao.checkpoints import (
+    build_tiny_model,
+    load_causal_lm,
+    load_tokenizer,
+    save_checkpoint,
+)
 from opd_sao.config import OPDConfig
 from opd_sao.modeling import forward_logits
-from opd_sao.models import build_tiny_model, load_causal_lm, load_tokenizer, save_checkpoint
 from opd_sao.trajectory import Trajectory
-from teachers import (InProcessTeacher, Prefetcher, Teacher, TeacherIncompatibleError, TeacherRegistry,
-                      TeacherTargets, cache_key, copy_checkpoint, register_teacher, score_rows)
+from teachers import (
+    InProcessTeacher,
+    Prefetcher,
+    Teacher,
+    TeacherIncompatibleError,
+    TeacherSet,
+    TeacherTargets,
+    cache_key,
+    copy_checkpoint,
+    register_teacher,
+    score_rows,
+)
 from teachers.base import TeacherSpec
-
 
 # ----------------------------------------------------------------------------
 # chunked scoring == dense reference
@@ -162,7 +176,7 @@ def test_registry_resolves_and_routes(tiny_model_dir, tokenizer):
                 {"name": "b", "checkpoint": str(tiny_model_dir), "domains": ["d2"], "granularity": "top_p"}],
                granularity="top_k", top_k=4, top_p=0.8)
     resolve = {"stage_a": tiny_model_dir}.get
-    reg = TeacherRegistry.from_config(opd, domains=["d1", "d2"], resolve=lambda r: resolve(r) or Path(r),
+    reg = TeacherSet.from_config(opd, domains=["d1", "d2"], resolve=lambda r: resolve(r) or Path(r),
                                       student_checkpoint=tiny_model_dir, student_tokenizer=tokenizer)
     assert reg.teacher_for("d1").name == "a" and reg.teacher_for("d2").name == "b"
     a, b = reg.specs["a"], reg.specs["b"]
@@ -175,7 +189,7 @@ def test_registry_resolves_and_routes(tiny_model_dir, tokenizer):
 def test_registry_refuses_other_tokenizer(tiny_model_dir, tokenizer, other_tokenizer_model):
     opd = _opd([{"name": "alien", "checkpoint": str(other_tokenizer_model), "domains": ["d1"]}])
     with pytest.raises(TeacherIncompatibleError) as err:
-        TeacherRegistry.from_config(opd, domains=["d1"], resolve=Path, student_checkpoint=tiny_model_dir,
+        TeacherSet.from_config(opd, domains=["d1"], resolve=Path, student_checkpoint=tiny_model_dir,
                                     student_tokenizer=tokenizer)
     message = str(err.value)
     assert "alien" in message and "cannot teach" in message and "shared tokenizer and vocabulary" in message
@@ -185,11 +199,11 @@ def test_registry_refuses_other_tokenizer(tiny_model_dir, tokenizer, other_token
 def test_registry_refuses_unknown_kind_and_foreign_domain(tiny_model_dir, tokenizer):
     opd = _opd([{"name": "a", "checkpoint": str(tiny_model_dir), "domains": ["d1"], "kind": "telepathy"}])
     with pytest.raises(KeyError, match="unknown teacher kind 'telepathy'"):
-        TeacherRegistry.from_config(opd, domains=["d1"], resolve=Path, student_checkpoint=tiny_model_dir,
+        TeacherSet.from_config(opd, domains=["d1"], resolve=Path, student_checkpoint=tiny_model_dir,
                                     student_tokenizer=tokenizer)
     opd = _opd([{"name": "a", "checkpoint": str(tiny_model_dir), "domains": ["d1", "elsewhere"]}])
     with pytest.raises(ValueError, match="elsewhere"):
-        TeacherRegistry.from_config(opd, domains=["d1"], resolve=Path, student_checkpoint=tiny_model_dir,
+        TeacherSet.from_config(opd, domains=["d1"], resolve=Path, student_checkpoint=tiny_model_dir,
                                     student_tokenizer=tokenizer)
 
 
@@ -340,7 +354,7 @@ register_teacher("counting_test")(CountingTeacher)
 def _targets(tiny_model_dir, tokenizer, cache_dir, tmp_path, granularity="top_k"):
     opd = _opd([{"name": "rev", "checkpoint": str(tiny_model_dir), "domains": ["digits_reverse"],
                  "kind": "counting_test"}], granularity=granularity, top_k=8, score_batch_size=4, vocab_chunk=128)
-    reg = TeacherRegistry.from_config(opd, domains=["digits_reverse"], resolve=Path, student_checkpoint=tiny_model_dir,
+    reg = TeacherSet.from_config(opd, domains=["digits_reverse"], resolve=Path, student_checkpoint=tiny_model_dir,
                                       student_tokenizer=tokenizer)
     pf = Prefetcher(reg.build_all(), local_dir=tmp_path / "tier", max_resident=1)
     return TeacherTargets(reg, pf, cache_dir)

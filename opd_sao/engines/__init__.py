@@ -7,7 +7,7 @@ __all__ = ["GenerationRequest", "GenerationResult", "RolloutEngine", "SamplingPa
 def build_engine(cfg, checkpoint, tokenizer, seed: int) -> RolloutEngine:
     """The rollout engine a config asks for, loaded with `checkpoint` at policy version 0."""
     if cfg.kind == "embedded":
-        from ..models import load_causal_lm
+        from opd_sao.checkpoints import load_causal_lm
 
         return EmbeddedEngine(load_causal_lm(checkpoint, cfg.dtype), eos_id=tokenizer.eos_token_id,
                               pad_id=tokenizer.pad_token_id, max_batch=cfg.max_batch, seed=seed,

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 import torch
-
 from transformers import DynamicCache
 
 from ..modeling import position_ids_for, sample_tokens, sequence_logprobs

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 from transformers import AutoModel
 
+from opd_sao.checkpoints import DTYPES, MODEL_INIT_LOCK
+
 from ..modeling import position_ids_for
-from ..models import DTYPES, MODEL_INIT_LOCK
 
 
 class ValueModel(nn.Module):

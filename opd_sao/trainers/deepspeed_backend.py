@@ -29,8 +29,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from opd_sao.checkpoints import load_causal_lm, save_checkpoint
+
 from ..config import TrainerConfig
-from ..models import load_causal_lm, save_checkpoint
 from ..modeling import sequence_logprobs
 from .base import TrainerBackend, adamw
 from .critic import ValueModel

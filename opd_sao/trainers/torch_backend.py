@@ -6,9 +6,10 @@ from pathlib import Path
 
 import torch
 
+from opd_sao.checkpoints import load_causal_lm, save_checkpoint
+
 from ..config import TrainerConfig
 from ..modeling import sequence_logprobs
-from ..models import load_causal_lm, save_checkpoint
 from ..trajectory import Batch
 from .base import TrainerBackend, adamw
 from .critic import ValueModel

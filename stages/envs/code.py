@@ -17,7 +17,7 @@ import random
 import threading
 from collections import OrderedDict
 
-from opd_sao.sandbox import SandboxLimits, SandboxResult, detect_mode, run_python
+from stages.envs.sandbox import SandboxLimits, SandboxResult, detect_mode, run_python
 
 from .base import Environment, register_env, shuffled
 

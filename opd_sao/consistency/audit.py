@@ -11,12 +11,13 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from .config import GateConfig, SAOConfig
+from opd_sao.config import GateConfig, SAOConfig
 
 PROMPT_ENV = "prompts-file"
 
 
-def add_audit_parser(sub) -> None:
+def add_audit_parser(sub, environment) -> None:
+    """`opd-sao audit`; `environment(name)` (the application's environment lookup) resolves `--env`."""
     gate, sao = GateConfig(), SAOConfig()
     p = sub.add_parser("audit", help="measure train/inference logprob drift of a checkpoint against an engine")
     p.add_argument("checkpoint", help="an HF-format checkpoint directory (e.g. runs/<run>/stages/<stage>/checkpoint)")
@@ -36,7 +37,7 @@ def add_audit_parser(sub) -> None:
     p.add_argument("--eps-low", type=float, default=sao.eps_low, help="DIS lower bound for mask_fraction")
     p.add_argument("--eps-high", type=float, default=sao.eps_high, help="DIS upper bound for mask_fraction")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_audit)
+    p.set_defaults(func=cmd_audit, environment=environment)
 
 
 class PromptFileEnv:
@@ -64,15 +65,12 @@ def _env_factory(args):
         if not prompts:
             raise ValueError(f"--prompts-file {str(path)!r} has no prompts")
         return PROMPT_ENV, lambda: PromptFileEnv(prompts)
-    from stages.envs import ENVIRONMENTS
-
-    env_cls = ENVIRONMENTS.get(args.env)
-    return args.env, env_cls
+    return args.env, args.environment(args.env)
 
 
 def _engine(args, checkpoint: Path, tokenizer):
-    from .config import EngineConfig
-    from .engines import build_engine
+    from opd_sao.config import EngineConfig
+    from opd_sao.engines import build_engine
 
     if args.engine == "embedded":
         cfg = EngineConfig(kind="embedded", dtype=args.dtype, deterministic=args.deterministic)
@@ -91,11 +89,11 @@ def run_audit(args) -> dict:
     """Generate, check, diagnose when over threshold; write audit.json and audit.png; return audit.json's data."""
     import torch
 
-    from .config import RolloutConfig
-    from .consistency import check
-    from .gate import diagnose, over_threshold, probe_episodes
-    from .models import load_causal_lm, load_tokenizer
-    from .rollout import run_episodes
+    from opd_sao.checkpoints import load_causal_lm, load_tokenizer
+    from opd_sao.config import RolloutConfig
+    from opd_sao.consistency.check import check
+    from opd_sao.consistency.gate import diagnose, over_threshold, probe_episodes
+    from opd_sao.rl.rollout import run_episodes
 
     checkpoint = Path(args.checkpoint)
     if not (checkpoint / "config.json").is_file():

@@ -23,10 +23,10 @@ from urllib.parse import urlsplit
 
 import torch
 
-from .engines.base import GenerationRequest, GenerationResult, SamplingParams
-from .engines.embedded import EmbeddedEngine
-from .modeling import forward_logits
-from .models import load_causal_lm, load_tokenizer
+from opd_sao.checkpoints import load_causal_lm, load_tokenizer
+from opd_sao.engines.base import GenerationRequest, GenerationResult, SamplingParams
+from opd_sao.engines.embedded import EmbeddedEngine
+from opd_sao.modeling import forward_logits
 
 # sampling_params keys accepted only at these (SGLang default) values: text-only or unimplemented options
 NEUTRAL_PARAMS = {"top_k": (-1, None), "min_p": (0, 0.0, None), "n": (1, None), "frequency_penalty": (0, 0.0, None),

@@ -14,13 +14,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Optional
 
-from .buffer import TrajectoryBuffer
-from .config import RolloutConfig
-from .engines.base import RolloutEngine
-from .learner import Learner
-from .rollout import Episode, RolloutWorker
-from .trajectory import Trajectory, collate
-from .tracking import MetricsLogger
+from opd_sao.config import RolloutConfig
+from opd_sao.engines.base import RolloutEngine
+from opd_sao.rl.buffer import TrajectoryBuffer
+from opd_sao.rl.learner import Learner
+from opd_sao.rl.rollout import Episode, RolloutWorker
+from opd_sao.runs.tracking import MetricsLogger
+from opd_sao.trajectory import Trajectory, collate
 
 StepHook = Callable[[int], None]
 

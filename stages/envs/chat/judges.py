@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from pathlib import Path
 
-from .registry import Registry
+from opd_sao.registry import Registry
 
 JUDGES: Registry[type["Judge"]] = Registry("judge")
 register_judge = JUDGES.register
@@ -52,20 +52,17 @@ class RuleJudge(Judge):
 
 @register_judge("reward_model")
 class RewardModelJudge(Judge):
-    """A trained Bradley-Terry reward model (opd_sao.reward_model); good = score above its calibrated threshold.
+    """A trained Bradley-Terry reward model (`reward_model.py`); good = score above its calibrated threshold.
 
-    When `path` holds no model yet, one is trained there first from the chat environment's
-    preference pairs, so a config can name a reward model without a separate preparation step.
+    The model must exist; an environment that can make one (the chat env trains one from its preference
+    pairs when `path` holds none) does so before building the judge, so judges never import an environment.
     """
 
-    def __init__(self, path: str, threshold: float | None = None, train_pairs: int = 3000, train_steps: int = 300,
-                 seed: int = 0):
+    def __init__(self, path: str, threshold: float | None = None):
         from .reward_model import RewardModel
 
         if not (Path(path) / "config.json").is_file():
-            from stages.envs.chat import train_chat_reward_model
-
-            train_chat_reward_model(Path(path), n_pairs=train_pairs, steps=train_steps, seed=seed)
+            raise ValueError(f"reward_model judge: no reward model at {path} (train one with `opd-sao reward-model`)")
         self.model = RewardModel(path)
         self.threshold = self.model.threshold if threshold is None else threshold
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .trajectory import Trajectory
+from opd_sao.trajectory import Trajectory
 
 
 @dataclass

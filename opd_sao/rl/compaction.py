@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .trajectory import Trajectory
+from opd_sao.trajectory import Trajectory
+
 
 @dataclass(frozen=True)
 class Compaction:

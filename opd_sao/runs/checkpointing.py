@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .tracking import read_jsonl
+from opd_sao.runs.tracking import read_jsonl
 
 
 class StageState:

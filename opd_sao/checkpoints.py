@@ -14,10 +14,16 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 from transformers.utils import logging as hf_logging
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from .config import TinyModelConfig
+from opd_sao.config import TinyModelConfig
 
 hf_logging.disable_progress_bar()  # one bar per stage is ours to draw; loading a tiny model needs none
 hf_logging.set_verbosity_error()

@@ -28,12 +28,12 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from . import algorithms as A
-from .config import OPDConfig, SAOConfig
-from .consistency import lm_head
-from .learner import ResumableLearner
-from .modeling import position_ids_for
-from .trajectory import Batch
+from opd_sao import algorithms as A
+from opd_sao.config import OPDConfig, SAOConfig
+from opd_sao.consistency.check import lm_head
+from opd_sao.modeling import position_ids_for
+from opd_sao.rl.learner import ResumableLearner
+from opd_sao.trajectory import Batch
 
 MASKED = -1.0e30  # finite stand-in for -inf inside logsumexp, so an empty set has a finite gradient (0)
 

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import torch
 
-from .compaction import Compaction
-from .config import EvalConfig, RolloutConfig
-from .engines.base import SamplingParams
-from .engines.embedded import EmbeddedEngine
-from .models import load_causal_lm
-from .rollout import Episode, run_episodes
+from opd_sao.rl.compaction import Compaction
+from opd_sao.config import EvalConfig, RolloutConfig
+from opd_sao.engines.base import SamplingParams
+from opd_sao.engines.embedded import EmbeddedEngine
+from opd_sao.checkpoints import load_causal_lm
+from opd_sao.rl.rollout import Episode, run_episodes
 
 
 def make_episodes(env_factory, tasks, tokenizer, rollout: RolloutConfig, *, domain: str, temperature: float,

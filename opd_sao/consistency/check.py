@@ -22,9 +22,14 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .algorithms import dis_weights
-from .modeling import forward_logits, nucleus_logprobs, position_ids_for, sequence_logprobs
-from .trajectory import Trajectory
+from opd_sao.algorithms import dis_weights
+from opd_sao.modeling import (
+    forward_logits,
+    nucleus_logprobs,
+    position_ids_for,
+    sequence_logprobs,
+)
+from opd_sao.trajectory import Trajectory
 
 VOCAB_CHUNK = 8192  # vocabulary columns per lm-head chunk
 ROW_BLOCK = 512  # rows per block: ROW_BLOCK x VOCAB_CHUNK fp32 logits = 16 MiB at a time

@@ -1,6 +1,6 @@
 """The teachers of an OPD stage, from its config: resolved checkpoints, domain routing, compatibility checks.
 
-`TeacherRegistry.from_config` resolves each teacher's checkpoint (an earlier stage's name through the run
+`TeacherSet.from_config` resolves each teacher's checkpoint (an earlier stage's name through the run
 context, or a local HF directory), fixes its granularity (the teacher's own or the stage's) and its cache
 identity, and checks up front, before any rollout, that it shares the student's tokenizer and vocabulary:
 OPD compares token ids, so a teacher with another vocabulary would be silently wrong, not just worse.
@@ -12,10 +12,9 @@ import json
 from pathlib import Path
 from typing import Callable, Optional
 
+from opd_sao.checkpoints import checkpoint_hash, load_tokenizer
 from opd_sao.config import OPDConfig
-from opd_sao.models import checkpoint_hash, load_tokenizer
-
-from .base import TEACHER_KINDS, Teacher, TeacherIncompatibleError, TeacherSpec
+from teachers.base import TEACHER_KINDS, Teacher, TeacherIncompatibleError, TeacherSpec
 
 
 def vocab_fingerprint(tokenizer) -> str:
@@ -51,7 +50,7 @@ def _tokenizer_difference(student, teacher) -> str:
     return "tokenizers differ"
 
 
-class TeacherRegistry:
+class TeacherSet:
     def __init__(self, specs: list[TeacherSpec], *, score_batch_size: int = 32, vocab_chunk: int = 8192):
         self.specs = {spec.name: spec for spec in specs}
         self.score_batch_size, self.vocab_chunk = score_batch_size, vocab_chunk
@@ -64,7 +63,7 @@ class TeacherRegistry:
 
     @classmethod
     def from_config(cls, opd: OPDConfig, *, domains: list[str], resolve: Callable[[str], Path],
-                    student_checkpoint: Path, student_tokenizer) -> "TeacherRegistry":
+                    student_checkpoint: Path, student_tokenizer) -> "TeacherSet":
         """Resolve and check every teacher; ValueError (TeacherIncompatibleError) with the reason otherwise."""
         if not opd.teachers:
             raise ValueError("an OPD stage needs at least one teacher (opd.teachers)")
@@ -115,7 +114,7 @@ class TeacherRegistry:
         return {name: self.build(name, **options) for name in self.specs}
 
 
-def describe(registry: TeacherRegistry, order: Optional[list[str]] = None) -> dict:
+def describe(registry: TeacherSet, order: Optional[list[str]] = None) -> dict:
     """The summary.json view of the teachers."""
     return {name: {"checkpoint": str(spec.checkpoint), "domains": list(spec.domains), "granularity": spec.granularity,
                    "k": spec.k, "p": spec.p, "checkpoint_hash": spec.checkpoint_hash, "kind": spec.kind}

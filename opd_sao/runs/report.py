@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .tracking import read_jsonl  # noqa: E402
+from opd_sao.runs.tracking import read_jsonl  # noqa: E402
 
 CURVES = [
     ("reward_mean", "reward"),

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from .config import SFTConfig
-from .modeling import sft_loss
-from .models import load_causal_lm, save_checkpoint
+from opd_sao.checkpoints import load_causal_lm, save_checkpoint
+from opd_sao.config import SFTConfig
+from opd_sao.modeling import sft_loss
 
 
 def sft_examples(env_factory, tokenizer, n: int, seed: int) -> list[tuple[list[int], list[int]]]:

@@ -14,9 +14,14 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, Optional
 
-from .compaction import Compaction, next_segment, propagate_returns
-from .engines.base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
-from .trajectory import Trajectory
+from opd_sao.engines.base import (
+    GenerationRequest,
+    GenerationResult,
+    RolloutEngine,
+    SamplingParams,
+)
+from opd_sao.rl.compaction import Compaction, next_segment, propagate_returns
+from opd_sao.trajectory import Trajectory
 
 
 class Episode:

@@ -7,7 +7,6 @@ the good/bad decision threshold and the held-out pair accuracy in its config (`r
 """
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
-from .models import load_tokenizer, pretrained, save_checkpoint
+from opd_sao.checkpoints import load_tokenizer, pretrained, save_checkpoint
 
 Pair = tuple[str, str, str]  # (prompt, chosen response, rejected response)
 
@@ -103,11 +102,3 @@ def train_reward_model(init: str | Path, out: str | Path, pairs: list[Pair], hel
     model.config.reward_model = info
     save_checkpoint(model, tokenizer, Path(out))
     return info
-
-
-def cmd_reward_model(args) -> int:
-    from stages.envs.chat import train_chat_reward_model
-
-    info = train_chat_reward_model(Path(args.out), n_pairs=args.pairs, steps=args.steps, seed=args.seed)
-    print(json.dumps({"path": args.out, **info}))
-    return 0

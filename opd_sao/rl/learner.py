@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from . import algorithms as A
-from .config import SAOConfig
-from .trajectory import Batch
-from .trainers.base import TrainerBackend
+from opd_sao import algorithms as A
+from opd_sao.config import SAOConfig
+from opd_sao.trainers.base import TrainerBackend
+from opd_sao.trajectory import Batch
 
 ALGOS_WITH_CRITIC = {"sao", "ppo"}
 

@@ -18,12 +18,18 @@ from typing import Callable, Optional
 
 import torch
 
-from .config import GateConfig
-from .consistency import (ActionTokens, ConsistencyReport, action_hidden_states, check, chunked_token_logprobs,
-                          lm_head)
-from .engines.base import GenerationRequest, RolloutEngine, SamplingParams
-from .rollout import Episode, run_episodes
-from .trajectory import Trajectory
+from opd_sao.config import GateConfig
+from opd_sao.consistency.check import (
+    ActionTokens,
+    ConsistencyReport,
+    action_hidden_states,
+    check,
+    chunked_token_logprobs,
+    lm_head,
+)
+from opd_sao.engines.base import GenerationRequest, RolloutEngine, SamplingParams
+from opd_sao.rl.rollout import Episode, run_episodes
+from opd_sao.trajectory import Trajectory
 
 # Temperatures (as multiples of the rollout's) tried when the drift may be a temperature mismatch.
 TEMPERATURE_FACTORS = (0.5, 2 / 3, 0.8, 1.25, 1.5, 2.0)
@@ -211,7 +217,7 @@ def failure_message(where: str, report: ConsistencyReport, reasons: list[str], d
 
 def probe_episodes(env_factory, tokenizer, rollout, *, domain: str, n: int, seed: int) -> list[Episode]:
     """n episodes on the environment's eval prompts (never training data), sampled like the stage samples."""
-    from .evaluation import make_episodes
+    from opd_sao.runs.evaluation import make_episodes
 
     tasks = env_factory().make_tasks("eval", n, seed=seed) or env_factory().make_tasks("train", n, seed=seed)
     if not tasks:

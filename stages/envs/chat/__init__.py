@@ -1,6 +1,7 @@
 """Chat domain: small-talk prompts, one response, reward = quality x style (SPEC 2.6, both binary).
 
-Quality comes from a pluggable judge (`judge: rule` or `judge: reward_model`, see opd_sao.judges).
+Quality comes from a pluggable judge (`judge: rule` or `judge: reward_model`, see `judges.py`); the
+environment trains the reward model from its own preference pairs when the judge's `path` holds none.
 Style is whether the response is in the user's preferred style, one of three, decided by the opening
 word where the model commits to it: cute opens "aww", chuunibyou "behold", classical "verily". (Markers
 anywhere in the response, "~" at the end or "doth" in the middle, let RL meet a new style by editing a
@@ -19,12 +20,13 @@ from __future__ import annotations
 
 import random
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable, Optional
 
-from opd_sao.judges import build_judge, words_of
+from stages.envs.base import Environment, register_env, shuffled
 
-from .base import Environment, register_env, shuffled
+from .judges import build_judge, words_of
 
 STYLES = ("cute", "chuunibyou", "classical")
 RESPONSES = {  # short, so a 2-layer model writes them well; the first word already commits to a style
@@ -95,7 +97,7 @@ class ChatEnv(Environment):
             raise ValueError(f"chat recover_window must be >= 1 (got {recover_window})")
         self.schedule = StyleSchedule(style, switch_every)
         self.recover_level, self.recover_window = recover_level, recover_window
-        self.judge = build_judge(judge, judge_options)
+        self.judge = build_judge(judge, ensure_reward_model(judge, judge_options))
         self.stochastic_reward = self.judge.stochastic
         self.eval_fraction, self.train_step = eval_fraction, train_step
         self.task = None
@@ -173,12 +175,35 @@ def degrade(response: str, topic: str, rng: random.Random) -> str:
     return rng.choice(("", "...", "~"))
 
 
+_training_lock = threading.Lock()
+REWARD_MODEL_TRAINING = ("train_pairs", "train_steps", "seed")  # judge_options that only shape a missing model
+
+
+def ensure_reward_model(judge: str, options: Optional[dict]) -> Optional[dict]:
+    """The judge options with the reward-model training keys removed, after training the reward model at
+    `path` from this environment's preference pairs when the judge needs one and none is there yet
+    (also for a `noisy` judge wrapping a reward model)."""
+    options = dict(options or {})
+    if judge == "noisy" and options.get("inner") == "reward_model":
+        options["inner_options"] = ensure_reward_model("reward_model", options.get("inner_options"))
+        return options
+    if judge != "reward_model" or "path" not in options:
+        return options
+    training = {key: options.pop(key) for key in REWARD_MODEL_TRAINING if key in options}
+    with _training_lock:
+        if not (Path(options["path"]) / "config.json").is_file():
+            train_chat_reward_model(Path(options["path"]), n_pairs=training.get("train_pairs", 3000),
+                                    steps=training.get("train_steps", 300), seed=training.get("seed", 0))
+    return options
+
+
 def train_chat_reward_model(out: Path, *, n_pairs: int = 3000, steps: int = 300, seed: int = 0,
                             shape=None) -> dict:
     """Build a tiny backbone on the chat corpus, train a reward model on generated pairs, save it to `out`."""
+    from opd_sao.checkpoints import build_tiny_model
     from opd_sao.config import TinyModelConfig
-    from opd_sao.models import build_tiny_model
-    from opd_sao.reward_model import train_reward_model
+
+    from .reward_model import train_reward_model
 
     env = ChatEnv()
     with tempfile.TemporaryDirectory() as tmp:

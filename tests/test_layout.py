@@ -1,0 +1,96 @@
+"""The package layout: no import cycles, and the layers point one way (core -> nothing above it).
+
+Every import statement is read from the source (module level and inside functions alike), so a lazy
+import that only hides a circle is caught too.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("opd_sao", "stages", "teachers", "cache")
+APPLICATION = {"opd_sao.cli", "opd_sao.pipeline"}  # the only core modules that may import stages
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `name` imports (a `from pkg import sub` names the submodule when it is one)."""
+    is_pkg = path.name == "__init__.py"
+    package = name if is_pkg else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names if f"{target}.{alias.name}" in modules)
+    return {m for m in found if m in modules and m != name}
+
+
+@pytest.fixture(scope="module")
+def graph():
+    modules = all_modules()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle(graph):
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_sees_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_core_imports_no_stage(graph):
+    offenders = sorted(f"{name} -> {dep}" for name, deps in graph.items()
+                       if name.split(".")[0] in ("opd_sao", "teachers", "cache") and name not in APPLICATION
+                       for dep in deps if dep.split(".")[0] == "stages")
+    assert not offenders, "core modules importing stages: " + ", ".join(offenders)
+
+
+def test_cache_and_teachers_stay_below_the_trainer(graph):
+    """The logit cache is a library of its own (imports nothing of ours); teachers import no RL or stage code."""
+    bad = sorted(f"{n} -> {d}" for n, deps in graph.items() for d in deps
+                 if (n.startswith("cache") and not d.startswith("cache"))
+                 or (n.startswith("teachers") and d.startswith(("opd_sao.rl", "opd_sao.consistency.gate", "stages"))))
+    assert not bad, ", ".join(bad)
