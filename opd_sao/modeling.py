@@ -1,11 +1,29 @@
 """Forward passes shared by the engine, the trainer, the consistency checker and the teachers.
 
-One function computes a token's logprob from a model, so that engine and trainer agree by construction
-wherever they can (the consistency checker measures where they cannot).
+One path computes every logprob the project needs from a causal LM: the decoder's final hidden states,
+then the lm head one vocabulary chunk at a time (`logit_chunks`), so no caller ever holds a [B, T, V]
+float32 logits tensor: at a real vocabulary (151,936 for Qwen2.5) that tensor is gigabytes for a
+batch the model itself handles in megabytes. On top of the chunks:
+
+- `token_logprobs`: log p(target) per row, differentiable through a custom autograd function that
+  recomputes each chunk in the backward pass (memory: row_block x vocab_chunk, not N x V);
+- `sequence_logprobs` / `sft_loss`: the trainer's and the supervised loss's view of a batch;
+- `support_logprobs`: the OPD student's logprobs on a teacher's support plus the exact tail mass;
+- teachers read the same chunks for their top-k / top-p supports (`teachers/scoring.py`).
+
+One function computes a token's logprob, so engine and trainer agree by construction wherever they can
+(the consistency checker measures where they cannot).
 """
 from __future__ import annotations
 
+from typing import Iterator, Optional
+
 import torch
+from torch.utils.checkpoint import checkpoint
+
+VOCAB_CHUNK = 8192  # vocabulary columns per lm-head chunk
+ROW_BLOCK = 1024  # rows per block: ROW_BLOCK x VOCAB_CHUNK fp32 logits = 32 MiB at a time
+MASKED = -1.0e30  # finite stand-in for -inf inside logsumexp, so an empty set has a finite gradient (0)
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -13,26 +31,168 @@ def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / T)[target], computed in fp32. logits [..., V], targets [...]."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+def unwrap(model) -> torch.nn.Module:
+    """The transformers model inside a wrapper that keeps it as `.module` (a DeepSpeed engine)."""
+    return getattr(model, "module", model)
+
+
+def lm_head(model) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(weight [V, H], bias [V] or None) of a causal LM whose logits are a plain linear map of its hidden states."""
+    model = unwrap(model)
+    config = model.config
+    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(config, attr, None) not in (None, 1, 1.0):
+            raise ValueError(f"{type(model).__name__} transforms its logits ({attr}); opd-sao's vocabulary-chunked "
+                             "logprobs need logits = hidden @ lm_head.weight.T (+ bias)")
+    head = model.get_output_embeddings()
+    return head.weight, head.bias
+
+
+def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T, H] the decoder's final hidden states (real-token position ids, so either padding side works)."""
+    decoder = unwrap(model).get_decoder()
+    return decoder(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids_for(attention_mask)).last_hidden_state
 
 
 def forward_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Full [B, T, V] logits: only for a few positions at a time (the engine's last-token sampling)."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask))
     return out.logits
 
 
-def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0) -> torch.Tensor:
-    """[B, T] logprob of token t given tokens < t (0 at t=0 and on padding)."""
-    logits = forward_logits(model, input_ids, attention_mask)
+def logit_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 vocab_chunk: int = VOCAB_CHUNK) -> Iterator[tuple[int, torch.Tensor]]:
+    """(start, float32 logits [N, w]) for each vocabulary chunk [start, start + w).
+
+    The matmul runs in the weight's dtype and is upcast after, as a full forward would (float64 stays float64)."""
+    hidden = hidden.to(weight.dtype)
+    for start in range(0, weight.shape[0], vocab_chunk):
+        logits = hidden @ weight[start:start + vocab_chunk].T
+        if bias is not None:
+            logits = logits + bias[start:start + vocab_chunk]
+        yield start, logits.to(acc_dtype(weight))
+
+
+def acc_dtype(weight: torch.Tensor) -> torch.dtype:
+    """float32 for logits and their sums, float64 when the weights are (for exactness tests)."""
+    return torch.float64 if weight.dtype == torch.float64 else torch.float32
+
+
+def fused_logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dim, read off torch's fused log_softmax kernel (about 1.5x faster than
+    `torch.logsumexp` on CPU): lse = z_j - log_softmax(z)_j, taken at the argmax j, where log_softmax is
+    closest to 0, so no precision is lost."""
+    top, j = logits.max(dim=-1, keepdim=True)
+    return (top - torch.log_softmax(logits, dim=-1).gather(-1, j)).squeeze(-1)
+
+
+def _row_blocks(n: int, size: int) -> list[slice]:
+    return [slice(first, min(n, first + size)) for first in range(0, n, size)]
+
+
+class _ChunkedTokenLogprob(torch.autograd.Function):
+    """log softmax(hidden @ weight.T)[target] per row, chunk by chunk in both directions.
+
+    Forward keeps only the per-row logsumexp; backward recomputes each chunk's softmax p and applies
+    d logp / d z_v = 1[v = target] - p_v, so the backward's memory is one chunk too. (Temperature and
+    bias are folded into `hidden` and `weight` by the caller, so they cost no pass over the logits.)
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, vocab_chunk, row_block):
+        n, acc = hidden.shape[0], acc_dtype(weight)
+        out = torch.empty(n, dtype=acc, device=hidden.device)
+        lse_all = torch.empty(n, dtype=acc, device=hidden.device)
+        for rows in _row_blocks(n, row_block):
+            t = targets[rows]
+            lse = torch.full((t.shape[0],), float("-inf"), dtype=acc, device=hidden.device)
+            picked = torch.empty(t.shape[0], dtype=acc, device=hidden.device)
+            for start, logits in logit_chunks(hidden[rows], weight, None, vocab_chunk):
+                lse = torch.logaddexp(lse, fused_logsumexp(logits))
+                inside = (t >= start) & (t < start + logits.shape[-1])
+                picked[inside] = logits[inside, t[inside] - start]
+            out[rows], lse_all[rows] = picked - lse, lse
+        ctx.save_for_backward(hidden, weight, targets, lse_all)
+        ctx.vocab_chunk, ctx.row_block = vocab_chunk, row_block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets, lse_all = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        acc = acc_dtype(weight)
+        grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_out = grad_out.to(acc)
+        for rows in _row_blocks(hidden.shape[0], ctx.row_block):
+            h, t, g = hidden[rows].to(weight.dtype), targets[rows], grad_out[rows].unsqueeze(-1)
+            lse = lse_all[rows].unsqueeze(-1)
+            for start, coef in logit_chunks(h, weight, None, ctx.vocab_chunk):
+                coef.sub_(lse).exp_().mul_(-g)  # -g p_v, in place: one chunk buffer
+                end = start + coef.shape[-1]
+                inside = (t >= start) & (t < end)
+                coef[inside, t[inside] - start] += g[inside, 0]  # + g at the target
+                coef = coef.to(weight.dtype)
+                if need_h:
+                    grad_h[rows] += (coef @ weight[start:end]).to(acc)
+                if need_w:
+                    grad_w[start:end] += (coef.T @ h).to(acc)
+        return (grad_h.to(hidden.dtype) if need_h else None, grad_w.to(weight.dtype) if need_w else None,
+                None, None, None)
+
+
+def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+                   temperature: torch.Tensor, top_p: Optional[torch.Tensor] = None, *,
+                   vocab_chunk: int = VOCAB_CHUNK, row_block: int = ROW_BLOCK) -> torch.Tensor:
+    """log p(target) [N] under softmax((hidden @ weight.T + bias) / T), never materialising [N, V].
+
+    hidden [N, H]; weight [V, H]; targets, temperature, top_p [N]. Differentiable in hidden, weight and bias.
+    The temperature is folded into the hidden states ((h / T) @ W.T = z / T) and a bias into one more
+    hidden column, so the chunked kernel only ever sees a plain linear map.
+    Rows with top_p < 1 are scored under the distribution the engine sampled from (`nucleus_logprobs`,
+    renormalised on the nucleus), which needs a whole sorted row: those go a few full rows at a time.
+    """
+    n = hidden.shape[0]
+    temperature = temperature.to(hidden.device, acc_dtype(weight))
+    nucleus = (top_p < 1.0).to(hidden.device) if top_p is not None else None
+    if nucleus is not None and bool(nucleus.any()):
+        out = torch.zeros(n, dtype=acc_dtype(weight), device=hidden.device)
+        plain = (~nucleus).nonzero().squeeze(-1)
+        if len(plain):
+            out = out.index_put((plain,), token_logprobs(hidden[plain], weight, bias, targets[plain],
+                                                         temperature[plain], vocab_chunk=vocab_chunk,
+                                                         row_block=row_block))
+        rows_per_block = max(1, row_block * vocab_chunk // weight.shape[0])
+        for block in nucleus.nonzero().squeeze(-1).split(rows_per_block):
+            logits = torch.cat([chunk for _, chunk in logit_chunks(hidden[block], weight, bias, vocab_chunk)], dim=-1)
+            logp = nucleus_logprobs(logits, temperature[block], top_p[block].to(hidden.device).float())
+            out = out.index_put((block,), logp.gather(-1, targets[block].unsqueeze(-1)).squeeze(-1))
+        return out
+    scaled = hidden if bool((temperature == 1).all()) else hidden / temperature.to(hidden.dtype).unsqueeze(-1)
+    if bias is not None:  # [h / T, 1 / T] @ [W, b].T = (h @ W.T + b) / T
+        scaled = torch.cat([scaled, (1 / temperature).to(hidden.dtype).unsqueeze(-1)], dim=-1)
+        weight = torch.cat([weight, bias.unsqueeze(-1)], dim=-1)
+    return _ChunkedTokenLogprob.apply(scaled, weight, targets, vocab_chunk, row_block)
+
+
+def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, *,
+                      full_logits: bool = False) -> torch.Tensor:
+    """[B, T] logprob of token t given tokens < t (0 at t=0 and on padding), differentiable.
+
+    Vocabulary-chunked; `full_logits=True` runs the model's own forward instead (ZeRO-3, whose lm head
+    weight is only gathered inside the module's forward)."""
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-    out[:, 1:] = token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
-    return out * attention_mask
+    if full_logits:
+        logits = forward_logits(model, input_ids, attention_mask)[:, :-1].float() / temperature
+        out[:, 1:] = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        return out * attention_mask
+    weight, bias = lm_head(model)
+    hidden = hidden_states(model, input_ids, attention_mask)
+    b, t = attention_mask[:, 1:].nonzero(as_tuple=True)  # predicted positions t + 1 that are real tokens
+    temps = torch.full((len(b),), float(temperature), device=input_ids.device)
+    logp = token_logprobs(hidden[b, t], weight, bias, input_ids[b, t + 1], temps)
+    return out.index_put((b, t + 1), logp)
 
 
 def nucleus_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -62,3 +222,63 @@ def sft_loss(model, input_ids, attention_mask, loss_mask) -> torch.Tensor:
     """Token-mean cross-entropy on positions where loss_mask is 1 (the answer, not the prompt)."""
     logp = sequence_logprobs(model, input_ids, attention_mask)
     return -(logp * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+
+
+# ----------------------------------------------------------------------------
+# a distribution on a support (OPD's student side)
+# ----------------------------------------------------------------------------
+
+def _chunk_logits(h, weight, bias, start: int, end: int) -> torch.Tensor:
+    (_, logits), = logit_chunks(h, weight[start:end], None if bias is None else bias[start:end], end - start)
+    return logits
+
+
+def _support_terms(h, weight, bias, local, inside, start: int, end: int, top_k: int):
+    logits = _chunk_logits(h, weight, bias, start, end)
+    lse = torch.logsumexp(logits, dim=-1)
+    member = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device).scatter_add_(1, local, inside.int()) > 0
+    rest = torch.logsumexp(logits.masked_fill(member, MASKED), dim=-1)
+    picked = logits.gather(1, local).masked_fill(~inside, 0.0)
+    top = logits.detach().topk(min(top_k, logits.shape[1]), dim=-1) if top_k else None
+    return lse, rest, picked, (top.values if top else logits.new_empty(0)), (top.indices if top else local.new_empty(0))
+
+
+def support_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     support_ids: torch.Tensor, support_mask: torch.Tensor, *, vocab_chunk: int = VOCAB_CHUNK,
+                     top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs on a support, the exact log tail mass outside it, and the top-k ids (no grad).
+
+    hidden [N, H] (with grad), weight [V, H], support_ids / support_mask [N, S]. Returns
+    (support_logp [N, S] (0 on padding), tail_logp [N], top-k ids [N, k] most probable first or None).
+    One vocabulary chunk at a time under activation checkpointing: the backward recomputes each chunk,
+    so memory is N x vocab_chunk, not N x V.
+    """
+    vocab = weight.shape[0]
+    ids = support_ids.long().clamp(0, vocab - 1)
+    mask = support_mask.bool()
+    lse_parts, rest_parts, picked = [], [], None
+    top_vals, top_ids = None, None
+    for start in range(0, vocab, vocab_chunk):
+        end = min(start + vocab_chunk, vocab)
+        inside = mask & (ids >= start) & (ids < end)
+        local = (ids - start).clamp(0, end - start - 1)
+        if hidden.requires_grad:
+            lse, rest, part, vals, idx = checkpoint(_support_terms, hidden, weight, bias, local, inside, start, end,
+                                                    top_k, use_reentrant=False)
+        else:
+            lse, rest, part, vals, idx = _support_terms(hidden, weight, bias, local, inside, start, end, top_k)
+        lse_parts.append(lse)
+        rest_parts.append(rest)
+        picked = part if picked is None else picked + part
+        if top_k:
+            idx = idx + start
+            if top_vals is None:
+                top_vals, top_ids = vals, idx
+            else:
+                merged = torch.cat([top_vals, vals], dim=1).topk(min(top_k, top_vals.shape[1] + vals.shape[1]), dim=1)
+                top_ids = torch.cat([top_ids, idx], dim=1).gather(1, merged.indices)
+                top_vals = merged.values
+    lse = torch.logsumexp(torch.stack(lse_parts), dim=0)
+    rest = torch.logsumexp(torch.stack(rest_parts), dim=0)
+    support_logp = torch.where(mask, picked - lse.unsqueeze(1), torch.zeros_like(picked))
+    return support_logp, rest - lse, top_ids

@@ -8,7 +8,8 @@ import torch
 
 from cache import TeacherRecord
 from opd_sao.checkpoints import load_causal_lm
-from opd_sao.consistency.check import action_hidden_states, lm_head
+from opd_sao.consistency.check import action_hidden_states
+from opd_sao.modeling import lm_head
 from opd_sao.trajectory import Trajectory
 
 from .base import Teacher, register_teacher

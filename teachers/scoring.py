@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from cache import TeacherRecord
+from opd_sao.modeling import logit_chunks
 
 VOCAB_CHUNK = 8192
 ROW_BLOCK = 256
@@ -62,13 +63,6 @@ class ScoredRows:
                 records.append(TeacherRecord(sampled_logp=sampled))
             row += n
         return records
-
-
-def _logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], start: int, end: int) -> torch.Tensor:
-    logits = h @ weight[start:end].T
-    if bias is not None:
-        logits = logits + bias[start:end]
-    return logits.float()
 
 
 def _merge(cand_vals, cand_ids, rest_lse, logits, start, keep: int):
@@ -111,8 +105,7 @@ def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         rest = torch.full((rows,), NEG_INF, device=dev)
         cand_vals = torch.empty((rows, 0), device=dev)
         cand_ids = torch.empty((rows, 0), dtype=torch.long, device=dev)
-        for start in range(0, vocab, vocab_chunk):
-            logits = _logits(h, weight, bias, start, min(start + vocab_chunk, vocab))
+        for start, logits in logit_chunks(h, weight, bias, vocab_chunk):
             lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=1))
             inside = (t >= start) & (t < start + logits.shape[1])
             picked[inside] = logits[inside, t[inside] - start]
@@ -178,7 +171,7 @@ def _nuclei(h, weight, bias, lse, cand_vals, cand_ids, rest, p, vocab, vocab_chu
     index = (~covered).nonzero().squeeze(1)
     per_block = max(1, row_block * vocab_chunk // vocab)
     for block in index.split(per_block):
-        logits = _logits(h[block], weight, bias, 0, vocab)
+        logits = torch.cat([chunk for _, chunk in logit_chunks(h[block], weight, bias, vocab_chunk)], dim=1)
         vals, ids = logits.sort(dim=1, descending=True)
         take(block, vals, ids, torch.full((len(block),), NEG_INF, device=h.device))
     row_len = torch.tensor([len(x) for x in ids_rows], dtype=torch.long, device=h.device)

@@ -20,7 +20,6 @@ from opd_sao.config import GateConfig, RolloutConfig, TrainerConfig
 from opd_sao.consistency.check import (
     action_spans,
     check,
-    chunked_token_logprobs,
     kl_estimators,
     position_buckets,
     version_errors,
@@ -42,23 +41,6 @@ TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads"
 # ----------------------------------------------------------------------------
 # the math
 # ----------------------------------------------------------------------------
-
-def test_chunked_logprobs_equal_the_full_softmax_and_the_nucleus():
-    g = torch.Generator().manual_seed(0)
-    hidden, weight = torch.randn(10, 8, generator=g), torch.randn(37, 8, generator=g)
-    bias = torch.randn(37, generator=g)
-    targets = torch.randint(0, 37, (10,), generator=g)
-    temperature = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.7, 1.0, 1.3, 1.0, 1.0, 0.9])
-    top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 1.0, 0.5, 1.0, 1.0, 0.99, 1.0])
-    logits = hidden @ weight.T + bias
-    full = torch.log_softmax(logits / temperature[:, None], -1).gather(-1, targets[:, None]).squeeze(-1)
-    nucleus = nucleus_logprobs(logits, temperature, top_p).gather(-1, targets[:, None]).squeeze(-1)
-    expected = torch.where(top_p < 1, nucleus, full)
-    # chunks that do not divide V, blocks that do not divide N
-    got = chunked_token_logprobs(hidden, weight, targets, temperature, top_p, bias=bias, vocab_chunk=5, row_block=3)
-    assert torch.allclose(got, expected, atol=1e-5)
-    assert torch.allclose(chunked_token_logprobs(hidden, weight, targets, temperature, bias=bias), full, atol=1e-5)
-
 
 def test_kl_estimators_by_hand():
     # delta = log pi_train - log pi_rollout = [0, ln 2]; r = [1, 2]

@@ -19,7 +19,8 @@ from opd_sao.config import (
 )
 from opd_sao.modeling import sequence_logprobs
 from opd_sao.pipeline import run_pipeline
-from opd_sao.rl.distill import OPDLearner, padded_support, student_support_logprobs
+from opd_sao.modeling import support_logprobs
+from opd_sao.rl.distill import OPDLearner, padded_support
 from opd_sao.trainers import TorchTrainer
 from opd_sao.trajectory import Trajectory, collate
 from teachers import Prefetcher, TeacherSet, TeacherTargets
@@ -42,7 +43,7 @@ def test_student_support_logprobs_match_dense():
     ids[0, 3:] = 0
     coef = torch.randn(n, 5, dtype=torch.float64)
 
-    s_logp, tail, top = student_support_logprobs(hidden, weight, None, ids, mask, vocab_chunk=64, top_k=4)
+    s_logp, tail, top = support_logprobs(hidden, weight, None, ids, mask, vocab_chunk=64, top_k=4)
     ((s_logp * coef).sum() + tail.exp().sum()).backward()
     g_hidden, g_weight = hidden.grad.clone(), weight.grad.clone()
 

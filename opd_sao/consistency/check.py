@@ -8,8 +8,8 @@ trainer's is a version error, never counted as drift.
 
 Two ways to recompute:
 - chunked (default): one batched, right-padded forward to the final hidden states, then the lm head a
-  block of rows and a chunk of the vocabulary at a time, so a long sequence never materialises a
-  [T, V] float32 tensor (see benchmarks/consistency_memory.py);
+  block of rows and a chunk of the vocabulary at a time (`modeling.token_logprobs`, the trainer's own
+  path), so a long sequence never materialises a [T, V] float32 tensor (benchmarks/consistency_memory.py);
 - alone (deterministic mode): each action span scored with its prefix alone, unpadded, by
   `sequence_logprobs`, exactly what the deterministic embedded engine did, so agreement is bitwise.
 """
@@ -23,79 +23,13 @@ import numpy as np
 import torch
 
 from opd_sao.algorithms import dis_weights
-from opd_sao.modeling import (
-    forward_logits,
-    nucleus_logprobs,
-    position_ids_for,
-    sequence_logprobs,
-)
+from opd_sao.modeling import hidden_states, lm_head, sequence_logprobs, token_logprobs
 from opd_sao.trajectory import Trajectory
 
-VOCAB_CHUNK = 8192  # vocabulary columns per lm-head chunk
-ROW_BLOCK = 512  # rows per block: ROW_BLOCK x VOCAB_CHUNK fp32 logits = 16 MiB at a time
-
 
 # ----------------------------------------------------------------------------
-# the math: chunked logprobs and the estimators
+# the estimators
 # ----------------------------------------------------------------------------
-
-def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                           temperature: torch.Tensor, top_p: Optional[torch.Tensor] = None, *,
-                           bias: Optional[torch.Tensor] = None, vocab_chunk: int = VOCAB_CHUNK,
-                           row_block: int = ROW_BLOCK) -> torch.Tensor:
-    """log p(target) under softmax((hidden @ weight.T + bias) / T), without an [N, V] tensor.
-
-    hidden [N, H]; weight [V, H]; targets, temperature, top_p [N]. Returns float32 [N].
-
-    Why chunked: the normaliser logsumexp_v(z_v) is a running `logaddexp` over vocabulary chunks, exact up
-    to float rounding, so peak memory is row_block x vocab_chunk floats instead of N x V. The target's
-    logit is read from the chunk that holds it (not a separate dot product), so numerator and normaliser
-    come from the same matmul. Logits are computed in the weight's dtype and upcast, as the trainer does.
-    Rows with top_p < 1 need their whole sorted distribution to find the nucleus, so they go through
-    `nucleus_logprobs` (the engine's own sampling semantics) a few full-vocabulary rows at a time.
-    """
-    n, vocab = hidden.shape[0], weight.shape[0]
-    out = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    hidden = hidden.to(weight.dtype)
-    nucleus = (top_p < 1.0) if top_p is not None else torch.zeros(n, dtype=torch.bool, device=hidden.device)
-    for block in _blocks(~nucleus, row_block):
-        h, t, temp = hidden[block], targets[block], temperature[block].float().unsqueeze(-1)
-        lse = torch.full((len(block),), float("-inf"), device=hidden.device)
-        picked = torch.empty(len(block), device=hidden.device)
-        for start in range(0, vocab, vocab_chunk):
-            logits = _logits(h, weight[start:start + vocab_chunk], bias, start, vocab_chunk) / temp
-            lse = torch.logaddexp(lse, fused_logsumexp(logits))
-            inside = (t >= start) & (t < start + logits.shape[-1])
-            picked[inside] = logits[inside, t[inside] - start]
-        out[block] = picked - lse
-    rows_per_block = max(1, row_block * vocab_chunk // vocab)
-    for block in _blocks(nucleus, rows_per_block):
-        logits = _logits(hidden[block], weight, bias, 0, vocab)
-        logp = nucleus_logprobs(logits, temperature[block].float(), top_p[block].float())
-        out[block] = logp.gather(-1, targets[block].unsqueeze(-1)).squeeze(-1)
-    return out
-
-
-def fused_logsumexp(logits: torch.Tensor) -> torch.Tensor:
-    """logsumexp over the last dim, read off torch's fused log_softmax kernel (about 1.5x faster than
-    `torch.logsumexp` on CPU): lse = z_j - log_softmax(z)_j, taken at the argmax j, where log_softmax is
-    closest to 0, so no precision is lost."""
-    top, j = logits.max(dim=-1, keepdim=True)
-    return (top - torch.log_softmax(logits, dim=-1).gather(-1, j)).squeeze(-1)
-
-
-def _blocks(rows: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
-    """Indices of the True rows, `size` at a time."""
-    index = rows.nonzero().squeeze(-1)
-    return index.split(size) if len(index) else ()
-
-
-def _logits(h, weight_chunk, bias, start, width) -> torch.Tensor:
-    logits = h @ weight_chunk.T
-    if bias is not None:
-        logits = logits + bias[start:start + width]
-    return logits.float()
-
 
 def kl_estimators(delta: torch.Tensor) -> tuple[float, float]:
     """(k1, k3) estimates of KL(rollout || trainer) from tokens sampled by the rollout policy.
@@ -161,17 +95,6 @@ class ActionTokens:
         return ActionTokens(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
-def lm_head(model) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(weight [V, H], bias [V] or None) of a causal LM whose logits are a plain linear map of its hidden states."""
-    config = model.config
-    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
-        if getattr(config, attr, None) not in (None, 1, 1.0):
-            raise ValueError(f"{type(model).__name__} transforms its logits ({attr}); "
-                             "use the alone (deterministic) checker")
-    head = model.get_output_embeddings()
-    return head.weight, head.bias
-
-
 @torch.no_grad()
 def action_hidden_states(model, trajectories: list[Trajectory], *, padding: str = "right",
                          batch_size: int = 8) -> torch.Tensor:
@@ -181,7 +104,7 @@ def action_hidden_states(model, trajectories: list[Trajectory], *, padding: str 
     mask and real-token position ids (the diagnosis compares the two sides: a correct model gives the
     same numbers either way).
     """
-    decoder, device = model.get_decoder(), model_device(model)
+    device = model_device(model)
     out = []
     for first in range(0, len(trajectories), batch_size):
         chunk = trajectories[first:first + batch_size]
@@ -195,8 +118,7 @@ def action_hidden_states(model, trajectories: list[Trajectory], *, padding: str 
             input_ids[i, offset:offset + len(seq)] = torch.tensor(seq)
             attention[i, offset:offset + len(seq)] = 1
             offsets.append(offset)
-        hidden = decoder(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                         position_ids=position_ids_for(attention).to(device)).last_hidden_state
+        hidden = hidden_states(model, input_ids.to(device), attention.to(device))
         for i, traj in enumerate(chunk):
             before = [offsets[i] + len(traj.prompt_ids) + j - 1 for j, acted in enumerate(traj.action_mask) if acted]
             out.append(hidden[i, before])
@@ -214,8 +136,7 @@ def chunked_logprobs(model, trajectories: list[Trajectory], tokens: ActionTokens
     hidden = action_hidden_states(model, trajectories, padding=padding)
     on = tokens.to(hidden.device)
     with torch.no_grad():
-        return chunked_token_logprobs(hidden, weight, on.target, on.temperature * temperature_scale, on.top_p,
-                                      bias=bias).cpu()
+        return token_logprobs(hidden, weight, bias, on.target, on.temperature * temperature_scale, on.top_p).cpu()
 
 
 @torch.no_grad()
@@ -223,10 +144,11 @@ def alone_logprobs(model, trajectories: list[Trajectory]) -> torch.Tensor:
     """[N] each action span scored with its prefix alone, unpadded, as the deterministic engine scored it.
 
     top_p = 1: `sequence_logprobs`, the very function the engine's deterministic mode calls, so equal
-    weights give bitwise-equal numbers. top_p < 1 (the engine keeps its sampled logprobs there):
-    `nucleus_logprobs` over the same unpadded logits. Costs one [L, V] forward per span, like the engine.
+    weights give bitwise-equal numbers. top_p < 1 (the engine keeps its sampled logprobs there): the
+    nucleus-renormalised logprobs of the same unpadded hidden states. One forward per span, like the engine.
     """
     out, device = [], model_device(model)
+    weight, bias = lm_head(model)
     for traj in trajectories:
         p = len(traj.prompt_ids)
         for start, end in action_spans(traj.action_mask):
@@ -234,11 +156,10 @@ def alone_logprobs(model, trajectories: list[Trajectory]) -> torch.Tensor:
             if traj.top_p >= 1.0:
                 logp = sequence_logprobs(model, ids, torch.ones_like(ids), traj.temperature)[0, p + start:p + end]
             else:
-                logits = forward_logits(model, ids, torch.ones_like(ids))[0, p + start - 1:p + end - 1]
+                hidden = hidden_states(model, ids, torch.ones_like(ids))[0, p + start - 1:p + end - 1]
                 n = end - start
-                logp = nucleus_logprobs(logits, torch.full((n,), traj.temperature, device=device),
-                                        torch.full((n,), traj.top_p, device=device))
-                logp = logp.gather(-1, ids[0, p + start:p + end].unsqueeze(-1)).squeeze(-1)
+                logp = token_logprobs(hidden, weight, bias, ids[0, p + start:p + end],
+                                      torch.full((n,), traj.temperature), torch.full((n,), traj.top_p))
             out.append(logp.float().cpu())
     return torch.cat(out) if out else torch.empty(0)
 

@@ -19,14 +19,8 @@ from typing import Callable, Optional
 import torch
 
 from opd_sao.config import GateConfig
-from opd_sao.consistency.check import (
-    ActionTokens,
-    ConsistencyReport,
-    action_hidden_states,
-    check,
-    chunked_token_logprobs,
-    lm_head,
-)
+from opd_sao.consistency.check import ActionTokens, ConsistencyReport, action_hidden_states, check
+from opd_sao.modeling import lm_head, token_logprobs
 from opd_sao.engines.base import GenerationRequest, RolloutEngine, SamplingParams
 from opd_sao.rl.rollout import Episode, run_episodes
 from opd_sao.trajectory import Trajectory
@@ -152,7 +146,7 @@ def diagnose(report: ConsistencyReport, trainer_model: torch.nn.Module, engine: 
         on = tokens.to(hidden.device)
         with torch.no_grad():
             def at(scale, h=hidden):
-                return chunked_token_logprobs(h, weight, on.target, on.temperature * scale, on.top_p, bias=bias).cpu()
+                return token_logprobs(h, weight, bias, on.target, on.temperature * scale, on.top_p).cpu()
             right = at(1.0)
             nominal = _mean_abs(right, tokens)
             fits = {round(f, 3): _mean_abs(at(f), tokens) for f in TEMPERATURE_FACTORS}

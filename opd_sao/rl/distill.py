@@ -26,84 +26,19 @@ from typing import Optional
 
 import numpy as np
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from opd_sao import algorithms as A
 from opd_sao.config import OPDConfig, SAOConfig
-from opd_sao.consistency.check import lm_head
-from opd_sao.modeling import position_ids_for
+from opd_sao.modeling import hidden_states, lm_head, support_logprobs
 from opd_sao.rl.learner import ResumableLearner
 from opd_sao.trajectory import Batch
 
-MASKED = -1.0e30  # finite stand-in for -inf inside logsumexp, so an empty set has a finite gradient (0)
-
-
-# ----------------------------------------------------------------------------
-# student forward pieces
-# ----------------------------------------------------------------------------
 
 def student_action_hidden(model, batch: Batch) -> torch.Tensor:
     """[N, H] final hidden state before every action token (rows: trajectory order, then position), with grad."""
-    decoder = model.get_decoder()
-    hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                     position_ids=position_ids_for(batch.attention_mask)).last_hidden_state
+    hidden = hidden_states(model, batch.input_ids, batch.attention_mask)
     b, t = batch.action_mask.bool().nonzero(as_tuple=True)
     return hidden[b, t - 1]
-
-
-def _chunk_terms(h, weight, bias, local, inside, start: int, end: int, top_k: int):
-    logits = h @ weight[start:end].T
-    if bias is not None:
-        logits = logits + bias[start:end]
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
-    member = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device).scatter_add_(1, local, inside.int()) > 0
-    rest = torch.logsumexp(logits.masked_fill(member, MASKED), dim=-1)
-    picked = logits.gather(1, local).masked_fill(~inside, 0.0)
-    top = logits.detach().topk(min(top_k, logits.shape[1]), dim=-1) if top_k else None
-    return lse, rest, picked, (top.values if top else logits.new_empty(0)), (top.indices if top else local.new_empty(0))
-
-
-def student_support_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                             support_ids: torch.Tensor, support_mask: torch.Tensor, *, vocab_chunk: int = 8192,
-                             top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Student log-probs on a support, the exact log tail mass outside it, and its top-k ids (no grad).
-
-    hidden [N, H] (with grad), weight [V, H], support_ids / support_mask [N, S]. Returns
-    (support_logp [N, S] (0 on padding), tail_logp [N], top-k ids [N, k] most probable first or None).
-    One vocabulary chunk at a time under activation checkpointing: the backward recomputes each chunk,
-    so memory is N x vocab_chunk, not N x V.
-    """
-    vocab = weight.shape[0]
-    ids = support_ids.long().clamp(0, vocab - 1)
-    mask = support_mask.bool()
-    lse_parts, rest_parts, picked = [], [], None
-    top_vals, top_ids = None, None
-    for start in range(0, vocab, vocab_chunk):
-        end = min(start + vocab_chunk, vocab)
-        inside = mask & (ids >= start) & (ids < end)
-        local = (ids - start).clamp(0, end - start - 1)
-        if hidden.requires_grad:
-            lse, rest, part, vals, idx = checkpoint(_chunk_terms, hidden, weight, bias, local, inside, start, end,
-                                                    top_k, use_reentrant=False)
-        else:
-            lse, rest, part, vals, idx = _chunk_terms(hidden, weight, bias, local, inside, start, end, top_k)
-        lse_parts.append(lse)
-        rest_parts.append(rest)
-        picked = part if picked is None else picked + part
-        if top_k:
-            idx = idx + start
-            if top_vals is None:
-                top_vals, top_ids = vals, idx
-            else:
-                merged = torch.cat([top_vals, vals], dim=1).topk(min(top_k, top_vals.shape[1] + vals.shape[1]), dim=1)
-                top_ids = torch.cat([top_ids, idx], dim=1).gather(1, merged.indices)
-                top_vals = merged.values
-    lse = torch.logsumexp(torch.stack(lse_parts), dim=0)
-    rest = torch.logsumexp(torch.stack(rest_parts), dim=0)
-    support_logp = torch.where(mask, picked - lse.unsqueeze(1), torch.zeros_like(picked))
-    return support_logp, rest - lse, top_ids
 
 
 # ----------------------------------------------------------------------------
@@ -232,7 +167,7 @@ class OPDLearner(ResumableLearner):
             else:
                 ids, t_raw, support, tail = padded_support(recs)
                 t_logp = A.renormalize_support(t_raw, support, tail)
-                s_logp, s_tail, top_ids = student_support_logprobs(h, weight, bias, ids, support,
+                s_logp, s_tail, top_ids = support_logprobs(h, weight, bias, ids, support,
                                                                    vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k)
                 mass = 1.0 - tail
             div = A.truncated_divergence(s_logp, t_logp, support, s_tail, kind=opd.divergence, beta=opd.jsd_beta)

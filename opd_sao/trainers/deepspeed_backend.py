@@ -183,7 +183,7 @@ class DeepSpeedTrainer(TrainerBackend):
         engine = self.policy if kind == "policy" else self.critic
         with torch.set_grad_enabled(grad):
             if kind == "policy":
-                local = sequence_logprobs(engine, ids, mask, temperature)
+                local = sequence_logprobs(engine, ids, mask, temperature, full_logits=self.zero3)
             else:
                 local = engine(ids, mask).float()
             if not active:

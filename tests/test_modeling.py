@@ -1,0 +1,102 @@
+"""The one vocabulary-chunked forward path (opd_sao/modeling.py) against the naive full softmax.
+
+Values and gradients must match the [N, V] computation: in float64 to rounding (the algorithm is exact),
+in float32 within 1e-6 (x (1 + |value|)) at the scale of real logits; chunk sizes that do not divide V and row blocks that
+do not divide N exercise the edges.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opd_sao.checkpoints import load_causal_lm
+from opd_sao.modeling import forward_logits, nucleus_logprobs, sequence_logprobs, sft_loss, token_logprobs
+
+
+def naive(hidden, weight, bias, targets, temperature, top_p=None):
+    logits = hidden @ weight.T + bias
+    full = torch.log_softmax(logits / temperature[:, None], -1).gather(-1, targets[:, None]).squeeze(-1)
+    if top_p is None:
+        return full
+    nucleus = nucleus_logprobs(logits, temperature, top_p).gather(-1, targets[:, None]).squeeze(-1)
+    return torch.where(top_p < 1, nucleus, full)
+
+
+def leaves(dtype, n=23, h=8, v=101, scale=0.5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(scale * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype).requires_grad_()
+            for shape in ((n, h), (v, h), (v,))]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-6)])
+def test_token_logprobs_and_gradients_equal_the_full_softmax(dtype, tol):
+    g = torch.Generator().manual_seed(1)
+    targets = torch.randint(0, 101, (23,), generator=g)
+    temperature = (0.5 + torch.rand(23, generator=g, dtype=torch.float64)).to(dtype)
+    upstream = torch.randn(23, generator=g, dtype=torch.float64).to(dtype)
+    ours, ref = leaves(dtype), leaves(dtype)
+    got = token_logprobs(*ours, targets, temperature, vocab_chunk=7, row_block=5)  # 101 = 14 x 7 + 3; 23 = 4 x 5 + 3
+    want = naive(*ref, targets, temperature)
+    assert torch.allclose(got, want, rtol=tol, atol=tol)  # |a - b| <= tol x (1 + |b|)
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    for mine, theirs in zip(ours, ref):
+        assert torch.allclose(mine.grad, theirs.grad, rtol=tol, atol=tol)
+
+
+def test_nucleus_rows_use_the_sampled_distribution():
+    g = torch.Generator().manual_seed(0)
+    hidden, weight, bias = leaves(torch.float64, n=10, v=37, scale=1.0)
+    targets = torch.randint(0, 37, (10,), generator=g)
+    temperature = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.7, 1.0, 1.3, 1.0, 1.0, 0.9], dtype=torch.float64)
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 1.0, 0.5, 1.0, 1.0, 0.99, 1.0])
+    with torch.no_grad():
+        got = token_logprobs(hidden, weight, bias, targets, temperature, top_p, vocab_chunk=5, row_block=3)
+        want = naive(hidden, weight, bias, targets, temperature, top_p.double())
+    finite = want.isfinite()
+    assert torch.allclose(got[finite], want[finite], atol=1e-10)
+    assert (got[~finite] == float("-inf")).all()  # a target outside the nucleus has probability 0
+
+
+def test_sequence_logprobs_match_the_models_own_logits_with_gradients(tiny_model_dir):
+    """The trainer's and the SFT loss's path on a real transformers model, right-padded, against its full forward."""
+    ours, ref = load_causal_lm(tiny_model_dir), load_causal_lm(tiny_model_dir)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, ours.config.vocab_size, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 6:], mask[2, 4:] = 0, 0
+    got = sequence_logprobs(ours, ids, mask, 0.8)
+    logits = forward_logits(ref, ids, mask)[:, :-1].float() / 0.8
+    want = torch.zeros_like(got)
+    want[:, 1:] = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    want = want * mask
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert (got[mask == 0] == 0).all() and (got[:, 0] == 0).all()
+    upstream = torch.randn(got.shape, generator=g)
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        # float32 sums over many tokens: within 1e-6 of the gradient's own scale
+        assert (p.grad - q.grad).abs().max() <= 1e-6 * max(1.0, float(q.grad.abs().max())), name
+
+
+def test_sft_loss_is_the_token_mean_cross_entropy_on_the_answer(tiny_model_dir):
+    model = load_causal_lm(tiny_model_dir)
+    ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    mask, loss_mask = torch.ones_like(ids), torch.zeros_like(ids)
+    loss_mask[:, 4:] = 1
+    with torch.no_grad():
+        logp = torch.log_softmax(forward_logits(model, ids, mask)[:, :-1].float(), -1)
+        want = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)[:, 3:].mean()
+        assert torch.allclose(sft_loss(model, ids, mask, loss_mask), want, rtol=1e-6, atol=1e-6)
+
+
+def test_bfloat16_weights_give_bfloat16_gradients():
+    hidden, weight, bias = (x.detach().to(torch.bfloat16).requires_grad_() for x in leaves(torch.float32))
+    targets = torch.arange(23) % 101
+    out = token_logprobs(hidden, weight, bias, targets, torch.ones(23), vocab_chunk=16)
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    assert hidden.grad.dtype == weight.grad.dtype == bias.grad.dtype == torch.bfloat16
+    want = naive(*(x.detach().float() for x in (hidden, weight, bias)), targets, torch.ones(23))
+    assert (out - want).abs().max() < 0.05  # bf16 rounding of the logits
