@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from opd_sao.checkpoints import build_tiny_model, load_causal_lm, load_tokenizer
-from opd_sao.config import RolloutConfig, SAOConfig, TinyModelConfig, TrainerConfig
+from opd_sao.config import AlgoConfig, RolloutConfig, TinyModelConfig, TrainerConfig
 from opd_sao.engines import EmbeddedEngine
 from opd_sao.engines.base import SamplingParams
 from opd_sao.rl.learner import Learner, needs_critic
@@ -58,7 +58,7 @@ def run_mode(model_dir: Path, out: Path, *, asynchronous: bool, steps: int, batc
     engine = EmbeddedEngine(load_causal_lm(model_dir), eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                             max_batch=batch, seed=seed)
     cfg = TrainerConfig(train_batch_size=batch, critic_warmup_steps=0)
-    learner = Learner(TorchTrainer(model_dir, cfg, with_critic=needs_critic(algo)), algo, SAOConfig(),
+    learner = Learner(TorchTrainer(model_dir, cfg, with_critic=needs_critic(algo)), algo, AlgoConfig(),
                       critic_steps=cfg.critic_steps, critic_warmup_steps=0)
     rollout = RolloutConfig(asynchronous=asynchronous, group_size=group_size, max_staleness=4)
     loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes, rollout=rollout,

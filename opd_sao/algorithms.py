@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -39,9 +41,13 @@ __all__ = [
     "broadcast_sequence_advantage",
     "reverse_kl_advantage",
     "truncated_divergence",
-    "gather_support_logp",
     "renormalize_support",
     "topk_overlap",
+    "AdvantageInputs",
+    "LossParams",
+    "Algorithm",
+    "ALGORITHMS",
+    "register_algorithm",
 ]
 
 
@@ -385,18 +391,6 @@ def reverse_kl_advantage(
     return torch.where(mask, adv, torch.zeros_like(adv))
 
 
-def gather_support_logp(student_logits_or_logp: torch.Tensor, support_ids: torch.Tensor) -> torch.Tensor:
-    """Student log-probs ``[N, S]`` on the support token ids ``[N, S]`` from ``[N, V]`` logits.
-
-    ``log_softmax`` is applied first; it is a no-op on inputs that already are
-    log-probs, so logits and logprobs are both accepted. Padding ids may be any
-    value (negative ids are clamped to 0); mask them with ``support_mask`` later.
-    Differentiable w.r.t. the logits.
-    """
-    logp = torch.log_softmax(student_logits_or_logp, dim=-1)
-    return logp.gather(-1, support_ids.long().clamp(min=0))
-
-
 def _kl(p: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor, bucket_mask: torch.Tensor) -> torch.Tensor:
     """``sum_i p_i (log p_i - log q_i)`` over real buckets. p_i = 0 contributes 0
     (log p and log q are floored to finite values by the caller, so 0 * finite = 0
@@ -537,3 +531,105 @@ def topk_overlap(
     in_top &= torch.arange(width, device=m.device).unsqueeze(0) < m.unsqueeze(-1)  # only the student's top m
     hits = in_top.sum(dim=-1).float()
     return torch.where(m > 0, hits / m.clamp(min=1).float(), torch.zeros_like(hits))
+
+
+# ----------------------------------------------------------------------------
+# The algorithm table (verl's core_algos registry is the model)
+# ----------------------------------------------------------------------------
+#
+# An algorithm is one row: an advantage estimator and a policy loss, each a pure function with a shared
+# signature, plus whether it needs a critic and whether its rollouts come in groups. The learner
+# (opd_sao/rl/learner.py) and the config's checks read only this table, so adding an algorithm is one
+# formula (if it needs a new one) and one `register_algorithm(...)` row.
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """Everything an advantage estimator may read. Per-token tensors are ``[B, T]``."""
+
+    rewards: torch.Tensor
+    action_mask: torch.Tensor
+    values: Optional[torch.Tensor] = None  # the critic's V(s_t) (estimators of algorithms with a critic)
+    group_ids: Optional[torch.Tensor] = None  # [B] (grouped algorithms)
+    baseline: float = 0.0  # the running mean of recent rewards
+    gamma: float = 1.0
+    alpha: float = 1.5  # length-adaptive lambda = 1 - 1/(alpha * l)
+    lam: float = 0.95  # fixed GAE lambda
+
+
+@dataclass(frozen=True)
+class LossParams:
+    eps_low: float = 0.3  # DIS band [1 - eps_low, 1 + eps_high]
+    eps_high: float = 5.0
+    clip: float = 0.2  # PPO clip
+
+
+AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, Optional[torch.Tensor]]]
+PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossParams],
+                        tuple[torch.Tensor, dict[str, float]]]
+
+
+def sao_advantages(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Skip-observation GAE with the length-adaptive lambda for the policy; the critic's targets at lambda 1."""
+    lam = length_adaptive_lambda(_as_bool(x.action_mask).sum(-1), x.alpha)
+    advantages, _ = skip_observation_gae(x.rewards, x.values, x.action_mask, x.gamma, lam)
+    _, returns = skip_observation_gae(x.rewards, x.values, x.action_mask, x.gamma, 1.0)
+    return advantages, returns
+
+
+def gae_advantages(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Skip-observation GAE at a fixed lambda, for the policy and the critic's targets alike (PPO)."""
+    return skip_observation_gae(x.rewards, x.values, x.action_mask, x.gamma, x.lam)
+
+
+def group_advantages(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+    """GRPO: each trajectory's reward z-scored within its group, on every action token."""
+    return broadcast_sequence_advantage(grpo_advantages(x.rewards.sum(-1), x.group_ids), x.action_mask), None
+
+
+def running_mean_advantages(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+    """The trajectory's reward minus the running mean of recent rewards, on every action token."""
+    return broadcast_sequence_advantage(x.rewards.sum(-1) - x.baseline, x.action_mask), None
+
+
+def dis_policy_loss(logp, behaviour_logp, advantages, action_mask, p: LossParams):
+    """DIS against the rollout engine's logprobs (`sao_policy_loss`)."""
+    return sao_policy_loss(logp, behaviour_logp, advantages, action_mask, p.eps_low, p.eps_high)
+
+
+def ppo_policy_loss(logp, behaviour_logp, advantages, action_mask, p: LossParams):
+    """PPO clip against pi_old, the trainer's own logprobs before the update (`ppo_clip_loss`)."""
+    return ppo_clip_loss(logp, behaviour_logp, advantages, action_mask, p.clip)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    advantage: AdvantageFn
+    policy_loss: PolicyLossFn
+    critic: bool  # trains a value model (K updates per policy step) whose values the advantage reads
+    grouped: bool  # rollouts come in groups of rollout.group_size per prompt
+    against_rollout: bool = True  # the loss's behaviour logprobs: the engine's (DIS) or recomputed pi_old (PPO)
+    description: str = ""
+
+
+ALGORITHMS: dict[str, Algorithm] = {}
+
+
+def register_algorithm(name: str, advantage: AdvantageFn, policy_loss: PolicyLossFn, *, critic: bool, grouped: bool,
+                       against_rollout: bool = True, description: str = "") -> Algorithm:
+    if name in ALGORITHMS:
+        raise ValueError(f"algorithm {name!r} is registered twice")
+    ALGORITHMS[name] = Algorithm(name, advantage, policy_loss, critic, grouped, against_rollout, description)
+    return ALGORITHMS[name]
+
+
+register_algorithm("sao", sao_advantages, dis_policy_loss, critic=True, grouped=False,
+                   description="single rollout, critic (frozen attention, K steps), skip-observation GAE, DIS")
+register_algorithm("ppo", gae_advantages, ppo_policy_loss, critic=True, grouped=False, against_rollout=False,
+                   description="GAE (fixed lambda), PPO clip against pi_old")
+register_algorithm("grpo", group_advantages, ppo_policy_loss, critic=False, grouped=True, against_rollout=False,
+                   description="group z-score, PPO clip against pi_old")
+register_algorithm("grpo_dis", group_advantages, dis_policy_loss, critic=False, grouped=True,
+                   description="group z-score, DIS")
+register_algorithm("running_mean", running_mean_advantages, dis_policy_loss, critic=False, grouped=False,
+                   description="reward minus the mean of the last baseline_window rewards, DIS")

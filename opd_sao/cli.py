@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     serve.add_argument("--weight-version", default="default", help="reported until the first weight update (as SGLang)")
     serve.set_defaults(func=_cmd_serve)
+    config = sub.add_parser("config", help="every config setting: dotted path, type, default and what it does")
+    config.add_argument("prefix", nargs="?", default="", help="only settings under this path, e.g. stages[].opd")
+    config.add_argument("--markdown", action="store_true", help="as the markdown table of docs/config.md")
+    config.set_defaults(func=_cmd_config)
     reward = sub.add_parser("reward-model", help="train the chat judge's reward model from generated preference pairs")
     reward.add_argument("out", help="directory to write the HF-format reward model to")
     reward.add_argument("--pairs", type=int, default=3000)
@@ -130,6 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
     reward.add_argument("--seed", type=int, default=0)
     reward.set_defaults(func=_cmd_reward_model)
     return parser
+
+
+def _cmd_config(args) -> int:
+    """`opd-sao config [PREFIX]`: the schema's documentation (pydantic field descriptions)."""
+    from opd_sao.config import config_reference
+
+    print(config_reference(args.prefix, markdown=args.markdown))
+    return 0
 
 
 def _cmd_serve(args) -> int:  # the server module imports torch: only when serving

@@ -2,14 +2,34 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from types import UnionType
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
-Algo = Literal["sao", "grpo", "grpo_dis", "ppo", "running_mean"]
 Granularity = Literal["sampled", "top_k", "top_p", "full"]
 Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
+Dtype = Literal["float32", "bfloat16"]
+
+
+def algo_name(value: str) -> str:
+    """An algorithm registered in `opd_sao.algorithms.ALGORITHMS` (the table is the one list of algorithms)."""
+    from opd_sao.algorithms import ALGORITHMS
+
+    if value not in ALGORITHMS:
+        raise ValueError(f"unknown algo {value!r}; registered: {', '.join(sorted(ALGORITHMS))}")
+    return value
+
+
+Algo = Annotated[str, AfterValidator(algo_name)]
 
 
 class ConfigError(ValueError):
@@ -20,47 +40,63 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def describe(description: str, default: Any = ..., **constraints) -> Any:
+    """A documented field: every setting says what it does (`opd-sao config` prints them all)."""
+    return Field(default, description=description, **constraints)
+
+
 class TinyModelConfig(Strict):
     """Shape of the model the project builds itself when `model.path` is `tiny`."""
 
-    vocab_size: int = Field(384, ge=64)
-    hidden_size: int = Field(64, ge=8)
-    intermediate_size: int = Field(192, ge=8)
-    num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    max_positions: int = Field(1024, ge=64)
+    vocab_size: int = describe("BPE vocabulary size of the tokenizer trained on the environments' corpora", 384, ge=64)
+    hidden_size: int = describe("hidden width", 64, ge=8)
+    intermediate_size: int = describe("MLP width", 192, ge=8)
+    num_layers: int = describe("decoder layers", 2, ge=1)
+    num_heads: int = describe("attention heads", 4, ge=1)
+    num_kv_heads: int = describe("key/value heads (grouped-query attention when fewer than num_heads)", 2, ge=1)
+    max_positions: int = describe("maximum sequence length (positions)", 1024, ge=64)
 
 
 class ModelConfig(Strict):
-    path: str = "tiny"  # "tiny": build the embedded tiny model; otherwise a local HF-format directory
-    tiny: TinyModelConfig = TinyModelConfig()
+    """The base model every stage starts from."""
+
+    path: str = describe("'tiny': build the embedded tiny model; otherwise a local HF-format model directory", "tiny")
+    tiny: TinyModelConfig = describe("shape of the tiny model (path: tiny)", TinyModelConfig())
 
 
 class EngineConfig(Strict):
-    kind: Literal["embedded", "http"] = "embedded"
-    urls: list[str] = []  # rollout servers for kind=http (SGLang native API or `opd-sao serve`)
-    weights_dir: Optional[str] = None  # kind=http: where weight syncs are written; every server must read it
-    max_batch: int = Field(32, ge=1)  # concurrent sequences in the continuous batch
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    deterministic: bool = False  # score every sequence alone with the trainer's kernels (see docs)
+    """The rollout engine: in-process, or SGLang-API servers."""
+
+    kind: Literal["embedded", "http"] = describe("embedded: in-process continuous batching; http: rollout servers "
+                                                 "speaking SGLang's native API (SGLang or `opd-sao serve`)", "embedded")
+    urls: list[str] = describe("kind=http: the rollout servers' base URLs", [])
+    weights_dir: Optional[str] = describe("kind=http: where weight syncs are written; every server must read it "
+                                          "(default: a temporary directory)", None)
+    max_batch: int = describe("concurrent sequences in the continuous batch", 32, ge=1)
+    dtype: Dtype = describe("embedded engine weights' dtype", "float32")
+    deterministic: bool = describe("score every sequence alone with the trainer's kernels (bitwise agreement; slow)",
+                                   False)
 
 
 class TrainerConfig(Strict):
-    backend: Literal["torch", "deepspeed"] = "torch"
-    policy_lr: float = Field(1e-4, gt=0)
-    critic_lr: float = Field(5e-4, gt=0)
-    critic_steps: int = Field(2, ge=1)  # K critic updates per policy update (TTUR, SPEC 2.3)
-    critic_warmup_steps: int = Field(10, ge=0)
-    freeze_critic_attention: bool = True
-    grad_clip: float = Field(1.0, gt=0)
-    adam_betas: tuple[float, float] = (0.9, 0.999)  # policy and critic AdamW (torch; DeepSpeed unless its config has an optimizer)
-    weight_decay: float = Field(0.0, ge=0)
-    train_batch_size: int = Field(16, ge=1)
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    deepspeed_config: Optional[dict[str, Any]] = None
-    slowdown_s: float = Field(0.0, ge=0)  # artificial delay per step, to force staleness in experiments
+    """The trainer: backend, optimizers, batch size."""
 
+    backend: Literal["torch", "deepspeed"] = describe("torch: one process; deepspeed: ZeRO 1/2/3 over torchrun ranks",
+                                                      "torch")
+    policy_lr: float = describe("policy AdamW learning rate", 1e-4, gt=0)
+    critic_lr: float = describe("critic AdamW learning rate", 5e-4, gt=0)
+    critic_steps: int = describe("K critic updates per policy update (TTUR, SPEC 2.3)", 2, ge=1)
+    critic_warmup_steps: int = describe("steps that train only the critic before the first policy update", 10, ge=0)
+    freeze_critic_attention: bool = describe("freeze the critic's attention weights (SAO)", True)
+    grad_clip: float = describe("gradient-norm clip of policy and critic", 1.0, gt=0)
+    adam_betas: tuple[float, float] = describe("policy and critic AdamW betas (torch; DeepSpeed unless its config "
+                                               "names an optimizer)", (0.9, 0.999))
+    weight_decay: float = describe("AdamW weight decay", 0.0, ge=0)
+    train_batch_size: int = describe("trajectories per policy step", 16, ge=1)
+    dtype: Dtype = describe("trainer weights' dtype", "float32")
+    deepspeed_config: Optional[dict[str, Any]] = describe("backend=deepspeed: a DeepSpeed config dict (defaults to "
+                                                          "ZeRO-2)", None)
+    slowdown_s: float = describe("artificial delay per step, to force staleness in experiments", 0.0, ge=0)
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> "TrainerConfig":
@@ -70,18 +106,24 @@ class TrainerConfig(Strict):
 
 
 class RolloutConfig(Strict):
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(16, ge=1)
-    asynchronous: bool = True  # False: synchronous group batching (a step waits for the whole batch)
-    group_size: Optional[int] = Field(None, ge=1)  # rollouts per prompt; default 1 (SAO) or 8 (grpo, grpo_dis)
-    max_staleness: int = Field(4, ge=0)  # policy versions a trajectory may lag; older ones are dropped
-    sync_every: int = Field(1, ge=1)  # policy steps between weight syncs to the engine
-    max_turns: int = Field(1, ge=1)
-    max_context_tokens: int = Field(512, ge=16)
-    compaction: bool = False  # summarise long agent episodes and continue from the summary (opd_sao/compaction.py)
-    compaction_budget: int = Field(256, ge=16)  # context tokens past which an episode compacts
-    compaction_instruction: str = "\n# summary of the task and attempts so far:\n"
+    """How a stage samples: sampling parameters, asynchrony, multi-turn episodes."""
+
+    temperature: float = describe("sampling temperature", 1.0, gt=0)
+    top_p: float = describe("nucleus sampling mass (1: the whole distribution)", 1.0, gt=0, le=1)
+    max_new_tokens: int = describe("tokens per generation (per turn)", 16, ge=1)
+    asynchronous: bool = describe("True: generation runs ahead of training within the staleness bound; False: "
+                                  "synchronous group batching (a step waits for its whole batch)", True)
+    group_size: Optional[int] = describe("rollouts per prompt; default from the algorithm (1, or 8 for grouped "
+                                         "algorithms)", None, ge=1)
+    max_staleness: int = describe("policy versions a trajectory may lag; older ones are dropped", 4, ge=0)
+    sync_every: int = describe("policy steps between weight syncs to the engine", 1, ge=1)
+    max_turns: int = describe("environment turns per episode", 1, ge=1)
+    max_context_tokens: int = describe("an episode ends when its context reaches this length", 512, ge=16)
+    compaction: bool = describe("summarise long agent episodes and continue from the summary (rl/compaction.py)",
+                                False)
+    compaction_budget: int = describe("context tokens past which an episode compacts", 256, ge=16)
+    compaction_instruction: str = describe("the observation that asks the model for its summary",
+                                           "\n# summary of the task and attempts so far:\n")
 
     @model_validator(mode="after")
     def _room_for_a_summary(self) -> "RolloutConfig":
@@ -91,60 +133,75 @@ class RolloutConfig(Strict):
         return self
 
 
-class SAOConfig(Strict):
-    eps_low: float = Field(0.3, ge=0, le=1)
-    eps_high: float = Field(5.0, ge=0)
-    alpha: float = Field(1.5, gt=0)  # length-adaptive policy lambda = 1 - 1/(alpha*l)
-    gamma: float = Field(1.0, ge=0, le=1)
-    ppo_clip: float = Field(0.2, gt=0)  # grpo / ppo baselines
-    ppo_lambda: float = Field(0.95, ge=0, le=1)
-    update_epochs: int = Field(1, ge=1)  # grpo / ppo: passes over each batch (the clip needs > 1)
-    baseline_window: int = Field(128, ge=1)  # running_mean baseline
+class AlgoConfig(Strict):
+    """Parameters of the learning rules in `opd_sao.algorithms.ALGORITHMS` (the YAML key is `sao`)."""
+
+    eps_low: float = describe("DIS: tokens with ratio below 1 - eps_low are masked", 0.3, ge=0, le=1)
+    eps_high: float = describe("DIS: tokens with ratio above 1 + eps_high are masked", 5.0, ge=0)
+    alpha: float = describe("length-adaptive policy lambda = 1 - 1/(alpha * l)", 1.5, gt=0)
+    gamma: float = describe("discount", 1.0, ge=0, le=1)
+    ppo_clip: float = describe("ppo, grpo: clip range of the ratio to pi_old", 0.2, gt=0)
+    ppo_lambda: float = describe("ppo: GAE lambda", 0.95, ge=0, le=1)
+    update_epochs: int = describe("ppo, grpo: passes over each batch (the clip needs > 1)", 1, ge=1)
+    baseline_window: int = describe("running_mean: rewards averaged for the baseline", 128, ge=1)
 
 
 class SFTConfig(Strict):
-    steps: int = Field(0, ge=0)
-    lr: float = Field(3e-3, gt=0)
-    batch_size: int = Field(32, ge=1)
+    """A supervised warm start on the environment's reference solutions."""
+
+    steps: int = describe("optimizer steps (0: no warm start)", 0, ge=0)
+    lr: float = describe("AdamW learning rate", 3e-3, gt=0)
+    batch_size: int = describe("examples per step", 32, ge=1)
 
 
 class EvalConfig(Strict):
-    num_tasks: int = Field(64, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    samples_per_task: int = Field(1, ge=1)
+    """Held-out evaluation after every stage."""
+
+    num_tasks: int = describe("eval tasks per domain", 64, ge=1)
+    temperature: float = describe("sampling temperature (sampled with a fixed seed, so runs compare)", 1.0, gt=0)
+    samples_per_task: int = describe("episodes per task", 1, ge=1)
 
 
 class GateConfig(Strict):
-    enabled: bool = True
-    mean_abs_diff: float = Field(1e-3, gt=0)
-    p99_abs_diff: float = Field(1e-2, gt=0)
-    every: int = Field(0, ge=0)  # also gate every N policy steps (0: only at start and before promotion)
-    probe_size: int = Field(8, ge=1)
+    """The train/inference consistency gate (SPEC 5)."""
+
+    enabled: bool = describe("check the stage's engine against its trainer", True)
+    mean_abs_diff: float = describe("fail when the mean |logp_train - logp_rollout| exceeds this", 1e-3, gt=0)
+    p99_abs_diff: float = describe("fail when the 99th percentile of |dlogp| exceeds this", 1e-2, gt=0)
+    every: int = describe("also gate every N policy steps (0: only at start and before promotion)", 0, ge=0)
+    probe_size: int = describe("probe rollouts per check", 8, ge=1)
 
 
 class TeacherConfig(Strict):
-    name: str
-    checkpoint: str  # a local HF directory, or the name of an earlier stage of this run
-    domains: list[str] = Field(min_length=1)
-    granularity: Optional[Granularity] = None  # default: the OPD stage's
-    kind: str = "in_process"  # a Teacher implementation registered in teachers/ (TEACHER_KINDS)
+    """One OPD teacher."""
+
+    name: str = describe("a unique name (cache folders and metrics use it)")
+    checkpoint: str = describe("a local HF directory, or the name of an earlier stage of this run")
+    domains: list[str] = describe("the domains (environments) this teacher teaches", min_length=1)
+    granularity: Optional[Granularity] = describe("what the teacher stores per token (default: the stage's)", None)
+    kind: str = describe("a Teacher implementation registered in teachers/ (TEACHER_KINDS)", "in_process")
 
 
 class OPDConfig(Strict):
-    teachers: list[TeacherConfig] = []
-    granularity: Granularity = "top_k"
-    top_k: int = Field(16, ge=1)
-    top_p: float = Field(0.95, gt=0, le=1)
-    divergence: Divergence = "reverse_kl"
-    jsd_beta: float = Field(0.5, gt=0, lt=1)
-    reward_weight: float = Field(0.0, ge=0)  # sampled mode: mix the task reward into the advantage
-    max_resident: int = Field(2, ge=1)
-    prefetch: bool = True
-    cache_dir: Optional[str] = None  # default: <stage dir>/logit_cache
-    local_dir: Optional[str] = None  # disk tier teachers are copied to before loading; default: <stage dir>/teacher_tier
-    copy_bandwidth_mb_s: Optional[float] = Field(None, gt=0)  # throttle the copy (simulates slow storage; benchmarks)
-    score_batch_size: int = Field(32, ge=1)  # trajectories per teacher forward pass
-    vocab_chunk: int = Field(8192, ge=1)  # vocabulary columns per lm-head chunk (teacher scoring, student support)
+    """On-policy distillation: teachers, granularity, divergence, cache and prefetch."""
+
+    teachers: list[TeacherConfig] = describe("one teacher per domain", [])
+    granularity: Granularity = describe("sampled, top_k, top_p or full: the teacher's distribution kept per token",
+                                        "top_k")
+    top_k: int = describe("top_k: tokens kept per position", 16, ge=1)
+    top_p: float = describe("top_p: probability mass kept per position", 0.95, gt=0, le=1)
+    divergence: Divergence = describe("top_k/top_p/full: forward_kl, reverse_kl or jsd", "reverse_kl")
+    jsd_beta: float = describe("jsd: the mixture weight", 0.5, gt=0, lt=1)
+    reward_weight: float = describe("mix the task reward (minus a running mean) into the loss", 0.0, ge=0)
+    max_resident: int = describe("teachers held in memory at once (the rest on the disk tier)", 2, ge=1)
+    prefetch: bool = describe("load the next teacher while the current one scores", True)
+    cache_dir: Optional[str] = describe("the logit cache (default: <stage dir>/logit_cache)", None)
+    local_dir: Optional[str] = describe("disk tier teachers are copied to before loading (default: <stage "
+                                        "dir>/teacher_tier)", None)
+    copy_bandwidth_mb_s: Optional[float] = describe("throttle the copy to the disk tier (simulates slow storage)",
+                                                    None, gt=0)
+    score_batch_size: int = describe("trajectories per teacher forward pass", 32, ge=1)
+    vocab_chunk: int = describe("vocabulary columns per lm-head chunk (teacher scoring, student support)", 8192, ge=1)
 
     @model_validator(mode="after")
     def _one_teacher_per_domain(self) -> "OPDConfig":
@@ -161,47 +218,56 @@ class OPDConfig(Strict):
 
 
 class StageConfig(Strict):
-    name: str
-    kind: str  # a name registered in stages/ (reasoning, agent, chat, opd, ...)
-    env: Optional[str] = None  # a name registered in stages/envs
-    env_options: dict[str, Any] = {}
-    domains: list[str] = []  # OPD: the domains (environments) whose prompts the student answers
-    algo: Optional[Algo] = None  # default: the run's `algo`
-    steps: int = Field(20, ge=0)
-    init_from: str = "previous"  # "base", "previous", or an earlier stage's name
-    checkpoint_every: int = Field(25, ge=1)  # policy steps between resumable state saves
-    buffer_memory: int = Field(4096, ge=1)  # waiting trajectories kept in host memory; the rest spill to disk
-    trainer: dict[str, Any] = {}  # overrides of the run's trainer settings for this stage
-    rollout: RolloutConfig = RolloutConfig()
-    sao: SAOConfig = SAOConfig()
-    sft: SFTConfig = SFTConfig()
-    eval: EvalConfig = EvalConfig()
-    gate: GateConfig = GateConfig()
-    opd: OPDConfig = OPDConfig()
-    options: dict[str, Any] = {}  # stage-kind specific settings, validated by the stage class
+    """One stage of the pipeline."""
+
+    name: str = describe("a unique stage name (its folder under stages/)")
+    kind: str = describe("a stage kind registered in stages/ (sft, reasoning, agent, chat, opd, ...)")
+    env: Optional[str] = describe("an environment registered in stages/envs", None)
+    env_options: dict[str, Any] = describe("keyword arguments of the environment", {})
+    domains: list[str] = describe("opd, sft: the domains (environments) whose prompts the stage uses", [])
+    algo: Optional[Algo] = describe("the learning rule (default: the run's `algo`)", None)
+    steps: int = describe("policy steps", 20, ge=0)
+    init_from: str = describe("'base', 'previous', or an earlier stage's name", "previous")
+    checkpoint_every: int = describe("policy steps between resumable state saves", 25, ge=1)
+    buffer_memory: int = describe("waiting trajectories kept in host memory; the rest spill to disk", 4096, ge=1)
+    trainer: dict[str, Any] = describe("overrides of the run's trainer settings for this stage", {})
+    rollout: RolloutConfig = describe("sampling and episodes", RolloutConfig())
+    sao: AlgoConfig = describe("parameters of the learning rule (DIS band, GAE, baselines)", AlgoConfig())
+    sft: SFTConfig = describe("the stage's supervised warm start", SFTConfig())
+    eval: EvalConfig = describe("held-out evaluation", EvalConfig())
+    gate: GateConfig = describe("the consistency gate", GateConfig())
+    opd: OPDConfig = describe("opd stages: teachers and losses", OPDConfig())
+    options: dict[str, Any] = describe("settings of the stage kind itself, validated by its `Options` model", {})
 
 
 class LoggingConfig(Strict):
-    wandb: bool = True  # offline unless WANDB_MODE says otherwise
-    wandb_project: str = "opd-sao"
-    progress: bool = True
+    """Where metrics go."""
+
+    wandb: bool = describe("log to wandb (offline unless WANDB_MODE says otherwise)", True)
+    wandb_project: str = describe("wandb project name", "opd-sao")
+    progress: bool = describe("live progress bars", True)
 
 
 class RunConfig(Strict):
-    seed: int = 0
-    torch_threads: Optional[int] = Field(1, ge=1)  # per process; tiny models run fastest single-threaded, and the
-    # rollout and trainer threads each get a core. None: torch's default
-    algo: Algo = "sao"
-    run_dir: Optional[str] = None
-    model: ModelConfig = ModelConfig()
-    engine: EngineConfig = EngineConfig()
-    trainer: TrainerConfig = TrainerConfig()
-    logging: LoggingConfig = LoggingConfig()
-    eval_domains: list[str] = []  # environments evaluated after every stage (default: every stage's env)
-    stages: list[StageConfig] = Field(min_length=1)
+    """A whole run: the base model, the engine, the trainer and the stages in order."""
+
+    seed: int = describe("seed of every random choice", 0)
+    torch_threads: Optional[int] = describe("torch threads per process (tiny models run fastest single-threaded, and "
+                                            "the rollout and trainer threads each get a core); null: torch's default",
+                                            1, ge=1)
+    algo: Algo = describe("the learning rule of RL stages (a row of opd_sao.algorithms.ALGORITHMS)", "sao")
+    run_dir: Optional[str] = describe("the run directory (default: runs/<timestamp>-<config name>)", None)
+    model: ModelConfig = describe("the base model", ModelConfig())
+    engine: EngineConfig = describe("the rollout engine", EngineConfig())
+    trainer: TrainerConfig = describe("the trainer", TrainerConfig())
+    logging: LoggingConfig = describe("metrics and progress", LoggingConfig())
+    eval_domains: list[str] = describe("environments evaluated after every stage (default: every stage's env)", [])
+    stages: list[StageConfig] = describe("the stages, run in order", min_length=1)
 
     @model_validator(mode="after")
     def _check_stages(self) -> "RunConfig":
+        from opd_sao.algorithms import ALGORITHMS
+
         seen: list[str] = []
         for stage in self.stages:
             if stage.name in seen:
@@ -222,7 +288,7 @@ class RunConfig(Strict):
                 raise ValueError(f"stage {stage.name!r}: domains {sorted(set(stage.domains) - taught)} have no teacher "
                                  f"(teachers cover {sorted(taught)})")
             trainer = TrainerConfig(**{**self.trainer.model_dump(), **stage.trainer})
-            grouped = self.stage_algo(stage) in ("grpo", "grpo_dis")
+            grouped = ALGORITHMS[self.stage_algo(stage)].grouped
             if stage.rollout.group_size is None:
                 stage.rollout.group_size = 8 if grouped else 1
             if grouped and stage.rollout.group_size < 2:
@@ -241,6 +307,54 @@ class RunConfig(Strict):
 
     def stage_trainer(self, stage: StageConfig) -> TrainerConfig:
         return TrainerConfig(**{**self.trainer.model_dump(), **stage.trainer})
+
+
+def type_name(annotation) -> str:
+    """A readable type: `int`, `float | null`, `'torch' | 'deepspeed'`, `list[TeacherConfig]`."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin is Annotated:
+        return type_name(args[0])
+    if origin in (Union, UnionType):
+        return " | ".join("null" if a is type(None) else type_name(a) for a in args)
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(type_name(a) for a in args)}]"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def field_docs(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted path, type, default, description) of every setting, nested sections expanded."""
+    rows = []
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{name}"
+        kind = info.annotation
+        nested = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else None
+        if nested is None and getattr(kind, "__origin__", None) is list:
+            inner = kind.__args__[0]
+            nested = inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
+            path_inner = f"{path}[]."
+        else:
+            path_inner = f"{path}."
+        default = "required" if info.is_required() else ("..." if nested and not isinstance(info.default, list)
+                                                          else repr(info.default))
+        rows.append((path, type_name(kind), default, info.description or ""))
+        if nested is not None:
+            rows.extend(field_docs(nested, path_inner))
+    return rows
+
+
+def config_reference(prefix: str = "", *, markdown: bool = False) -> str:
+    """Every setting under `prefix` as aligned text, or as the markdown table of docs/config.md."""
+    rows = [r for r in field_docs() if r[0].startswith(prefix)]
+    if not rows:
+        raise ConfigError(f"no config setting starts with {prefix!r} (try `opd-sao config` for all of them)")
+    if markdown:
+        lines = ["| setting | type | default | what it does |", "| --- | --- | --- | --- |"]
+        lines += ["| `{}` | {} | {} | {} |".format(*(c.replace("|", "\\|") for c in row)) for row in rows]
+        return "\n".join(lines)
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{path:<{width}}  {kind} = {default}\n{'':<{width}}  {text}" for path, kind, default, text in rows)
 
 
 def _format_error(err: ValidationError) -> str:

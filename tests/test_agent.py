@@ -10,10 +10,10 @@ import torch
 from opd_sao import algorithms, cli
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.config import (
+    AlgoConfig,
     ConfigError,
     RolloutConfig,
     RunConfig,
-    SAOConfig,
     StageConfig,
     TrainerConfig,
     parse_config,
@@ -178,7 +178,7 @@ def test_agent_advantages_are_gae_over_the_action_tokens_only(multi_turn, tiny_m
         traj.rewards[-1] += 1.0 - 0.5 * i  # a final reward, so every advantage is non-trivial
     batch = collate(trajs, pad_id=0)
     backend = TorchTrainer(tiny_model_dir, TrainerConfig(), with_critic=True)
-    learner = Learner(backend, "sao", SAOConfig(), critic_steps=1, critic_warmup_steps=0)
+    learner = Learner(backend, "sao", AlgoConfig(), critic_steps=1, critic_warmup_steps=0)
     seen = {}
     critic_values, policy_loss = backend.critic_values, algorithms.sao_policy_loss
 

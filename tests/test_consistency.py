@@ -26,7 +26,6 @@ from opd_sao.consistency.check import (
 )
 from opd_sao.consistency.gate import ConsistencyGate, GateFailure, probe_episodes
 from opd_sao.engines.embedded import EmbeddedEngine
-from opd_sao.modeling import nucleus_logprobs
 from opd_sao.rl.rollout import run_episodes
 from opd_sao.trainers.torch_backend import TorchTrainer
 from opd_sao.trajectory import Trajectory, collate

@@ -32,10 +32,10 @@ def _trainer_cfg(**kw):
 
 
 def _learner(backend):
-    from opd_sao.config import SAOConfig
+    from opd_sao.config import AlgoConfig
     from opd_sao.rl.learner import Learner
 
-    return Learner(backend, "sao", SAOConfig(), critic_steps=2, critic_warmup_steps=0)
+    return Learner(backend, "sao", AlgoConfig(), critic_steps=2, critic_warmup_steps=0)
 
 
 def _load_batch(path: Path, pad_id: int):

@@ -94,3 +94,25 @@ def test_cache_and_teachers_stay_below_the_trainer(graph):
                  if (n.startswith("cache") and not d.startswith("cache"))
                  or (n.startswith("teachers") and d.startswith(("opd_sao.rl", "opd_sao.consistency.gate", "stages"))))
     assert not bad, ", ".join(bad)
+
+
+def test_every_config_setting_is_documented_and_docs_config_md_is_current():
+    from opd_sao.config import config_reference, field_docs
+
+    undocumented = [path for path, _, _, text in field_docs() if not text]
+    assert not undocumented, f"config fields without a description: {undocumented}"
+    table = config_reference(markdown=True)
+    assert table in (ROOT / "docs" / "config.md").read_text(), "regenerate docs/config.md (opd-sao config --markdown)"
+
+
+def test_the_algorithm_table_drives_the_config():
+    from opd_sao.algorithms import ALGORITHMS
+    from opd_sao.config import ConfigError, parse_config
+
+    assert set(ALGORITHMS) == {"sao", "ppo", "grpo", "grpo_dis", "running_mean"}
+    stage = {"name": "r", "kind": "reasoning", "env": "arithmetic"}
+    for name, algorithm in ALGORITHMS.items():
+        cfg = parse_config({"algo": name, "stages": [dict(stage)]})
+        assert (cfg.stages[0].rollout.group_size > 1) == algorithm.grouped
+    with pytest.raises(ConfigError, match="unknown algo 'reinforce'; registered: grpo, grpo_dis, ppo"):
+        parse_config({"algo": "reinforce", "stages": [dict(stage)]})

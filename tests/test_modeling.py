@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from opd_sao.checkpoints import load_causal_lm
-from opd_sao.modeling import forward_logits, nucleus_logprobs, sequence_logprobs, sft_loss, token_logprobs
+from opd_sao.modeling import (
+    forward_logits,
+    nucleus_logprobs,
+    sequence_logprobs,
+    sft_loss,
+    token_logprobs,
+)
 
 
 def naive(hidden, weight, bias, targets, temperature, top_p=None):

@@ -11,15 +11,14 @@ import torch
 from cache import LogitCache
 from opd_sao.checkpoints import load_causal_lm, load_tokenizer, save_checkpoint
 from opd_sao.config import (
+    AlgoConfig,
     ConfigError,
     OPDConfig,
-    SAOConfig,
     TrainerConfig,
     parse_config,
 )
-from opd_sao.modeling import sequence_logprobs
+from opd_sao.modeling import sequence_logprobs, support_logprobs
 from opd_sao.pipeline import run_pipeline
-from opd_sao.modeling import support_logprobs
 from opd_sao.rl.distill import OPDLearner, padded_support
 from opd_sao.trainers import TorchTrainer
 from opd_sao.trajectory import Trajectory, collate
@@ -113,7 +112,7 @@ def _learner(student, teacher_dirs, tokenizer, tmp_path, *, lr=1e-9, **opd):
     pf = Prefetcher(reg.build_all(), local_dir=tmp_path / "tier", max_resident=1)
     targets = TeacherTargets(reg, pf, tmp_path / "cache")
     backend = TorchTrainer(student, TrainerConfig(policy_lr=lr), with_critic=False)
-    return OPDLearner(backend, cfg, SAOConfig(), targets), pf
+    return OPDLearner(backend, cfg, AlgoConfig(), targets), pf
 
 
 @pytest.mark.parametrize("granularity", ["sampled", "top_k", "top_p", "full"])

@@ -4,11 +4,13 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
+
 from opd_sao.checkpoints import load_causal_lm
-from opd_sao.config import RolloutConfig, SAOConfig, TrainerConfig
+from opd_sao.config import AlgoConfig, RolloutConfig, TrainerConfig
 from opd_sao.engines import EmbeddedEngine
 from opd_sao.engines.base import SamplingParams
-from opd_sao.rl.learner import Learner
+from opd_sao.rl.learner import Learner, needs_critic
 from opd_sao.rl.loop import RLLoop
 from opd_sao.rl.rollout import Episode
 from opd_sao.runs.tracking import MetricsLogger
@@ -34,8 +36,8 @@ def _loop(tmp_path, tiny_model_dir, tokenizer, lengths, *, asynchronous=True, gr
     engine = EmbeddedEngine(load_causal_lm(tiny_model_dir), eos_id=tokenizer.eos_token_id,
                             pad_id=tokenizer.pad_token_id, max_batch=8)
     cfg = TrainerConfig(train_batch_size=batch, critic_warmup_steps=0)
-    backend = TorchTrainer(tiny_model_dir, cfg, with_critic=algo == "sao")
-    learner = Learner(backend, algo, SAOConfig(), critic_steps=2, critic_warmup_steps=0)
+    backend = TorchTrainer(tiny_model_dir, cfg, with_critic=needs_critic(algo))
+    learner = Learner(backend, algo, AlgoConfig(), critic_steps=2, critic_warmup_steps=0)
     rollout = RolloutConfig(asynchronous=asynchronous, group_size=group_size, max_staleness=max_staleness)
     loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes, rollout=rollout,
                   train_batch_size=batch, pad_id=tokenizer.pad_token_id,
@@ -78,3 +80,57 @@ def test_staleness_bound_drops_old_trajectories(tmp_path, tiny_model_dir, tokeni
     loop.run(steps=4)
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(m["staleness_max"] == 0 for m in metrics)
+
+
+def test_a_new_algorithm_is_one_formula_and_one_table_row(tmp_path, tiny_model_dir, tokenizer):
+    """REINFORCE without a baseline, added as the README's "Add an algorithm" shows, runs through the same loop."""
+    import torch
+
+    from opd_sao import algorithms as A
+
+    def raw_reward(x: A.AdvantageInputs):  # the formula
+        return A.broadcast_sequence_advantage(x.rewards.sum(-1), x.action_mask), None
+
+    A.register_algorithm("reinforce", raw_reward, A.dis_policy_loss, critic=False, grouped=False)  # the row
+    try:
+        loop, _ = _loop(tmp_path, tiny_model_dir, tokenizer, [2] * 50, algo="reinforce")
+        before = {k: v.clone() for k, v in loop.learner.backend.policy.state_dict().items()}
+        history = loop.run(steps=2)
+        after = loop.learner.backend.policy.state_dict()
+    finally:
+        del A.ALGORITHMS["reinforce"]
+    assert len(history) == 2 and "policy_loss" in history[-1] and "value_loss" not in history[-1]
+    assert loop.learner.backend.critic is None
+    assert any(not torch.equal(before[k], after[k]) for k in before) or all(m["adv_mean"] == 0 for m in history)
+
+
+def test_ttur_order_the_policy_advantages_read_the_critic_after_its_k_updates(tiny_model_dir, tokenizer):
+    """SAO's K critic updates come first; GAE then reads the updated values (issue: TTUR order)."""
+    import torch
+
+    from opd_sao import algorithms as A
+    from opd_sao.trajectory import Trajectory, collate
+
+    g = torch.Generator().manual_seed(0)
+    trajs = []
+    for i in range(4):
+        traj = Trajectory(f"t{i}", "arithmetic", [1] + torch.randint(3, 50, (4,), generator=g).tolist())
+        traj.append(torch.randint(3, 50, (3 + i,), generator=g).tolist(), action=True, logp=[-1.0] * (3 + i),
+                    versions=[0] * (3 + i))
+        traj.add_reward(float(i % 2))
+        trajs.append(traj)
+    batch = collate(trajs, tokenizer.pad_token_id)
+    backend = TorchTrainer(tiny_model_dir, TrainerConfig(train_batch_size=4, critic_lr=0.05), with_critic=True)
+    learner = Learner(backend, "sao", AlgoConfig(), critic_steps=2, critic_warmup_steps=5)  # warm-up: no policy step
+    with torch.no_grad():
+        before = backend.critic_values(batch, grad=False)
+    metrics = learner.step(batch, temperature=1.0)
+    with torch.no_grad():
+        after = backend.critic_values(batch, grad=False)
+    inputs = dict(rewards=batch.rewards, action_mask=batch.action_mask, alpha=AlgoConfig().alpha)
+    used = A.sao_advantages(A.AdvantageInputs(values=after, **inputs))[0]
+    stale = A.sao_advantages(A.AdvantageInputs(values=before, **inputs))[0]
+    acted = batch.action_mask.bool()
+    assert not torch.allclose(before, after)  # the K updates moved the critic
+    assert metrics["adv_mean"] == pytest.approx(float(used[acted].mean()), abs=1e-6)
+    assert metrics["adv_mean"] != pytest.approx(float(stale[acted].mean()), abs=1e-6)

@@ -121,7 +121,7 @@ def test_router_sends_requests_to_the_server_with_fewest_tokens_in_flight(fleet,
 
 def test_stage_trains_through_the_router_and_a_killed_server_loses_no_trajectory(
         fleet, tmp_path, tiny_model_dir, tokenizer):
-    from opd_sao.config import EngineConfig, RolloutConfig, SAOConfig, TrainerConfig
+    from opd_sao.config import AlgoConfig, EngineConfig, RolloutConfig, TrainerConfig
     from opd_sao.engines import build_engine
     from opd_sao.rl.learner import Learner
     from opd_sao.rl.loop import RLLoop
@@ -157,7 +157,7 @@ def test_stage_trains_through_the_router_and_a_killed_server_loses_no_trajectory
 
     batch = 4
     backend = TorchTrainer(tiny_model_dir, TrainerConfig(train_batch_size=batch, critic_warmup_steps=0))
-    learner = Learner(backend, "sao", SAOConfig(), critic_steps=1, critic_warmup_steps=0)
+    learner = Learner(backend, "sao", AlgoConfig(), critic_steps=1, critic_warmup_steps=0)
     loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes,
                   rollout=RolloutConfig(group_size=1, max_staleness=2), train_batch_size=batch,
                   pad_id=tokenizer.pad_token_id, logger=MetricsLogger(tmp_path / "metrics.jsonl", stage="t"),

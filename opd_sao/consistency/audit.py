@@ -11,14 +11,14 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from opd_sao.config import GateConfig, SAOConfig
+from opd_sao.config import AlgoConfig, GateConfig
 
 PROMPT_ENV = "prompts-file"
 
 
 def add_audit_parser(sub, environment) -> None:
     """`opd-sao audit`; `environment(name)` (the application's environment lookup) resolves `--env`."""
-    gate, sao = GateConfig(), SAOConfig()
+    gate, sao = GateConfig(), AlgoConfig()
     p = sub.add_parser("audit", help="measure train/inference logprob drift of a checkpoint against an engine")
     p.add_argument("checkpoint", help="an HF-format checkpoint directory (e.g. runs/<run>/stages/<stage>/checkpoint)")
     p.add_argument("--engine", default="embedded", help="'embedded' (in-process) or the URL of a rollout server")

@@ -26,7 +26,6 @@ from opd_sao.algorithms import dis_weights
 from opd_sao.modeling import hidden_states, lm_head, sequence_logprobs, token_logprobs
 from opd_sao.trajectory import Trajectory
 
-
 # ----------------------------------------------------------------------------
 # the estimators
 # ----------------------------------------------------------------------------

@@ -19,9 +19,14 @@ from typing import Callable, Optional
 import torch
 
 from opd_sao.config import GateConfig
-from opd_sao.consistency.check import ActionTokens, ConsistencyReport, action_hidden_states, check
-from opd_sao.modeling import lm_head, token_logprobs
+from opd_sao.consistency.check import (
+    ActionTokens,
+    ConsistencyReport,
+    action_hidden_states,
+    check,
+)
 from opd_sao.engines.base import GenerationRequest, RolloutEngine, SamplingParams
+from opd_sao.modeling import lm_head, token_logprobs
 from opd_sao.rl.rollout import Episode, run_episodes
 from opd_sao.trajectory import Trajectory
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from opd_sao import algorithms as A
-from opd_sao.config import OPDConfig, SAOConfig
+from opd_sao.config import AlgoConfig, OPDConfig
 from opd_sao.modeling import hidden_states, lm_head, support_logprobs
 from opd_sao.rl.learner import ResumableLearner
 from opd_sao.trajectory import Batch
@@ -72,7 +72,7 @@ def _mean(x: torch.Tensor) -> float:
 
 
 class OPDLearner(ResumableLearner):
-    def __init__(self, backend, opd: OPDConfig, sao: SAOConfig, targets, *, overlap_k: Optional[int] = None):
+    def __init__(self, backend, opd: OPDConfig, sao: AlgoConfig, targets, *, overlap_k: Optional[int] = None):
         super().__init__(sao.baseline_window)
         self.backend, self.opd, self.sao, self.targets = backend, opd, sao, targets
         self.overlap_k = overlap_k or opd.top_k
