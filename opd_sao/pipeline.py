@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -11,16 +10,11 @@ import yaml
 
 from opd_sao.checkpoints import build_tiny_model, load_tokenizer
 from opd_sao.runs.evaluation import evaluate
+from opd_sao.runs.files import write_json
 from opd_sao.runs.report import forgetting, write_report
 from opd_sao.runs.tracking import start_wandb
 
 from .config import RunConfig
-
-
-def write_json_atomic(path: Path, data) -> None:
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False))
-    os.replace(tmp, path)
 
 
 def default_run_dir(config_path: str | Path) -> Path:
@@ -119,15 +113,15 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
                 "wall_s": round(time.perf_counter() - t0, 1),
             }
             ctx.checkpoints[stage_cfg.name] = result.checkpoint
-            write_json_atomic(ctx.stage_dir(stage_cfg.name) / "summary.json", entry)
+            write_json(ctx.stage_dir(stage_cfg.name) / "summary.json", entry)
             summary["stages"].append(entry)
-            write_json_atomic(run_dir / "summary.json", summary)
+            write_json(run_dir / "summary.json", summary)
             log(f"[{stage_cfg.name}] done in {entry['wall_s']}s: eval before {entry['eval_before']} "
                 f"after {entry['eval_after']}")
     finally:
         if wandb_run is not None:
             wandb_run.finish()
     summary["forgetting"] = forgetting(summary)
-    write_json_atomic(run_dir / "summary.json", summary)
+    write_json(run_dir / "summary.json", summary)
     summary["report"] = str(write_report(run_dir))
     return summary

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from pydantic import BaseModel, ConfigDict, ValidationError
 from tqdm import tqdm
 
 from opd_sao.config import RunConfig, StageConfig, TrainerConfig
@@ -18,6 +19,14 @@ from opd_sao.runs.tracking import MetricsLogger
 
 STAGES: Registry[type["Stage"]] = Registry("stage kind")
 register_stage = STAGES.register
+
+TRAIN_TASK_POOL = 100_000  # training tasks a stage draws per domain (environments sample up to this many)
+
+
+class NoOptions(BaseModel):
+    """A stage kind with no settings of its own: `options:` must be empty."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 @dataclass
@@ -56,18 +65,36 @@ class RunContext:
 
 
 class Stage(ABC):
-    """One step of the pipeline: starts from a checkpoint, ends with a promoted checkpoint."""
+    """One step of the pipeline: starts from a checkpoint, ends with a promoted checkpoint.
+
+    A kind's own settings are a pydantic model assigned to `Options`; the stage config's `options:` is
+    validated against it before any work (like every built-in setting) and read as `self.options`.
+    """
+
+    Options: type[BaseModel] = NoOptions
 
     def __init__(self, cfg: StageConfig, ctx: RunContext):
         self.cfg, self.ctx = cfg, ctx
+        self.options = self.parse_options(cfg)
         self.dir = ctx.stage_dir(cfg.name)
 
     @abstractmethod
     def run(self) -> StageResult: ...
 
     @classmethod
+    def parse_options(cls, cfg: StageConfig) -> BaseModel:
+        try:
+            return cls.Options.model_validate(cfg.options)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ValueError(f"stage {cfg.name!r} ({cfg.kind}): options.{where}: {first['msg']}") from None
+
+    @classmethod
     def check(cls, cfg: StageConfig) -> None:
-        """Raise ValueError for a stage config this kind cannot run; called for every stage before any work."""
+        """Raise ValueError for a stage config this kind cannot run; called for every stage before any work.
+        Kinds that override it call super().check(cfg), which validates `options:`."""
+        cls.parse_options(cfg)
 
     def progress(self, total: int, what: str):
         """The stage's live progress bar (`logging.progress: false` turns it off)."""

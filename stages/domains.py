@@ -1,8 +1,8 @@
 """A domain as a multi-domain stage (OPD, SFT) sees it: the environment with the options, episode lengths
 and evaluation settings of the stage of the run that trains on it.
 
-Per domain, episodes use the environment options and rollout lengths (max_new_tokens, max_turns,
-max_context_tokens) of the first other-kind stage whose `env` is that domain, if there is one, else the
+Per domain, episodes use the environment options, rollout lengths (max_new_tokens, max_turns,
+max_context_tokens) and compaction of the first other-kind stage whose `env` is that domain, if there is one, else the
 asking stage's own; temperature and top_p are always the asking stage's. Without an asking stage (the
 pipeline's per-stage evaluation), everything comes from the first stage that trains on the domain.
 """
@@ -14,7 +14,8 @@ from opd_sao.config import EvalConfig, RolloutConfig, StageConfig
 
 from .envs import ENVIRONMENTS
 
-EPISODE_FIELDS = ("max_new_tokens", "max_turns", "max_context_tokens")
+EPISODE_FIELDS = ("max_new_tokens", "max_turns", "max_context_tokens", "compaction", "compaction_budget",
+                  "compaction_instruction")
 
 
 class Domain:

@@ -29,20 +29,17 @@ from pathlib import Path
 
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
-from opd_sao.engines.base import SamplingParams
 from opd_sao.rl.distill import OPDLearner
-from opd_sao.rl.rollout import Episode
+from opd_sao.rl.rollout import Episode, episodes_for
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.tracking import read_jsonl
 from opd_sao.trainers import build_backend
 from teachers import Prefetcher, TeacherSet, TeacherTargets
 from teachers.routing import describe
 
-from .base import Stage, StageResult, register_stage
+from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .domains import Domain
 from .envs import ENVIRONMENTS, sample_tasks
-
-TRAIN_TASK_POOL = 100_000
 
 
 @register_stage("opd")
@@ -55,6 +52,7 @@ class OPDStage(Stage):
 
     @classmethod
     def check(cls, cfg) -> None:
+        super().check(cfg)
         names = cls.domain_names(cfg)
         if not names:
             raise ValueError(f"stage {cfg.name!r} (opd) needs `domains:` or teachers with domains")
@@ -111,11 +109,8 @@ class OPDStage(Stage):
             with lock:
                 name = next(order)
                 task, group = next(streams[name]), next(groups)
-            d = domains[name]
-            params = SamplingParams(d.rollout.temperature, d.rollout.top_p, d.rollout.max_new_tokens)
-            return [Episode(d.factory(), task, tok, params, domain=name, max_turns=d.rollout.max_turns,
-                            max_context_tokens=d.rollout.max_context_tokens, group=group)
-                    for _ in range(cfg.rollout.group_size)]
+            return episodes_for(domains[name].factory, task, tok, domains[name].rollout, domain=name,
+                                count=cfg.rollout.group_size, group=group)
 
         def probe() -> list[Episode]:
             per = -(-cfg.gate.probe_size // len(domains))

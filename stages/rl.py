@@ -11,26 +11,24 @@ import statistics
 
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
-from opd_sao.engines.base import SamplingParams
-from opd_sao.rl.compaction import Compaction
 from opd_sao.rl.learner import Learner, needs_critic
-from opd_sao.rl.rollout import Episode
+from opd_sao.rl.rollout import Episode, episodes_for
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.tracking import read_jsonl
 from opd_sao.supervised import run_sft, sft_examples
 from opd_sao.trainers import build_backend
 from stages.envs.validity import require_valid
 
-from .base import Stage, StageResult, register_stage
+from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .envs import ENVIRONMENTS, sample_tasks
 
-TRAIN_TASK_POOL = 100_000
 VALIDITY_TASKS = 16  # tasks the oracle / no-op / initial-state check samples at stage start
 
 
 class RLStage(Stage):
     @classmethod
     def check(cls, cfg) -> None:
+        super().check(cfg)
         if not cfg.env:
             raise ValueError(f"stage {cfg.name!r} ({cfg.kind}) needs `env:` (one of {ENVIRONMENTS.names()})")
         ENVIRONMENTS.get(cfg.env)
@@ -72,14 +70,10 @@ class RLStage(Stage):
         train_env = self.env_factory(train_step=lambda: learner.steps_done)
         tasks = sample_tasks(env_factory().make_tasks("train", TRAIN_TASK_POOL, run.seed), run.seed)
         groups = itertools.count()
-        params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens)
-        compaction = Compaction.from_rollout(cfg.rollout)
 
         def make_episodes() -> list[Episode]:
-            task, group = next(tasks), next(groups)
-            return [Episode(train_env(), task, tok, params, domain=cfg.env, max_turns=cfg.rollout.max_turns,
-                            max_context_tokens=cfg.rollout.max_context_tokens, group=group, compaction=compaction)
-                    for _ in range(cfg.rollout.group_size)]
+            return episodes_for(train_env, next(tasks), tok, cfg.rollout, domain=cfg.env, count=cfg.rollout.group_size,
+                                group=next(groups))
 
         gate, resumed = self.train(engine=engine, backend=backend, learner=learner, make_episodes=make_episodes,
                                    make_probe=lambda: probe_episodes(env_factory, tok, cfg.rollout, domain=cfg.env,

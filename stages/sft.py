@@ -12,17 +12,16 @@ import random
 
 from opd_sao.supervised import run_sft, sft_examples
 
-from .base import Stage, StageResult, register_stage
+from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .domains import Domain
 from .envs import ENVIRONMENTS
-
-TASK_POOL = 100_000
 
 
 @register_stage("sft")
 class SFTStage(Stage):
     @classmethod
     def check(cls, cfg) -> None:
+        super().check(cfg)
         if not cfg.domains:
             raise ValueError(f"stage {cfg.name!r} (sft) needs `domains:` (environment names to learn)")
         if not cfg.sft.steps:
@@ -32,7 +31,7 @@ class SFTStage(Stage):
 
     def run(self) -> StageResult:
         cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
-        pools = [sft_examples(Domain(name, cfg, run.stages).factory, tok, n=TASK_POOL, seed=run.seed)
+        pools = [sft_examples(Domain(name, cfg, run.stages).factory, tok, n=TRAIN_TASK_POOL, seed=run.seed)
                  for name in cfg.domains]
         rng, share = random.Random(run.seed), max(len(pool) for pool in pools)
         mixture = [example for pool in pools for example in rng.choices(pool, k=share)]

@@ -111,10 +111,6 @@ class Prefetcher:
         with self._cond:
             return list(self._resident)
 
-    def is_resident(self, name: str) -> bool:
-        with self._cond:
-            return name in self._resident
-
     def _make_room(self, blocking: bool) -> None:
         """Evict least recently used unpinned teachers until one more fits. Caller holds the lock."""
         while len(self._resident) + len(self._loading) >= self.max_resident:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from cache import (
@@ -55,7 +55,6 @@ class Targets:
     score_s: float = 0.0  # teacher forward passes
     cache_write_s: float = 0.0
     cache_read_s: float = 0.0
-    per_teacher: dict[str, dict] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -118,9 +117,6 @@ class TeacherTargets:
             if still:
                 raise CorruptRecordError([keys[i] for i in still], "re-scored records fail verification again")
         out.hits = len(trajectories) - out.misses - out.corrupt_rescored
-        for name in set(names):
-            out.per_teacher[name] = {"trajectories": names.count(name),
-                                     "scored": sum(1 for i in missing + corrupt if names[i] == name)}
         return out
 
     def _score(self, trajectories, names, keys, index: list[int], out: Targets) -> None:

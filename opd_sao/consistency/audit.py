@@ -6,12 +6,11 @@ loaded as the trainer loads it (float32), and writes `audit.json` and `audit.png
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
 from opd_sao.config import AlgoConfig, GateConfig
+from opd_sao.runs.files import write_json
 
 PROMPT_ENV = "prompts-file"
 
@@ -133,9 +132,7 @@ def run_audit(args) -> dict:
     if report.tokens:
         plot(report, out / "audit.png")
         data["plot"] = str(out / "audit.png")
-    tmp = out / "audit.json.tmp"
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, out / "audit.json")
+    write_json(out / "audit.json", data)
     data["out"] = str(out)
     return data
 

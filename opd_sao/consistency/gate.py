@@ -9,8 +9,6 @@ the stage with `GateFailure`: the numbers and the likely cause, found by experim
 from __future__ import annotations
 
 import copy
-import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +26,7 @@ from opd_sao.consistency.check import (
 from opd_sao.engines.base import GenerationRequest, RolloutEngine, SamplingParams
 from opd_sao.modeling import lm_head, token_logprobs
 from opd_sao.rl.rollout import Episode, run_episodes
+from opd_sao.runs.files import write_json
 from opd_sao.trajectory import Trajectory
 
 # Temperatures (as multiples of the rollout's) tried when the drift may be a temperature mismatch.
@@ -295,6 +294,4 @@ class ConsistencyGate:
                 "thresholds": {"mean_abs_diff": self.cfg.mean_abs_diff, "p99_abs_diff": self.cfg.p99_abs_diff},
                 "deterministic": self.deterministic, "evaluations": self.evaluations, "result": self.summary()}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        os.replace(tmp, self.path)
+        write_json(self.path, data)

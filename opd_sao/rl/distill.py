@@ -22,6 +22,7 @@ The loss is a token mean over every action token of the batch: sum of per-token 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -29,7 +30,7 @@ import torch
 
 from opd_sao import algorithms as A
 from opd_sao.config import AlgoConfig, OPDConfig
-from opd_sao.modeling import hidden_states, lm_head, support_logprobs
+from opd_sao.modeling import hidden_states, lm_head, logit_chunks, support_logprobs
 from opd_sao.rl.learner import ResumableLearner
 from opd_sao.trajectory import Batch
 
@@ -71,6 +72,59 @@ def _mean(x: torch.Tensor) -> float:
     return float(x.mean()) if x.numel() else 0.0
 
 
+@dataclass
+class Rows:
+    """An OPD batch as action rows (trajectory order, then position) with each trajectory's teacher record."""
+
+    batch: Batch
+    records: list  # TeacherRecord per trajectory
+    granularity: list[str]  # per trajectory, its teacher's
+    b: torch.Tensor  # [N] trajectory of each action row
+    t: torch.Tensor  # [N] position of each action row
+    seq_rewards: torch.Tensor  # [B]
+
+    @classmethod
+    def of(cls, batch: Batch, fetched, specs) -> "Rows":
+        mask = batch.action_mask.bool()
+        for traj, record, n in zip(batch.trajectories, fetched.records, mask.sum(1).tolist()):
+            if record.n_positions != n:
+                raise RuntimeError(f"teacher record for {traj.traj_id} has {record.n_positions} positions, "
+                                   f"the trajectory {n} action tokens")
+        b, t = mask.nonzero(as_tuple=True)
+        return cls(batch, fetched.records, [specs[name].granularity for name in fetched.teachers], b, t,
+                   batch.rewards.sum(-1))
+
+    @property
+    def n(self) -> int:
+        return max(1, len(self.b))
+
+    def trajectories_with(self, *granularities: str) -> torch.Tensor:
+        """[B] bool: trajectories whose teacher stores one of these granularities."""
+        return torch.tensor([g in granularities for g in self.granularity], dtype=torch.bool)
+
+    def teacher_sampled(self) -> torch.Tensor:
+        """[B, T] the teacher's logprob of each sampled action token (0 elsewhere)."""
+        out = torch.zeros(self.batch.action_mask.shape)
+        if len(self.b):
+            out[self.b, self.t] = torch.from_numpy(
+                np.concatenate([r.sampled_logp for r in self.records]).astype(np.float32))
+        return out
+
+
+@dataclass
+class RowStats:
+    """Per action row: what the metrics report (NaN where a row's granularity does not define it)."""
+
+    kl: torch.Tensor  # the reverse-KL estimate (k1 on the sampled token, exact on a support)
+    mass: torch.Tensor  # teacher mass covered by the stored support
+    overlap: torch.Tensor  # top-k overlap of student and teacher
+
+    @classmethod
+    def empty(cls, n: int) -> "RowStats":
+        nan = torch.full((n,), float("nan"))
+        return cls(torch.zeros(n), nan, nan.clone())
+
+
 class OPDLearner(ResumableLearner):
     def __init__(self, backend, opd: OPDConfig, sao: AlgoConfig, targets, *, overlap_k: Optional[int] = None):
         super().__init__(sao.baseline_window)
@@ -79,85 +133,60 @@ class OPDLearner(ResumableLearner):
 
     def step(self, batch: Batch, temperature: float) -> dict:
         fetched = self.targets.fetch(batch.trajectories)
-        registry = self.targets.registry
-        trajs = batch.trajectories
-        mask = batch.action_mask.bool()
-        counts = mask.sum(1).tolist()
-        for traj, record, n in zip(trajs, fetched.records, counts):
-            if record.n_positions != n:
-                raise RuntimeError(f"teacher record for {traj.traj_id} has {record.n_positions} positions, "
-                                   f"the trajectory {n} action tokens")
-        grans = [registry.specs[name].granularity for name in fetched.teachers]
-        rows_b, rows_t = mask.nonzero(as_tuple=True)
-        n_total = max(1, len(rows_b))
-        seq_rewards = batch.rewards.sum(-1)
-        teacher_sampled = torch.zeros(mask.shape)
-        teacher_sampled[rows_b, rows_t] = torch.from_numpy(
-            np.concatenate([r.sampled_logp for r in fetched.records]).astype(np.float32)) if len(rows_b) else 0.0
-
-        row_kl = torch.zeros(len(rows_b))  # per action row: the reverse-KL estimate reported as "kl"
-        row_mass = torch.full((len(rows_b),), float("nan"))  # teacher mass covered by the support
-        row_overlap = torch.full((len(rows_b),), float("nan"))
-        metrics: dict = {"reward_mean": float(seq_rewards.mean()), "batch_size": float(len(trajs))}
+        rows = Rows.of(batch, fetched, self.targets.registry.specs)
+        stats = RowStats.empty(len(rows.b))
+        metrics: dict = {"reward_mean": float(rows.seq_rewards.mean()), "batch_size": float(len(batch.trajectories))}
         loss = torch.zeros(())
-
-        by_gran = {g: torch.tensor([grans[i] == g for i in range(len(trajs))], dtype=torch.bool)
-                   for g in ("sampled", "top_k", "top_p", "full")}
-        pg_traj = by_gran["sampled"] | (self.opd.reward_weight > 0)
-        if bool(pg_traj.any()):
-            loss = loss + self._policy_gradient(batch, temperature, teacher_sampled, by_gran["sampled"], pg_traj,
-                                                seq_rewards, row_kl, rows_b, rows_t, n_total, metrics)
-        div_traj = by_gran["top_k"] | by_gran["top_p"] | by_gran["full"]
-        if bool(div_traj.any()):
-            loss = loss + self._divergence(batch, fetched.records, by_gran, rows_b, row_kl, row_mass, row_overlap,
-                                           n_total, metrics)
+        if bool(rows.trajectories_with("sampled").any()) or self.opd.reward_weight > 0:
+            loss = loss + self._policy_gradient(rows, temperature, stats, metrics)
+        if bool(rows.trajectories_with("top_k", "top_p", "full").any()):
+            loss = loss + self._divergence(rows, stats, metrics)
         metrics["policy_grad_norm"] = self.backend.step_policy(loss)
         metrics["policy_loss"] = float(loss.detach())
-        self.baseline.update(seq_rewards)
+        self.baseline.update(rows.seq_rewards)
         self.steps_done += 1
-        self._report(metrics, fetched, trajs, rows_b, row_kl, row_mass, row_overlap, seq_rewards)
+        self._report(metrics, fetched, rows, stats)
         return metrics
 
-    def _policy_gradient(self, batch, temperature, teacher_sampled, sampled_traj, pg_traj, seq_rewards, row_kl,
-                         rows_b, rows_t, n_total, metrics) -> torch.Tensor:
+    def _policy_gradient(self, rows: Rows, temperature: float, stats: RowStats, metrics: dict) -> torch.Tensor:
+        """The sampled-token reverse-KL advantage (plus the task reward when mixed in) through the DIS loss."""
+        batch = rows.batch
         mask = batch.action_mask.bool()
-        sampled_mask = mask & sampled_traj.unsqueeze(1)
-        pg_mask = mask & pg_traj.unsqueeze(1)
+        sampled_mask = mask & rows.trajectories_with("sampled").unsqueeze(1)
+        pg_mask = mask if self.opd.reward_weight > 0 else sampled_mask
+        teacher_sampled = rows.teacher_sampled()
         logp = self.backend.policy_logprobs(batch, temperature, grad=True)
         advantages = A.reverse_kl_advantage(logp, teacher_sampled, sampled_mask)
         if self.opd.reward_weight > 0:
-            reward_adv = A.broadcast_sequence_advantage(seq_rewards - self.baseline.value, mask)
+            reward_adv = A.broadcast_sequence_advantage(rows.seq_rewards - self.baseline.value, mask)
             advantages = advantages + self.opd.reward_weight * reward_adv
         pg_loss, pg_metrics = A.sao_policy_loss(logp, batch.rollout_logp, advantages, pg_mask,
                                                 self.sao.eps_low, self.sao.eps_high)
-        on_sampled = sampled_mask[rows_b, rows_t]
-        row_kl[on_sampled] = (logp.detach() - teacher_sampled)[rows_b, rows_t][on_sampled]  # k1 estimator
-        acted = pg_mask
+        on_sampled = sampled_mask[rows.b, rows.t]
+        stats.kl[on_sampled] = (logp.detach() - teacher_sampled)[rows.b, rows.t][on_sampled]  # k1 estimator
         metrics.update(mask_fraction=pg_metrics["mask_fraction"], ratio_mean=pg_metrics["ratio_mean"],
-                       adv_mean=float(advantages[acted].mean()) if acted.any() else 0.0,
-                       adv_std=float(advantages[acted].std()) if acted.sum() > 1 else 0.0)
-        return pg_loss * (float(pg_mask.sum()) / n_total)
+                       adv_mean=float(advantages[pg_mask].mean()) if pg_mask.any() else 0.0,
+                       adv_std=float(advantages[pg_mask].std()) if pg_mask.sum() > 1 else 0.0)
+        return pg_loss * (float(pg_mask.sum()) / rows.n)
 
-    def _divergence(self, batch, records, by_gran, rows_b, row_kl, row_mass, row_overlap, n_total,
-                    metrics) -> torch.Tensor:
+    def _divergence(self, rows: Rows, stats: RowStats, metrics: dict) -> torch.Tensor:
+        """The divergence between student and teacher on each row's stored support plus the tail bucket."""
         opd = self.opd
         model = self.backend.policy_model
         weight, bias = lm_head(model)
-        hidden = student_action_hidden(model, batch)
+        hidden = student_action_hidden(model, rows.batch)
         total = torch.zeros(())
         div_sum, div_rows = 0.0, 0
         for gran in ("top_k", "top_p", "full"):
-            traj_sel = by_gran[gran]
+            traj_sel = rows.trajectories_with(gran)
             if not bool(traj_sel.any()):
                 continue
-            rows = traj_sel[rows_b]
-            h = hidden[rows]
-            recs = [records[i] for i in traj_sel.nonzero().squeeze(1).tolist()]
+            sel = traj_sel[rows.b]
+            h = hidden[sel]
+            recs = [rows.records[i] for i in traj_sel.nonzero().squeeze(1).tolist()]
             if gran == "full":
-                logits = h @ weight.T
-                if bias is not None:
-                    logits = logits + bias
-                s_logp = torch.log_softmax(logits.float(), dim=-1)
+                s_logp = torch.cat([chunk for _, chunk in logit_chunks(h, weight, bias, opd.vocab_chunk)], dim=-1)
+                s_logp = torch.log_softmax(s_logp, dim=-1)
                 t_logp = torch.log_softmax(torch.from_numpy(np.concatenate([r.logp for r in recs])).float(), dim=-1)
                 ids = torch.arange(weight.shape[0]).expand(len(h), -1)
                 support = torch.ones(t_logp.shape, dtype=torch.bool)
@@ -168,47 +197,48 @@ class OPDLearner(ResumableLearner):
                 ids, t_raw, support, tail = padded_support(recs)
                 t_logp = A.renormalize_support(t_raw, support, tail)
                 s_logp, s_tail, top_ids = support_logprobs(h, weight, bias, ids, support,
-                                                                   vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k)
+                                                           vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k)
                 mass = 1.0 - tail
             div = A.truncated_divergence(s_logp, t_logp, support, s_tail, kind=opd.divergence, beta=opd.jsd_beta)
-            total = total + div.sum() / n_total
+            total = total + div.sum() / rows.n
             div_sum, div_rows = div_sum + float(div.detach().sum()), div_rows + len(div)
             with torch.no_grad():
                 if opd.divergence == "reverse_kl":
                     rkl = div.detach()
                 else:
                     rkl = A.truncated_divergence(s_logp.detach(), t_logp, support, s_tail.detach(), kind="reverse_kl")
-                row_kl[rows] = rkl.float()
-                row_mass[rows] = mass.float()
-                row_overlap[rows] = A.topk_overlap(top_ids, t_logp, ids, support, self.overlap_k)
+                stats.kl[sel] = rkl.float()
+                stats.mass[sel] = mass.float()
+                stats.overlap[sel] = A.topk_overlap(top_ids, t_logp, ids, support, self.overlap_k)
                 metrics[f"support_size_{gran}"] = float(support.sum(1).float().mean())
         metrics["divergence"] = div_sum / max(1, div_rows)
         return total
 
-    def _report(self, metrics, fetched, trajs, rows_b, row_kl, row_mass, row_overlap, seq_rewards) -> None:
-        metrics["kl"] = _mean(row_kl)
-        teacher_of_row = [fetched.teachers[i] for i in rows_b.tolist()]
-        domain_of_row = [trajs[i].domain for i in rows_b.tolist()]
+    def _report(self, metrics: dict, fetched, rows: Rows, stats: RowStats) -> None:
+        trajs = rows.batch.trajectories
+        metrics["kl"] = _mean(stats.kl)
+        teacher_of_row = [fetched.teachers[i] for i in rows.b.tolist()]
+        domain_of_row = [trajs[i].domain for i in rows.b.tolist()]
         for key, labels in (("kl_teacher", teacher_of_row), ("kl_domain", domain_of_row)):
             for label in sorted(set(labels)):
                 sel = torch.tensor([x == label for x in labels], dtype=torch.bool)
-                metrics[f"{key}/{label}"] = _mean(row_kl[sel])
-        finite = ~row_mass.isnan()
+                metrics[f"{key}/{label}"] = _mean(stats.kl[sel])
+        finite = ~stats.mass.isnan()
         if bool(finite.any()):
-            metrics["support_mass"] = _mean(row_mass[finite])
+            metrics["support_mass"] = _mean(stats.mass[finite])
             for label in sorted(set(teacher_of_row)):
                 sel = finite & torch.tensor([x == label for x in teacher_of_row], dtype=torch.bool)
                 if bool(sel.any()):
-                    metrics[f"support_mass/{label}"] = _mean(row_mass[sel])
-            metrics["topk_overlap"] = _mean(row_overlap[~row_overlap.isnan()])
+                    metrics[f"support_mass/{label}"] = _mean(stats.mass[sel])
+            metrics["topk_overlap"] = _mean(stats.overlap[~stats.overlap.isnan()])
         for domain in sorted({t.domain for t in trajs}):
             sel = torch.tensor([t.domain == domain for t in trajs], dtype=torch.bool)
-            metrics[f"reward_domain/{domain}"] = _mean(seq_rewards[sel])
-        stats = self.targets.prefetcher.stats
+            metrics[f"reward_domain/{domain}"] = _mean(rows.seq_rewards[sel])
+        prefetch = self.targets.prefetcher.stats
         metrics.update(
             cache_hit_rate=fetched.hit_rate, cache_hits=fetched.hits, cache_misses=fetched.misses,
             corrupt_rescored=fetched.corrupt_rescored, prefetch_stall_s=fetched.stall_s,
-            prefetch_stall_total_s=stats["stall_s"], teacher_score_s=fetched.score_s,
+            prefetch_stall_total_s=prefetch["stall_s"], teacher_score_s=fetched.score_s,
             cache_write_s=fetched.cache_write_s, cache_read_s=fetched.cache_read_s,
-            teacher_loads=stats["loads"], teacher_evictions=stats["evictions"], teacher_copies=stats["copies"],
+            teacher_loads=prefetch["loads"], teacher_evictions=prefetch["evictions"], teacher_copies=prefetch["copies"],
         )

@@ -24,6 +24,19 @@ from opd_sao.rl.compaction import Compaction, next_segment, propagate_returns
 from opd_sao.trajectory import Trajectory
 
 
+def episodes_for(env_factory, task: dict, tokenizer, rollout, *, domain: str, count: int = 1, group: int = -1,
+                 temperature: Optional[float] = None, traj_ids: Optional[list[str]] = None) -> list["Episode"]:
+    """The `count` episodes of one task as every caller plays them (training, OPD, evaluation, gate probes):
+    the rollout config's sampling, episode lengths and compaction; `temperature` overrides the sampling one."""
+    params = SamplingParams(rollout.temperature if temperature is None else temperature, rollout.top_p,
+                            rollout.max_new_tokens)
+    compaction = Compaction.from_rollout(rollout)
+    return [Episode(env_factory(), task, tokenizer, params, domain=domain, max_turns=rollout.max_turns,
+                    max_context_tokens=rollout.max_context_tokens, group=group, compaction=compaction,
+                    traj_id=traj_ids[i] if traj_ids else None)
+            for i in range(count)]
+
+
 class Episode:
     def __init__(self, env, task: dict, tokenizer, params: SamplingParams, *, domain: str, max_turns: int,
                  max_context_tokens: int, group: int = -1, traj_id: Optional[str] = None,

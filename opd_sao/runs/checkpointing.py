@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from opd_sao.runs.tracking import read_jsonl
+from opd_sao.runs.files import atomic_write
 
 
 class StageState:
@@ -49,7 +50,5 @@ def truncate_step_log(path: Path, before_step: int) -> list[dict]:
     """Keep the records of steps < before_step (and drop a line torn by a crash); return them."""
     kept = [r for r in read_jsonl(path) if r.get("step", -1) < before_step]
     if Path(path).exists():
-        tmp = Path(str(path) + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, path)
+        atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept))
     return kept

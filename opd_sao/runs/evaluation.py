@@ -5,25 +5,19 @@ from pathlib import Path
 
 import torch
 
-from opd_sao.rl.compaction import Compaction
 from opd_sao.config import EvalConfig, RolloutConfig
-from opd_sao.engines.base import SamplingParams
 from opd_sao.engines.embedded import EmbeddedEngine
 from opd_sao.checkpoints import load_causal_lm
-from opd_sao.rl.rollout import Episode, run_episodes
+from opd_sao.rl.rollout import Episode, episodes_for, run_episodes
 
 
 def make_episodes(env_factory, tasks, tokenizer, rollout: RolloutConfig, *, domain: str, temperature: float,
                   repeats: int = 1) -> list[Episode]:
     """Episodes played as in training, compaction included, so a held-out score measures the trained behaviour."""
-    params = SamplingParams(temperature=temperature, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens)
-    compaction = Compaction.from_rollout(rollout)
-    return [
-        Episode(env_factory(), task, tokenizer, params, domain=domain, max_turns=rollout.max_turns,
-                max_context_tokens=rollout.max_context_tokens, traj_id=f"eval-{domain}-{task['id']}-{r}",
-                compaction=compaction)
-        for task in tasks for r in range(repeats)
-    ]
+    return [episode for task in tasks
+            for episode in episodes_for(env_factory, task, tokenizer, rollout, domain=domain, count=repeats,
+                                        temperature=temperature,
+                                        traj_ids=[f"eval-{domain}-{task['id']}-{r}" for r in range(repeats)])]
 
 
 def evaluate(checkpoint: Path, env_factory, tokenizer, *, domain: str, rollout: RolloutConfig, eval_cfg: EvalConfig,

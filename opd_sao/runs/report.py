@@ -14,6 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from opd_sao.runs.tracking import read_jsonl  # noqa: E402
+from opd_sao.runs.files import atomic_write  # noqa: E402
 
 CURVES = [
     ("reward_mean", "reward"),
@@ -138,7 +139,5 @@ def write_report(run_dir: Path) -> Path:
     if has_gates:
         lines += ["", "![gates](plots/gates.png)"]
     report = run_dir / "report.md"
-    tmp = run_dir / "report.md.tmp"
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(report)
+    atomic_write(report, "\n".join(lines) + "\n")
     return report

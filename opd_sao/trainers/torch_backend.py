@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from opd_sao.checkpoints import load_causal_lm, save_checkpoint
+from opd_sao.runs.files import atomic_path
 
 from ..config import TrainerConfig
 from ..modeling import sequence_logprobs
@@ -71,9 +72,8 @@ class TorchTrainer(TrainerBackend):
         state = {"policy": self.policy.state_dict(), "policy_opt": self.policy_opt.state_dict()}
         if self.critic is not None:
             state.update(critic=self.critic.state_dict(), critic_opt=self.critic_opt.state_dict())
-        tmp = out_dir / "trainer_state.pt.tmp"
-        torch.save(state, tmp)
-        tmp.replace(out_dir / "trainer_state.pt")
+        with atomic_path(out_dir / "trainer_state.pt") as tmp:
+            torch.save(state, tmp)
         (out_dir / "trainer_meta.json").write_text(json.dumps({"policy_version": self.policy_version}))
 
     def load_state(self, in_dir: Path) -> None:

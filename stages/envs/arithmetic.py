@@ -14,7 +14,6 @@ class ArithmeticEnv(ExactAnswerEnv):
     """
 
     def __init__(self, max_operand: int = 30, ops: str = "+", eval_fraction: float = 0.2):
-        super().__init__(max_operand=max_operand, ops=ops, eval_fraction=eval_fraction)
         self.max_operand, self.ops, self.eval_fraction = max_operand, ops, eval_fraction
 
     def all_tasks(self, split: str) -> list[dict]:

@@ -24,9 +24,6 @@ class Environment(ABC):
     # replays every episode, requiring the oracle to score 1 at least once and the others never to score.
     stochastic_reward = False
 
-    def __init__(self, **options):
-        self.options = options
-
     @abstractmethod
     def make_tasks(self, split: str, n: int, seed: int) -> list[dict]:
         """`split` is "train" or "eval"; the two never share a task."""

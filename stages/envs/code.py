@@ -97,7 +97,6 @@ class CodeEnv(Environment):
 
     def __init__(self, allow_rlimit_only: bool = False, wall_s: float = 3.0, tests: int = 3,
                  eval_fraction: float = 0.2):
-        super().__init__(allow_rlimit_only=allow_rlimit_only, wall_s=wall_s, tests=tests, eval_fraction=eval_fraction)
         self.allow_rlimit_only, self.tests, self.eval_fraction = allow_rlimit_only, tests, eval_fraction
         self.limits = SandboxLimits(wall_s=wall_s, cpu_s=1, memory_mb=256, max_processes=8, output_bytes=16 * 1024)
         self.task, self.score = None, 0.0

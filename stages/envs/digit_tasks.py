@@ -19,7 +19,6 @@ class DigitTaskEnv(ExactAnswerEnv):
     verb = ""
 
     def __init__(self, min_len: int = 3, max_len: int = 4, eval_fraction: float = 0.2):
-        super().__init__(min_len=min_len, max_len=max_len, eval_fraction=eval_fraction)
         if not 1 <= min_len <= max_len <= 6:
             raise ValueError(f"need 1 <= min_len <= max_len <= 6, got {min_len}, {max_len}")
         self.min_len, self.max_len, self.eval_fraction = min_len, max_len, eval_fraction

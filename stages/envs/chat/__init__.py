@@ -89,8 +89,6 @@ class ChatEnv(Environment):
     def __init__(self, judge: str = "rule", judge_options: Optional[dict] = None, style: str = "cute",
                  switch_every: int = 0, recover_level: float = 0.3, recover_window: int = 5,
                  eval_fraction: float = 0.2, train_step: Optional[Callable[[], int]] = None):
-        super().__init__(judge=judge, judge_options=judge_options, style=style, switch_every=switch_every,
-                         recover_level=recover_level, recover_window=recover_window, eval_fraction=eval_fraction)
         if not 0 < recover_level <= 1:
             raise ValueError(f"chat recover_level must be in (0, 1] (got {recover_level})")
         if recover_window < 1:
