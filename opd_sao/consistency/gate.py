@@ -108,15 +108,92 @@ def solo_rollouts(engine: RolloutEngine, trajectories: list[Trajectory]) -> list
     return out
 
 
+def _stale_weights(report, trainer_model, engine, evidence: dict) -> Optional[Diagnosis]:
+    """An embedded engine whose weights differ from the trainer's although both claim the same version."""
+    engine_model = _module(engine)
+    if engine_model is None:
+        return None
+    gap = weight_gap(engine_model, trainer_model)
+    evidence["weight_max_abs_diff"] = gap
+    if not gap:
+        return None
+    return Diagnosis("version_skew", f"the engine's weights differ from the trainer's (max |dw| {gap:.3g}) although "
+                     f"both claim policy version {report.trainer_version}: a weight sync was missed or only partly "
+                     "applied (stale weights)")
+
+
+def _trainer_logprobs(report, trainer_model, *, scale: float = 1.0, padding: str = "right") -> torch.Tensor:
+    """The trainer's logprobs of the probe's action tokens at `scale` x the rollout temperature."""
+    weight, bias = lm_head(trainer_model)
+    hidden = action_hidden_states(trainer_model, report.trajectories, padding=padding)
+    on = report.tokens_detail.to(hidden.device)
+    with torch.no_grad():
+        return token_logprobs(hidden, weight, bias, on.target, on.temperature * scale, on.top_p).cpu()
+
+
+def _temperature(report, trainer_model, evidence: dict) -> Optional[Diagnosis]:
+    """Recomputing at another temperature (0.5x..2x the rollout's) removes most of the drift."""
+    tokens = report.tokens_detail
+    nominal = _mean_abs(_trainer_logprobs(report, trainer_model), tokens)
+    fits = {round(f, 3): _mean_abs(_trainer_logprobs(report, trainer_model, scale=f), tokens)
+            for f in TEMPERATURE_FACTORS}
+    evidence["temperature_fit"] = {"factor_vs_mean_abs_diff": {"1.0": nominal, **{str(f): v for f, v in fits.items()}}}
+    best = min(fits, key=fits.get)
+    if fits[best] >= (1 - EXPLAINS) * nominal:
+        return None
+    temps = sorted({round(float(t), 4) for t in tokens.temperature})
+    implied = [round(t * best, 3) for t in temps]
+    return Diagnosis("temperature", f"the rollout logprobs match temperature {implied} (mean |dlogp| {fits[best]:.3g}) "
+                     f"far better than the trainer's assumed {temps} ({nominal:.3g}): the engine samples at another "
+                     "temperature than the rollouts record")
+
+
+def _trainer_padding(report, trainer_model, evidence: dict) -> Optional[Diagnosis]:
+    """The trainer's model gives other logprobs for left- than for right-padded rows."""
+    right = _trainer_logprobs(report, trainer_model)
+    left = _trainer_logprobs(report, trainer_model, padding="left")
+    effect = float((left - right).abs().mean())
+    evidence["trainer_left_vs_right_padding_mean_abs_diff"] = effect
+    if effect <= PADDING_TOLERANCE:
+        return None
+    return Diagnosis("padding", f"the trainer's model gives other logprobs for left- than for right-padded rows (mean "
+                     f"|dlogp| {effect:.3g}): it ignores the attention mask or the position ids of padded rows, and "
+                     "the engine pads on the left")
+
+
+def _engine_padding(report, trainer_model, engine, evidence: dict, *, mean_abs_diff: float,
+                    p99_abs_diff: float) -> Optional[Diagnosis]:
+    """The same prompts generated one at a time (no padding) agree with the trainer."""
+    if engine is None:
+        return None
+    solo = check(solo_rollouts(engine, report.trajectories), trainer_model, version=report.trainer_version,
+                 eps_low=report.eps_low, eps_high=report.eps_high, alone=report.mode == "alone")
+    evidence["engine_solo_mean_abs_diff"] = solo.mean_abs_diff
+    if not solo.tokens or over_threshold(solo, mean_abs_diff, p99_abs_diff) or \
+            solo.mean_abs_diff >= (1 - EXPLAINS) * report.mean_abs_diff:
+        return None
+    return Diagnosis("padding", f"generated one at a time (unpadded) the same prompts agree with the trainer (mean "
+                     f"|dlogp| {solo.mean_abs_diff:.3g} vs {report.mean_abs_diff:.3g} batched): the engine's batched "
+                     "path mishandles padding (attention mask or position ids of left-padded rows)")
+
+
+def _dtype_mismatch(engine_dtype: Optional[str], trainer_dtype: Optional[str]) -> Optional[Diagnosis]:
+    if not (engine_dtype and trainer_dtype and engine_dtype != trainer_dtype):
+        return None
+    return Diagnosis("dtype", f"the engine runs {engine_dtype} and the trainer {trainer_dtype}: that rounding alone "
+                     "moves logprobs by up to ~1e-2; run both in float32 (engine.dtype) or raise this stage's gate "
+                     "thresholds")
+
+
 def diagnose(report: ConsistencyReport, trainer_model: torch.nn.Module, engine: Optional[RolloutEngine] = None, *,
              mean_abs_diff: float, p99_abs_diff: float, engine_dtype: Optional[str] = None) -> Diagnosis:
-    """The likely cause of a failed check, from experiments on the probe, in this order:
+    """The likely cause of a failed check, from experiments on the probe, most specific first:
 
     1. version skew: rollouts from another version; or (embedded engines) weights that differ from the
-       trainer's although the versions agree: a missed or partial weight sync.
-    2. temperature: recomputing at another temperature (0.5x..2x) removes most of the drift.
-    3. padding (trainer side): the trainer's model gives other logprobs with left than with right padding.
-    4. padding (engine side): the same prompts generated one at a time (no padding) agree with the trainer.
+       trainer's although the versions agree: a missed or partial weight sync (`_stale_weights`).
+    2. temperature: recomputing at another temperature (0.5x..2x) removes most of the drift (`_temperature`).
+    3. padding, trainer side: left- and right-padded rows give other logprobs (`_trainer_padding`).
+    4. padding, engine side: the prompts generated one at a time agree with the trainer (`_engine_padding`).
     5. dtype: engine and trainer run different dtypes (bf16 drift is expected, up to ~1e-2).
     Every experiment that ran is in `evidence`, also the ones that did not decide.
     """
@@ -126,69 +203,20 @@ def diagnose(report: ConsistencyReport, trainer_model: torch.nn.Module, engine: 
                          {"version_errors": report.version_errors[:5]})
     if not report.tokens:
         return Diagnosis("unknown", "the probe produced no action tokens to compare")
-    evidence: dict = {}
-    engine_model = _module(engine)
-    engine_dtype = engine_dtype or _dtype(engine_model)
-    trainer_dtype = _dtype(trainer_model)
-    evidence.update(engine_dtype=engine_dtype, trainer_dtype=trainer_dtype)
-    found: list[Diagnosis] = []
-
-    if engine_model is not None:
-        gap = weight_gap(engine_model, trainer_model)
-        evidence["weight_max_abs_diff"] = gap
-        if gap:
-            found.append(Diagnosis("version_skew", f"the engine's weights differ from the trainer's (max |dw| "
-                                   f"{gap:.3g}) although both claim policy version {report.trainer_version}: a "
-                                   "weight sync was missed or only partly applied (stale weights)"))
-
-    trajs, tokens = report.trajectories, report.tokens_detail
+    engine_dtype = engine_dtype or _dtype(_module(engine))
+    evidence: dict = {"engine_dtype": engine_dtype, "trainer_dtype": _dtype(trainer_model)}
     was_training = trainer_model.training
     trainer_model.eval()
     try:
-        weight, bias = lm_head(trainer_model)
-        hidden = action_hidden_states(trainer_model, trajs)
-        on = tokens.to(hidden.device)
-        with torch.no_grad():
-            def at(scale, h=hidden):
-                return token_logprobs(h, weight, bias, on.target, on.temperature * scale, on.top_p).cpu()
-            right = at(1.0)
-            nominal = _mean_abs(right, tokens)
-            fits = {round(f, 3): _mean_abs(at(f), tokens) for f in TEMPERATURE_FACTORS}
-            left = at(1.0, action_hidden_states(trainer_model, trajs, padding="left"))
-            padding_effect = float((left - right).abs().mean())
+        found = [_stale_weights(report, trainer_model, engine, evidence),
+                 _temperature(report, trainer_model, evidence),
+                 _trainer_padding(report, trainer_model, evidence)]
     finally:
         trainer_model.train(was_training)
-    best = min(fits, key=fits.get)
-    temps = sorted({round(float(t), 4) for t in tokens.temperature})
-    evidence["temperature_fit"] = {"factor_vs_mean_abs_diff": {"1.0": nominal, **{str(f): v for f, v in fits.items()}}}
-    if fits[best] < (1 - EXPLAINS) * nominal:
-        implied = [round(t * best, 3) for t in temps]
-        found.append(Diagnosis("temperature", f"the rollout logprobs match temperature {implied} (mean |dlogp| "
-                               f"{fits[best]:.3g}) far better than the trainer's assumed {temps} ({nominal:.3g}): the "
-                               "engine samples at another temperature than the rollouts record"))
-
-    evidence["trainer_left_vs_right_padding_mean_abs_diff"] = padding_effect
-    if padding_effect > PADDING_TOLERANCE:
-        found.append(Diagnosis("padding", f"the trainer's model gives other logprobs for left- than for right-padded "
-                               f"rows (mean |dlogp| {padding_effect:.3g}): it ignores the attention mask or the "
-                               "position ids of padded rows, and the engine pads on the left"))
-
-    if engine is not None:
-        solo = check(solo_rollouts(engine, trajs), trainer_model, version=report.trainer_version,
-                     eps_low=report.eps_low, eps_high=report.eps_high, alone=report.mode == "alone")
-        evidence["engine_solo_mean_abs_diff"] = solo.mean_abs_diff
-        if solo.tokens and not over_threshold(solo, mean_abs_diff, p99_abs_diff) and \
-                solo.mean_abs_diff < (1 - EXPLAINS) * report.mean_abs_diff:
-            found.append(Diagnosis("padding", f"generated one at a time (unpadded) the same prompts agree with the "
-                                   f"trainer (mean |dlogp| {solo.mean_abs_diff:.3g} vs {report.mean_abs_diff:.3g} "
-                                   "batched): the engine's batched path mishandles padding (attention mask or "
-                                   "position ids of left-padded rows)"))
-
-    if engine_dtype and trainer_dtype and engine_dtype != trainer_dtype:
-        found.append(Diagnosis("dtype", f"the engine runs {engine_dtype} and the trainer {trainer_dtype}: that "
-                               "rounding alone moves logprobs by up to ~1e-2; run both in float32 (engine.dtype) "
-                               "or raise this stage's gate thresholds"))
-
+    found += [_engine_padding(report, trainer_model, engine, evidence, mean_abs_diff=mean_abs_diff,
+                              p99_abs_diff=p99_abs_diff),
+              _dtype_mismatch(engine_dtype, evidence["trainer_dtype"])]
+    found = [d for d in found if d is not None]
     if not found:
         return Diagnosis("unknown", "no experiment explains the drift (versions, weights, temperature, padding and "
                          "dtype all agree): compare the engine's and the trainer's kernels", evidence)
