@@ -182,9 +182,9 @@ def test_agent_advantages_are_gae_over_the_action_tokens_only(multi_turn, tiny_m
     seen = {}
     critic_values, policy_loss = backend.critic_values, algorithms.sao_policy_loss
 
-    def values_spy(b, grad):
+    def values_spy(b, grad):  # GAE reads the last values: after the K critic updates (TTUR order)
         out = critic_values(b, grad)
-        seen.setdefault("values", out.detach().clone())
+        seen["values"] = out.detach().clone()
         return out
 
     def loss_spy(logp, rollout_logp, advantages, mask, *args):
