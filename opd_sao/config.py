@@ -363,7 +363,8 @@ def _format_error(err: ValidationError) -> str:
     got = first.get("input")
     shown = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
     more = f"; and {err.error_count() - 1} more" if err.error_count() > 1 else ""
-    return f"{where}: {first['msg']}{shown}{more}"
+    message = first['msg'].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+    return f"{where}: {message}{shown}{more}"
 
 
 def _apply_override(data: dict, dotted: str) -> None:

@@ -55,7 +55,7 @@ def test_invalid_config_is_one_clear_line(tmp_path):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
-    assert "stages.0.algo" in lines[0] and "'sao'" in lines[0] and "sarsa" in lines[0]
+    assert "stages.0.algo" in lines[0] and "registered: grpo, grpo_dis, ppo, running_mean, sao" in lines[0] and "sarsa" in lines[0]
 
 
 @pytest.mark.parametrize("override,needle", [
