@@ -469,7 +469,7 @@ def _remove_tree(path: str) -> None:
     fd-relative: each subdirectory's entries move up into the top dir, which is emptied level by level.
     A failure is logged, not raised: it must not hide the run's result; the dir is swept later."""
     try:
-        os.chmod(path, 0o700, follow_symlinks=False)
+        os.chmod(path, 0o700)
         top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
             moved = f".opd-sao-rm-{uuid.uuid4().hex}-"  # a name the dead program cannot have guessed
@@ -517,8 +517,10 @@ def sweep_stale_workdirs() -> int:
     removed = 0
     for path in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*"):
         owner = _WORKDIR_OWNER.match(path.name)
-        if owner is None or int(owner[1]) != _PID_NAMESPACE or _process_tag(int(owner[2])) == ".".join(owner.groups()):
-            continue  # not ours to judge, or its supervisor lives
+        if owner is None or int(owner[1]) != _PID_NAMESPACE:
+            continue  # not ours to judge
+        if _process_tag(int(owner[2])) == ".".join(owner.groups()):
+            continue  # its supervisor lives
         _kill_processes_naming(str(path))
         claimed = path.with_name(f"{WORKDIR_PREFIX}{_process_tag(os.getpid())}-swept-{uuid.uuid4().hex}")
         try:
