@@ -9,10 +9,11 @@ Writing (teacher scoring)::
 Reading (trainer), from any thread or process::
 
     records = teacher.get_many(traj_ids)        # CorruptRecordError(traj_ids) -> invalidate, re-score, put
+                                                # CacheDamagedError (metadata) -> rebuild_teacher, re-score
 
 API:
   LogitCache(root).open_teacher(meta) -> TeacherCache    create or validate (CacheMismatchError names the field)
-  LogitCache(root).teachers() -> {name: CacheMeta}
+  LogitCache(root).teachers() -> {name: CacheMeta}, teacher_dirs(), open_dir(path), rebuild_teacher(meta)
   TeacherCache.put(traj_id, record) / get(traj_id) / get_many(traj_ids) / invalidate(traj_id)
   TeacherCache: `in`, len(), traj_ids(), n_tokens(), verify(), bad_index_lines(), collect_garbage()
   encode_top_k(logp_rows, k, sampled_ids), encode_top_p(logp_rows, p, sampled_ids), encode_full(logp_rows,
@@ -23,14 +24,16 @@ The byte encoding and its error bounds are documented in ``cache.encoding``; the
 protocol in ``cache.store``.
 """
 
-from .errors import CacheMismatchError, CorruptRecordError
+from .errors import CacheDamagedError, CacheMismatchError, CacheReadOnlyError, CorruptRecordError
 from .records import CacheMeta, TeacherRecord
 from .store import LogitCache, TeacherCache
 from .support import encode_full, encode_top_k, encode_top_p, record_from_logprobs
 
 __all__ = [
+    "CacheDamagedError",
     "CacheMeta",
     "CacheMismatchError",
+    "CacheReadOnlyError",
     "CorruptRecordError",
     "LogitCache",
     "TeacherCache",

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from .errors import CacheDamagedError, CacheReadOnlyError
 from .store import LogitCache
 
 USAGE = "usage: opd-sao cache {inspect|verify|gc} DIR"
@@ -43,14 +44,24 @@ def inspect(path: str | Path) -> dict:
 
 
 def verify(path: str | Path) -> tuple[bool, list[str]]:
-    """Check every record's checksum and every index line; ``problems`` names what must be re-scored."""
+    """Check every teacher's metadata, every record's checksum and every index line; ``problems`` holds one
+    line per problem, starting with the path it concerns (a damaged store is rebuilt and re-scored by the
+    OPD stage, a corrupt record re-scored)."""
     cache = LogitCache(path)
     problems = []
-    for name, meta in cache.teachers().items():
-        teacher = cache.open_teacher(meta)
-        problems += [f"{name}: record {traj_id!r} is corrupt (checksum mismatch or unreadable chunk)"
+    try:
+        directories = cache.teacher_dirs()
+    except CacheDamagedError as error:
+        return False, error.problems
+    for directory in directories:
+        try:
+            teacher = cache.open_dir(directory)
+        except CacheDamagedError as error:
+            problems += error.problems
+            continue
+        problems += [f"{directory}: record {traj_id!r} is corrupt (checksum mismatch or unreadable chunk)"
                      for traj_id in teacher.verify()]
-        problems += [f"{name}: index line {line} fails its checksum; its record is lost"
+        problems += [f"{directory / 'index.log'}: line {line} fails its checksum; its record is lost"
                      for line in teacher.bad_index_lines()]
     return not problems, problems
 
@@ -68,7 +79,8 @@ def gc(path: str | Path) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    """Exit status 0 on success, 1 when verify finds corruption, 2 on bad usage or a directory that is no cache."""
+    """Exit status 0 on success; 1 when verify finds corruption or damage, when inspect or gc meet damage, or
+    when gc cannot write; 2 on bad usage or a directory that is no cache."""
     if len(argv) != 2 or argv[0] not in ("inspect", "verify", "gc"):
         print(USAGE, file=sys.stderr)
         return 2
@@ -83,6 +95,12 @@ def main(argv: list[str]) -> int:
     except FileNotFoundError as error:
         print(error, file=sys.stderr)
         return 2
+    except CacheDamagedError as error:
+        print("\n".join(f"damaged: {problem}" for problem in error.problems), file=sys.stderr)
+        return 1
+    except CacheReadOnlyError as error:
+        print(error, file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

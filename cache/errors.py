@@ -30,3 +30,29 @@ class CacheMismatchError(Exception):
             for name, (stored, requested) in self.differences.items()
         )
         super().__init__(f"logit cache {path} refused: {detail}")
+
+
+class CacheDamagedError(Exception):
+    """A teacher store's metadata (a zarr.json, index.log) is missing or unreadable: its records cannot be trusted.
+
+    ``problems`` holds one line per damaged file, each starting with its path. The OPD stage rebuilds the
+    teacher's store (``LogitCache.rebuild_teacher``) and re-scores; ``opd-sao cache verify`` reports them.
+    """
+
+    def __init__(self, path: str, problems: list[str]):
+        self.path = path
+        self.problems = list(problems)
+        super().__init__(f"logit cache {path} is damaged: " + "; ".join(self.problems))
+
+
+class CacheReadOnlyError(ValueError):
+    """A write (gc, storing re-scored records, a rebuild) was needed in a cache directory we may not write.
+
+    A ValueError: it is the user's opd.cache_dir that is unusable, so CLIs report it in one line. Reading a
+    read-only cache needs no write and works.
+    """
+
+    def __init__(self, path: str, action: str, reason: str):
+        self.path = path
+        super().__init__(f"logit cache {path} is read-only ({reason}): {action} needs write access; make it "
+                         f"writable or set opd.cache_dir to a writable directory")

@@ -27,10 +27,15 @@ Every read checks the record's CRC-32 (``encoding.checksum``) against its index 
 decode, is missing or was altered raises CorruptRecordError, never returns data. A crash between 1 and 2
 leaves unreferenced data past the committed end, which the next put overwrites and gc deletes. Appends are
 not fsynced: data lost in a power cut fails its checksum like any other corruption.
+
+Damaged metadata (a missing or unparsable zarr.json, a missing index.log) raises CacheDamagedError naming
+each file; the OPD stage then rebuilds that teacher's store and re-scores. Reading needs no write access
+(no lock is taken), so a read-only cache stays readable; a needed write raises CacheReadOnlyError.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -38,6 +43,7 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,13 +64,15 @@ from .encoding import (
     from_streams,
     to_streams,
 )
-from .errors import CacheMismatchError, CorruptRecordError
+from .errors import CacheDamagedError, CacheMismatchError, CacheReadOnlyError, CorruptRecordError
 from .records import CacheMeta, TeacherRecord
 
 ROOT_ATTRIBUTES = {"format": "opd-sao-logit-cache", "format_version": FORMAT_VERSION}
 INDEX_FILE = "index.log"
 LOCK_FILE = "writer.lock"
 STAGING_PREFIX = ".staging-"
+DAMAGED_PREFIX = ".damaged-"
+READ_ONLY_ERRORS = (errno.EROFS, errno.EACCES, errno.EPERM)
 CAPACITY = 2**48
 POSITION_STREAMS = ("sampled_logp", "tail_mass", "row_len")
 # Blosc-lz4 with the shuffle that measured smallest per stream (docs/benchmarks_logit_cache.md): bitshuffle
@@ -109,7 +117,11 @@ class _CommitLog:
         self._inode = inode
 
     def refresh(self) -> None:
-        with self._lock, open(self.path, "rb") as log:
+        try:
+            log = open(self.path, "rb")
+        except FileNotFoundError:
+            raise CacheDamagedError(str(self.path.parent), [f"{self.path}: missing (the commit log)"]) from None
+        with self._lock, log:
             status = os.fstat(log.fileno())
             if status.st_ino != self._inode or status.st_size < self.offset:
                 self._reset(status.st_ino)  # gc replaced the log
@@ -175,23 +187,72 @@ def _check_identity(path: Path, attributes: dict, meta: CacheMeta) -> None:
         raise CacheMismatchError(str(path), differences)
 
 
+def _read_metadata(path: Path) -> dict:
+    """A zarr.json's content; CacheDamagedError naming the file if it is missing or not a JSON object."""
+    try:
+        content = json.loads(path.read_bytes())
+        if not isinstance(content, dict):
+            raise ValueError("not a JSON object")
+        return content
+    except FileNotFoundError:
+        raise CacheDamagedError(str(path.parent), [f"{path}: missing"]) from None
+    except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CacheDamagedError(str(path.parent), [f"{path}: unreadable ({error})"]) from None
+
+
+def teacher_metadata_problems(path: Path) -> list[str]:
+    """One line per damaged metadata file of a teacher directory (each starting with its path); [] if sound."""
+    if not path.is_dir():
+        return [f"{path}: missing"]
+    try:
+        granularity = _read_metadata(path / "zarr.json").get("attributes", {}).get("granularity")
+    except CacheDamagedError as error:
+        problems, granularity = error.problems, None
+    else:
+        problems = []
+    streams = STREAMS.get(granularity) or sorted(child.name for child in path.iterdir() if child.name in STREAM_DTYPES)
+    for name in streams:
+        try:
+            _read_metadata(path / name / "zarr.json")
+        except CacheDamagedError as error:
+            problems += error.problems
+    if not (path / INDEX_FILE).is_file():
+        problems.append(f"{path / INDEX_FILE}: missing (the commit log)")
+    return problems
+
+
 class TeacherCache:
     """One teacher's records, keyed by trajectory id. Obtain it from ``LogitCache.open_teacher``.
 
-    Thread-safe; several processes may open the same cache. Writers serialise on a file lock.
+    Thread-safe; several processes may open the same cache. Writers serialise on a file lock; readers take
+    none, so a read-only cache can be read.
     """
 
     def __init__(self, path: Path, meta: CacheMeta):
         self.path = path
         self.meta = meta
-        group = zarr.open_group(LocalStore(path), mode="r+")
-        _check_identity(path, group.attrs.asdict(), meta)
-        self._arrays = {name: group[name] for name in STREAMS[meta.granularity]}
+        problems = teacher_metadata_problems(path)
+        if problems:
+            raise CacheDamagedError(str(path), problems)
+        try:
+            group = zarr.open_group(LocalStore(path), mode="r+")  # writes nothing: works read-only
+            _check_identity(path, group.attrs.asdict(), meta)
+            self._arrays = {name: group[name] for name in STREAMS[meta.granularity]}
+        except (CacheMismatchError, CacheDamagedError):
+            raise
+        except Exception as error:  # valid JSON that zarr cannot use as metadata
+            raise CacheDamagedError(str(path), [f"{path}: zarr cannot open its metadata ({error!r})"]) from None
         self._log = _CommitLog(path / INDEX_FILE)
 
     @contextmanager
-    def _writing(self):
-        with open(self.path / LOCK_FILE, "ab") as lock:
+    def _writing(self, action: str):
+        try:
+            lock = open(self.path / LOCK_FILE, "ab")
+        except OSError as error:
+            if error.errno in READ_ONLY_ERRORS:
+                raise CacheReadOnlyError(str(self.path), action, error.strerror) from None
+            raise
+        with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield self._log.drop_torn_tail()
 
@@ -204,7 +265,7 @@ class TeacherCache:
         is rewritten once per call, not once per record, so batches write faster."""
         encoded = {traj_id: to_streams(self.meta, record) for traj_id, record in records.items()}
         crcs = {traj_id: checksum(streams) for traj_id, streams in encoded.items()}
-        with self._writing():
+        with self._writing(f"storing the teacher records of {len(records)} trajectories"):
             end = {name: self._log.data_end.get(name, 0) for name in self._arrays}
             entries = []
             for traj_id, streams in encoded.items():
@@ -296,7 +357,7 @@ class TeacherCache:
 
     def invalidate(self, traj_id: str) -> None:
         """Drop the record (e.g. a corrupt one) so it can be put again; a no-op for an absent id."""
-        with self._writing():
+        with self._writing("invalidating a record"):
             if traj_id in self._log.records:
                 self._log.append([{"drop": traj_id}])
 
@@ -333,8 +394,11 @@ class TeacherCache:
         return corrupt
 
     def collect_garbage(self) -> dict:
-        """Drop corrupt records, compact the index and delete chunks and temporary files no record uses."""
-        with self._writing() as torn_index_bytes:
+        """Drop corrupt records, compact the index and delete chunks and temporary files no record uses.
+
+        A directory where a chunk belongs (no zarr write makes one) is removed and listed in the report."""
+        foreign = []
+        with self._writing("gc") as torn_index_bytes:
             corrupt = self.verify()
             live = {traj_id: entry for traj_id, entry in self._log.records.items() if traj_id not in corrupt}
             index_lines_dropped = self._log.line_count - len(live)
@@ -344,9 +408,13 @@ class TeacherCache:
                 used = _chunks_in_use(live.values(), name, array.chunks[0])
                 chunk_dir = self.path / name / "c"
                 for chunk in chunk_dir.iterdir() if chunk_dir.is_dir() else ():
+                    if chunk.is_dir() and not chunk.is_symlink():
+                        foreign.append(str(chunk))
+                        shutil.rmtree(chunk)
+                        continue
                     if chunk.name.isdigit() and int(chunk.name) in used:
                         continue
-                    bytes_freed += chunk.stat().st_size
+                    bytes_freed += chunk.lstat().st_size
                     chunk.unlink()
                     chunks_removed += chunk.name.isdigit()
             for leftover in self.path.glob(f".{INDEX_FILE}.*"):
@@ -357,6 +425,7 @@ class TeacherCache:
             "index_lines_dropped": index_lines_dropped,
             "chunks_removed": chunks_removed,
             "bytes_freed": bytes_freed,
+            "foreign_entries_removed": foreign,
         }
 
 
@@ -388,17 +457,41 @@ class LogitCache:
         self.root = Path(root)
 
     def open_teacher(self, meta: CacheMeta) -> TeacherCache:
-        """The teacher's cache, created if absent; CacheMismatchError if it was made for another identity."""
+        """The teacher's cache, created if absent; CacheMismatchError if it was made for another identity,
+        CacheDamagedError if its metadata is damaged (then ``rebuild_teacher``)."""
         path = self.root / _directory_name(meta.teacher)
-        if not (path / "zarr.json").exists():
+        if not path.exists():  # a teacher dir appears whole (renamed into place): a partial one is damage
             self._create_teacher(path, meta)
         return TeacherCache(path, meta)
 
+    def rebuild_teacher(self, meta: CacheMeta) -> TeacherCache:
+        """Replace a damaged teacher store by an empty one (its records are to be re-scored).
+
+        The damaged directory is first renamed aside, so a concurrent reader never sees it half deleted; if
+        another process already rebuilt it, the sound store is kept."""
+        path = self.root / _directory_name(meta.teacher)
+        try:
+            if path.exists() and teacher_metadata_problems(path):
+                aside = self.root / f"{DAMAGED_PREFIX}{uuid.uuid4().hex}"
+                os.rename(path, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+        except OSError as error:
+            if error.errno in READ_ONLY_ERRORS:
+                raise CacheReadOnlyError(str(path), "rebuilding a damaged teacher store", error.strerror) from None
+            raise
+        return self.open_teacher(meta)
+
     def _create_teacher(self, path: Path, meta: CacheMeta) -> None:
         """Build the group in a staging directory and rename it into place, so nobody opens it half made."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        zarr.open_group(LocalStore(self.root), mode="a", attributes=ROOT_ATTRIBUTES)
-        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.root))
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            zarr.open_group(LocalStore(self.root), mode="a", attributes=ROOT_ATTRIBUTES)
+            staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.root))
+        except OSError as error:
+            if error.errno in READ_ONLY_ERRORS:
+                raise CacheReadOnlyError(str(self.root), f"creating the store of teacher {meta.teacher!r}",
+                                         error.strerror) from None
+            raise
         group = zarr.create_group(
             LocalStore(staging), attributes={**meta.to_attrs(), "format_version": FORMAT_VERSION, "encoding": ENCODING}
         )
@@ -420,25 +513,46 @@ class LogitCache:
         except OSError:  # another process created it first; open_teacher validates theirs
             shutil.rmtree(staging)
 
-    def teachers(self) -> dict[str, CacheMeta]:
-        """Identity of every teacher stored here; FileNotFoundError if this is not a logit cache."""
+    def teacher_dirs(self) -> list[Path]:
+        """Every teacher directory here; FileNotFoundError if this is not a logit cache, CacheDamagedError if
+        its root metadata is unreadable."""
         root_meta = self.root / "zarr.json"
-        if not root_meta.is_file() or json.loads(root_meta.read_text()).get("attributes", {}).get("format") != (
-            ROOT_ATTRIBUTES["format"]
-        ):
-            raise FileNotFoundError(f"{self.root} is not an opd-sao logit cache")
-        metas = {}
-        for child in sorted(self.root.iterdir()):
-            if not child.name.startswith(".") and (child / "zarr.json").is_file():
-                meta = CacheMeta.from_attrs(json.loads((child / "zarr.json").read_text())["attributes"])
-                metas[meta.teacher] = meta
+        if not root_meta.is_file():
+            raise FileNotFoundError(f"{self.root} is not an opd-sao logit cache (no {root_meta})")
+        if _read_metadata(root_meta).get("attributes", {}).get("format") != ROOT_ATTRIBUTES["format"]:
+            raise FileNotFoundError(f"{self.root} is not an opd-sao logit cache ({root_meta} says otherwise)")
+        return sorted(child for child in self.root.iterdir() if child.is_dir() and not child.name.startswith("."))
+
+    def open_dir(self, path: Path) -> TeacherCache:
+        """The teacher stored in ``path``, with the identity its metadata records; CacheDamagedError if damaged."""
+        try:
+            attributes = _read_metadata(path / "zarr.json").get("attributes", {})
+            meta = CacheMeta.from_attrs(attributes)
+        except (KeyError, TypeError, ValueError) as error:
+            raise CacheDamagedError(str(path), [f"{path / 'zarr.json'}: no teacher identity ({error!r})"]) from None
+        return TeacherCache(path, meta)
+
+    def teachers(self) -> dict[str, CacheMeta]:
+        """Identity of every teacher stored here; FileNotFoundError if this is not a logit cache,
+        CacheDamagedError (every problem of every teacher) if some metadata is damaged."""
+        metas, problems = {}, []
+        for path in self.teacher_dirs():
+            try:
+                meta = self.open_dir(path).meta
+            except CacheDamagedError as error:
+                problems += error.problems
+                continue
+            metas[meta.teacher] = meta
+        if problems:
+            raise CacheDamagedError(str(self.root), problems)
         return metas
 
     def remove_stale_staging(self, older_than_s: float = 3600.0) -> int:
-        """Delete staging directories an interrupted ``open_teacher`` left; returns the bytes freed."""
+        """Delete staging directories an interrupted ``open_teacher`` left, and damaged stores an interrupted
+        ``rebuild_teacher`` set aside; returns the bytes freed."""
         freed = 0
-        for staging in self.root.glob(f"{STAGING_PREFIX}*"):
-            if time.time() - staging.stat().st_mtime > older_than_s:
+        for staging in [*self.root.glob(f"{STAGING_PREFIX}*"), *self.root.glob(f"{DAMAGED_PREFIX}*")]:
+            if staging.name.startswith(DAMAGED_PREFIX) or time.time() - staging.stat().st_mtime > older_than_s:
                 freed += sum(f.stat().st_size for f in staging.rglob("*") if f.is_file())
                 shutil.rmtree(staging)
         return freed

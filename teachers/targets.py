@@ -8,7 +8,9 @@ cache is garbage-collected (every failing record and the chunks only they used a
 chunk cannot even be appended to) and those trajectories are re-scored and read back. A valid record is
 reused: records are keyed by a hash of the trajectory's tokens and action mask, so a trajectory the
 student samples again (or one replayed after a resume) costs no teacher forward, and a record can never
-be applied to a different token sequence.
+be applied to a different token sequence. A teacher store whose metadata is damaged (`CacheDamagedError`:
+a zarr.json or index.log missing or unreadable, met when opening or reading it) is rebuilt empty, with a
+one-line warning, and its trajectories re-scored: the stage goes on.
 
 Teacher order within a batch: teachers already in host memory first (least recently used first), then
 the others in config order; right after a teacher is taken, the next one that has work is prefetched.
@@ -19,11 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from cache import (
+    CacheDamagedError,
     CacheMismatchError,
     CorruptRecordError,
     LogitCache,
@@ -34,6 +38,8 @@ from opd_sao.trajectory import Trajectory
 from teachers.routing import TeacherSet
 
 from .prefetch import Prefetcher
+
+logger = logging.getLogger(__name__)
 
 
 def cache_key(traj: Trajectory) -> str:
@@ -73,6 +79,21 @@ class TeacherTargets:
             except CacheMismatchError as err:
                 raise ValueError(f"{err} (teacher {name!r}: delete that directory or set opd.cache_dir "
                                  f"to a fresh one)") from None
+            except CacheDamagedError as err:
+                self._rebuild(name, err)
+
+    def _rebuild(self, name: str, err: CacheDamagedError) -> None:
+        """Replace teacher ``name``'s damaged store by an empty one: its trajectories are scored again."""
+        logger.warning("logit cache: %s; rebuilding teacher %r's store, its trajectories are re-scored",
+                       err, name)
+        self.caches[name] = self.cache.rebuild_teacher(self.registry.specs[name].cache_meta)
+
+    def _damaged_teacher(self, err: CacheDamagedError) -> str:
+        """The teacher whose store ``err`` is about (it names the store or a file in it)."""
+        for name, teacher in self.caches.items():
+            if err.path == str(teacher.path) or err.path.startswith(f"{teacher.path}/"):
+                return name
+        raise err
 
     def order(self, names: set[str]) -> list[str]:
         resident = [n for n in self.prefetcher.resident() if n in names]
@@ -99,6 +120,20 @@ class TeacherTargets:
         out.cache_write_s += time.perf_counter() - t0
 
     def fetch(self, trajectories: list[Trajectory]) -> Targets:
+        """Targets of every trajectory, read back from the cache; a store found damaged on the way is rebuilt
+        and the batch fetched again (once per teacher at most: damage that comes back propagates)."""
+        rebuilt: set[str] = set()
+        while True:
+            try:
+                return self._fetch(trajectories)
+            except CacheDamagedError as err:
+                name = self._damaged_teacher(err)
+                if name in rebuilt:
+                    raise
+                rebuilt.add(name)
+                self._rebuild(name, err)
+
+    def _fetch(self, trajectories: list[Trajectory]) -> Targets:
         names = [self.registry.teacher_for(t.domain).name for t in trajectories]
         keys = [cache_key(t) for t in trajectories]
         out = Targets(teachers=names, records=[None] * len(trajectories))  # type: ignore[list-item]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +17,10 @@ import pytest
 import torch
 
 from cache import (
+    CacheDamagedError,
     CacheMeta,
     CacheMismatchError,
+    CacheReadOnlyError,
     CorruptRecordError,
     LogitCache,
     TeacherRecord,
@@ -313,7 +318,8 @@ def test_damaged_index_line_is_reported_and_never_used(tmp_path):
 
     reader = LogitCache(tmp_path).open_teacher(meta)
     assert reader.traj_ids() == ["traj-2"]
-    assert verify(tmp_path) == (False, ["reasoning-rl: index line 1 fails its checksum; its record is lost"])
+    assert verify(tmp_path) == (
+        False, [f"{tmp_path / 'reasoning-rl' / 'index.log'}: line 1 fails its checksum; its record is lost"])
 
 
 @pytest.mark.parametrize(
@@ -399,3 +405,101 @@ def test_get_many_reads_across_batches_in_any_order(tmp_path):
         np.testing.assert_array_equal(record.ids, alone.ids)
         np.testing.assert_array_equal(record.logp, alone.logp)
         np.testing.assert_array_equal(record.tail_mass, alone.tail_mass)
+
+
+# --- faults (issue 15): damaged metadata, a chunk replaced by a directory, a read-only cache ---
+
+def _garbage(path: Path) -> Path:
+    path.write_bytes(b"\xff\xfe{ not json")
+    return path
+
+
+def _delete(path: Path) -> Path:
+    path.unlink()
+    return path
+
+
+METADATA_DAMAGE = {
+    "group-zarr-json-deleted": lambda teacher: _delete(teacher / "zarr.json"),
+    "logp-zarr-json-deleted": lambda teacher: _delete(teacher / "logp" / "zarr.json"),
+    "index-log-deleted": lambda teacher: _delete(teacher / "index.log"),
+    "garbage-in-group-zarr-json": lambda teacher: _garbage(teacher / "zarr.json"),
+    "garbage-in-ids-zarr-json": lambda teacher: _garbage(teacher / "ids" / "zarr.json"),
+}
+
+
+@pytest.mark.parametrize("damage", list(METADATA_DAMAGE))
+def test_damaged_metadata_is_reported_with_its_path_and_rebuilt(tmp_path, capsys, damage):
+    """Before: a deleted group zarr.json passed verify (ok: true); the others gave "error: logp", a bare
+    FileNotFoundError or a JSON/UTF-8 decode error naming no file, all with exit 2 (the usage code)."""
+    meta = make_meta("top_k")
+    cache = LogitCache(tmp_path)
+    rows, sampled = teacher_rows(6)
+    cache.open_teacher(meta).put("a", encode_top_k(rows, 16, sampled))
+    damaged = METADATA_DAMAGE[damage](tmp_path / "reasoning-rl")
+
+    ok, problems = verify(tmp_path)
+    assert not ok and len(problems) == 1 and problems[0].startswith(f"{damaged}: "), problems
+    assert main(["verify", str(tmp_path)]) == 1
+    assert json.loads(capsys.readouterr().out) == {"ok": False, "problems": problems}
+    for command in ("inspect", "gc"):
+        assert main([command, str(tmp_path)]) == 1
+        assert capsys.readouterr().err == f"damaged: {problems[0]}\n"
+    with pytest.raises(CacheDamagedError, match=re.escape(str(damaged))):
+        cache.open_teacher(meta)
+
+    teacher = cache.rebuild_teacher(meta)  # what the OPD stage does before re-scoring
+    assert len(teacher) == 0 and verify(tmp_path) == (True, [])
+    teacher.put("a", encode_top_k(rows, 16, sampled))
+    assert teacher.get("a").n_positions == 6 and not list(tmp_path.glob(".damaged-*"))
+
+
+def test_gc_removes_a_chunk_replaced_by_a_directory(tmp_path):
+    """Before: collect_garbage raised IsADirectoryError."""
+    cache, meta = big_top_k_teacher(tmp_path)
+    teacher = cache.open_teacher(meta)
+    chunk = chunk_files(teacher.path, "logp")[0]
+    chunk.unlink()
+    chunk.mkdir()
+    (chunk / "inside").write_bytes(b"x")
+    assert teacher.verify() == ["traj-big"]
+    report = gc(tmp_path)["teachers"]["reasoning-rl"]
+    assert report["foreign_entries_removed"] == [str(chunk)] and report["corrupt_records_dropped"] == ["traj-big"]
+    assert not chunk.exists() and verify(tmp_path) == (True, [])
+
+
+@contextmanager
+def read_only_mount(path: Path):
+    """``path`` bind-mounted read-only over itself, so every write fails with EROFS. The tests run as root,
+    where chmod -R a-w stops no write; a real read-only mount is what a read-only volume does."""
+    if os.geteuid() != 0 or subprocess.run(["mount", "--bind", path, path], capture_output=True).returncode:
+        pytest.skip("needs root to mount")
+    try:
+        subprocess.run(["mount", "--make-private", path], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", path], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", path], check=True)
+
+
+def test_read_only_cache_is_readable_and_writes_say_so(tmp_path, capsys):
+    """Before: reads worked, but `cache gc` raised EROFS on writer.lock with a traceback, as did a put (the OPD
+    stage storing re-scored records)."""
+    meta = make_meta("top_k")
+    root = tmp_path / "cache"
+    rows, sampled = teacher_rows(6)
+    LogitCache(root).open_teacher(meta).put("a", encode_top_k(rows, 16, sampled))
+    with read_only_mount(root):
+        with pytest.raises(OSError, match="Read-only file system"):
+            (root / "probe").write_bytes(b"")
+        teacher = LogitCache(root).open_teacher(meta)
+        assert teacher.get("a").n_positions == 6 and teacher.get_many(["a"])[0].n_positions == 6
+        assert main(["verify", str(root)]) == 0 and main(["inspect", str(root)]) == 0
+        capsys.readouterr()
+        assert main(["gc", str(root)]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"logit cache {root / 'reasoning-rl'} is read-only" in err and "gc" in err
+        with pytest.raises(CacheReadOnlyError, match=re.escape(f"{root / 'reasoning-rl'} is read-only")):
+            teacher.put("b", encode_top_k(rows, 16, sampled))
+        with pytest.raises(CacheReadOnlyError, match="creating the store of teacher 'other'"):
+            LogitCache(root).open_teacher(make_meta("top_k", teacher="other"))

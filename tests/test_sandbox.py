@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import tracemalloc
@@ -99,7 +102,7 @@ HOSTILE = [
     pytest.param("x = bytearray(1 << 30)", {"memory"}, id="alloc-1gb"),
     pytest.param("x = []\nwhile True: x.append(' ' * 10**6)", {"memory"}, id="alloc-loop"),
     pytest.param("open('big', 'wb').write(b'x' * (2 << 20))", {"file_size"}, id="big-file"),
-    pytest.param(FILL_TMP, {"file_size"}, id="fill-tmp"),
+    pytest.param(FILL_TMP, {"tmp"}, id="fill-tmp"),
 ]
 
 
@@ -330,3 +333,161 @@ def test_cli_misuse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         main(["run", str(tmp_path / "missing.py")])
     assert exit_info.value.code == 2
     assert "no such file" in capsys.readouterr().err
+
+
+# --- faults (issue 15): the work dir's size, nested user namespaces, deep trees, a killed supervisor ---
+
+WRITE_PAST_TMP = """
+import os
+stat = os.statvfs('.')
+print(stat.f_blocks * stat.f_frsize >> 20, flush=True)
+for i in range(64):
+    with open(f"f{i}", "wb") as f:  # each file stays under file_size_mb
+        f.write(b"x" * (1 << 19))
+print("wrote 32 MB")
+"""
+
+
+@needs_bwrap
+def test_work_dir_is_a_size_capped_tmpfs() -> None:
+    """/sandbox was a bind of a host dir: 32 MB (400 MB in the probe) were written and the run ended ok."""
+    result, _ = _timed_run(WRITE_PAST_TMP, SandboxLimits(wall_s=3, cpu_s=1, tmp_mb=4))
+    assert (result.status, result.limit_hit, result.stdout) == ("failed", "tmp", "4\n"), result
+
+
+NESTED_USERNS = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.unshare(0x10000000 | 0x00020000) != 0:  # CLONE_NEWUSER | CLONE_NEWNS
+    raise SystemExit(f"unshare: {os.strerror(ctypes.get_errno())}")
+open("/proc/self/setgroups", "w").write("deny")
+open("/proc/self/uid_map", "w").write("0 1000 1")
+open("/proc/self/gid_map", "w").write("0 1000 1")
+if libc.mount(b"none", b"/tmp", b"tmpfs", 0, b"size=64m") != 0:
+    raise SystemExit(f"mount: {os.strerror(ctypes.get_errno())}")
+for i in range(64):
+    with open(f"/tmp/f{i}", "wb") as f:
+        f.write(b"x" * (1 << 19))
+print("escaped: 32 MB in a tmpfs of my own")
+"""
+
+
+@needs_bwrap
+def test_nested_user_namespace_is_refused() -> None:
+    """As root, bwrap's --disable-userns was not used: a program made its own user and mount namespaces and
+    mounted a tmpfs outside memory_mb and tmp_mb."""
+    result, _ = _timed_run(NESTED_USERNS, SandboxLimits(wall_s=3, cpu_s=1, tmp_mb=4))
+    assert "escaped" not in result.stdout, result
+    assert result.status == "failed" and result.stderr.startswith("unshare: "), result
+
+
+DEEP_TREE = """
+import os
+os.symlink({canary!r}, "link-to-host-dir")
+for _ in range(3000):
+    os.mkdir("d")
+    os.chdir("d")
+open("leaf", "w").write("x")
+os.symlink({canary!r}, "link")
+os.chmod(".", 0)
+print("deep")
+"""
+
+
+@pytest.mark.parametrize("mode", [pytest.param("bwrap", marks=needs_bwrap), "rlimit"])
+def test_deep_tree_is_cleaned_up(mode: str, tmp_path: Path, monkeypatch, capsys) -> None:
+    """3,000 nested dirs (deeper than PATH_MAX and the recursion limit): os.walk raised RecursionError, no JSON
+    came out and the work dir stayed. Symlinks out of the tree are removed, never followed."""
+    canary = tmp_path / "canary"
+    canary.mkdir(mode=0o755)
+    (canary / "keep").write_text("keep")
+    program = tmp_path / "deep.py"
+    program.write_text(DEEP_TREE.format(canary=str(canary)))
+    if mode == "rlimit":
+        monkeypatch.setenv(sandbox.BWRAP_ENV, "/nonexistent/bwrap")
+    assert main(["run", str(program), "--allow-rlimit-only"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["status"], report["stdout"]) == ("ok", "deep\n"), report
+    assert (canary / "keep").read_text() == "keep" and canary.stat().st_mode & 0o777 == 0o755
+    # the autouse fixture checks that the work dir is gone
+
+
+SUPERVISOR = """
+import sys, threading
+sys.path.insert(0, sys.argv[1])
+import sandbox  # the module alone (stdlib only) starts in milliseconds; the stages package imports torch
+limits = sandbox.SandboxLimits(wall_s=30)
+kwargs = {"limits": limits, "mode": sys.argv[3]}
+if sys.argv[3] == "bwrap":
+    sandbox.detect_mode(allow_rlimit_only=False)  # as the code env does once; probes the sandbox
+runs = [threading.Thread(target=sandbox.run_python, args=("import time; time.sleep(30)",), kwargs=kwargs)
+        for _ in range(int(sys.argv[2]))]
+print("go", flush=True)
+for run in runs:
+    run.start()
+for run in runs:
+    run.join()
+"""
+
+
+def _programs_running(work: Path) -> int:
+    return sum(cmdline.endswith(" -s main.py ") for cmdline in _processes_using(str(work)).values())
+
+
+def _kill_supervisor(work: Path, runs: int, delay_s: float | None, mode: str = "bwrap") -> int:
+    """Start a supervisor with `runs` sandbox threads, kill -9 it `delay_s` after it starts them (None: once
+    every program runs); returns how many processes still use the work dirs 0.3 s later (before a sweep)."""
+    env = {**os.environ, "TMPDIR": str(work)}
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(Path(sandbox.__file__).parent), str(runs), mode],
+                            stdout=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout.readline() == b"go\n"
+        if delay_s is not None:
+            time.sleep(delay_s)
+        deadline = time.monotonic() + 20
+        while delay_s is None and _programs_running(work) < runs and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert delay_s is not None or _programs_running(work) == runs
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    deadline = time.monotonic() + 0.3
+    while (left := _processes_using(str(work))) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return len(left)
+
+
+def _next_start(work: Path, tmp_path: Path) -> None:
+    """A fresh `sandbox run` (its first run sweeps what dead supervisors left)."""
+    program = tmp_path / "ok.py"
+    program.write_text("print('ok')")
+    done = subprocess.run([sys.executable, sandbox.__file__, "run", str(program)], capture_output=True,
+                          env={**os.environ, "TMPDIR": str(work)}, timeout=30)
+    assert json.loads(done.stdout)["status"] == "ok", done
+
+
+@needs_bwrap
+def test_supervisor_kill_9_leaves_nothing(tmp_path: Path) -> None:
+    """kill -9 of the supervisor at 20 random times, half within 20 ms of bwrap starting, the rest up to 0.3 s
+    later (sandbox set-up, program running): no process and no work dir is left once the next start has
+    swept. Before: every kill left its work dir, and some a bwrap blocked for good."""
+    work = Path(tempfile.gettempdir())  # the autouse fixture's per-test dir
+    rng = random.Random(15)
+    left_at_once = [_kill_supervisor(work, 1, rng.uniform(0, 0.02) if i % 2 else rng.uniform(0, 0.3))
+                    for i in range(20)]
+    _next_start(work, tmp_path)
+    assert not _processes_using(str(work)), f"processes left behind (right after each kill: {left_at_once})"
+    assert not list(work.iterdir()), "work dirs left behind"
+
+
+@pytest.mark.parametrize("mode", [pytest.param("bwrap", marks=needs_bwrap), "rlimit"])
+def test_kill_9_of_a_threaded_supervisor_leaves_nothing(mode: str, tmp_path: Path) -> None:
+    """As the agent stage runs them: 8 sandboxes on threads, supervisor killed while they run: everything
+    goes at once (parent-death signals: bwrap's, and in rlimit mode the wrapper's); the next start removes
+    the work dirs. Before: 8 work dirs were left, and in rlimit mode the 8 programs ran on."""
+    work = Path(tempfile.gettempdir())
+    assert _kill_supervisor(work, 8, None, mode) == 0
+    assert len(list(work.iterdir())) == 8
+    _next_start(work, tmp_path)
+    assert not _processes_using(str(work)) and not list(work.iterdir())

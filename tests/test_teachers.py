@@ -1,6 +1,7 @@
 """Teachers: chunked scoring vs a dense reference, the registry's checks, prefetch and LRU, targets via the cache."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from cache import encode_full, encode_top_k, encode_top_p
+from cache.cli import verify
 from opd_sao.checkpoints import (
     build_tiny_model,
     load_causal_lm,
@@ -396,6 +398,37 @@ def test_corrupt_record_is_rescored_never_used(tiny_model_dir, tokenizer, tmp_pa
     for a, b in zip(good.records, again.records):
         np.testing.assert_array_equal(a.ids, b.ids)
         np.testing.assert_allclose(a.logp, b.logp)
+    targets.prefetcher.close()
+
+
+@pytest.mark.parametrize("damage, when", [
+    ("zarr.json", "start"), ("logp/zarr.json", "start"), ("index.log", "start"), ("zarr.json garbage", "start"),
+    ("index.log", "mid-run"),
+])
+def test_damaged_teacher_store_is_rebuilt_and_rescored(tiny_model_dir, tokenizer, tmp_path, caplog, damage, when):
+    """Damaged metadata met when the stage opens the cache (start) or between batches (mid-run): the teacher's
+    store is rebuilt, its trajectories re-scored, one warning names the file. Before: the stage stopped
+    ("No group found in store", "error: logp", a bare FileNotFoundError, a JSON decode error)."""
+    targets = _targets(tiny_model_dir, tokenizer, tmp_path / "cache", tmp_path)
+    trajs = _trajectories(tokenizer)
+    good = targets.fetch(trajs)
+    damaged = tmp_path / "cache" / "rev" / damage.split()[0]
+    if damage.endswith("garbage"):
+        damaged.write_text("{ garbage")
+    else:
+        damaged.unlink()
+    if when == "start":
+        targets.prefetcher.close()
+        targets = _targets(tiny_model_dir, tokenizer, tmp_path / "cache", tmp_path)
+    CountingTeacher.scored = 0
+    with caplog.at_level(logging.WARNING, logger="teachers.targets"):
+        again = targets.fetch(trajs)
+    assert (again.misses, CountingTeacher.scored) == (5, 5)
+    for a, b in zip(good.records, again.records):
+        np.testing.assert_array_equal(a.ids, b.ids)
+        np.testing.assert_allclose(a.logp, b.logp)
+    assert len(caplog.records) == 1 and str(damaged) in caplog.text and "rebuilding teacher 'rev'" in caplog.text
+    assert verify(tmp_path / "cache") == (True, [])
     targets.prefetcher.close()
 
 

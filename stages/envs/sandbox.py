@@ -3,9 +3,15 @@
 The reward is the fraction of hidden tests a program passes, so the program is
 hostile by assumption: it may hang, fork-bomb, flood stdout, read or write the
 host, or talk to the network.  Each run gets a bubblewrap sandbox (no network,
-private PID/IPC/UTS/mount namespaces, read-only system dirs, an empty work dir)
-plus rlimits set inside the sandbox by a tiny wrapper before the program starts.
-Without bubblewrap we refuse to run unless rlimit-only mode is asked for.
+private PID/IPC/UTS/mount/user namespaces and no nested user namespace, read-only
+system dirs, a size-capped tmpfs as work dir) plus rlimits set inside the sandbox
+by a tiny wrapper before the program starts. Without bubblewrap we refuse to run
+unless rlimit-only mode is asked for.
+
+Nothing outlives its supervisor: bwrap runs with --die-with-parent, the program
+only starts once it has told a live supervisor so (the `ready` pipe), and each
+run first sweeps the work dirs (and any bwrap still using them) of supervisors
+that died without cleaning up (kill -9). docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import functools
 import json
 import logging
 import os
+import re
 import select
 import shutil
 import signal
@@ -23,13 +30,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Literal
 
 logger = logging.getLogger(__name__)
 
 Mode = Literal["bwrap", "rlimit"]
-LimitHit = Literal["wall", "cpu", "memory", "processes", "output", "file_size"]
+LimitHit = Literal["wall", "cpu", "memory", "processes", "output", "file_size", "tmp"]
 
 BWRAP_ENV = "OPD_SAO_BWRAP"  # path or name of the bwrap binary; tests point it elsewhere
 SANDBOX_DIR = "/sandbox"  # the work dir as the program sees it
@@ -38,15 +46,25 @@ SANDBOX_UID = 1000  # uid/gid of the program inside the sandbox
 # enforced for host uid 0, even inside a user namespace.
 HOST_UID = 65534
 _KILL_GRACE_S = 2.0  # how long a killed sandbox may take to disappear
+# Work dirs are named after their supervisor (PID namespace, pid and start time, so a reused pid is no
+# match): a later run can tell the dirs of a supervisor that died without cleaning up.
+WORKDIR_PREFIX = "opd-sao-sandbox-"
+_WORKDIR_OWNER = re.compile(re.escape(WORKDIR_PREFIX) + r"(\d+)\.(\d+)\.(\d+)-")
 
 # The sandbox's init (bwrap --as-pid-1; bwrap's own init would outlive bwrap and
 # be left as a zombie on the host). The child sets the limits (NPROC only inside
 # the user namespace, so it counts this sandbox alone), drops root, tells the
 # parent the sandbox came up and becomes the program; init reaps everything and
 # exits with the program's status (128+N for signal N). Its exit ends the sandbox.
+# In rlimit mode (no bwrap --die-with-parent) init and program die with the
+# supervisor by a parent-death signal.
 _WRAPPER = """\
 import os, resource, sys
-ready, cpu, mem, nproc, fsize, uid = map(int, sys.argv[1:7])
+ready, cpu, mem, nproc, fsize, uid, pdeathsig = map(int, sys.argv[1:8])
+if pdeathsig:
+    import ctypes
+    prctl = ctypes.CDLL(None).prctl
+    prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
 program = os.fork()
 if program == 0:
     for res, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem),
@@ -57,9 +75,11 @@ if program == 0:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-    os.write(ready, b"1")
+    if pdeathsig:
+        prctl(1, 9)  # fork cleared it
+    os.write(ready, b"1")  # EPIPE if the supervisor is gone: the program never starts
     os.close(ready)
-    os.execv(sys.executable, [sys.executable, "-s", *sys.argv[7:]])
+    os.execv(sys.executable, [sys.executable, "-s", *sys.argv[8:]])
 os.close(ready)
 while True:
     pid, status = os.wait()
@@ -83,7 +103,7 @@ class SandboxLimits:
     max_processes: int = 16  # processes + threads of the sandbox user (RLIMIT_NPROC)
     output_bytes: int = 64 * 1024  # stdout + stderr together
     file_size_mb: int = 1  # largest file the program may write (RLIMIT_FSIZE)
-    tmp_mb: int = 16  # size of the private /tmp and /dev/shm (bwrap mode)
+    tmp_mb: int = 16  # size of each private tmpfs: /sandbox (the work dir), /tmp and /dev/shm (bwrap mode)
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -165,7 +185,8 @@ def _probe(bwrap: str) -> None:
 
 def _run_code(code: str, bwrap: str | None, stdin: str, limits: SandboxLimits) -> SandboxResult:
     """One run in its own work dir, deleted whatever happens."""
-    workdir = tempfile.mkdtemp(prefix="opd-sao-sandbox-")
+    sweep_stale_workdirs()
+    workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{_process_tag(os.getpid())}-")
     try:
         Path(workdir, "main.py").write_text(code)
         return _run(workdir, bwrap, stdin, limits)
@@ -213,9 +234,13 @@ def _bwrap_args(bwrap: str, workdir: str, prefix: str, limits: SandboxLimits, as
         for parent in Path(prefix).parents[:-1]:  # bwrap creates them 0700: let the sandbox user through
             args += ["--chmod", "0755", str(parent)]
     tmp_size = str(limits.tmp_mb << 20)
+    # Every writable place is a size-capped tmpfs (memory the rlimits do not count); main.py is bound in
+    # read-only, so the work dir on the host never grows.
     args += [
         "--dev", "/dev", "--perms", "1777", "--size", tmp_size, "--tmpfs", "/dev/shm", "--proc", "/proc",
-        "--perms", "1777", "--size", tmp_size, "--tmpfs", "/tmp", "--bind", workdir, SANDBOX_DIR,
+        "--perms", "1777", "--size", tmp_size, "--tmpfs", "/tmp",
+        "--perms", "0777", "--size", tmp_size, "--tmpfs", SANDBOX_DIR,
+        "--ro-bind", os.path.join(workdir, "main.py"), f"{SANDBOX_DIR}/main.py",
         "--remount-ro", "/", "--chdir", SANDBOX_DIR, "--",
     ]  # fmt: skip
     return args
@@ -232,7 +257,8 @@ def _run(workdir: str, bwrap: str | None, stdin: str, limits: SandboxLimits) -> 
     fds["ready"], child_fds["ready"] = os.pipe()
     wrapper = [
         python, "-I", "-S", "-c", _WRAPPER, str(child_fds["ready"]), str(limits.cpu_s), str(limits.memory_mb << 20),
-        str(limits.max_processes), str(limits.file_size_mb << 20), str(SANDBOX_UID if as_root else -1), "main.py",
+        str(limits.max_processes), str(limits.file_size_mb << 20), str(SANDBOX_UID if as_root else -1),
+        str(int(bwrap is None)), "main.py",
     ]  # fmt: skip
     if bwrap is not None:
         fds["info"], child_fds["info"] = os.pipe()
@@ -299,10 +325,11 @@ def _start_sandbox(proc: subprocess.Popen, fds: dict[str, int], deadline: float,
     if as_root:
         try:
             _map_ids(pid)
-        except OSError as exc:
+            _disable_nested_userns(pid)
+        except (OSError, subprocess.CalledProcessError) as exc:
             _kill(proc, inner)
             os.close(inner)
-            raise SandboxUnavailableError(f"cannot write the uid/gid maps of the sandbox: {exc}") from exc
+            raise SandboxUnavailableError(f"cannot set up the user namespace of the sandbox: {exc}") from exc
     try:
         os.write(fds["block"], b"1")
     except BrokenPipeError:
@@ -318,6 +345,20 @@ def _map_ids(pid: int) -> None:
     """
     for kind in ("uid", "gid"):
         Path(f"/proc/{pid}/{kind}_map").write_text(f"0 0 1\n{SANDBOX_UID} {HOST_UID} 1\n")
+
+
+def _disable_nested_userns(pid: int) -> None:
+    """Set max_user_namespaces to 0 inside the sandbox's user namespace (what bwrap's --disable-userns does,
+    which it refuses together with --userns-block-fd): a program that made its own user namespace could
+    mount tmpfs outside every limit. Writing that sysctl needs a process inside the namespace, and setns
+    into a user namespace needs a single-threaded one: a short nsenter."""
+    nsenter = shutil.which("nsenter")
+    if nsenter is None:
+        raise OSError("nsenter (util-linux) not found")
+    subprocess.run(
+        [nsenter, f"--user=/proc/{pid}/ns/user", "--", "tee", "/proc/sys/user/max_user_namespaces"],
+        input=b"0", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=True, env=_env("/"),
+    )  # fmt: skip
 
 
 def _supervise(
@@ -411,8 +452,10 @@ def _classify(code: int, stderr: str, cpu_s: float, limits: SandboxLimits) -> Li
     sig = code - 128 if code > 128 else None
     if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s >= limits.cpu_s):
         return "cpu"
-    if sig == signal.SIGXFSZ or "File too large" in stderr or "No space left on device" in stderr:
+    if sig == signal.SIGXFSZ or "File too large" in stderr:
         return "file_size"
+    if "No space left on device" in stderr:  # the only writable places are the tmp_mb-sized tmpfs mounts
+        return "tmp"
     if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
         return "memory"
     if "Resource temporarily unavailable" in stderr or "can't start new thread" in stderr:
@@ -421,12 +464,93 @@ def _classify(code: int, stderr: str, cpu_s: float, limits: SandboxLimits) -> Li
 
 
 def _remove_tree(path: str) -> None:
-    """Delete the work dir even if the program chmod-ed parts of it to 000."""
-    for root, dirs, _ in os.walk(path):
-        for name in dirs:
-            if not os.path.islink(os.path.join(root, name)):
-                os.chmod(os.path.join(root, name), 0o700)
-    shutil.rmtree(path)
+    """Delete a work dir, whatever the program (dead by now) left in it: dirs chmod-ed to 000, or nested
+    deeper than PATH_MAX and the recursion limit (os.walk and shutil.rmtree recurse). Iterative and
+    fd-relative: each subdirectory's entries move up into the top dir, which is emptied level by level.
+    A failure is logged, not raised: it must not hide the run's result; the dir is swept later."""
+    try:
+        os.chmod(path, 0o700)
+        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            moved = f".opd-sao-rm-{uuid.uuid4().hex}-"  # a name the dead program cannot have guessed
+            count = 0
+            while names := os.listdir(top):
+                for name in names:
+                    try:
+                        os.unlink(name, dir_fd=top)  # files and symlinks (never followed)
+                        continue
+                    except IsADirectoryError:
+                        pass
+                    os.chmod(name, 0o700, dir_fd=top)  # a real dir: unlink removed any symlink
+                    sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+                    try:
+                        for child in os.listdir(sub):
+                            os.rename(child, f"{moved}{count}", src_dir_fd=sub, dst_dir_fd=top)
+                            count += 1
+                    finally:
+                        os.close(sub)
+                    os.rmdir(name, dir_fd=top)
+        finally:
+            os.close(top)
+        os.rmdir(path)
+    except OSError as exc:
+        logger.warning("sandbox: could not remove work dir %s: %s", path, exc)
+
+
+def _process_tag(pid: int) -> str | None:
+    """"pidns.pid.start-time" of a live process of our PID namespace, None if it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] in "ZX" else f"{_PID_NAMESPACE}.{pid}.{fields[19]}"
+
+
+_PID_NAMESPACE = os.stat("/proc/self/ns/pid").st_ino  # pids of another namespace sharing /tmp mean nothing here
+
+
+def sweep_stale_workdirs() -> int:
+    """Remove the work dirs of supervisors that died without cleaning up (kill -9), first killing any process
+    still naming one: a bwrap killed between creating its sandbox and releasing it leaves the sandbox's
+    first process blocked for good on an eventfd, with no parent-death signal. Returns how many dirs went.
+    Cheap (one listing of the temp dir) unless something is stale; run before every sandbox run."""
+    removed = 0
+    for path in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*"):
+        owner = _WORKDIR_OWNER.match(path.name)
+        if owner is None or int(owner[1]) != _PID_NAMESPACE:
+            continue  # not ours to judge
+        if _process_tag(int(owner[2])) == ".".join(owner.groups()):
+            continue  # its supervisor lives
+        _kill_processes_naming(str(path))
+        claimed = path.with_name(f"{WORKDIR_PREFIX}{_process_tag(os.getpid())}-swept-{uuid.uuid4().hex}")
+        try:
+            os.rename(path, claimed)  # another process sweeping at the same time gets FileNotFoundError
+        except OSError:
+            continue
+        _remove_tree(str(claimed))
+        removed += 1
+    if removed:
+        logger.warning("sandbox: removed %d work dir(s) of dead supervisors in %s", removed, tempfile.gettempdir())
+    return removed
+
+
+def _kill_processes_naming(path: str) -> None:
+    """SIGKILL every process whose command line names `path` (checked again through a pidfd: no reused pid)."""
+    needle = os.fsencode(path)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            pidfd = os.pidfd_open(int(entry.name))
+        except OSError:
+            continue
+        try:
+            if needle in (entry / "cmdline").read_bytes():
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            os.close(pidfd)
 
 
 def main(argv: list[str] | None = None) -> int:
