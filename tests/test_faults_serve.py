@@ -151,7 +151,7 @@ def test_the_load_loop_answers_valid_requests_and_refuses_invalid_ones(server):
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["valid"]["answered"] == report["valid"]["sent"] > 0
     assert report["invalid"]["4xx"] == report["invalid"]["sent"] > 0
-    assert report["health"]["failures"] == 0 and report["health"]["polls"] > 0
+    assert report["health"]["failures"] == 0 and report["health"]["polls"] > 0 and report["serving_after"]
 
 
 def test_abandoned_requests_stop_decoding(server, prompt):
