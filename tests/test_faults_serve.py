@@ -78,6 +78,7 @@ def test_max_new_tokens_is_capped_by_the_server_option(server, prompt):
     "[1, 2, 3]",
     '"input_ids"',
     '{"input_ids": %(p)s, "sampling_params": [1]}',
+    '{"input_ids": %(p)s, "sampling_params": []}',
     '{"input_ids": %(p)s, "sampling_params": {"max_new_tokens": 1e309}}',
     '{"input_ids": %(p)s, "sampling_params": {"max_new_tokens": 2.5}}',
     '{"input_ids": %(p)s, "sampling_params": {"max_new_tokens": -1}}',
@@ -88,7 +89,7 @@ def test_max_new_tokens_is_capped_by_the_server_option(server, prompt):
     '{"input_ids": %(p)s, "sampling_params": {"ignore_eos": "yes"}}',
     '{"input_ids": [true, 5]}',
     '{"input_ids": %(p)s, "return_logprob": 7}',
-], ids=["list", "string", "sp-list", "max-new-1e309", "max-new-2.5", "max-new--1", "top-logprobs--5",
+], ids=["list", "string", "sp-list", "sp-empty-list", "max-new-1e309", "max-new-2.5", "max-new--1", "top-logprobs--5",
         "logprob-start-str", "ignore-eos-str", "ids-bool", "return-logprob-int"])
 def test_a_malformed_body_is_a_400(server, prompt, raw):
     bad = requests.post(server + "/generate", data=raw % {"p": json.dumps(prompt)},
@@ -212,12 +213,13 @@ def test_cancelled_requests_leave_the_batch(tiny_model_dir, tokenizer, prompt):
 
 class FaultyProxy:
     """A loopback TCP forwarder to a server that resets the next `reset_next` connections (or every one while
-    `down`) right after reading the request: the client sees "connection reset by peer"."""
+    `down`) right after reading the request: the client sees "connection reset by peer"; then answers the
+    next `unavailable_next` requests with HTTP 503, as a load balancer in front of a busy server would."""
 
     def __init__(self, target: str):
         host, port = target.rsplit("/", 1)[-1].split(":")
         self.target = (host, int(port))
-        self.reset_next, self.down, self.resets = 0, False, 0
+        self.reset_next, self.unavailable_next, self.down, self.resets = 0, 0, False, 0
         self.listener = socket.create_server(("127.0.0.1", 0), backlog=128)
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -238,6 +240,12 @@ class FaultyProxy:
                     pass
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 conn.close()  # linger 0: a TCP reset
+                continue
+            if self.unavailable_next > 0:
+                self.unavailable_next -= 1
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
                 continue
             upstream = socket.create_connection(self.target)
             for a, b in ((conn, upstream), (upstream, conn)):
@@ -266,10 +274,11 @@ def test_a_one_server_run_survives_a_transient_reset(server, tiny_model_dir, pro
 
     proxy = FaultyProxy(server)
     engine = HTTPEngine(proxy.url, checkpoint=tiny_model_dir, max_inflight=4)
-    proxy.reset_next = 2
+    proxy.reset_next, proxy.unavailable_next = 2, 2
     results = engine.generate_all([GenerationRequest(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))
                                    for _ in range(6)])
-    assert [len(r.token_ids) for r in results] == [3] * 6 and proxy.resets == 2
+    assert [len(r.token_ids) for r in results] == [3] * 6
+    assert proxy.resets == 2 and proxy.unavailable_next == 0
     stats = engine.stats[proxy.url]
     assert stats["alive"] and stats["revived"] == 0  # retried, never declared dead
     engine.close()
@@ -292,6 +301,19 @@ def test_a_dead_server_is_brought_back_when_its_health_recovers(server, tiny_mod
     assert requests.get(server + "/get_model_info", timeout=10).json()["weight_version"] == "3"
     engine.close()
     proxy.close()
+
+
+def test_a_timed_out_request_is_sent_again_and_its_healthy_server_kept(server, prompt):
+    """A read timeout is not retried in place; the server answers /health, so it stays in the fleet and the
+    request is sent again, until it has failed MAX_SENDS times: then the run stops with the error."""
+    from opd_sao.engines.http import MAX_SENDS, HTTPEngine
+
+    engine = HTTPEngine(server, max_inflight=1, timeout=0.3)
+    with pytest.raises(RuntimeError, match=f"failed on {MAX_SENDS} sends"):
+        engine.generate_all([GenerationRequest(prompt, SamplingParams(max_new_tokens=1000, ignore_eos=True))])
+    stats = engine.stats[server]
+    assert stats["alive"] and stats["requeued"] == MAX_SENDS - 1 and stats["revived"] == 0
+    engine.close()
 
 
 def engine_state(model_dir) -> dict[str, torch.Tensor]:

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 TRANSIENT_STATUS = {502, 503, 504}  # a proxy or an overloaded server: worth another try
+MAX_SENDS = 5  # a request that fails this many sends (timeouts, aborts, dying servers) fails the run
 
 
 class ServerDown(ConnectionError):
@@ -87,6 +88,9 @@ class SGLangClient:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
                 response = session.request(method, self.url + path, json=payload, timeout=timeout or self.timeout)
+            except requests.ReadTimeout as err:  # no retry: another `timeout` would be spent the same way
+                raise ServerDown(f"rollout server {self.url} did not answer {path} within {timeout or self.timeout} s"
+                                 ) from err
             except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as err:
                 failure = ServerDown(f"rollout server {self.url} did not answer {path} ({type(err).__name__}, "
                                      f"{attempt + 1} tries)")
@@ -218,6 +222,7 @@ class _Call:
     outstanding: int = 0
     error: Optional[BaseException] = None
     callback_lock: threading.Lock = field(default_factory=threading.Lock)
+    failed_sends: dict = field(default_factory=dict)  # id(request) -> failed sends, while it waits to be sent again
 
 
 class HTTPEngine(RolloutEngine):
@@ -386,9 +391,13 @@ class HTTPEngine(RolloutEngine):
         with self._cond:
             server.inflight -= 1
             server.load -= est
-            if isinstance(err, (ServerDown, Aborted)):  # not lost: sent again, to a live server
+            failed_sends = call.failed_sends.pop(id(request), 0) + (err is not None)
+            if isinstance(err, (ServerDown, Aborted)) and failed_sends < MAX_SENDS:  # not lost: sent again
                 server.requeued += 1
+                call.failed_sends[id(request)] = failed_sends
                 call.retry.appendleft(request)
+            elif isinstance(err, (ServerDown, Aborted)):
+                call.error = call.error or RuntimeError(f"a request failed on {failed_sends} sends; the last: {err}")
             elif err is not None:
                 call.error = call.error or err
             else:

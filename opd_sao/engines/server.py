@@ -164,7 +164,8 @@ class RolloutServer:
         """`client_gone()` says the client hung up: the request is then cancelled (ClientGone)."""
         t0 = time.perf_counter()
         ids = self._input_ids(body)
-        params = self._sampling_params(body.get("sampling_params") or {})
+        sampling = body.get("sampling_params")
+        params = self._sampling_params({} if sampling is None else sampling)
         self._check_length(ids, params.max_new_tokens)
         return_logprob, start, top_k = self._logprob_options(body, ids, params)
         with self._admitted() as version:
