@@ -57,7 +57,8 @@ def fork_servers(n: int) -> list[tuple[str, multiprocessing.Process, object]]:
 def _serve_when_told(conn, port: int, seed: int) -> None:
     checkpoint = conn.recv()
     serve(argparse.Namespace(checkpoint=checkpoint, port=port, host="127.0.0.1", max_batch=SERVER_BATCH,
-                             dtype="float32", seed=seed, threads=1, weight_version="default"))
+                             dtype="float32", seed=seed, threads=1, weight_version="default",
+                             max_new_tokens=8192, max_body_mb=64))
 
 
 def workload(tokenizer, n: int, long: int, short: int) -> list[GenerationRequest]:

@@ -9,9 +9,6 @@ import gc
 import itertools
 import json
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -24,22 +21,10 @@ from opd_sao.engines.http import wait_until_healthy
 N_SERVERS = 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def fleet(tiny_model_dir):
+def fleet(tiny_model_dir, start_server):
     """[(url, process)]: real servers, one torch thread each, started in parallel."""
-    servers = []
-    for i in range(N_SERVERS):
-        port = _free_port()
-        cmd = [sys.executable, "-m", "opd_sao.cli", "serve", str(tiny_model_dir), "--port", str(port),
-               "--threads", "1", "--seed", str(i), "--max-batch", "16"]
-        servers.append((f"http://127.0.0.1:{port}", subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                                                     stderr=subprocess.PIPE, text=True)))
+    servers = [start_server(tiny_model_dir, "--seed", i, "--max-batch", 16) for i in range(N_SERVERS)]
     for url, proc in servers:
         wait_until_healthy(url, lambda proc=proc: proc.poll() is None, timeout_s=120)
     yield servers
@@ -94,10 +79,10 @@ def test_an_unclosed_engine_leaves_no_weights_directory(fleet, tiny_model_dir):
     assert not weights.exists()
 
 
-def test_a_dead_url_is_reported_at_start(fleet):
+def test_a_dead_url_is_reported_at_start(fleet, free_port):
     from opd_sao.engines.router import Router
 
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ValueError, match=f"rollout server {dead} is not answering /health"):
         Router([fleet[0][0], dead])
 

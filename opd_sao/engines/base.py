@@ -22,6 +22,7 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     tag: Any = None  # handed back untouched with the result (the caller's episode)
     est_tokens: int = 0  # a length estimate, for load-aware routing
+    cancelled: bool = False  # set when nobody waits for the result any more: the engine drops it at its next step
 
 
 @dataclass

@@ -3,14 +3,16 @@
 The active sequences share one left-padded KV cache; finished sequences leave the batch at once and
 new requests take their slots (the cache is re-prefilled when the batch gains members), so a long
 response never holds short ones back. Weights are swapped between decode steps under a lock; every token records the version
-that sampled it.
+that sampled it. A cancelled request leaves the batch at the next step. With `on_error`, a step that fails is
+retried one sequence at a time, so only the sequences that fail on their own get the error (a server's
+requests are strangers to each other); without it the error stops `generate` (an in-process run fails loudly).
 """
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from transformers import DynamicCache
@@ -59,7 +61,8 @@ class EmbeddedEngine(RolloutEngine):
             self.model.load_state_dict(state_dict, strict=False)
             self._version = version
 
-    def generate(self, requests: Iterable[Optional[GenerationRequest]], on_result: ResultCallback) -> None:
+    def generate(self, requests: Iterable[Optional[GenerationRequest]], on_result: ResultCallback,
+                 on_error: Optional[Callable[[GenerationRequest, Exception], None]] = None) -> None:
         pending = iter(requests)
         self._rows, self._cache, self._mask = [], None, None
         exhausted = False
@@ -73,13 +76,22 @@ class EmbeddedEngine(RolloutEngine):
                     break
                 if request is None:
                     break
-                active.append(_Sequence(request))
+                if not request.cancelled:
+                    active.append(_Sequence(request))
+            if any(seq.request.cancelled for seq in active):
+                active = self._drop_cancelled(active)
             if not active:
                 if exhausted:
                     return
                 time.sleep(0.002)
                 continue
-            self._decode_step(active)
+            try:
+                self._decode_step(active)
+            except Exception:
+                if on_error is None:
+                    raise
+                active = [seq for seq in active if self._step_alone(seq, on_error)]
+                self._rows, self._cache, self._mask = [], None, None  # the survivors re-join together
             still_running = []
             for seq in active:
                 if seq.finish_reason:
@@ -119,6 +131,26 @@ class EmbeddedEngine(RolloutEngine):
         self._rows = [id(s) for s in active if not s.finish_reason]
         if len(self._rows) < len(active):
             self._drop_rows([i for i, s in enumerate(active) if not s.finish_reason])
+
+    def _step_alone(self, seq: _Sequence, on_error) -> bool:
+        """After a failed batched step: this sequence's step on a cache of its own; False, after
+        on_error, if it fails alone too."""
+        self._rows, self._cache, self._mask = [], None, None
+        try:
+            self._decode_step([seq])
+            return True
+        except Exception as err:
+            on_error(seq.request, err)
+            return False
+
+    def _drop_cancelled(self, active: list[_Sequence]) -> list[_Sequence]:
+        """Remove cancelled sequences and their rows of the batch cache (the first len(_rows) of `active`)."""
+        keep = [i for i, seq in enumerate(active) if not seq.request.cancelled]
+        cached = [i for i in keep if i < len(self._rows)]
+        if self._cache is not None and len(cached) < len(self._rows):
+            self._drop_rows(cached)
+        self._rows = [self._rows[i] for i in cached]
+        return [active[i] for i in keep]
 
     def _admit(self, joining: list[_Sequence]) -> None:
         """Prefill the joining sequences (all but their pending token) and merge them into the batch cache.

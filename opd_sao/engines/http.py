@@ -9,6 +9,12 @@ answers the same API, so a fleet of our servers and a fleet of SGLang servers ar
 `HTTPEngine` is a RolloutEngine over one server; `router.Router` spreads over several. Policy versions
 travel as SGLang's `weight_version` string: a weight sync loads a checkpoint with `weight_version=str(v)`
 and is confirmed by `/get_model_info`; every result's tokens carry the version the server reported.
+
+Faults: the client retries transient errors (connection refused or reset, timeouts, HTTP 502/503/504) with
+exponential backoff; a request that still fails is sent again, and its server is declared dead only if its
+`/health` fails too. A dead server's `/health` is probed in the background; once it answers, the server is
+given the current weights back and rejoins. A run fails only when every server has been down for
+`down_timeout` seconds.
 """
 from __future__ import annotations
 
@@ -34,10 +40,12 @@ from .base import GenerationRequest, GenerationResult, ResultCallback, RolloutEn
 log = logging.getLogger(__name__)
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+TRANSIENT_STATUS = {502, 503, 504}  # a proxy or an overloaded server: worth another try
+MAX_SENDS = 5  # a request that fails this many sends (timeouts, aborts, dying servers) fails the run
 
 
 class ServerDown(ConnectionError):
-    """The server did not answer (refused, reset, timed out): it is taken out of the fleet."""
+    """The server did not answer (refused, reset, timed out, 502/503/504), even after the client's retries."""
 
 
 class ServerError(RuntimeError):
@@ -61,27 +69,46 @@ class PromptLogprobs:
 class SGLangClient:
     """One server's native API. Thread-safe: each thread keeps its own keep-alive session."""
 
-    def __init__(self, url: str, timeout: float = 600.0, connect_timeout: float = 5.0):
+    def __init__(self, url: str, timeout: float = 600.0, connect_timeout: float = 5.0, retries: int = 3,
+                 backoff_s: float = 0.2):
         self.url = url.rstrip("/")
         self.timeout = (connect_timeout, timeout)
+        self.retries, self.backoff_s = retries, backoff_s
         self._local = threading.local()
 
-    def _call(self, method: str, path: str, payload: Optional[dict] = None, timeout=None) -> requests.Response:
+    def _call(self, method: str, path: str, payload: Optional[dict] = None, timeout=None,
+              retries: Optional[int] = None) -> requests.Response:
+        """One API call; transient failures are tried again `retries` times, waiting backoff_s, 2x, 4x, ..."""
         session = getattr(self._local, "session", None)
         if session is None:
             session = self._local.session = requests.Session()
-        try:
-            response = session.request(method, self.url + path, json=payload, timeout=timeout or self.timeout)
-        except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as err:
-            raise ServerDown(f"rollout server {self.url} did not answer {path} ({type(err).__name__})") from err
-        if response.status_code != 200:
-            raise ServerError(f"rollout server {self.url} answered {path} with HTTP {response.status_code}: "
-                              f"{response.text[:500]}")
-        return response
+        attempts = 1 + (self.retries if retries is None else retries)
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = session.request(method, self.url + path, json=payload, timeout=timeout or self.timeout)
+            except requests.ReadTimeout as err:  # no retry: another `timeout` would be spent the same way
+                raise ServerDown(f"rollout server {self.url} did not answer {path} within {timeout or self.timeout} s"
+                                 ) from err
+            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as err:
+                failure = ServerDown(f"rollout server {self.url} did not answer {path} ({type(err).__name__}, "
+                                     f"{attempt + 1} tries)")
+                failure.__cause__ = err
+                continue
+            if response.status_code in TRANSIENT_STATUS:
+                failure = ServerDown(f"rollout server {self.url} answered {path} with HTTP {response.status_code} "
+                                     f"({attempt + 1} tries)")
+                continue
+            if response.status_code != 200:
+                raise ServerError(f"rollout server {self.url} answered {path} with HTTP {response.status_code}: "
+                                  f"{response.text[:500]}")
+            return response
+        raise failure
 
     def health(self) -> bool:
         try:
-            self._call("GET", "/health", timeout=(self.timeout[0], 10.0))
+            self._call("GET", "/health", timeout=(self.timeout[0], 10.0), retries=0)
             return True
         except (ServerDown, ServerError):
             return False
@@ -177,11 +204,13 @@ class _Server:
     slots: int
     pool: ThreadPoolExecutor
     alive: bool = True
+    down_since: float = 0.0  # time.monotonic() when it was declared dead
     inflight: int = 0  # requests sent, not answered
     load: int = 0  # their estimated tokens
     requests: int = 0
     tokens: int = 0
     requeued: int = 0
+    revived: int = 0  # times it came back after being declared dead
 
 
 @dataclass
@@ -193,6 +222,7 @@ class _Call:
     outstanding: int = 0
     error: Optional[BaseException] = None
     callback_lock: threading.Lock = field(default_factory=threading.Lock)
+    failed_sends: dict = field(default_factory=dict)  # id(request) -> failed sends, while it waits to be sent again
 
 
 class HTTPEngine(RolloutEngine):
@@ -200,15 +230,22 @@ class HTTPEngine(RolloutEngine):
 
     `checkpoint` is what the server must hold at policy version 0 (loaded at start); its config and
     tokenizer files are the template for every weight sync, written under `weights_dir` (a directory
-    the servers can read; default a temporary one).
+    the servers can read; default a temporary one). With every server dead, generation waits up to
+    `down_timeout` seconds for one to come back, probing each `probe_s`.
     """
 
     def __init__(self, url: str, *, checkpoint: Optional[str | Path] = None, weights_dir: Optional[str] = None,
-                 max_inflight: int = 32, timeout: float = 600.0):
+                 max_inflight: int = 32, timeout: float = 600.0, down_timeout: float = 60.0, probe_s: float = 1.0):
         self._setup([url], checkpoint=checkpoint, weights_dir=weights_dir, max_inflight=max_inflight,
-                    timeout=timeout)
+                    timeout=timeout, down_timeout=down_timeout, probe_s=probe_s)
 
-    def _setup(self, urls: list[str], *, checkpoint, weights_dir, max_inflight: int, timeout: float) -> None:
+    def _setup(self, urls: list[str], *, checkpoint, weights_dir, max_inflight: int, timeout: float,
+               down_timeout: float, probe_s: float) -> None:
+        self.down_timeout, self.probe_s = down_timeout, probe_s
+        self._weights: Optional[Path] = None  # what every live server holds, as self._version
+        self._weights_lock = threading.Lock()  # a weight sync and a revival never interleave
+        self._prober: Optional[threading.Thread] = None
+        self._closed = False
         self._servers = []
         for url in urls:
             client = SGLangClient(url, timeout)
@@ -237,27 +274,69 @@ class HTTPEngine(RolloutEngine):
 
     @property
     def stats(self) -> dict[str, dict]:
-        """Per server: alive, requests and tokens served, requests re-queued after it died."""
+        """Per server: alive, requests and tokens served, requests sent again after a failure, revivals."""
         with self._cond:
             return {s.client.url: {"alive": s.alive, "requests": s.requests, "tokens": s.tokens,
-                                   "requeued": s.requeued, "inflight": s.inflight, "load": s.load}
+                                   "requeued": s.requeued, "revived": s.revived, "inflight": s.inflight,
+                                   "load": s.load}
                     for s in self._servers}
 
     def _pick(self, servers: list[_Server]) -> _Server:
         return servers[0]
 
     def _alive(self) -> list[_Server]:
+        """The live servers; none while all are down (they may come back), RuntimeError once every one has
+        been down for down_timeout seconds."""
         alive = [s for s in self._servers if s.alive]
-        if not alive:
-            raise RuntimeError(f"every rollout server is down: {', '.join(self.urls)}")
+        if not alive and time.monotonic() - max(s.down_since for s in self._servers) > self.down_timeout:
+            raise RuntimeError(f"every rollout server is down (for {self.down_timeout:.0f} s): {', '.join(self.urls)}")
         return alive
+
+    def _failed(self, server: _Server, err: ServerDown) -> None:
+        """A call failed after its retries: the server is dead only if its /health fails too."""
+        if not server.client.health():
+            self._mark_down(server, err)
 
     def _mark_down(self, server: _Server, err: BaseException) -> None:
         with self._cond:
             if server.alive:
-                server.alive = False
+                server.alive, server.down_since = False, time.monotonic()
                 log.warning("taking %s out of the fleet: %s", server.client.url, err)
+                if self._prober is None:
+                    self._prober = threading.Thread(target=self._probe_dead, daemon=True, name="rollout-prober")
+                    self._prober.start()
             self._cond.notify_all()
+
+    def _probe_dead(self) -> None:
+        """While a server is dead: probe its /health every probe_s; one that answers gets the current weights
+        and rejoins the fleet."""
+        while True:
+            with self._cond:
+                dead = [s for s in self._servers if not s.alive]
+                if not dead or self._closed:
+                    self._prober = None
+                    return
+            for server in dead:
+                if server.client.health():
+                    self._revive(server)
+            time.sleep(self.probe_s)
+
+    def _revive(self, server: _Server) -> None:
+        with self._weights_lock:
+            try:
+                if self._weights is not None:
+                    server.client.update_weights_from_disk(str(self._weights), str(self._version))
+                    reported = server.client.weight_version()
+                    if reported != str(self._version):
+                        raise ServerError(f"it reports weight_version {reported!r}, not {self._version}")
+            except (ServerDown, ServerError) as err:
+                log.warning("%s answers /health but could not be given the weights: %s", server.client.url, err)
+                return
+            with self._cond:
+                server.alive = True
+                server.revived += 1
+                self._cond.notify_all()
+        log.warning("%s is back in the fleet (weight_version %s)", server.client.url, self._version)
 
     # --- generation ------------------------------------------------------------------------------------
 
@@ -295,6 +374,9 @@ class HTTPEngine(RolloutEngine):
         est = request.est_tokens or request.params.max_new_tokens
         with self._cond:
             alive = self._alive()
+            if not alive:  # it died since generate() saw it free: wait for one in the retry queue
+                call.retry.appendleft(request)
+                return
             server = self._pick([s for s in alive if s.inflight < s.slots] or alive)
             server.inflight += 1
             server.load += est
@@ -305,13 +387,17 @@ class HTTPEngine(RolloutEngine):
     def _finished(self, future: Future, server: _Server, request: GenerationRequest, est: int, call: _Call) -> None:
         err = future.exception()
         if isinstance(err, ServerDown):
-            self._mark_down(server, err)
+            self._failed(server, err)
         with self._cond:
             server.inflight -= 1
             server.load -= est
-            if isinstance(err, (ServerDown, Aborted)):  # not lost: sent again, to a live server
+            failed_sends = call.failed_sends.pop(id(request), 0) + (err is not None)
+            if isinstance(err, (ServerDown, Aborted)) and failed_sends < MAX_SENDS:  # not lost: sent again
                 server.requeued += 1
+                call.failed_sends[id(request)] = failed_sends
                 call.retry.appendleft(request)
+            elif isinstance(err, (ServerDown, Aborted)):
+                call.error = call.error or RuntimeError(f"a request failed on {failed_sends} sends; the last: {err}")
             elif err is not None:
                 call.error = call.error or err
             else:
@@ -347,11 +433,13 @@ class HTTPEngine(RolloutEngine):
                 shutil.rmtree(old, ignore_errors=True)
 
     def load_weights(self, path: str | Path, version: int) -> None:
-        """Every live server loads `path` as `version` and reports it back; a dead one is taken out."""
+        """Every live server loads `path` as `version` and reports it back. One that cannot be reached is taken
+        out (it does not hold these weights); a dead one gets them when it comes back."""
+        path = Path(path).resolve()
 
         def load(server: _Server) -> None:
             try:
-                server.client.update_weights_from_disk(str(Path(path).resolve()), str(version))
+                server.client.update_weights_from_disk(str(path), str(version))
                 reported = server.client.weight_version()
             except ServerDown as err:
                 self._mark_down(server, err)
@@ -360,11 +448,13 @@ class HTTPEngine(RolloutEngine):
                 raise ServerError(f"rollout server {server.client.url} reports weight_version {reported!r} "
                                   f"after loading version {version}")
 
-        servers = self._alive()
-        with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(load, servers))
+        with self._weights_lock:
+            servers = self._alive()
+            if servers:
+                with ThreadPoolExecutor(len(servers)) as pool:
+                    list(pool.map(load, servers))
+            self._weights, self._version = path, version
         self._alive()
-        self._version = version
 
     # --- teacher scoring -------------------------------------------------------------------------------
 
@@ -372,13 +462,19 @@ class HTTPEngine(RolloutEngine):
         """Prompt logprobs from the least-loaded live server (another one if it is down)."""
         while True:
             with self._cond:
-                server = self._pick(self._alive())
+                alive = self._alive()
+                if not alive:
+                    self._cond.wait(0.05)
+                    continue
+                server = self._pick(alive)
             try:
                 return server.client.score(input_ids, start, top_k)
             except ServerDown as err:
-                self._mark_down(server, err)
+                self._failed(server, err)
 
     def close(self) -> None:
+        with self._cond:
+            self._closed = True
         for server in self._servers:
             server.pool.shutdown(wait=False)
         if self._remove_weights_dir is not None:

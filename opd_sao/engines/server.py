@@ -5,13 +5,22 @@ engine, HTTP threads only queue requests and wait. Weight updates keep SGLang's 
 `/update_weights_from_disk` waits until the requests in flight have finished (new ones wait meanwhile),
 so every response was sampled entirely by the `weight_version` it reports. Serves the subset of the API
 that opd-sao uses (see docs/scale_out.md) and rejects, with a 400, what it does not implement.
+
+No request can harm another (docs/reliability.md): every field is checked (type, finite, in range, prompt
+plus max_new_tokens within the model's positions, max_new_tokens under the server's cap) before it reaches
+the engine; a request that still fails in the batch gets the error alone; a request whose client hung up
+leaves the batch; malformed HTTP (bad Content-Length, oversized or chunked bodies) gets a 4xx and a closed
+connection.
 """
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import queue
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -33,28 +42,69 @@ NEUTRAL_PARAMS = {"top_k": (-1, None), "min_p": (0, 0.0, None), "n": (1, None), 
                   "presence_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None), "stop": (None, [], "")}
 TEXT_ONLY_PARAMS = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
 SAMPLING_PARAMS = {"temperature", "top_p", "max_new_tokens", "ignore_eos", "stop_token_ids"}
+MIN_TEMPERATURE = 1e-4  # below it logits / T overflows float32 for large logits (SGLang treats it as greedy)
+MAX_NEW_TOKENS = 8192  # the default of `--max-new-tokens`
+MAX_BODY_BYTES = 64 << 20  # the default of `--max-body-mb`: a 1M-token prompt as JSON is about 8 MB
+LISTEN_BACKLOG = 1024  # connections the kernel queues before accept (the socketserver default, 5, resets bursts)
+IDLE_TIMEOUT_S = 300.0  # a connection silent this long (mid-request or idle keep-alive) is closed
+CLIENT_POLL_S = 0.1  # how often a waiting request checks that its client is still connected
 
 
 class BadRequest(ValueError):
     """A request this server cannot honour; answered with HTTP 400 and the message."""
 
 
+class HTTPError(Exception):
+    """A malformed HTTP request (framing, size): answered with `status`, then the connection is closed."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its request waited: the request was cancelled."""
+
+
 class _Waiter:
     def __init__(self):
         self.event = threading.Event()
         self.result: Optional[GenerationResult] = None
+        self.error: Optional[Exception] = None
+
+
+def _integer(name: str, value, low: int, high: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        raise BadRequest(f"{name} must be an integer in [{low}, {'inf' if high is None else high}], got {value!r}")
+    return value
+
+
+def _number(name: str, value, low: float, high: float, *, low_open: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        raise BadRequest(f"{name} must be a finite number in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}")
+    return float(value)
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false, got {value!r}")
+    return value
 
 
 class RolloutServer:
     """The API's behaviour, independent of HTTP."""
 
     def __init__(self, checkpoint: str | Path, *, max_batch: int = 32, seed: int = 0, dtype: str = "float32",
-                 weight_version: str = "default"):
+                 weight_version: str = "default", max_new_tokens: int = MAX_NEW_TOKENS):
         self.checkpoint, self.dtype = str(checkpoint), dtype
         self.tokenizer = load_tokenizer(checkpoint)
         self.engine = EmbeddedEngine(load_causal_lm(checkpoint, dtype), eos_id=self.tokenizer.eos_token_id,
                                      pad_id=self.tokenizer.pad_token_id, max_batch=max_batch, seed=seed)
         self.vocab_size = self.engine.model.get_input_embeddings().num_embeddings
+        self.max_positions: Optional[int] = getattr(self.engine.model.config, "max_position_embeddings", None)
+        self.max_new_tokens = max_new_tokens
         self.weight_version = weight_version
         self._queue: "queue.SimpleQueue[GenerationRequest]" = queue.SimpleQueue()
         self._cond = threading.Condition()
@@ -78,9 +128,13 @@ class RolloutServer:
             waiter.result = result
             waiter.event.set()
 
+        def failed(request: GenerationRequest, err: Exception) -> None:  # this request alone
+            request.tag.error = err
+            request.tag.event.set()
+
         try:
-            self.engine.generate(pull(), done)
-        except BaseException as err:  # answered as HTTP 500 by every waiting request
+            self.engine.generate(pull(), done, on_error=failed)
+        except BaseException as err:  # a bug outside any one request: answered as HTTP 500, /health 503
             self._crash = err
 
     @contextmanager
@@ -106,18 +160,14 @@ class RolloutServer:
         return {"model_path": self.checkpoint, "tokenizer_path": self.checkpoint, "is_generation": True,
                 "weight_version": self.weight_version}
 
-    def generate(self, body: dict) -> dict:
+    def generate(self, body: dict, client_gone=lambda: False) -> dict:
+        """`client_gone()` says the client hung up: the request is then cancelled (ClientGone)."""
         t0 = time.perf_counter()
         ids = self._input_ids(body)
-        params = self._sampling_params(body.get("sampling_params") or {})
-        return_logprob = bool(body.get("return_logprob", False))
-        start = int(body.get("logprob_start_len", -1))
-        top_k = int(body.get("top_logprobs_num", 0))
-        if top_k and params.max_new_tokens:
-            raise BadRequest("top_logprobs_num for generated tokens is not supported by opd-sao serve "
-                             "(prompt scoring with max_new_tokens 0 is)")
-        if start >= len(ids):
-            raise BadRequest(f"logprob_start_len {start} is past the prompt ({len(ids)} tokens)")
+        sampling = body.get("sampling_params")
+        params = self._sampling_params({} if sampling is None else sampling)
+        self._check_length(ids, params.max_new_tokens)
+        return_logprob, start, top_k = self._logprob_options(body, ids, params)
         with self._admitted() as version:
             meta = {"id": str(body.get("rid") or next(self._ids)), "prompt_tokens": len(ids), "cached_tokens": 0,
                     "weight_version": version}
@@ -125,7 +175,7 @@ class RolloutServer:
                 meta.update(self._prompt_logprobs(ids, start, top_k))
             output, logprobs, finish = [], [], {"type": "length", "length": 0}
             if params.max_new_tokens:
-                result = self._sample(GenerationRequest(ids, params, tag=_Waiter()))
+                result = self._sample(GenerationRequest(ids, params, tag=_Waiter()), client_gone)
                 output, logprobs = result.token_ids, result.logprobs
                 finish = ({"type": "stop", "matched": self.tokenizer.eos_token_id} if result.finish_reason == "stop"
                           else {"type": "length", "length": params.max_new_tokens})
@@ -136,11 +186,14 @@ class RolloutServer:
 
     def update_weights_from_disk(self, body: dict) -> dict:
         path = body.get("model_path")
-        if not path or not (Path(path) / "config.json").is_file():
+        if not isinstance(path, str) or not path or not (Path(path) / "config.json").is_file():
             raise BadRequest(f"model_path {path!r} is not an HF model directory")
         if body.get("abort_all_requests"):
             raise BadRequest("abort_all_requests is not supported by opd-sao serve (updates wait for requests)")
-        state = load_causal_lm(path, self.dtype).state_dict()
+        try:
+            state = load_causal_lm(path, self.dtype).state_dict()
+        except Exception as err:  # noqa: BLE001 (a broken checkpoint is the request's fault)
+            raise BadRequest(f"{path} could not be loaded: {type(err).__name__}: {err}") from None
         current = self.engine.model.state_dict()
         wrong = [k for k in current if k not in state or state[k].shape != current[k].shape]
         if wrong or len(state) != len(current):
@@ -166,34 +219,66 @@ class RolloutServer:
         ids = body.get("input_ids")
         if ids is None:
             raise BadRequest("send input_ids: opd-sao serve does not tokenize text")
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise BadRequest("input_ids must be one non-empty list of token ids (batched requests are not supported)")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise BadRequest(f"input_ids must be in [0, {self.vocab_size})")
         return ids
 
-    def _sampling_params(self, sp: dict) -> SamplingParams:
+    def _sampling_params(self, sp) -> SamplingParams:
+        if not isinstance(sp, dict):
+            raise BadRequest(f"sampling_params must be a JSON object, got {type(sp).__name__}")
         for key, value in sp.items():
             if key not in SAMPLING_PARAMS | set(NEUTRAL_PARAMS) | TEXT_ONLY_PARAMS:
                 raise BadRequest(f"sampling_params.{key} is not supported by opd-sao serve")
             if key in NEUTRAL_PARAMS and value not in NEUTRAL_PARAMS[key]:
                 raise BadRequest(f"sampling_params.{key}={value!r} is not supported by opd-sao serve")
-            if key == "stop_token_ids" and not set(value or []) <= {self.tokenizer.eos_token_id}:
+            if key == "stop_token_ids" and (not isinstance(value, (list, type(None)))
+                                            or not all(t == self.tokenizer.eos_token_id for t in value or [])):
                 raise BadRequest("stop_token_ids other than the model's eos are not supported by opd-sao serve")
-        temperature, top_p = float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0))
-        max_new_tokens = int(sp.get("max_new_tokens", 128))
-        if temperature <= 0:
-            raise BadRequest("temperature must be > 0 (greedy decoding is not supported by opd-sao serve)")
-        if not 0 < top_p <= 1 or max_new_tokens < 0:
-            raise BadRequest("need 0 < top_p <= 1 and max_new_tokens >= 0")
-        return SamplingParams(temperature, top_p, max_new_tokens, bool(sp.get("ignore_eos", False)))
+        temperature = _number("sampling_params.temperature", sp.get("temperature", 1.0), MIN_TEMPERATURE, math.inf)
+        top_p = _number("sampling_params.top_p", sp.get("top_p", 1.0), 0.0, 1.0, low_open=True)
+        max_new_tokens = _integer("sampling_params.max_new_tokens",
+                                  sp.get("max_new_tokens", min(128, self.max_new_tokens)), 0)
+        if max_new_tokens > self.max_new_tokens:
+            raise BadRequest(f"sampling_params.max_new_tokens {max_new_tokens} is over this server's cap "
+                             f"(--max-new-tokens {self.max_new_tokens})")
+        return SamplingParams(temperature, top_p, max_new_tokens,
+                              _flag("sampling_params.ignore_eos", sp.get("ignore_eos", False)))
 
-    def _sample(self, request: GenerationRequest) -> GenerationResult:
+    def _check_length(self, ids: list[int], max_new_tokens: int) -> None:
+        """The prompt and every token to generate must fit the model's positions."""
+        if self.max_positions is None:
+            return
+        if len(ids) > self.max_positions:
+            raise BadRequest(f"input_ids has {len(ids)} tokens; the model has {self.max_positions} positions")
+        if len(ids) + max_new_tokens > self.max_positions:
+            raise BadRequest(f"input_ids ({len(ids)} tokens) + sampling_params.max_new_tokens ({max_new_tokens}) "
+                             f"exceed the model's {self.max_positions} positions")
+
+    def _logprob_options(self, body: dict, ids: list[int], params: SamplingParams) -> tuple[bool, int, int]:
+        """(return_logprob, logprob_start_len, top_logprobs_num), checked against the prompt."""
+        return_logprob = _flag("return_logprob", body.get("return_logprob", False))
+        start = _integer("logprob_start_len", body.get("logprob_start_len", -1), -1, len(ids) - 1)
+        top_k = _integer("top_logprobs_num", body.get("top_logprobs_num", 0), 0, self.vocab_size)
+        if top_k and params.max_new_tokens:
+            raise BadRequest("top_logprobs_num for generated tokens is not supported by opd-sao serve "
+                             "(prompt scoring with max_new_tokens 0 is)")
+        return return_logprob, start, top_k
+
+    def _sample(self, request: GenerationRequest, client_gone) -> GenerationResult:
+        """Queue the request and wait for it; cancel it if the client hangs up meanwhile."""
         self._queue.put(request)
-        while not request.tag.event.wait(1.0):
+        waiter: _Waiter = request.tag
+        while not waiter.event.wait(CLIENT_POLL_S):
             if self._crash is not None:
                 raise RuntimeError(f"the decode loop crashed: {self._crash!r}")
-        return request.tag.result
+            if client_gone():
+                request.cancelled = True
+                raise ClientGone()
+        if waiter.error is not None:
+            raise RuntimeError(f"this request failed in the engine: {type(waiter.error).__name__}: {waiter.error}")
+        return waiter.result
 
     @torch.no_grad()
     def _prompt_logprobs(self, ids: list[int], start: int, top_k: int) -> dict:
@@ -214,9 +299,10 @@ class RolloutServer:
         return out
 
 
-def _handler(app: RolloutServer):
+def _handler(app: RolloutServer, max_body_bytes: int = MAX_BODY_BYTES):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: a client slot reuses its connection
+        timeout = IDLE_TIMEOUT_S  # a slow or silent client cannot hold a thread forever
 
         def log_message(self, *args) -> None:  # one line per request would drown the logs
             pass
@@ -226,32 +312,82 @@ def _handler(app: RolloutServer):
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
 
-        def _route(self, method: str) -> None:
-            path = urlsplit(self.path).path
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
+        def _read_body(self) -> bytes:
+            """The body, framed by a plain Content-Length (no chunked encoding), at most max_body_bytes."""
+            if self.headers.get("Transfer-Encoding"):
+                raise HTTPError(411, "send the body with a Content-Length (chunked transfer is not supported)")
+            length = self.headers.get("Content-Length")
+            if length is None:
+                return b""
+            if not (length.isascii() and length.isdigit()):
+                raise HTTPError(400, f"Content-Length must be a non-negative integer, got {length!r}")
+            if int(length) > max_body_bytes:
+                raise HTTPError(413, f"the body ({length} bytes) is over this server's limit "
+                                     f"(--max-body-mb {max_body_bytes >> 20})")
+            raw = self.rfile.read(int(length))
+            if len(raw) < int(length):
+                raise ClientGone()
+            return raw
+
+        @staticmethod
+        def _json_object(raw: bytes) -> dict:
             try:
                 body = json.loads(raw) if raw else {}
+            except (ValueError, RecursionError) as err:
+                raise BadRequest(f"the body is not JSON: {err}") from None
+            if not isinstance(body, dict):
+                raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+            return body
+
+        def _client_gone(self) -> bool:
+            """The client closed its connection (readable, with nothing to read) or reset it."""
+            poller = select.poll()
+            poller.register(self.connection, select.POLLIN)
+            try:
+                return bool(poller.poll(0)) and not self.connection.recv(1, socket.MSG_PEEK)
+            except OSError:
+                return True
+
+        def _route(self, method: str) -> None:
+            try:
+                status, body = self._answer(method, urlsplit(self.path).path)
+            except ClientGone:
+                self.close_connection = True
+                return
+            try:
+                self._send(status, body)
+            except OSError:  # the client went away while we answered
+                self.close_connection = True
+
+        def _answer(self, method: str, path: str) -> tuple[int, Optional[dict]]:
+            try:
+                body = self._json_object(self._read_body())
                 if path in ("/health", "/health_generate"):
-                    self._send(503 if app.crashed else 200, None)
-                elif path in ("/get_model_info", "/model_info") and method == "GET":
-                    self._send(200, app.model_info())
-                elif path == "/flush_cache":  # the embedded engine keeps no prefix cache
-                    self._send(200, None)
-                elif path == "/generate" and method == "POST":
-                    self._send(200, app.generate(body))
-                elif path == "/update_weights_from_disk" and method == "POST":
-                    self._send(200, app.update_weights_from_disk(body))
-                else:
-                    self._send(404, {"error": {"message": f"no endpoint {method} {path}"}})
-            except (BadRequest, json.JSONDecodeError, TypeError, ValueError) as err:
+                    return 503 if app.crashed else 200, None
+                if path in ("/get_model_info", "/model_info") and method == "GET":
+                    return 200, app.model_info()
+                if path == "/flush_cache":  # the embedded engine keeps no prefix cache
+                    return 200, None
+                if path == "/generate" and method == "POST":
+                    return 200, app.generate(body, self._client_gone)
+                if path == "/update_weights_from_disk" and method == "POST":
+                    return 200, app.update_weights_from_disk(body)
+                return 404, {"error": {"message": f"no endpoint {method} {path}"}}
+            except HTTPError as err:
+                self.close_connection = True  # the stream's framing is lost: nothing more can be read from it
+                return err.status, {"error": {"message": str(err)}}
+            except BadRequest as err:
                 failed = path == "/update_weights_from_disk"
-                self._send(400, {"success": False, "message": str(err)} if failed else {"error": {"message": str(err)}})
+                return 400, {"success": False, "message": str(err)} if failed else {"error": {"message": str(err)}}
+            except ClientGone:
+                raise
             except Exception as err:  # noqa: BLE001 (a server answers, it does not die)
-                self._send(500, {"error": {"message": f"{type(err).__name__}: {err}"}})
+                return 500, {"error": {"message": f"{type(err).__name__}: {err}"}}
 
         def do_GET(self) -> None:
             self._route("GET")
@@ -262,15 +398,21 @@ def _handler(app: RolloutServer):
     return Handler
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    request_queue_size = LISTEN_BACKLOG  # a burst of connections waits for accept instead of being reset
+    daemon_threads = True
+
+
 def serve(args) -> int:
     if not (Path(args.checkpoint) / "config.json").is_file():
         raise ValueError(f"checkpoint {args.checkpoint!r} is not an HF model directory (no config.json)")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.max_new_tokens < 1 or args.max_body_mb < 1:
+        raise ValueError("--max-new-tokens and --max-body-mb must be at least 1")
     app = RolloutServer(args.checkpoint, max_batch=args.max_batch, seed=args.seed, dtype=args.dtype,
-                        weight_version=args.weight_version)
-    httpd = ThreadingHTTPServer((args.host, args.port), _handler(app))
-    httpd.daemon_threads = True
+                        weight_version=args.weight_version, max_new_tokens=args.max_new_tokens)
+    httpd = _HTTPServer((args.host, args.port), _handler(app, args.max_body_mb << 20))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"opd-sao serve: {args.checkpoint} on http://{args.host}:{httpd.server_port} "
           f"(weight_version {app.weight_version})", flush=True)

@@ -1,0 +1,324 @@
+"""Hostile and careless input against a real `opd-sao serve` on loopback, and faults between it and the HTTP
+engine: no request poisons the server, malformed requests get a 4xx (never a 500 or a hang), abandoned
+requests stop decoding, and a transient network fault never takes a server out of a run.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from opd_sao.engines.base import GenerationRequest, SamplingParams
+from opd_sao.engines.http import wait_until_healthy
+
+MAX_NEW_TOKENS = 1000  # the server's cap in these tests (the tiny model has 1024 positions)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, start_server):
+    url, proc = start_server(tiny_model_dir, "--max-batch", 4, "--max-new-tokens", MAX_NEW_TOKENS)
+    wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=120)
+    yield url
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer):
+    return [tokenizer.bos_token_id] + tokenizer.encode("12+7=", add_special_tokens=False)
+
+
+def _generate(url, prompt, timeout=30, **sampling):
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, **sampling}}
+    return requests.post(url + "/generate", data=json.dumps(body), timeout=timeout,  # NaN and Infinity as Python writes them
+                         headers={"Content-Type": "application/json"})
+
+
+def _assert_still_serving(url, prompt):
+    assert requests.get(url + "/health", timeout=10).status_code == 200
+    ok = _generate(url, prompt)
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 4
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": math.nan}, {"temperature": 1e-45}, {"temperature": math.inf},
+                                      {"top_p": math.nan}, {"top_p": 0.0}, {"temperature": "hot"}],
+                         ids=["temperature-nan", "temperature-1e-45", "temperature-inf", "top_p-nan", "top_p-0",
+                              "temperature-str"])
+def test_a_bad_sampling_parameter_is_a_400_and_poisons_nothing(server, prompt, sampling):
+    bad = _generate(server, prompt, **sampling)
+    assert bad.status_code == 400, bad.text
+    assert next(iter(sampling)) in bad.json()["error"]["message"]
+    _assert_still_serving(server, prompt)
+
+
+def test_a_prompt_past_the_models_positions_is_a_400(server, prompt):
+    huge = _generate(server, [prompt[0]] + [5] * 99_999, max_new_tokens=1)
+    assert huge.status_code == 400 and "1024" in huge.json()["error"]["message"], huge.text
+    over = _generate(server, [prompt[0]] + [5] * 999, max_new_tokens=100)  # 1000 + 100 > 1024
+    assert over.status_code == 400 and "max_new_tokens" in over.json()["error"]["message"], over.text
+    _assert_still_serving(server, prompt)
+
+
+def test_max_new_tokens_is_capped_by_the_server_option(server, prompt):
+    capped = _generate(server, prompt, max_new_tokens=MAX_NEW_TOKENS + 1)
+    assert capped.status_code == 400 and "--max-new-tokens" in capped.json()["error"]["message"], capped.text
+
+
+@pytest.mark.parametrize("raw", [
+    "[1, 2, 3]",
+    '"input_ids"',
+    '{"input_ids": %(p)s, "sampling_params": [1]}',
+    '{"input_ids": %(p)s, "sampling_params": []}',
+    '{"input_ids": %(p)s, "sampling_params": {"max_new_tokens": 1e309}}',
+    '{"input_ids": %(p)s, "sampling_params": {"max_new_tokens": 2.5}}',
+    '{"input_ids": %(p)s, "sampling_params": {"max_new_tokens": -1}}',
+    '{"input_ids": %(p)s, "sampling_params": {"max_new_tokens": 0}, "return_logprob": true, '
+    '"logprob_start_len": 1, "top_logprobs_num": -5}',
+    '{"input_ids": %(p)s, "sampling_params": {"max_new_tokens": 0}, "return_logprob": true, '
+    '"logprob_start_len": "one"}',
+    '{"input_ids": %(p)s, "sampling_params": {"ignore_eos": "yes"}}',
+    '{"input_ids": [true, 5]}',
+    '{"input_ids": %(p)s, "return_logprob": 7}',
+], ids=["list", "string", "sp-list", "sp-empty-list", "max-new-1e309", "max-new-2.5", "max-new--1", "top-logprobs--5",
+        "logprob-start-str", "ignore-eos-str", "ids-bool", "return-logprob-int"])
+def test_a_malformed_body_is_a_400(server, prompt, raw):
+    bad = requests.post(server + "/generate", data=raw % {"p": json.dumps(prompt)},
+                        headers={"Content-Type": "application/json"}, timeout=30)
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["message"]
+    _assert_still_serving(server, prompt)
+
+
+def _raw_request(url: str, head: str, body: bytes = b"", timeout: float = 10.0) -> int:
+    """Send a hand-written HTTP request; the status code of the answer (socket.timeout if none comes)."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(head.encode() + b"\r\n" + body)
+        answer = b""
+        while b"\r\n" not in answer:
+            chunk = sock.recv(4096)
+            if not chunk:
+                raise ConnectionError(f"connection closed with no answer (got {answer!r})")
+            answer += chunk
+    return int(answer.split()[1])
+
+
+@pytest.mark.parametrize("length,expected", [("abc", 400), ("-1", 400), ("1e3", 400), (str(10 ** 12), 413),
+                                             (None, 400)])
+def test_a_bad_content_length_is_a_4xx_not_a_hang(server, prompt, length, expected):
+    """None: no Content-Length, so an empty body (which names the missing input_ids)."""
+    head = "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    if length is not None:
+        head += f"Content-Length: {length}\r\n"
+    assert _raw_request(server, head, b'{"input_ids": [1]}') == expected
+    _assert_still_serving(server, prompt)
+
+
+def test_a_chunked_body_is_refused_not_misread(server, prompt):
+    head = "POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+    assert _raw_request(server, head, b"5\r\nhello\r\n0\r\n\r\n") == 411
+    _assert_still_serving(server, prompt)
+
+
+def test_fifty_concurrent_connections_are_all_answered(server, prompt):
+    start = threading.Barrier(50)
+
+    def one(_):
+        start.wait()
+        try:  # a fresh connection each: the burst hits the listen backlog at once
+            return requests.post(server + "/generate", json={"input_ids": prompt, "sampling_params": {
+                "max_new_tokens": 2, "ignore_eos": True}}, timeout=120).status_code
+        except requests.ConnectionError as err:
+            return type(err).__name__
+
+    with ThreadPoolExecutor(50) as pool:
+        codes = list(pool.map(one, range(50)))
+    assert codes == [200] * 50
+
+
+def test_the_load_loop_answers_valid_requests_and_refuses_invalid_ones(server):
+    """benchmarks/serve_load.py's loop, small: every valid request a 200 with the right tokens, every invalid
+    one a 4xx, /health 200 at every poll, the server serving afterwards."""
+    spec = importlib.util.spec_from_file_location("serve_load", Path(__file__).parents[1] / "benchmarks" / "serve_load.py")
+    serve_load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_load)
+    report = serve_load.run_load(server, n_requests=80, concurrency=40, cap=MAX_NEW_TOKENS)
+    assert report["valid"]["answered"] == report["valid"]["sent"] > 0
+    assert report["invalid"]["4xx"] == report["invalid"]["sent"] > 0, report["invalid"]["not_4xx"]
+    assert report["health"]["failures"] == 0 and report["health"]["polls"] > 0 and report["serving_after"]
+
+
+def test_abandoned_requests_stop_decoding(server, prompt):
+    """40 clients ask for 1000 tokens each and hang up; the engine (4 slots) would decode for 10,000 steps.
+    A request that comes next is answered at once: the abandoned ones were cancelled."""
+    head = ("POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n")
+    body = json.dumps({"input_ids": prompt, "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}).encode()
+    host, port = server.rsplit("/", 1)[-1].split(":")
+    for _ in range(40):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(head.format(len(body)).encode() + b"\r\n" + body)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    _assert_still_serving(server, prompt)
+    assert time.monotonic() - t0 < 8
+
+
+# --- the embedded engine: one failing request in the continuous batch ----------------------------------------
+
+def test_a_request_failing_in_the_batch_alone_gets_the_error(tiny_model_dir, tokenizer, prompt):
+    from opd_sao.checkpoints import load_causal_lm
+    from opd_sao.engines.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(load_causal_lm(tiny_model_dir), eos_id=tokenizer.eos_token_id,
+                            pad_id=tokenizer.pad_token_id, max_batch=4)
+    good = [GenerationRequest(prompt, SamplingParams(0.9, 1.0, 5 + i, ignore_eos=True)) for i in range(3)]
+    poisoned = GenerationRequest(prompt, SamplingParams(math.nan, 1.0, 5, ignore_eos=True))
+    results, failed = [], []
+    engine.generate(iter([good[0], poisoned, good[1], good[2]]), results.append,
+                    on_error=lambda request, err: failed.append((request, err)))
+    assert [r.request for r in results] and sorted(len(r.token_ids) for r in results) == [5, 6, 7]
+    assert len(failed) == 1 and failed[0][0] is poisoned
+    with pytest.raises(RuntimeError):  # without on_error a failure still stops generate (in-process runs)
+        engine.generate(iter([poisoned]), results.append)
+
+
+def test_cancelled_requests_leave_the_batch(tiny_model_dir, tokenizer, prompt):
+    from opd_sao.checkpoints import load_causal_lm
+    from opd_sao.engines.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(load_causal_lm(tiny_model_dir), eos_id=tokenizer.eos_token_id,
+                            pad_id=tokenizer.pad_token_id, max_batch=4)
+    long = [GenerationRequest(prompt, SamplingParams(max_new_tokens=200, ignore_eos=True)) for _ in range(3)]
+    short = GenerationRequest(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    results = []
+
+    def on_result(result):
+        results.append(result)
+        for request in long[1:]:  # the short one is done: its neighbours' clients hang up
+            request.cancelled = True
+
+    engine.generate(iter(long + [short]), on_result)
+    assert [len(r.token_ids) for r in results] == [20, 200]
+    assert engine.tokens_generated < 20 * 4 + 200 + 10
+
+
+# --- the HTTP engine: transient faults are retried, dead servers come back ------------------------------------
+
+class FaultyProxy:
+    """A loopback TCP forwarder to a server that resets the next `reset_next` connections (or every one while
+    `down`) right after reading the request: the client sees "connection reset by peer"; then answers the
+    next `unavailable_next` requests with HTTP 503, as a load balancer in front of a busy server would."""
+
+    def __init__(self, target: str):
+        host, port = target.rsplit("/", 1)[-1].split(":")
+        self.target = (host, int(port))
+        self.reset_next, self.unavailable_next, self.down, self.resets = 0, 0, False, 0
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.down or self.reset_next > 0:
+                self.reset_next -= 1
+                self.resets += 1
+                conn.settimeout(5)
+                try:
+                    conn.recv(65536)
+                except OSError:
+                    pass
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                conn.close()  # linger 0: a TCP reset
+                continue
+            if self.unavailable_next > 0:
+                self.unavailable_next -= 1
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                continue
+            upstream = socket.create_connection(self.target)
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_one_server_run_survives_a_transient_reset(server, tiny_model_dir, prompt):
+    from opd_sao.engines.http import HTTPEngine
+
+    proxy = FaultyProxy(server)
+    engine = HTTPEngine(proxy.url, checkpoint=tiny_model_dir, max_inflight=4)
+    proxy.reset_next, proxy.unavailable_next = 2, 2
+    results = engine.generate_all([GenerationRequest(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))
+                                   for _ in range(6)])
+    assert [len(r.token_ids) for r in results] == [3] * 6
+    assert proxy.resets == 2 and proxy.unavailable_next == 0
+    stats = engine.stats[proxy.url]
+    assert stats["alive"] and stats["revived"] == 0  # retried, never declared dead
+    engine.close()
+    proxy.close()
+
+
+def test_a_dead_server_is_brought_back_when_its_health_recovers(server, tiny_model_dir, prompt):
+    from opd_sao.engines.http import HTTPEngine
+
+    proxy = FaultyProxy(server)
+    engine = HTTPEngine(proxy.url, checkpoint=tiny_model_dir, max_inflight=4)
+    engine.update_weights(engine_state(tiny_model_dir), 3)
+    proxy.down = True
+    threading.Timer(3.0, lambda: setattr(proxy, "down", False)).start()
+    results = engine.generate_all([GenerationRequest(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))
+                                   for _ in range(4)])
+    stats = engine.stats[proxy.url]
+    assert [r.versions for r in results] == [[3] * 3] * 4  # the revived server got the current weights back
+    assert stats["alive"] and stats["revived"] == 1 and stats["requeued"] >= 1
+    assert requests.get(server + "/get_model_info", timeout=10).json()["weight_version"] == "3"
+    engine.close()
+    proxy.close()
+
+
+def test_a_timed_out_request_is_sent_again_and_its_healthy_server_kept(server, prompt):
+    """A read timeout is not retried in place; the server answers /health, so it stays in the fleet and the
+    request is sent again, until it has failed MAX_SENDS times: then the run stops with the error."""
+    from opd_sao.engines.http import MAX_SENDS, HTTPEngine
+
+    engine = HTTPEngine(server, max_inflight=1, timeout=0.3)
+    with pytest.raises(RuntimeError, match=f"failed on {MAX_SENDS} sends"):
+        engine.generate_all([GenerationRequest(prompt, SamplingParams(max_new_tokens=1000, ignore_eos=True))])
+    stats = engine.stats[server]
+    assert stats["alive"] and stats["requeued"] == MAX_SENDS - 1 and stats["revived"] == 0
+    engine.close()
+
+
+def engine_state(model_dir) -> dict[str, torch.Tensor]:
+    from opd_sao.checkpoints import load_causal_lm
+
+    return load_causal_lm(model_dir).state_dict()
