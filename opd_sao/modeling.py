@@ -177,22 +177,26 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 
 
 def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, *,
-                      full_logits: bool = False) -> torch.Tensor:
+                      top_p: Optional[torch.Tensor] = None, full_logits: bool = False) -> torch.Tensor:
     """[B, T] logprob of token t given tokens < t (0 at t=0 and on padding), differentiable.
 
-    Vocabulary-chunked; `full_logits=True` runs the model's own forward instead (ZeRO-3, whose lm head
-    weight is only gathered inside the module's forward)."""
+    Under the distribution a row was sampled from: softmax(logits / temperature), renormalised on the
+    top-p nucleus where `top_p` [B] is below 1 (SPEC: the DIS ratio compares the sampling distributions
+    actually used, so trainer, engine and checker all score this way). Vocabulary-chunked;
+    `full_logits=True` runs the model's own forward instead (ZeRO-3, whose lm head weight is only
+    gathered inside the module's forward)."""
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-    if full_logits:
-        logits = forward_logits(model, input_ids, attention_mask)[:, :-1].float() / temperature
-        out[:, 1:] = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-        return out * attention_mask
-    weight, bias = lm_head(model)
-    hidden = hidden_states(model, input_ids, attention_mask)
     b, t = attention_mask[:, 1:].nonzero(as_tuple=True)  # predicted positions t + 1 that are real tokens
     temps = torch.full((len(b),), float(temperature), device=input_ids.device)
-    logp = token_logprobs(hidden[b, t], weight, bias, input_ids[b, t + 1], temps)
-    return out.index_put((b, t + 1), logp)
+    nucleus = top_p.to(input_ids.device)[b] if top_p is not None and bool((top_p < 1).any()) else None
+    if full_logits:
+        logits = forward_logits(model, input_ids, attention_mask)[b, t]
+        logp = nucleus_logprobs(logits, temps, nucleus if nucleus is not None else torch.ones_like(temps))
+        return out.index_put((b, t + 1), logp.gather(-1, input_ids[b, t + 1].unsqueeze(-1)).squeeze(-1))
+    weight, bias = lm_head(model)
+    hidden = hidden_states(model, input_ids, attention_mask)
+    logp = token_logprobs(hidden[b, t], weight, bias, input_ids[b, t + 1], temps, nucleus)
+    return out.index_put((b, t + 1), logp.float())
 
 
 def nucleus_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,11 @@ class Batch:
     trajectories: list[Trajectory]
 
     @property
+    def top_p(self) -> torch.Tensor:
+        """[B] the nucleus each trajectory was sampled with: the trainer scores under the same distribution."""
+        return torch.tensor([t.top_p for t in self.trajectories], dtype=torch.float32)
+
+    @property
     def traj_ids(self) -> list[str]:
         return [t.traj_id for t in self.trajectories]
 

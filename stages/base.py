@@ -110,7 +110,7 @@ class Stage(ABC):
         cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
         gate = ConsistencyGate(cfg.gate, stage=cfg.name, out_dir=self.dir, engine=engine, backend=backend,
                                make_probe=make_probe, eps_low=cfg.sao.eps_low, eps_high=cfg.sao.eps_high,
-                               deterministic=run.engine.deterministic)
+                               deterministic=run.engine.deterministic, pad_id=tok.pad_token_id)
         start_step, waiting, resumed = self.resume_point(backend, learner)
         state = StageState(self.dir)
 

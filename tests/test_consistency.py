@@ -25,7 +25,9 @@ from opd_sao.consistency.check import (
     version_errors,
 )
 from opd_sao.consistency.gate import ConsistencyGate, GateFailure, probe_episodes
+from opd_sao.engines.base import GenerationRequest, SamplingParams
 from opd_sao.engines.embedded import EmbeddedEngine
+from opd_sao.modeling import sequence_logprobs
 from opd_sao.rl.rollout import run_episodes
 from opd_sao.trainers.torch_backend import TorchTrainer
 from opd_sao.trajectory import Trajectory, collate
@@ -112,10 +114,74 @@ def test_fp32_engine_passes_and_deterministic_mode_is_exact(peaked_dir, tokenize
     gate = _gate(_engine(peaked_dir, tokenizer, deterministic=True), trainer, tokenizer, tmp_path / "det",
                  deterministic=True)
     gate.run("start")
-    exact = gate.evaluations[-1]
-    assert exact["mode"] == "alone" and exact["sequences"] == PROBE and exact["mean_abs_diff"] <= 1e-7
-    assert gate.summary() == {"passed": True, "mean_abs_diff": exact["mean_abs_diff"],
-                              "p99_abs_diff": exact["p99_abs_diff"], "evaluations": 1}
+    det = gate.evaluations[-1]
+    # deterministic mode too compares the trainer's batched training forward (not the engine's own kernel)
+    assert det["mode"] == "trainer" and det["sequences"] == PROBE and det["mean_abs_diff"] < 1e-5
+    assert gate.summary() == {"passed": True, "mean_abs_diff": det["mean_abs_diff"],
+                              "p99_abs_diff": det["p99_abs_diff"], "evaluations": 1}
+
+
+class WrongTemperatureTrainer(TorchTrainer):
+    """A trainer fault: its training forward scores at 1.25x the temperature it is given."""
+
+    def policy_logprobs(self, batch, temperature, grad):
+        return super().policy_logprobs(batch, temperature * 1.25, grad)
+
+
+def test_a_trainer_forward_fault_is_caught_in_deterministic_mode(peaked_dir, tokenizer, tmp_path):
+    """The deterministic engine rescored with the checker's kernel, so comparing the two was exact by
+    construction; the gate compares the trainer's own forward, so the fault shows."""
+    trainer = WrongTemperatureTrainer(peaked_dir, TrainerConfig(), with_critic=False)
+    gate = _gate(_engine(peaked_dir, tokenizer, deterministic=True), trainer, tokenizer, tmp_path, deterministic=True)
+    message, _ = _fails(gate)
+    assert "consistency gate failed" in message and "mean |dlogp|" in message
+
+
+def _top_p_rollouts(engine, tokenizer, n=6):
+    prompts = [[tokenizer.bos_token_id] + tokenizer.encode(f"{a}+{a + 1}=", add_special_tokens=False) for a in range(n)]
+    results = engine.generate_all([GenerationRequest(p, SamplingParams(0.8, 0.9, 8, ignore_eos=True)) for p in prompts])
+    trajs = []
+    for i, (prompt, res) in enumerate(zip(prompts, results)):
+        traj = Trajectory(f"p{i}", "arithmetic", prompt, temperature=0.8, top_p=0.9)
+        traj.append(res.token_ids, action=True, logp=res.logprobs, versions=res.versions)
+        trajs.append(traj)
+    return trajs
+
+
+def _dis_ratios(trainer, trajs, tokenizer) -> torch.Tensor:
+    batch = collate(trajs, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp = trainer.policy_logprobs(batch, 0.8, grad=False)
+    acted = batch.action_mask.bool()
+    return (logp[acted] - batch.rollout_logp[acted]).exp()
+
+
+def test_top_p_ratios_are_one_at_equal_versions_on_the_embedded_engine(peaked_dir, tokenizer):
+    """One logprob semantics for top_p < 1: trainer and engine both score the nucleus-renormalised
+    distribution the token was sampled from, so the DIS ratio is 1 when nothing changed."""
+    trajs = _top_p_rollouts(_engine(peaked_dir, tokenizer), tokenizer)
+    ratios = _dis_ratios(_trainer(peaked_dir), trajs, tokenizer)
+    assert len(ratios) == 48 and torch.allclose(ratios, torch.ones_like(ratios), atol=1e-4)
+    # temperature-only logprobs (the old trainer) are biased: every ratio below 1 where the nucleus cut mass
+    batch = collate(trajs, tokenizer.pad_token_id)
+    with torch.no_grad():
+        plain = sequence_logprobs(load_causal_lm(peaked_dir), batch.input_ids, batch.attention_mask, 0.8)
+    acted = batch.action_mask.bool()
+    assert ((plain[acted] - batch.rollout_logp[acted]).exp() < 1 - 1e-3).any()
+
+
+def test_top_p_ratios_are_one_at_equal_versions_behind_opd_sao_serve(peaked_dir, tokenizer, start_server):
+    from opd_sao.engines.http import HTTPEngine, wait_until_healthy
+
+    url, proc = start_server(peaked_dir)
+    wait_until_healthy(url, lambda: proc.poll() is None)
+    engine = HTTPEngine(url, checkpoint=peaked_dir)
+    try:
+        trajs = _top_p_rollouts(engine, tokenizer)
+    finally:
+        engine.close()
+    ratios = _dis_ratios(_trainer(peaked_dir), trajs, tokenizer)
+    assert torch.allclose(ratios, torch.ones_like(ratios), atol=1e-4)
 
 
 def _step_once(trainer, tokenizer):

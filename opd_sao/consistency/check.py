@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -182,7 +182,7 @@ def action_spans(action_mask: list[int]) -> list[tuple[int, int]]:
 @dataclass
 class ConsistencyReport:
     trainer_version: int
-    mode: str  # "chunked" or "alone"
+    mode: str  # "trainer" (the trainer backend's batched forward), "chunked" or "alone"
     eps_low: float
     eps_high: float
     sequences: int  # compared (version errors excluded)
@@ -250,14 +250,18 @@ def compare(trainer_logp: torch.Tensor, tokens: ActionTokens, *, eps_low: float,
 
 
 def check(trajectories: list[Trajectory], model, *, version: int, eps_low: float = 0.3, eps_high: float = 5.0,
-          alone: bool = False) -> ConsistencyReport:
+          alone: bool = False, trainer: Optional[Callable[[list[Trajectory]], torch.Tensor]] = None) -> ConsistencyReport:
     """Compare the rollouts' logprobs with `model`'s (the trainer's policy at policy version `version`).
 
-    alone=True is the deterministic-mode checker (`alone_logprobs`); otherwise the chunked one.
+    `trainer(trajectories) -> [N]` scores with the trainer's own batched training forward (what the gate
+    uses, in every mode: so a fault in the trainer's forward is never hidden by a checker that shares the
+    engine's kernel). Otherwise alone=True is the deterministic-mode checker (`alone_logprobs`, bitwise
+    what the deterministic engine did: `opd-sao audit --deterministic`), and the default the chunked one.
     """
     errors = version_errors(trajectories, version)
     compared = [t for t in trajectories if t.num_action_tokens and not version_errors([t], version)]
-    report = ConsistencyReport(version, "alone" if alone else "chunked", eps_low, eps_high,
+    mode = "trainer" if trainer is not None else "alone" if alone else "chunked"
+    report = ConsistencyReport(version, mode, eps_low, eps_high,
                                sequences=len(compared), tokens=0, version_errors=errors, trajectories=compared)
     if not compared:
         return report
@@ -265,7 +269,11 @@ def check(trajectories: list[Trajectory], model, *, version: int, eps_low: float
     was_training = model.training
     model.eval()
     try:
-        trainer_logp = alone_logprobs(model, compared) if alone else chunked_logprobs(model, compared, tokens)
+        with torch.no_grad():
+            if trainer is not None:
+                trainer_logp = trainer(compared).float().cpu()
+            else:
+                trainer_logp = alone_logprobs(model, compared) if alone else chunked_logprobs(model, compared, tokens)
     finally:
         model.train(was_training)
     report.tokens, report.tokens_detail, report.trainer_logp = len(tokens), tokens, trainer_logp

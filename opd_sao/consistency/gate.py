@@ -27,7 +27,7 @@ from opd_sao.engines.base import GenerationRequest, RolloutEngine, SamplingParam
 from opd_sao.modeling import lm_head, token_logprobs
 from opd_sao.rl.rollout import Episode, run_episodes
 from opd_sao.runs.files import write_json
-from opd_sao.trajectory import Trajectory
+from opd_sao.trajectory import Trajectory, collate
 
 # Temperatures (as multiples of the rollout's) tried when the drift may be a temperature mismatch.
 TEMPERATURE_FACTORS = (0.5, 2 / 3, 0.8, 1.25, 1.5, 2.0)
@@ -259,8 +259,8 @@ class ConsistencyGate:
 
     def __init__(self, cfg: GateConfig, *, stage: str, out_dir: Path, engine: RolloutEngine, backend,
                  make_probe: Callable[[], list[Episode]], eps_low: float, eps_high: float, deterministic: bool = False,
-                 engine_dtype: Optional[str] = None):
-        self.cfg, self.stage, self.path = cfg, stage, Path(out_dir) / "gate.json"
+                 engine_dtype: Optional[str] = None, pad_id: int = 0):
+        self.cfg, self.stage, self.path, self.pad_id = cfg, stage, Path(out_dir) / "gate.json", pad_id
         self.engine, self.backend, self.make_probe = engine, backend, make_probe
         self.eps_low, self.eps_high = eps_low, eps_high
         self.deterministic, self.engine_dtype = deterministic, engine_dtype
@@ -284,7 +284,7 @@ class ConsistencyGate:
         with torch.no_grad():
             trajs = run_episodes(engine, self.make_probe())
         report = check(trajs, model, version=version, eps_low=self.eps_low, eps_high=self.eps_high,
-                       alone=self.deterministic)
+                       trainer=self.trainer_logprobs)
         reasons = over_threshold(report, self.cfg.mean_abs_diff, self.cfg.p99_abs_diff)
         entry = {"phase": phase, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "passed": not reasons,
                  "engine_version": engine.version, **report.to_dict()}
@@ -298,6 +298,18 @@ class ConsistencyGate:
         if reasons:
             where = f"for stage {self.stage!r} at {phase}" + (f" (step {step})" if step is not None else "")
             raise GateFailure(failure_message(where, report, reasons, diagnosis, self.path))
+
+    def trainer_logprobs(self, trajectories: list[Trajectory]) -> torch.Tensor:
+        """[N] the trainer's logprob of every action token (trajectory order, then position), from the backend's
+        batched training forward (`policy_logprobs` on the collated probe), one batch per sampling temperature."""
+        per_traj: dict[int, torch.Tensor] = {}
+        for temperature in sorted({t.temperature for t in trajectories}):
+            index = [i for i, t in enumerate(trajectories) if t.temperature == temperature]
+            batch = collate([trajectories[i] for i in index], self.pad_id)
+            logp = self.backend.policy_logprobs(batch, temperature, grad=False).detach().cpu()
+            acted = batch.action_mask.bool()
+            per_traj.update({i: logp[row][acted[row]] for row, i in enumerate(index)})
+        return torch.cat([per_traj[i] for i in range(len(trajectories))])
 
     def after_step(self, step: int) -> None:
         """RLLoop hook: gate every `cfg.every` policy versions, when the engine holds the trainer's version."""

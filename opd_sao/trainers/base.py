@@ -24,7 +24,8 @@ class TrainerBackend(ABC):
 
     @abstractmethod
     def policy_logprobs(self, batch: Batch, temperature: float, grad: bool) -> torch.Tensor:
-        """[B, T] logprob of each token under the current policy (0 at t=0 and padding)."""
+        """[B, T] logprob of each token under the current policy (0 at t=0 and padding), at `temperature` and
+        each trajectory's sampling top_p (`batch.top_p`): the distribution the engine sampled from."""
 
     @abstractmethod
     def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:

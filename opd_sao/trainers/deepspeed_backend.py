@@ -46,6 +46,7 @@ class Rows:
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
+    top_p: Optional[torch.Tensor] = None  # [B] each row's sampling nucleus (policy forwards)
 
 
 @dataclass
@@ -158,7 +159,7 @@ class DeepSpeedTrainer(TrainerBackend):
     # --- forward passes --------------------------------------------------------------------------------
 
     def policy_logprobs(self, batch, temperature: float, grad: bool) -> torch.Tensor:
-        rows = Rows(batch.input_ids.cpu(), batch.attention_mask.cpu())
+        rows = Rows(batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.top_p)
         self._announce("_forward", kind="policy", rows=rows, temperature=temperature, grad=grad)
         return self._forward("policy", rows, temperature, grad)
 
@@ -183,7 +184,8 @@ class DeepSpeedTrainer(TrainerBackend):
         engine = self.policy if kind == "policy" else self.critic
         with torch.set_grad_enabled(grad):
             if kind == "policy":
-                local = sequence_logprobs(engine, ids, mask, temperature, full_logits=self.zero3)
+                top_p = rows.top_p[lo:hi] if rows.top_p is not None else None
+                local = sequence_logprobs(engine, ids, mask, temperature, top_p=top_p, full_logits=self.zero3)
             else:
                 local = engine(ids, mask).float()
             if not active:

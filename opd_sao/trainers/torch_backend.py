@@ -36,7 +36,7 @@ class TorchTrainer(TrainerBackend):
 
     def policy_logprobs(self, batch: Batch, temperature: float, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
-            return sequence_logprobs(self.policy, batch.input_ids, batch.attention_mask, temperature)
+            return sequence_logprobs(self.policy, batch.input_ids, batch.attention_mask, temperature, top_p=batch.top_p)
 
     def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:
         if self.critic is None:
