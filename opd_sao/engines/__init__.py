@@ -17,5 +17,6 @@ def build_engine(cfg, checkpoint, tokenizer, seed: int) -> RolloutEngine:
 
         if not cfg.urls:
             raise ValueError("engine.kind http needs engine.urls (the rollout servers, e.g. opd-sao serve or SGLang)")
-        return Router(cfg.urls, checkpoint=checkpoint, weights_dir=cfg.weights_dir, max_inflight=cfg.max_batch)
+        return Router(cfg.urls, checkpoint=checkpoint, weights_dir=cfg.weights_dir, max_inflight=cfg.max_batch,
+                      workers=cfg.workers, weight_sync=cfg.weight_sync, sync_address=cfg.weight_sync_address)
     raise NotImplementedError(f"engine kind {cfg.kind!r} is not available yet")

@@ -7,8 +7,14 @@ with `model_path` and `weight_version`; `/get_model_info`, `/flush_cache`, `/hea
 answers the same API, so a fleet of our servers and a fleet of SGLang servers are interchangeable.
 
 `HTTPEngine` is a RolloutEngine over one server; `router.Router` spreads over several. Policy versions
-travel as SGLang's `weight_version` string: a weight sync loads a checkpoint with `weight_version=str(v)`
+travel as SGLang's `weight_version` string: a weight sync loads the weights with `weight_version=str(v)`
+(from disk, as tensors in the request, or by broadcast over a weight update group: `weight_transfer`)
 and is confirmed by `/get_model_info`; every result's tokens carry the version the server reported.
+
+Generation and control are separate: a URL may be an external router (sglang-router), which generation
+goes through, while weight syncs, version checks and health checks go to the workers behind it (listed,
+or asked from the router's `/workers`). A token's version is the one its worker reported, so the
+staleness bound holds per worker.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import torch
 from safetensors.torch import save_file
 
 from .base import GenerationRequest, GenerationResult, ResultCallback, RolloutEngine
+from .weight_transfer import TENSOR_FORMAT, broadcast, dtype_name, join_group, host_store, pack_tensors, untied
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +49,10 @@ class ServerDown(ConnectionError):
 
 class ServerError(RuntimeError):
     """The server answered, but with an error: a request or setup problem, not a dead server."""
+
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status
 
 
 class Aborted(RuntimeError):
@@ -76,7 +87,7 @@ class SGLangClient:
             raise ServerDown(f"rollout server {self.url} did not answer {path} ({type(err).__name__})") from err
         if response.status_code != 200:
             raise ServerError(f"rollout server {self.url} answered {path} with HTTP {response.status_code}: "
-                              f"{response.text[:500]}")
+                              f"{response.text[:500]}", response.status_code)
         return response
 
     def health(self) -> bool:
@@ -95,11 +106,44 @@ class SGLangClient:
     def flush_cache(self) -> None:
         self._call("POST", "/flush_cache")
 
+    def router_workers(self) -> Optional[list[str]]:
+        """The worker URLs if this is a router (sglang-router's `/workers`, older ones' `/list_workers`),
+        else None (a server answers 404)."""
+        for path, key in (("/workers", "workers"), ("/list_workers", "urls")):
+            try:
+                listed = self._call("GET", path, timeout=(self.timeout[0], 10.0)).json().get(key)
+            except ServerError:
+                continue
+            return [w["url"] if isinstance(w, dict) else w for w in listed or []]
+        return None
+
     def update_weights_from_disk(self, model_path: str | Path, weight_version: str) -> None:
-        body = self._call("POST", "/update_weights_from_disk",
-                          {"model_path": str(model_path), "weight_version": weight_version}).json()
+        self._weight_call("/update_weights_from_disk", {"model_path": str(model_path), "weight_version": weight_version})
+
+    def update_weights_from_tensor(self, packed: str, weight_version: str) -> None:
+        """`packed`: `weight_transfer.pack_tensors(state_dict)` (base64 safetensors, one tensor-parallel rank)."""
+        self._weight_call("/update_weights_from_tensor", {"serialized_named_tensors": [packed],
+                                                          "load_format": TENSOR_FORMAT, "weight_version": weight_version})
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str = "gloo") -> None:
+        self._weight_call("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str, weight_version: str) -> None:
+        self._weight_call("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "weight_version": weight_version})
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self._weight_call("/destroy_weights_update_group", {"group_name": group_name})
+
+    def _weight_call(self, path: str, payload: dict) -> None:
+        body = self._call("POST", path, payload).json()
         if not body.get("success"):
-            raise ServerError(f"rollout server {self.url} could not load {model_path}: {body.get('message')}")
+            raise ServerError(f"rollout server {self.url} failed {path}: {body.get('message')}")
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
         params = request.params
@@ -147,13 +191,7 @@ def publish_checkpoint(state_dict: dict[str, torch.Tensor], template: str | Path
     for item in Path(template).iterdir():
         if item.is_file() and not item.name.endswith(WEIGHT_FILES):
             shutil.copy2(item, tmp / item.name)
-    tensors, stored = {}, set()
-    for name, tensor in state_dict.items():
-        if tensor.numel() and tensor.data_ptr() in stored:  # tied weights: the config re-ties them
-            continue
-        stored.add(tensor.data_ptr())
-        tensors[name] = tensor.detach().cpu().contiguous()
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_file(untied(state_dict), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir
@@ -174,8 +212,9 @@ def wait_until_healthy(url: str, is_alive, timeout_s: float = 180.0, poll_s: flo
 @dataclass
 class _Server:
     client: SGLangClient
-    slots: int
-    pool: ThreadPoolExecutor
+    slots: int = 0  # generation slots (0: a worker behind a router, used for control only)
+    pool: Optional[ThreadPoolExecutor] = None
+    is_router: bool = False  # generation goes through it, weight syncs to the workers behind it
     alive: bool = True
     inflight: int = 0  # requests sent, not answered
     load: int = 0  # their estimated tokens
@@ -199,23 +238,38 @@ class HTTPEngine(RolloutEngine):
     """Continuous batching on one SGLang-API server: up to `max_inflight` requests in flight at once.
 
     `checkpoint` is what the server must hold at policy version 0 (loaded at start); its config and
-    tokenizer files are the template for every weight sync, written under `weights_dir` (a directory
-    the servers can read; default a temporary one).
+    tokenizer files are the template for every disk weight sync, written under `weights_dir` (a directory
+    the servers can read; default a temporary one). `weight_sync` picks how weights travel: "disk",
+    "tensor" (in the HTTP request) or "distributed" (broadcast from a group this process hosts at
+    `sync_address`). If the URL is a router, `workers` (default: asked from the router) receive them.
     """
 
     def __init__(self, url: str, *, checkpoint: Optional[str | Path] = None, weights_dir: Optional[str] = None,
-                 max_inflight: int = 32, timeout: float = 600.0):
+                 max_inflight: int = 32, timeout: float = 600.0, workers: Iterable[str] = (),
+                 weight_sync: str = "disk", sync_address: str = "127.0.0.1"):
         self._setup([url], checkpoint=checkpoint, weights_dir=weights_dir, max_inflight=max_inflight,
-                    timeout=timeout)
+                    timeout=timeout, workers=workers, weight_sync=weight_sync, sync_address=sync_address)
 
-    def _setup(self, urls: list[str], *, checkpoint, weights_dir, max_inflight: int, timeout: float) -> None:
-        self._servers = []
+    def _setup(self, urls: list[str], *, checkpoint, weights_dir, max_inflight: int, timeout: float,
+               workers: Iterable[str] = (), weight_sync: str = "disk", sync_address: str = "127.0.0.1") -> None:
+        if weight_sync not in ("disk", "tensor", "distributed"):
+            raise ValueError(f"weight_sync {weight_sync!r}: use disk, tensor or distributed")
+        self._servers, listed, discovered = [], [SGLangClient(u, timeout).url for u in workers], []
         for url in urls:
             client = SGLangClient(url, timeout)
             if not client.health():
                 raise ValueError(f"rollout server {client.url} is not answering /health")
+            behind = client.router_workers()
+            if behind is not None and not (listed or behind):
+                raise ValueError(f"engine.urls: {client.url} is a router with no workers registered and engine.workers "
+                                 "is empty: weight syncs need the workers' URLs")
+            discovered += behind or []
             pool = ThreadPoolExecutor(max_inflight, thread_name_prefix=f"rollout-{client.url}")
-            self._servers.append(_Server(client, max_inflight, pool))
+            self._servers.append(_Server(client, max_inflight, pool, is_router=behind is not None))
+        self._workers = self._control_targets(listed or discovered, timeout)
+        self._weight_sync, self._sync_address = weight_sync, sync_address
+        self._group: Optional[tuple] = None  # distributed sync: (name, members, process group, store)
+        self._groups_made = 0
         self._cond = threading.Condition()
         self._version = 0
         self.tokens_generated = 0
@@ -224,8 +278,12 @@ class HTTPEngine(RolloutEngine):
         # a directory of our own goes at close(), or when the engine is collected or the process exits unclosed
         self._remove_weights_dir = weakref.finalize(self, shutil.rmtree, self.weights_dir, True) \
             if weights_dir is None else None
-        if checkpoint is not None:
+        if checkpoint is not None and weight_sync == "disk":
             self.load_weights(checkpoint, 0)
+        elif checkpoint is not None:  # the start weights travel like every sync: no shared filesystem needed
+            from opd_sao.checkpoints import load_causal_lm
+
+            self.update_weights(load_causal_lm(checkpoint).state_dict(), 0)
 
     @property
     def version(self) -> int:
@@ -242,6 +300,22 @@ class HTTPEngine(RolloutEngine):
             return {s.client.url: {"alive": s.alive, "requests": s.requests, "tokens": s.tokens,
                                    "requeued": s.requeued, "inflight": s.inflight, "load": s.load}
                     for s in self._servers}
+
+    def _control_targets(self, worker_urls: list[str], timeout: float) -> list[_Server]:
+        """Where weight syncs, version and health checks go: the servers among the URLs and the workers."""
+        targets = {s.client.url: s for s in self._servers if not s.is_router}
+        for url in worker_urls:
+            client = SGLangClient(url, timeout)
+            if client.url not in targets:
+                if not client.health():
+                    raise ValueError(f"rollout worker {client.url} is not answering /health")
+                targets[client.url] = _Server(client)
+        return list(targets.values())
+
+    @property
+    def workers(self) -> list[str]:
+        """The servers that hold weights (the URLs themselves unless they are routers)."""
+        return [s.client.url for s in self._workers]
 
     def _pick(self, servers: list[_Server]) -> _Server:
         return servers[0]
@@ -306,10 +380,13 @@ class HTTPEngine(RolloutEngine):
         err = future.exception()
         if isinstance(err, ServerDown):
             self._mark_down(server, err)
+        elif self._worker_lost(server, err):
+            err = Aborted(str(err))  # a worker behind the router died with the request: sent again
         with self._cond:
             server.inflight -= 1
             server.load -= est
             if isinstance(err, (ServerDown, Aborted)):  # not lost: sent again, to a live server
+                log.info("%s did not complete a request, sent again: %s", server.client.url, err)
                 server.requeued += 1
                 call.retry.appendleft(request)
             elif err is not None:
@@ -334,37 +411,124 @@ class HTTPEngine(RolloutEngine):
                 call.outstanding -= 1
                 self._cond.notify_all()
 
+    def _worker_lost(self, server: _Server, err: Optional[BaseException]) -> bool:
+        """A router's 5xx while a worker behind it is down (what sglang-router answers, retries disabled or
+        spent, for a request whose worker died): the request is not lost, it is sent again. With every
+        worker down it is an error."""
+        if not (server.is_router and isinstance(err, ServerError) and err.status >= 500):
+            return False
+        for worker in self._live_workers():
+            if not worker.client.health():
+                self._mark_down(worker, err)
+        return bool(self._live_workers())
+
     # --- weights ---------------------------------------------------------------------------------------
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Write the weights once as an HF checkpoint, have every live server load them, check the version."""
-        if self.template is None:
-            raise ValueError("this engine was built without its checkpoint, which weight syncs need as a template")
-        path = publish_checkpoint(state_dict, self.template, self.weights_dir / f"v{version}")
-        self.load_weights(path, version)
-        for old in self.weights_dir.glob("v*"):
-            if old != path:
-                shutil.rmtree(old, ignore_errors=True)
+        """Every live worker gets the weights (as `weight_sync` says) and confirms `version`; a dead one is
+        taken out."""
+        if self._weight_sync == "tensor":
+            packed = pack_tensors(state_dict)
+            self._on_workers(lambda w: w.client.update_weights_from_tensor(packed, str(version)), version)
+        elif self._weight_sync == "distributed":
+            self._broadcast_weights(state_dict, version)
+        else:
+            if self.template is None:
+                raise ValueError("this engine was built without its checkpoint, which disk weight syncs need as a "
+                                 "template")
+            path = publish_checkpoint(state_dict, self.template, self.weights_dir / f"v{version}")
+            self.load_weights(path, version)
+            for old in self.weights_dir.glob("v*"):
+                if old != path:
+                    shutil.rmtree(old, ignore_errors=True)
+        self._version = version
 
     def load_weights(self, path: str | Path, version: int) -> None:
-        """Every live server loads `path` as `version` and reports it back; a dead one is taken out."""
+        """Every live worker loads the checkpoint at `path` as `version` and reports it back."""
+        resolved = str(Path(path).resolve())
+        self._on_workers(lambda w: w.client.update_weights_from_disk(resolved, str(version)), version)
+        self._version = version
 
-        def load(server: _Server) -> None:
+    def _live_workers(self) -> list[_Server]:
+        with self._cond:
+            return [w for w in self._workers if w.alive]
+
+    def _on_workers(self, update, version: int, during=None) -> None:
+        """`update(worker)` on every live worker in parallel (while `during()` runs here), then each worker's
+        weight_version checked; a worker that stopped answering is taken out."""
+
+        def run(worker: _Server) -> None:
             try:
-                server.client.update_weights_from_disk(str(Path(path).resolve()), str(version))
-                reported = server.client.weight_version()
+                update(worker)
+                reported = worker.client.weight_version()
             except ServerDown as err:
-                self._mark_down(server, err)
+                self._mark_down(worker, err)
                 return
             if reported != str(version):
-                raise ServerError(f"rollout server {server.client.url} reports weight_version {reported!r} "
+                raise ServerError(f"rollout server {worker.client.url} reports weight_version {reported!r} "
                                   f"after loading version {version}")
 
-        servers = self._alive()
-        with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(load, servers))
-        self._alive()
-        self._version = version
+        workers = self._live_workers()
+        if not workers:
+            raise RuntimeError(f"every rollout worker is down: {', '.join(self.workers)}")
+        with ThreadPoolExecutor(len(workers)) as pool:
+            futures = [pool.submit(run, w) for w in workers]
+            if during is not None:
+                during()
+            for future in futures:
+                future.result()
+        if not self._live_workers():
+            raise RuntimeError(f"every rollout worker is down: {', '.join(self.workers)}")
+
+    def _broadcast_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """SGLang's update_weights_from_distributed: each worker is told the names, dtypes and shapes while
+        this process broadcasts the tensors, in that order, as rank 0 of the weight update group (made
+        again, with the survivors, after a worker died)."""
+        tensors = untied(state_dict)
+        names = list(tensors)
+        dtypes = [dtype_name(t.dtype) for t in tensors.values()]
+        shapes = [list(t.shape) for t in tensors.values()]
+        group_name, group = self._weight_group()
+        try:
+            self._on_workers(lambda w: w.client.update_weights_from_distributed(names, dtypes, shapes, group_name,
+                                                                                str(version)),
+                             version, during=lambda: [broadcast(group, t) for t in tensors.values()])
+        except RuntimeError:  # a collective failed: a worker died mid-broadcast; once more, with the others
+            for worker in self._live_workers():
+                if not worker.client.health():
+                    self._mark_down(worker, ServerDown(f"{worker.client.url} died during a weight broadcast"))
+            if self._group is not None and self._group[1] == self._live_workers():
+                raise
+            self._broadcast_weights(state_dict, version)
+
+    def _weight_group(self) -> tuple[str, object]:
+        workers = self._live_workers()
+        if self._group is not None and self._group[1] == workers:
+            return self._group[0], self._group[2]
+        self._drop_group()
+        self._groups_made += 1
+        name, world = f"opd-sao-weights-{self._groups_made}", len(workers) + 1
+        store = host_store(self._sync_address, world)
+        with ThreadPoolExecutor(len(workers)) as pool:
+            joins = [pool.submit(w.client.init_weights_update_group, self._sync_address, store.port, rank, world, name)
+                     for rank, w in enumerate(workers, start=1)]
+            group = join_group(store, 0, world, name)
+            for future in joins:
+                future.result()
+        self._group = (name, workers, group, store)
+        return name, group
+
+    def _drop_group(self) -> None:
+        if self._group is None:
+            return
+        name, members = self._group[0], self._group[1]
+        self._group = None
+        for worker in members:
+            if worker.alive:
+                try:
+                    worker.client.destroy_weights_update_group(name)
+                except (ServerDown, ServerError) as err:
+                    log.warning("%s could not leave weight update group %s: %s", worker.client.url, name, err)
 
     # --- teacher scoring -------------------------------------------------------------------------------
 
@@ -379,6 +543,7 @@ class HTTPEngine(RolloutEngine):
                 self._mark_down(server, err)
 
     def close(self) -> None:
+        self._drop_group()
         for server in self._servers:
             server.pool.shutdown(wait=False)
         if self._remove_weights_dir is not None:

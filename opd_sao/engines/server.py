@@ -1,15 +1,17 @@
 """`opd-sao serve CHECKPOINT --port PORT`: the embedded engine behind SGLang's native HTTP API.
 
 Concurrent `/generate` requests join one EmbeddedEngine continuous batch: a decode thread runs the
-engine, HTTP threads only queue requests and wait. Weight updates keep SGLang's semantics: an
-`/update_weights_from_disk` waits until the requests in flight have finished (new ones wait meanwhile),
-so every response was sampled entirely by the `weight_version` it reports. Serves the subset of the API
-that opd-sao uses (see docs/scale_out.md) and rejects, with a 400, what it does not implement.
+engine, HTTP threads only queue requests and wait. Weight updates (from disk, from tensors in the request,
+or broadcast over a weight update group) keep SGLang's semantics: the swap waits until the requests in
+flight have finished (new ones wait meanwhile), so every response was sampled entirely by the
+`weight_version` it reports. Serves the subset of the API that opd-sao, sglang-router and SGLang's
+RuntimeEndpoint use (see docs/scale_out.md) and rejects, with a 400, what it does not implement.
 """
 from __future__ import annotations
 
 import itertools
 import json
+from concurrent.futures import ThreadPoolExecutor
 import queue
 import signal
 import sys
@@ -26,6 +28,8 @@ import torch
 from opd_sao.checkpoints import load_causal_lm, load_tokenizer
 from opd_sao.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from opd_sao.engines.embedded import EmbeddedEngine
+from opd_sao.engines.weight_transfer import (DTYPES, TENSOR_FORMAT, broadcast, connect_store, join_group,
+                                             unpack_tensors, untied)
 from opd_sao.modeling import forward_logits
 
 # sampling_params keys accepted only at these (SGLang default) values: text-only or unimplemented options
@@ -33,6 +37,22 @@ NEUTRAL_PARAMS = {"top_k": (-1, None), "min_p": (0, 0.0, None), "n": (1, None), 
                   "presence_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None), "stop": (None, [], "")}
 TEXT_ONLY_PARAMS = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
 SAMPLING_PARAMS = {"temperature", "top_p", "max_new_tokens", "ignore_eos", "stop_token_ids"}
+NEUTRAL_PARAMS.update({"min_new_tokens": (0, None), "regex": (None,), "json_schema": (None,), "ebnf": (None,),
+                       "structural_tag": (None,), "stop_regex": (None, [], "")})
+# /generate fields besides the prompt and sampling_params: implemented, bookkeeping that changes nothing
+# (what sglang-router adds to every request), and SGLang options accepted only at their defaults
+GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                   "return_text_in_logprobs", "rid"}
+BOOKKEEPING_FIELDS = {"log_metrics", "no_logs", "custom_labels"}
+DEFAULT_ONLY_FIELDS = {"stream": (False, None), "return_hidden_states": (False, None), "return_bytes": (False, None),
+                       "return_entropy": (False, None), "return_routed_experts": (False, None),
+                       "background": (False, None), "input_embeds": (None,), "image_data": (None,),
+                       "video_data": (None,), "audio_data": (None,), "modalities": (None,), "lora_path": (None,),
+                       "lora_id": (None,), "session_params": (None,), "custom_logit_processor": (None,),
+                       "token_ids_logprob": (None,), "data_parallel_rank": (None,), "bootstrap_host": (None,),
+                       "bootstrap_port": (None,), "bootstrap_room": (None,)}
+WEIGHT_PATHS = {"/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
+                "/update_weights_from_distributed", "/destroy_weights_update_group"}
 
 
 class BadRequest(ValueError):
@@ -59,6 +79,8 @@ class RolloutServer:
         self._queue: "queue.SimpleQueue[GenerationRequest]" = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._inflight = 0
+        self._tokens_inflight = 0  # prompt + max_new_tokens of the requests in flight (/get_load)
+        self._groups: dict[str, tuple] = {}  # weight update groups joined: name -> (process group, store)
         self._updating = False
         self._update_lock = threading.Lock()
         self._ids = itertools.count()
@@ -84,16 +106,18 @@ class RolloutServer:
             self._crash = err
 
     @contextmanager
-    def _admitted(self):
+    def _admitted(self, tokens: int = 0):
         """A request in flight: a weight update waits for it, and it waits for a pending update."""
         with self._cond:
             self._cond.wait_for(lambda: not self._updating)
             self._inflight += 1
+            self._tokens_inflight += tokens
         try:
             yield self.weight_version
         finally:
             with self._cond:
                 self._inflight -= 1
+                self._tokens_inflight -= tokens
                 self._cond.notify_all()
 
     @property
@@ -106,7 +130,53 @@ class RolloutServer:
         return {"model_path": self.checkpoint, "tokenizer_path": self.checkpoint, "is_generation": True,
                 "weight_version": self.weight_version}
 
-    def generate(self, body: dict) -> dict:
+    def server_info(self) -> dict:
+        """SGLang's /get_server_info, the part sglang-router and clients read: model, limits, version."""
+        return {**self.model_info(), "served_model_name": self.checkpoint, "dtype": self.dtype,
+                "max_running_requests": self.engine.max_batch, "tp_size": 1, "dp_size": 1,
+                "skip_tokenizer_init": False, "version": "opd-sao serve"}
+
+    def load(self) -> list[dict]:
+        """SGLang's /get_load (one data-parallel rank): sglang-router's power_of_two policy reads num_tokens."""
+        with self._cond:
+            return [{"dp_rank": 0, "num_reqs": self._inflight, "num_waiting_reqs": 0,
+                     "num_tokens": self._tokens_inflight}]
+
+    def generate(self, body: dict) -> dict | list[dict]:
+        """One prompt, or a batch (a list of `text`s or of `input_ids` lists), answered with a list as SGLang
+        does; the batch's prompts join the continuous batch together."""
+        _check_generate_fields(body, self.checkpoint)
+        prompts, batched = self._prompts(body)
+        if not batched:
+            return self._generate_one({**body, "input_ids": prompts[0]})
+        params, rids = body.get("sampling_params") or {}, body.get("rid")
+        for name, value in (("sampling_params", params), ("rid", rids)):
+            if isinstance(value, list) and len(value) != len(prompts):
+                raise BadRequest(f"{name} has {len(value)} entries for {len(prompts)} prompts")
+        bodies = [{**body, "input_ids": ids, "sampling_params": params[i] if isinstance(params, list) else params,
+                   "rid": rids[i] if isinstance(rids, list) else None} for i, ids in enumerate(prompts)]
+        for one in bodies:  # refuse a bad batch before any of it runs
+            self._sampling_params(one["sampling_params"])
+        with ThreadPoolExecutor(len(bodies), thread_name_prefix="batch") as pool:
+            return list(pool.map(self._generate_one, bodies))
+
+    def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
+        """Token ids of each prompt (`text` is tokenized as SGLang does: the tokenizer's defaults), and
+        whether the request was a batch."""
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise BadRequest("send exactly one of text and input_ids")
+        if text is not None:
+            if isinstance(text, str):
+                return [self.tokenizer.encode(text)], False
+            if not isinstance(text, list) or not text or not all(isinstance(t, str) for t in text):
+                raise BadRequest("text must be a string or a non-empty list of strings")
+            return [self.tokenizer.encode(t) for t in text], True
+        if isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids):
+            return ids, True
+        return [ids], False
+
+    def _generate_one(self, body: dict) -> dict:
         t0 = time.perf_counter()
         ids = self._input_ids(body)
         params = self._sampling_params(body.get("sampling_params") or {})
@@ -118,7 +188,7 @@ class RolloutServer:
                              "(prompt scoring with max_new_tokens 0 is)")
         if start >= len(ids):
             raise BadRequest(f"logprob_start_len {start} is past the prompt ({len(ids)} tokens)")
-        with self._admitted() as version:
+        with self._admitted(len(ids) + params.max_new_tokens) as version:
             meta = {"id": str(body.get("rid") or next(self._ids)), "prompt_tokens": len(ids), "cached_tokens": 0,
                     "weight_version": version}
             if return_logprob and start >= 0:
@@ -132,20 +202,92 @@ class RolloutServer:
         meta.update(finish_reason=finish, completion_tokens=len(output), e2e_latency=time.perf_counter() - t0)
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, output)]
+            if body.get("return_text_in_logprobs"):
+                self._add_token_texts(meta)
         return {"text": self.tokenizer.decode(output), "output_ids": output, "meta_info": meta}
 
     def update_weights_from_disk(self, body: dict) -> dict:
         path = body.get("model_path")
         if not path or not (Path(path) / "config.json").is_file():
             raise BadRequest(f"model_path {path!r} is not an HF model directory")
-        if body.get("abort_all_requests"):
-            raise BadRequest("abort_all_requests is not supported by opd-sao serve (updates wait for requests)")
+        _check_update_fields(body)
         state = load_causal_lm(path, self.dtype).state_dict()
+        self._check_weight_shapes({k: v.shape for k, v in state.items()}, path)
+        return self._install_weights(state, body)
+
+    def update_weights_from_tensor(self, body: dict) -> dict:
+        """The weights in the request: one entry of base64 safetensors bytes (one tensor-parallel rank)."""
+        _check_update_fields(body)
+        if body.get("load_format") != TENSOR_FORMAT:
+            raise BadRequest(f"load_format {body.get('load_format')!r}: opd-sao serve takes serialized_named_tensors "
+                             f"as base64 safetensors (load_format {TENSOR_FORMAT!r}), not pickled tensors")
+        shards = body.get("serialized_named_tensors")
+        if not isinstance(shards, list) or len(shards) != 1 or not isinstance(shards[0], str):
+            raise BadRequest("serialized_named_tensors must be a list of one string (one tensor-parallel rank)")
+        try:
+            state = unpack_tensors(shards[0])
+        except Exception as err:  # noqa: BLE001 (whatever the parser says, the request is bad)
+            raise BadRequest(f"serialized_named_tensors[0] is not base64 safetensors: {err}") from None
+        self._check_weight_shapes({k: v.shape for k, v in state.items()}, "serialized_named_tensors")
+        return self._install_weights(state, body)
+
+    def init_weights_update_group(self, body: dict) -> dict:
+        """Join the trainer's weight broadcast group at rank `rank_offset` (blocks until every rank joined)."""
+        name = body.get("group_name") or "weight_update_group"
+        if body.get("backend", "gloo") != "gloo":
+            raise BadRequest(f"backend {body.get('backend')!r}: opd-sao serve runs on CPU, use gloo")
+        if name in self._groups:
+            raise BadRequest(f"weight update group {name!r} already exists on this server")
+        try:
+            address, port = str(body["master_address"]), int(body["master_port"])
+            rank, world = int(body["rank_offset"]), int(body["world_size"])
+        except KeyError as err:
+            raise BadRequest(f"init_weights_update_group needs {err.args[0]}") from None
+        if not 0 < rank < world:
+            raise BadRequest(f"rank_offset {rank} must be in [1, world_size {world}) (rank 0 is the trainer)")
+        store = connect_store(address, port, world)
+        self._groups[name] = (join_group(store, rank, world, name), store)
+        return {"success": True, "message": f"joined weight update group {name!r} as rank {rank} of {world}"}
+
+    def update_weights_from_distributed(self, body: dict) -> dict:
+        """Receive every named tensor by broadcast from rank 0 (validated first: a refused request must not
+        leave the trainer waiting in a collective), then swap them in like a disk update."""
+        _check_update_fields(body)
+        name = body.get("group_name") or "weight_update_group"
+        if name not in self._groups:
+            raise BadRequest(f"no weight update group {name!r}: call /init_weights_update_group first")
+        if body.get("load_format") is not None:
+            raise BadRequest(f"load_format {body['load_format']!r} is not supported by opd-sao serve")
+        names, dtypes, shapes = body.get("names") or [], body.get("dtypes") or [], body.get("shapes") or []
+        if not len(names) == len(dtypes) == len(shapes) or not names:
+            raise BadRequest("names, dtypes and shapes must be non-empty lists of one length")
+        unknown = [d for d in dtypes if d not in DTYPES]
+        if unknown:
+            raise BadRequest(f"dtype {unknown[0]!r} is not one of {sorted(DTYPES)}")
+        self._check_weight_shapes(dict(zip(names, shapes)), "names and shapes")
+        group = self._groups[name][0]
+        state = {}
+        for tensor_name, dtype, shape in zip(names, dtypes, shapes):
+            state[tensor_name] = torch.empty(shape, dtype=DTYPES[dtype])
+            broadcast(group, state[tensor_name])
+        return self._install_weights(state, body)
+
+    def destroy_weights_update_group(self, body: dict) -> dict:
+        name = body.get("group_name") or "weight_update_group"
+        if self._groups.pop(name, None) is None:
+            raise BadRequest(f"no weight update group {name!r}")
+        return {"success": True, "message": f"left weight update group {name!r}"}
+
+    def _check_weight_shapes(self, shapes: dict, source: str) -> None:
+        """Every parameter of the served model (tied ones once) with its shape, and nothing else."""
         current = self.engine.model.state_dict()
-        wrong = [k for k in current if k not in state or state[k].shape != current[k].shape]
-        if wrong or len(state) != len(current):
-            raise BadRequest(f"{path} does not match the served model's parameters (first mismatch: "
-                             f"{(wrong or sorted(set(state) - set(current)))[0]})")
+        wrong = [k for k in untied(current) if k not in shapes or tuple(shapes[k]) != tuple(current[k].shape)]
+        wrong += sorted(k for k in shapes if k not in current)
+        if wrong:
+            raise BadRequest(f"{source} does not match the served model's parameters (first mismatch: {wrong[0]})")
+
+    def _install_weights(self, state: dict[str, torch.Tensor], body: dict) -> dict:
+        """Swap weights in once the requests in flight have finished (new ones wait meanwhile)."""
         version = str(body["weight_version"]) if body.get("weight_version") is not None else self.weight_version
         with self._update_lock:
             with self._cond:
@@ -164,10 +306,8 @@ class RolloutServer:
 
     def _input_ids(self, body: dict) -> list[int]:
         ids = body.get("input_ids")
-        if ids is None:
-            raise BadRequest("send input_ids: opd-sao serve does not tokenize text")
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-            raise BadRequest("input_ids must be one non-empty list of token ids (batched requests are not supported)")
+            raise BadRequest("input_ids must be a non-empty list of token ids, or a list of such lists")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise BadRequest(f"input_ids must be in [0, {self.vocab_size})")
         return ids
@@ -187,6 +327,15 @@ class RolloutServer:
         if not 0 < top_p <= 1 or max_new_tokens < 0:
             raise BadRequest("need 0 < top_p <= 1 and max_new_tokens >= 0")
         return SamplingParams(temperature, top_p, max_new_tokens, bool(sp.get("ignore_eos", False)))
+
+    def _add_token_texts(self, meta: dict) -> None:
+        """return_text_in_logprobs: each [logprob, token_id, null] entry gets the token's text."""
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            for entry in meta.get(key) or []:
+                entry[2] = self.tokenizer.decode([entry[1]])
+        for top in meta.get("input_top_logprobs") or []:
+            for entry in top or []:
+                entry[2] = self.tokenizer.decode([entry[1]])
 
     def _sample(self, request: GenerationRequest) -> GenerationResult:
         self._queue.put(request)
@@ -214,7 +363,39 @@ class RolloutServer:
         return out
 
 
+def _check_generate_fields(body: dict, served_model: str) -> None:
+    """Every /generate field is implemented, bookkeeping, or at SGLang's default: none is silently ignored."""
+    for key, value in body.items():
+        if key in GENERATE_FIELDS or key in BOOKKEEPING_FIELDS:
+            continue
+        if key == "model":
+            if value not in (None, served_model):
+                raise BadRequest(f"model {value!r}: this server serves {served_model!r}")
+        elif key not in DEFAULT_ONLY_FIELDS:
+            raise BadRequest(f"{key} is not supported by opd-sao serve")
+        elif value not in DEFAULT_ONLY_FIELDS[key]:
+            raise BadRequest(f"{key}={value!r} is not supported by opd-sao serve")
+
+
+def _check_update_fields(body: dict) -> None:
+    if body.get("abort_all_requests"):
+        raise BadRequest("abort_all_requests is not supported by opd-sao serve (updates wait for requests)")
+
+
+def _extra_routes(app: RolloutServer) -> dict:
+    """(method, path) -> handler(body) for the endpoints beyond generation and disk weight loads."""
+    return {("GET", "/get_server_info"): lambda _: app.server_info(),
+            ("GET", "/server_info"): lambda _: app.server_info(),
+            ("GET", "/get_load"): lambda _: app.load(),
+            ("POST", "/update_weights_from_tensor"): app.update_weights_from_tensor,
+            ("POST", "/init_weights_update_group"): app.init_weights_update_group,
+            ("POST", "/update_weights_from_distributed"): app.update_weights_from_distributed,
+            ("POST", "/destroy_weights_update_group"): app.destroy_weights_update_group}
+
+
 def _handler(app: RolloutServer):
+    extra = _extra_routes(app)
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: a client slot reuses its connection
 
@@ -245,10 +426,12 @@ def _handler(app: RolloutServer):
                     self._send(200, app.generate(body))
                 elif path == "/update_weights_from_disk" and method == "POST":
                     self._send(200, app.update_weights_from_disk(body))
+                elif (method, path) in extra:
+                    self._send(200, extra[method, path](body))
                 else:
                     self._send(404, {"error": {"message": f"no endpoint {method} {path}"}})
             except (BadRequest, json.JSONDecodeError, TypeError, ValueError) as err:
-                failed = path == "/update_weights_from_disk"
+                failed = path in WEIGHT_PATHS
                 self._send(400, {"success": False, "message": str(err)} if failed else {"error": {"message": str(err)}})
             except Exception as err:  # noqa: BLE001 (a server answers, it does not die)
                 self._send(500, {"error": {"message": f"{type(err).__name__}: {err}"}})
