@@ -20,7 +20,7 @@ import requests
 import torch
 
 from opd_sao.engines.base import GenerationRequest, SamplingParams
-from opd_sao.engines.http import wait_until_healthy
+from opd_sao.engines.http import start_sglang_router, wait_until_healthy
 
 pytest.importorskip("sglang_router", reason="sglang-router is a test extra: pip install -e .[test]")
 
@@ -31,22 +31,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def start_router(worker_urls: list[str], *extra: str) -> tuple[str, subprocess.Popen]:
-    """sglang-router on loopback; answers once its workers are registered (or at once with none)."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "error", "--prometheus-port", str(_free_port()),  # two routers: two metrics ports
-           "--worker-urls", *worker_urls, *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=60)
-    deadline = time.monotonic() + 60
-    while len(requests.get(url + "/workers").json()["workers"]) < len(worker_urls):
-        assert time.monotonic() < deadline, "sglang-router did not register its workers"
-        time.sleep(0.2)
-    return url, proc
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -73,7 +57,7 @@ def workers(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def router(workers):
-    url, proc = start_router([u for u, _ in workers], "--policy", "round_robin")
+    url, proc = start_sglang_router([u for u, _ in workers], "--policy", "round_robin")
     yield url
     _stop(proc)
 
@@ -116,16 +100,20 @@ def test_weight_syncs_without_the_filesystem_reach_every_worker_behind_the_route
                                                                "weight_version": "0"}).raise_for_status()
 
 
-def test_a_router_without_workers_is_refused_before_any_work(tiny_model_dir, tokenizer):
-    from opd_sao.config import EngineConfig
-    from opd_sao.engines import build_engine
+def test_a_router_without_workers_is_refused_before_any_work(tmp_path, tiny_model_dir):
+    from opd_sao.config import parse_config
+    from opd_sao.pipeline import run_pipeline
 
-    url, proc = start_router([])
+    url, proc = start_sglang_router([])
+    stage = {"name": "reasoning", "kind": "reasoning", "env": "arithmetic", "steps": 2, "sft": {"steps": 2}}
+    cfg = parse_config({"model": {"path": str(tiny_model_dir)}, "logging": {"wandb": False, "progress": False},
+                        "engine": {"kind": "http", "urls": [url]}, "stages": [stage]})
     try:
         with pytest.raises(ValueError, match=f"engine.urls: {url} is a router with no workers registered"):
-            build_engine(EngineConfig(kind="http", urls=[url]), tiny_model_dir, tokenizer, seed=0)
+            run_pipeline(cfg, tmp_path / "run", log=lambda m: None)
     finally:
         _stop(proc)
+    assert not (tmp_path / "run").exists()  # no SFT warm start paid for
 
 
 def test_runtime_endpoint_text_generation_and_the_router_request_shape(router, workers, tiny_model_dir, tokenizer):
@@ -198,7 +186,7 @@ def test_reasoning_stage_trains_through_sglang_router_and_a_killed_worker_loses_
     for url, proc in procs:
         wait_until_healthy(url, lambda proc=proc: proc.poll() is None, timeout_s=120)
     # retries off: a request whose worker dies comes back as an error, and opd-sao's own retry must cover it
-    router_url, router_proc = start_router([u for u, _ in procs], "--policy", "round_robin", "--disable-retries",
+    router_url, router_proc = start_sglang_router([u for u, _ in procs], "--policy", "round_robin", "--disable-retries",
                                            "--health-check-interval-secs", "1", "--health-failure-threshold", "1")
     (survivor_url, _), (victim_url, victim) = procs
     seen: dict[str, set] = {survivor_url: set(), victim_url: set()}

@@ -4,6 +4,16 @@ from .embedded import EmbeddedEngine
 __all__ = ["GenerationRequest", "GenerationResult", "RolloutEngine", "SamplingParams", "EmbeddedEngine"]
 
 
+def check_engine(cfg) -> None:
+    """Before any work: an http fleet answers, and every router in it has workers (no weights move)."""
+    if cfg.kind == "http":
+        from .http import discover_fleet
+
+        if not cfg.urls:
+            raise ValueError("engine.kind http needs engine.urls (the rollout servers, e.g. opd-sao serve or SGLang)")
+        discover_fleet(cfg.urls, cfg.workers, timeout=30.0)
+
+
 def build_engine(cfg, checkpoint, tokenizer, seed: int) -> RolloutEngine:
     """The rollout engine a config asks for, loaded with `checkpoint` at policy version 0."""
     if cfg.kind == "embedded":

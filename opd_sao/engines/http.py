@@ -209,6 +209,56 @@ def wait_until_healthy(url: str, is_alive, timeout_s: float = 180.0, poll_s: flo
         time.sleep(poll_s)
 
 
+def start_sglang_router(worker_urls: list[str], *args: str, timeout_s: float = 60.0):
+    """sglang-router (`pip install sglang-router`) on a free loopback port in front of `worker_urls`, with
+    extra CLI `args`; returns (url, process) once it has registered every worker. For tests and benchmarks."""
+    import socket
+    import subprocess
+    import sys
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "error", "--prometheus-port", str(free_port()),  # two routers: two metrics ports
+           "--worker-urls", *worker_urls, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=timeout_s)
+    client, deadline = SGLangClient(url, timeout=10.0), time.monotonic() + timeout_s
+    while len(client.router_workers() or []) < len(worker_urls):
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"sglang-router at {url} did not register {worker_urls} within {timeout_s:.0f} s")
+        time.sleep(0.2)
+    return url, proc
+
+
+def discover_fleet(urls: Iterable[str], workers: Iterable[str] = (), timeout: float = 600.0):
+    """Check a fleet before any work: every URL answers /health, and each router (a URL that answers
+    /workers) has workers, `workers` if listed, else those it reports. Returns ([(client, is_router)] per
+    URL, the worker URLs weight syncs go to: the URLs that are servers, then the routers' workers)."""
+    targets, listed, discovered = [], [SGLangClient(u, timeout).url for u in workers], []
+    for url in urls:
+        client = SGLangClient(url, timeout)
+        if not client.health():
+            raise ValueError(f"rollout server {client.url} is not answering /health")
+        behind = client.router_workers()
+        if behind is not None and not (listed or behind):
+            raise ValueError(f"engine.urls: {client.url} is a router with no workers registered and engine.workers "
+                             "is empty: weight syncs need the workers' URLs")
+        discovered += behind or []
+        targets.append((client, behind is not None))
+    servers = [client.url for client, is_router in targets if not is_router]
+    for url in listed or discovered:
+        if url not in servers and not SGLangClient(url, timeout).health():
+            raise ValueError(f"rollout worker {url} is not answering /health")
+    return targets, list(dict.fromkeys(servers + (listed or discovered)))
+
+
 @dataclass
 class _Server:
     client: SGLangClient
@@ -254,19 +304,13 @@ class HTTPEngine(RolloutEngine):
                workers: Iterable[str] = (), weight_sync: str = "disk", sync_address: str = "127.0.0.1") -> None:
         if weight_sync not in ("disk", "tensor", "distributed"):
             raise ValueError(f"weight_sync {weight_sync!r}: use disk, tensor or distributed")
-        self._servers, listed, discovered = [], [SGLangClient(u, timeout).url for u in workers], []
-        for url in urls:
-            client = SGLangClient(url, timeout)
-            if not client.health():
-                raise ValueError(f"rollout server {client.url} is not answering /health")
-            behind = client.router_workers()
-            if behind is not None and not (listed or behind):
-                raise ValueError(f"engine.urls: {client.url} is a router with no workers registered and engine.workers "
-                                 "is empty: weight syncs need the workers' URLs")
-            discovered += behind or []
+        self._servers = []
+        targets, worker_urls = discover_fleet(urls, workers, timeout)
+        for client, is_router in targets:
             pool = ThreadPoolExecutor(max_inflight, thread_name_prefix=f"rollout-{client.url}")
-            self._servers.append(_Server(client, max_inflight, pool, is_router=behind is not None))
-        self._workers = self._control_targets(listed or discovered, timeout)
+            self._servers.append(_Server(client, max_inflight, pool, is_router=is_router))
+        by_url = {s.client.url: s for s in self._servers}
+        self._workers = [by_url.get(url) or _Server(SGLangClient(url, timeout)) for url in worker_urls]
         self._weight_sync, self._sync_address = weight_sync, sync_address
         self._group: Optional[tuple] = None  # distributed sync: (name, members, process group, store)
         self._groups_made = 0
@@ -300,17 +344,6 @@ class HTTPEngine(RolloutEngine):
             return {s.client.url: {"alive": s.alive, "requests": s.requests, "tokens": s.tokens,
                                    "requeued": s.requeued, "inflight": s.inflight, "load": s.load}
                     for s in self._servers}
-
-    def _control_targets(self, worker_urls: list[str], timeout: float) -> list[_Server]:
-        """Where weight syncs, version and health checks go: the servers among the URLs and the workers."""
-        targets = {s.client.url: s for s in self._servers if not s.is_router}
-        for url in worker_urls:
-            client = SGLangClient(url, timeout)
-            if client.url not in targets:
-                if not client.health():
-                    raise ValueError(f"rollout worker {client.url} is not answering /health")
-                targets[client.url] = _Server(client)
-        return list(targets.values())
 
     @property
     def workers(self) -> list[str]:

@@ -134,7 +134,8 @@ class RolloutServer:
         """SGLang's /get_server_info, the part sglang-router and clients read: model, limits, version."""
         return {**self.model_info(), "served_model_name": self.checkpoint, "dtype": self.dtype,
                 "max_running_requests": self.engine.max_batch, "tp_size": 1, "dp_size": 1,
-                "skip_tokenizer_init": False, "version": "opd-sao serve"}
+                "skip_tokenizer_init": False, "version": "opd-sao serve",
+                "tokens_generated": self.engine.tokens_generated}  # ours: what a balance benchmark counts
 
     def load(self) -> list[dict]:
         """SGLang's /get_load (one data-parallel rank): sglang-router's power_of_two policy reads num_tokens."""
