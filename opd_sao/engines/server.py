@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import itertools
 import json
-from concurrent.futures import ThreadPoolExecutor
 import queue
 import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -34,11 +34,11 @@ from opd_sao.modeling import forward_logits
 
 # sampling_params keys accepted only at these (SGLang default) values: text-only or unimplemented options
 NEUTRAL_PARAMS = {"top_k": (-1, None), "min_p": (0, 0.0, None), "n": (1, None), "frequency_penalty": (0, 0.0, None),
-                  "presence_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None), "stop": (None, [], "")}
+                  "presence_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None), "stop": (None, [], ""),
+                  "min_new_tokens": (0, None), "regex": (None,), "json_schema": (None,), "ebnf": (None,),
+                  "structural_tag": (None,), "stop_regex": (None, [], "")}
 TEXT_ONLY_PARAMS = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
 SAMPLING_PARAMS = {"temperature", "top_p", "max_new_tokens", "ignore_eos", "stop_token_ids"}
-NEUTRAL_PARAMS.update({"min_new_tokens": (0, None), "regex": (None,), "json_schema": (None,), "ebnf": (None,),
-                       "structural_tag": (None,), "stop_regex": (None, [], "")})
 # /generate fields besides the prompt and sampling_params: implemented, bookkeeping that changes nothing
 # (what sglang-router adds to every request), and SGLang options accepted only at their defaults
 GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
