@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import save_file
 
 from .base import GenerationRequest, GenerationResult, ResultCallback, RolloutEngine
-from .weight_transfer import TENSOR_FORMAT, broadcast, dtype_name, join_group, host_store, pack_tensors, untied
+from .weight_transfer import TENSOR_FORMAT, broadcast, dtype_name, host_store, join_group, pack_tensors, untied
 
 log = logging.getLogger(__name__)
 
