@@ -117,13 +117,15 @@ def test_a_router_without_workers_is_refused_before_any_work(tmp_path, tiny_mode
 
 
 def test_runtime_endpoint_text_generation_and_the_router_request_shape(router, workers, tiny_model_dir, tokenizer):
-    """SGLang's RuntimeEndpoint (sglang/lang/backend/runtime_endpoint.py) reads /get_model_info, then posts
-    `text` with SglSamplingParams.to_srt_kwargs() and the two detokenization flags. The `sglang` package
-    needs a GPU stack to install, so its requests are reproduced here field for field."""
+    """SGLang's RuntimeEndpoint (sglang/lang/backend/runtime_endpoint.py in the sglang 0.5.23 wheel) reads
+    /get_model_info, then posts `text` with SglSamplingParams.to_srt_kwargs() (its tuple defaults arrive
+    as JSON lists) and global_config's two detokenization flags. sglang needs torch 2.14.1, flashinfer and
+    triton, so it is not installed here and its requests are reproduced field for field."""
     info = requests.get(router + "/get_model_info").json()
-    assert info["model_path"] == str(tiny_model_dir)
+    assert info["model_path"] == str(tiny_model_dir)  # RuntimeEndpoint picks its chat template from this
+    assert requests.post(router + "/flush_cache").ok
     sampling = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "max_new_tokens": 6,
-                "min_new_tokens": 0, "n": 1, "stop": [], "stop_token_ids": None, "stop_regex": None,
+                "min_new_tokens": 0, "n": 1, "stop": [], "stop_token_ids": [], "stop_regex": [],
                 "temperature": 0.7, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0,
                 "presence_penalty": 0.0, "ignore_eos": True, "regex": None, "json_schema": None}
     body = {"text": "12+7=", "sampling_params": sampling, "return_logprob": True, "return_text_in_logprobs": True}
