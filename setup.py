@@ -25,7 +25,7 @@ setup(
     ],
     extras_require={
         "deepspeed": ["deepspeed==0.19.8"],
-        "test": ["pytest", "pytest-timeout"],
+        "test": ["pytest", "pytest-timeout", "sglang-router==0.3.2"],  # the router tests put in front of serve
     },
     entry_points={"console_scripts": ["opd-sao=opd_sao.cli:main"]},
 )

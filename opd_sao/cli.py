@@ -124,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--weight-version", default="default", help="reported until the first weight update (as SGLang)")
     serve.add_argument("--max-new-tokens", type=int, default=8192,
                        help="the most sampling_params.max_new_tokens a request may ask for (more: HTTP 400)")
-    serve.add_argument("--max-body-mb", type=int, default=64, help="the largest request body accepted (more: HTTP 413)")
+    serve.add_argument("--max-body-mb", type=int, default=256,
+                       help="the largest request body accepted (more: HTTP 413); /update_weights_from_tensor carries "
+                            "the weights in it, as base64 (4/3 of their bytes)")
     serve.set_defaults(func=_cmd_serve)
     config = sub.add_parser("config", help="every config setting: dotted path, type, default and what it does")
     config.add_argument("prefix", nargs="?", default="", help="only settings under this path, e.g. stages[].opd")

@@ -72,6 +72,18 @@ class EngineConfig(Strict):
     urls: list[str] = describe("kind=http: the rollout servers' base URLs", [])
     weights_dir: Optional[str] = describe("kind=http: where weight syncs are written; every server must read it "
                                           "(default: a temporary directory)", None)
+    workers: list[str] = describe(
+        "kind=http: the rollout servers behind a router named in urls (e.g. sglang-router). Generation goes "
+        "through the urls; weight syncs, weight_version checks and health checks go to these. Default: asked "
+        "from each router (GET /workers)", [])
+    weight_sync: Literal["disk", "tensor", "distributed"] = describe(
+        "kind=http: how weights reach the servers. disk: an HF checkpoint under weights_dir, loaded by "
+        "/update_weights_from_disk (servers read weights_dir); tensor: the tensors inside the HTTP request "
+        "(/update_weights_from_tensor, small models); distributed: a broadcast from this process over a "
+        "weight update group (/init_weights_update_group, /update_weights_from_distributed; gloo)", "disk")
+    weight_sync_address: str = describe(
+        "weight_sync distributed: this process's address as the servers reach it (they join the group's "
+        "store there, on a free port)", "127.0.0.1")
     max_batch: int = describe("concurrent sequences in the continuous batch", 32, ge=1)
     dtype: Dtype = describe("embedded engine weights' dtype", "float32")
     deterministic: bool = describe("score every sequence alone with the trainer's kernels (bitwise agreement; slow)",

@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from opd_sao.checkpoints import build_tiny_model, load_tokenizer
+from opd_sao.engines import check_engine
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.files import write_json
 from opd_sao.runs.report import forgetting, write_report
@@ -79,6 +80,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
         torch.set_num_threads(cfg.torch_threads)
     for stage in cfg.stages:  # unknown kinds and configs a kind cannot run fail before any work starts
         STAGES.get(stage.kind).check(stage)
+    check_engine(cfg.engine)  # a rollout fleet that cannot take weights fails now, not after an SFT warm start
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:

@@ -73,6 +73,47 @@ def test_max_new_tokens_is_capped_by_the_server_option(server, prompt):
     assert capped.status_code == 400 and "--max-new-tokens" in capped.json()["error"]["message"], capped.text
 
 
+@pytest.mark.parametrize("body,named", [
+    ({"input_ids": "P2", "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": MAX_NEW_TOKENS + 1}]},
+     "--max-new-tokens"),
+    ({"input_ids": ["P", [1] + [5] * 1100], "sampling_params": {"max_new_tokens": 1}}, "1024"),
+    ({"text": ["1+1=", "12+7=" * 20], "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS}}, "positions"),
+    ({"input_ids": ["P", [True]]}, "input_ids"),
+    ({"input_ids": "P2", "rid": ["a"]}, "rid"),
+    ({"input_ids": "P2", "sampling_params": [{}, {"temperature": math.nan}]}, "temperature"),
+], ids=["cap", "positions-ids", "positions-text", "ids-bool", "rid-count", "temperature-nan"])
+def test_every_prompt_of_a_batch_is_checked_before_any_of_it_runs(server, prompt, body, named):
+    """A batch (a list of input_ids lists or of texts) gets each prompt checked like a single request."""
+    ids = body.get("input_ids")
+    body = {**body, "input_ids": [prompt, prompt] if ids == "P2" else [prompt if p == "P" else p for p in ids]} \
+        if ids is not None else body
+    bad = requests.post(server + "/generate", data=json.dumps(body), headers={"Content-Type": "application/json"},
+                        timeout=30)
+    assert bad.status_code == 400 and named in bad.json()["error"]["message"], bad.text
+    _assert_still_serving(server, prompt)
+
+
+def test_weight_update_requests_are_checked_and_bounded(server, prompt):
+    """Weight endpoints answer a bad field with 400 (SGLang's {"success": false}), before joining or waiting
+    for any collective; /update_weights_from_tensor's body is capped by --max-body-mb like every body."""
+    from opd_sao.engines.server import MAX_BODY_BYTES
+
+    for path, body, named in [
+            ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": "x", "rank_offset": 1,
+                                            "world_size": 2}, "master_port"),
+            ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0,
+                                            "world_size": 2}, "rank_offset"),
+            ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}, "group"),
+            ("/update_weights_from_tensor", {"serialized_named_tensors": ["not base64!"],
+                                             "load_format": "safetensors"}, "serialized_named_tensors")]:
+        bad = requests.post(server + path, json=body, timeout=30)
+        assert bad.status_code == 400 and not bad.json()["success"] and named in bad.json()["message"], bad.text
+    head = ("POST /update_weights_from_tensor HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {MAX_BODY_BYTES + 1}\r\n")
+    assert _raw_request(server, head) == 413
+    _assert_still_serving(server, prompt)
+
+
 @pytest.mark.parametrize("raw", [
     "[1, 2, 3]",
     '"input_ids"',

@@ -4,6 +4,16 @@ from .embedded import EmbeddedEngine
 __all__ = ["GenerationRequest", "GenerationResult", "RolloutEngine", "SamplingParams", "EmbeddedEngine"]
 
 
+def check_engine(cfg) -> None:
+    """Before any work: an http fleet answers, and every router in it has workers (no weights move)."""
+    if cfg.kind == "http":
+        from .http import discover_fleet
+
+        if not cfg.urls:
+            raise ValueError("engine.kind http needs engine.urls (the rollout servers, e.g. opd-sao serve or SGLang)")
+        discover_fleet(cfg.urls, cfg.workers, timeout=30.0)
+
+
 def build_engine(cfg, checkpoint, tokenizer, seed: int) -> RolloutEngine:
     """The rollout engine a config asks for, loaded with `checkpoint` at policy version 0."""
     if cfg.kind == "embedded":
@@ -17,5 +27,6 @@ def build_engine(cfg, checkpoint, tokenizer, seed: int) -> RolloutEngine:
 
         if not cfg.urls:
             raise ValueError("engine.kind http needs engine.urls (the rollout servers, e.g. opd-sao serve or SGLang)")
-        return Router(cfg.urls, checkpoint=checkpoint, weights_dir=cfg.weights_dir, max_inflight=cfg.max_batch)
+        return Router(cfg.urls, checkpoint=checkpoint, weights_dir=cfg.weights_dir, max_inflight=cfg.max_batch,
+                      workers=cfg.workers, weight_sync=cfg.weight_sync, sync_address=cfg.weight_sync_address)
     raise NotImplementedError(f"engine kind {cfg.kind!r} is not available yet")

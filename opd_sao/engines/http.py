@@ -7,14 +7,21 @@ with `model_path` and `weight_version`; `/get_model_info`, `/flush_cache`, `/hea
 answers the same API, so a fleet of our servers and a fleet of SGLang servers are interchangeable.
 
 `HTTPEngine` is a RolloutEngine over one server; `router.Router` spreads over several. Policy versions
-travel as SGLang's `weight_version` string: a weight sync loads a checkpoint with `weight_version=str(v)`
+travel as SGLang's `weight_version` string: a weight sync loads the weights with `weight_version=str(v)`
+(from disk, as tensors in the request, or by broadcast over a weight update group: `weight_transfer`)
 and is confirmed by `/get_model_info`; every result's tokens carry the version the server reported.
 
+Generation and control are separate: a URL may be an external router (sglang-router), which generation
+goes through, while weight syncs, version checks and health checks go to the workers behind it (listed,
+or asked from the router's `/workers`). A token's version is the one its worker reported, so the
+staleness bound holds per worker.
+
 Faults: the client retries transient errors (connection refused or reset, timeouts, HTTP 502/503/504) with
-exponential backoff; a request that still fails is sent again, and its server is declared dead only if its
-`/health` fails too. A dead server's `/health` is probed in the background; once it answers, the server is
-given the current weights back and rejoins. A run fails only when every server has been down for
-`down_timeout` seconds.
+exponential backoff; a request that still fails is sent again (at most MAX_SENDS times), and its server is
+declared dead only if its `/health` fails too. A router that answers with an error is alive: its workers
+are health-checked instead, and the dead ones taken out. A dead server's or worker's `/health` is probed in
+the background; once it answers, a worker is given the current weights back, and either rejoins. A run
+fails only when every server, or every worker, has been down for `down_timeout` seconds.
 """
 from __future__ import annotations
 
@@ -36,20 +43,32 @@ import torch
 from safetensors.torch import save_file
 
 from .base import GenerationRequest, GenerationResult, ResultCallback, RolloutEngine
+from .weight_transfer import TENSOR_FORMAT, broadcast, dtype_name, host_store, join_group, pack_tensors, untied
 
 log = logging.getLogger(__name__)
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
-TRANSIENT_STATUS = {502, 503, 504}  # a proxy or an overloaded server: worth another try
+TRANSIENT_STATUS = frozenset({502, 503, 504})  # a proxy or an overloaded server: worth another try
+# and from a router: sglang-router answers 500 when the worker it chose failed (its retries disabled or spent)
+ROUTER_TRANSIENT_STATUS = TRANSIENT_STATUS | {500}
 MAX_SENDS = 5  # a request that fails this many sends (timeouts, aborts, dying servers) fails the run
 
 
 class ServerDown(ConnectionError):
-    """The server did not answer (refused, reset, timed out, 502/503/504), even after the client's retries."""
+    """The server did not answer (refused, reset, timed out, 502/503/504), even after the client's retries.
+    `status`: the HTTP status it last answered with, 0 if it did not answer at all."""
+
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status
 
 
 class ServerError(RuntimeError):
     """The server answered, but with an error: a request or setup problem, not a dead server."""
+
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status
 
 
 class Aborted(RuntimeError):
@@ -74,6 +93,7 @@ class SGLangClient:
         self.url = url.rstrip("/")
         self.timeout = (connect_timeout, timeout)
         self.retries, self.backoff_s = retries, backoff_s
+        self.transient = TRANSIENT_STATUS  # statuses tried again (a router's: ROUTER_TRANSIENT_STATUS)
         self._local = threading.local()
 
     def _call(self, method: str, path: str, payload: Optional[dict] = None, timeout=None,
@@ -83,8 +103,10 @@ class SGLangClient:
         if session is None:
             session = self._local.session = requests.Session()
         attempts = 1 + (self.retries if retries is None else retries)
+        failure: Optional[ServerDown] = None
         for attempt in range(attempts):
             if attempt:
+                log.info("%s, sent again in %.1f s", failure, self.backoff_s * 2 ** (attempt - 1))
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
                 response = session.request(method, self.url + path, json=payload, timeout=timeout or self.timeout)
@@ -96,13 +118,13 @@ class SGLangClient:
                                      f"{attempt + 1} tries)")
                 failure.__cause__ = err
                 continue
-            if response.status_code in TRANSIENT_STATUS:
+            if response.status_code in self.transient:
                 failure = ServerDown(f"rollout server {self.url} answered {path} with HTTP {response.status_code} "
-                                     f"({attempt + 1} tries)")
+                                     f"({attempt + 1} tries): {response.text[:200]}", response.status_code)
                 continue
             if response.status_code != 200:
                 raise ServerError(f"rollout server {self.url} answered {path} with HTTP {response.status_code}: "
-                                  f"{response.text[:500]}")
+                                  f"{response.text[:500]}", response.status_code)
             return response
         raise failure
 
@@ -122,11 +144,45 @@ class SGLangClient:
     def flush_cache(self) -> None:
         self._call("POST", "/flush_cache")
 
+    def router_workers(self) -> Optional[list[str]]:
+        """The worker URLs if this is a router (sglang-router's `/workers`, older ones' `/list_workers`),
+        else None (a server answers 404)."""
+        for path, key in (("/workers", "workers"), ("/list_workers", "urls")):
+            try:
+                listed = self._call("GET", path, timeout=(self.timeout[0], 10.0)).json().get(key)
+            except ServerError:
+                continue
+            return [w["url"] if isinstance(w, dict) else w for w in listed or []]
+        return None
+
     def update_weights_from_disk(self, model_path: str | Path, weight_version: str) -> None:
-        body = self._call("POST", "/update_weights_from_disk",
-                          {"model_path": str(model_path), "weight_version": weight_version}).json()
+        self._weight_call("/update_weights_from_disk", {"model_path": str(model_path), "weight_version": weight_version})
+
+    def update_weights_from_tensor(self, packed: str, weight_version: str) -> None:
+        """`packed`: `weight_transfer.pack_tensors(state_dict)` (base64 safetensors, one tensor-parallel rank)."""
+        self._weight_call("/update_weights_from_tensor", {"serialized_named_tensors": [packed],
+                                                          "load_format": TENSOR_FORMAT, "weight_version": weight_version})
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str = "gloo") -> None:
+        self._weight_call("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}, retries=0)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str, weight_version: str) -> None:
+        """Not retried: a second request would wait for a broadcast that never comes."""
+        self._weight_call("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "weight_version": weight_version}, retries=0)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self._weight_call("/destroy_weights_update_group", {"group_name": group_name})
+
+    def _weight_call(self, path: str, payload: dict, retries: Optional[int] = None) -> None:
+        body = self._call("POST", path, payload, retries=retries).json()
         if not body.get("success"):
-            raise ServerError(f"rollout server {self.url} could not load {model_path}: {body.get('message')}")
+            raise ServerError(f"rollout server {self.url} failed {path}: {body.get('message')}")
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
         params = request.params
@@ -174,13 +230,7 @@ def publish_checkpoint(state_dict: dict[str, torch.Tensor], template: str | Path
     for item in Path(template).iterdir():
         if item.is_file() and not item.name.endswith(WEIGHT_FILES):
             shutil.copy2(item, tmp / item.name)
-    tensors, stored = {}, set()
-    for name, tensor in state_dict.items():
-        if tensor.numel() and tensor.data_ptr() in stored:  # tied weights: the config re-ties them
-            continue
-        stored.add(tensor.data_ptr())
-        tensors[name] = tensor.detach().cpu().contiguous()
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_file(untied(state_dict), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir
@@ -198,11 +248,64 @@ def wait_until_healthy(url: str, is_alive, timeout_s: float = 180.0, poll_s: flo
         time.sleep(poll_s)
 
 
+def start_sglang_router(worker_urls: list[str], *args: str, timeout_s: float = 60.0):
+    """sglang-router (`pip install sglang-router`) on a free loopback port in front of `worker_urls`, with
+    extra CLI `args`; returns (url, process) once it has registered every worker. For tests and benchmarks."""
+    import socket
+    import subprocess
+    import sys
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "error", "--prometheus-port", str(free_port()),  # two routers: two metrics ports
+           "--worker-urls", *worker_urls, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=timeout_s)
+    client, deadline = SGLangClient(url, timeout=10.0), time.monotonic() + timeout_s
+    while len(client.router_workers() or []) < len(worker_urls):
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"sglang-router at {url} did not register {worker_urls} within {timeout_s:.0f} s")
+        time.sleep(0.2)
+    return url, proc
+
+
+def discover_fleet(urls: Iterable[str], workers: Iterable[str] = (), timeout: float = 600.0):
+    """Check a fleet before any work: every URL answers /health, and each router (a URL that answers
+    /workers) has workers, `workers` if listed, else those it reports. Returns ([(client, is_router)] per
+    URL, the worker URLs weight syncs go to: the URLs that are servers, then the routers' workers)."""
+    targets, listed, discovered = [], [SGLangClient(u, timeout).url for u in workers], []
+    for url in urls:
+        client = SGLangClient(url, timeout)
+        if not client.health():
+            raise ValueError(f"rollout server {client.url} is not answering /health")
+        behind = client.router_workers()
+        if behind is not None and not (listed or behind):
+            raise ValueError(f"engine.urls: {client.url} is a router with no workers registered and engine.workers "
+                             "is empty: weight syncs need the workers' URLs")
+        if behind is not None:
+            client.transient = ROUTER_TRANSIENT_STATUS
+        discovered += behind or []
+        targets.append((client, behind is not None))
+    servers = [client.url for client, is_router in targets if not is_router]
+    for url in listed or discovered:
+        if url not in servers and not SGLangClient(url, timeout).health():
+            raise ValueError(f"rollout worker {url} is not answering /health")
+    return targets, list(dict.fromkeys(servers + (listed or discovered)))
+
+
 @dataclass
 class _Server:
     client: SGLangClient
-    slots: int
-    pool: ThreadPoolExecutor
+    slots: int = 0  # generation slots (0: a worker behind a router, used for control only)
+    pool: Optional[ThreadPoolExecutor] = None
+    is_router: bool = False  # generation goes through it, weight syncs to the workers behind it
     alive: bool = True
     down_since: float = 0.0  # time.monotonic() when it was declared dead
     inflight: int = 0  # requests sent, not answered
@@ -229,30 +332,41 @@ class HTTPEngine(RolloutEngine):
     """Continuous batching on one SGLang-API server: up to `max_inflight` requests in flight at once.
 
     `checkpoint` is what the server must hold at policy version 0 (loaded at start); its config and
-    tokenizer files are the template for every weight sync, written under `weights_dir` (a directory
-    the servers can read; default a temporary one). With every server dead, generation waits up to
-    `down_timeout` seconds for one to come back, probing each `probe_s`.
+    tokenizer files are the template for every disk weight sync, written under `weights_dir` (a directory
+    the servers can read; default a temporary one). `weight_sync` picks how weights travel: "disk",
+    "tensor" (in the HTTP request) or "distributed" (broadcast from a group this process hosts at
+    `sync_address`). If the URL is a router, `workers` (default: asked from the router) receive them.
+    With every server (or worker) dead, generation waits up to `down_timeout` seconds for one to come back,
+    probing each `probe_s`.
     """
 
     def __init__(self, url: str, *, checkpoint: Optional[str | Path] = None, weights_dir: Optional[str] = None,
-                 max_inflight: int = 32, timeout: float = 600.0, down_timeout: float = 60.0, probe_s: float = 1.0):
+                 max_inflight: int = 32, timeout: float = 600.0, down_timeout: float = 60.0, probe_s: float = 1.0,
+                 workers: Iterable[str] = (), weight_sync: str = "disk", sync_address: str = "127.0.0.1"):
         self._setup([url], checkpoint=checkpoint, weights_dir=weights_dir, max_inflight=max_inflight,
-                    timeout=timeout, down_timeout=down_timeout, probe_s=probe_s)
+                    timeout=timeout, down_timeout=down_timeout, probe_s=probe_s, workers=workers,
+                    weight_sync=weight_sync, sync_address=sync_address)
 
     def _setup(self, urls: list[str], *, checkpoint, weights_dir, max_inflight: int, timeout: float,
-               down_timeout: float, probe_s: float) -> None:
+               down_timeout: float = 60.0, probe_s: float = 1.0, workers: Iterable[str] = (),
+               weight_sync: str = "disk", sync_address: str = "127.0.0.1") -> None:
+        if weight_sync not in ("disk", "tensor", "distributed"):
+            raise ValueError(f"weight_sync {weight_sync!r}: use disk, tensor or distributed")
         self.down_timeout, self.probe_s = down_timeout, probe_s
-        self._weights: Optional[Path] = None  # what every live server holds, as self._version
-        self._weights_lock = threading.Lock()  # a weight sync and a revival never interleave
+        self._servers = []
+        targets, worker_urls = discover_fleet(urls, workers, timeout)
+        for client, is_router in targets:
+            pool = ThreadPoolExecutor(max_inflight, thread_name_prefix=f"rollout-{client.url}")
+            self._servers.append(_Server(client, max_inflight, pool, is_router=is_router))
+        by_url = {s.client.url: s for s in self._servers}
+        self._workers = [by_url.get(url) or _Server(SGLangClient(url, timeout)) for url in worker_urls]
+        self._weight_sync, self._sync_address = weight_sync, sync_address
+        self._group: Optional[tuple] = None  # distributed sync: (name, members, process group, store)
+        self._groups_made = 0
+        self._restore = None  # restore(workers): the current weights to these workers (a revival)
+        self._weights_lock = threading.RLock()  # a weight sync and a revival never interleave
         self._prober: Optional[threading.Thread] = None
         self._closed = False
-        self._servers = []
-        for url in urls:
-            client = SGLangClient(url, timeout)
-            if not client.health():
-                raise ValueError(f"rollout server {client.url} is not answering /health")
-            pool = ThreadPoolExecutor(max_inflight, thread_name_prefix=f"rollout-{client.url}")
-            self._servers.append(_Server(client, max_inflight, pool))
         self._cond = threading.Condition()
         self._version = 0
         self.tokens_generated = 0
@@ -261,8 +375,12 @@ class HTTPEngine(RolloutEngine):
         # a directory of our own goes at close(), or when the engine is collected or the process exits unclosed
         self._remove_weights_dir = weakref.finalize(self, shutil.rmtree, self.weights_dir, True) \
             if weights_dir is None else None
-        if checkpoint is not None:
+        if checkpoint is not None and weight_sync == "disk":
             self.load_weights(checkpoint, 0)
+        elif checkpoint is not None:  # the start weights travel like every sync: no shared filesystem needed
+            from opd_sao.checkpoints import load_causal_lm
+
+            self.update_weights(load_causal_lm(checkpoint).state_dict(), 0)
 
     @property
     def version(self) -> int:
@@ -281,16 +399,24 @@ class HTTPEngine(RolloutEngine):
                                    "load": s.load}
                     for s in self._servers}
 
+    @property
+    def workers(self) -> list[str]:
+        """The servers that hold weights (the URLs themselves unless they are routers)."""
+        return [s.client.url for s in self._workers]
+
     def _pick(self, servers: list[_Server]) -> _Server:
         return servers[0]
 
     def _alive(self) -> list[_Server]:
-        """The live servers; none while all are down (they may come back), RuntimeError once every one has
-        been down for down_timeout seconds."""
-        alive = [s for s in self._servers if s.alive]
-        if not alive and time.monotonic() - max(s.down_since for s in self._servers) > self.down_timeout:
-            raise RuntimeError(f"every rollout server is down (for {self.down_timeout:.0f} s): {', '.join(self.urls)}")
-        return alive
+        """The live servers (a router only while a worker is alive); none while all are down (they may come
+        back). RuntimeError once every server, or every worker, has been down for down_timeout seconds."""
+        now = time.monotonic()
+        for fleet, what in ((self._servers, "rollout server"), (self._workers, "rollout worker")):
+            if fleet and not any(s.alive for s in fleet) and now - max(s.down_since for s in fleet) > self.down_timeout:
+                raise RuntimeError(f"every {what} is down (for {self.down_timeout:.0f} s): "
+                                   f"{', '.join(s.client.url for s in fleet)}")
+        workers_alive = any(w.alive for w in self._workers)
+        return [s for s in self._servers if s.alive and (workers_alive or not s.is_router)]
 
     def _failed(self, server: _Server, err: ServerDown) -> None:
         """A call failed after its retries: the server is dead only if its /health fails too."""
@@ -308,11 +434,12 @@ class HTTPEngine(RolloutEngine):
             self._cond.notify_all()
 
     def _probe_dead(self) -> None:
-        """While a server is dead: probe its /health every probe_s; one that answers gets the current weights
-        and rejoins the fleet."""
+        """While a server or worker is dead: probe its /health every probe_s; one that answers gets the
+        current weights (a worker) and rejoins."""
         while True:
             with self._cond:
                 dead = [s for s in self._servers if not s.alive]
+                dead += [w for w in self._workers if not w.alive and all(w is not s for s in self._servers)]
                 if not dead or self._closed:
                     self._prober = None
                     return
@@ -323,15 +450,15 @@ class HTTPEngine(RolloutEngine):
 
     def _revive(self, server: _Server) -> None:
         with self._weights_lock:
-            try:
-                if self._weights is not None:
-                    server.client.update_weights_from_disk(str(self._weights), str(self._version))
-                    reported = server.client.weight_version()
-                    if reported != str(self._version):
-                        raise ServerError(f"it reports weight_version {reported!r}, not {self._version}")
-            except (ServerDown, ServerError) as err:
-                log.warning("%s answers /health but could not be given the weights: %s", server.client.url, err)
-                return
+            if any(server is w for w in self._workers) and self._restore is not None:
+                # a broadcast goes to a whole group: the live workers are sent the same weights again
+                members = self._live_workers() + [server] if self._weight_sync == "distributed" else [server]
+                try:
+                    if all(server is not w for w in self._restore(members)):
+                        return
+                except (ServerDown, ServerError, RuntimeError) as err:
+                    log.warning("%s answers /health but could not be given the weights: %s", server.client.url, err)
+                    return
             with self._cond:
                 server.alive = True
                 server.revived += 1
@@ -386,13 +513,16 @@ class HTTPEngine(RolloutEngine):
 
     def _finished(self, future: Future, server: _Server, request: GenerationRequest, est: int, call: _Call) -> None:
         err = future.exception()
-        if isinstance(err, ServerDown):
+        if self._worker_lost(server, err):
+            err = Aborted(str(err))  # the router is alive; a worker behind it failed the request
+        elif isinstance(err, ServerDown):
             self._failed(server, err)
         with self._cond:
             server.inflight -= 1
             server.load -= est
             failed_sends = call.failed_sends.pop(id(request), 0) + (err is not None)
             if isinstance(err, (ServerDown, Aborted)) and failed_sends < MAX_SENDS:  # not lost: sent again
+                log.info("%s did not complete a request, sent again: %s", server.client.url, err)
                 server.requeued += 1
                 call.failed_sends[id(request)] = failed_sends
                 call.retry.appendleft(request)
@@ -420,46 +550,143 @@ class HTTPEngine(RolloutEngine):
                 call.outstanding -= 1
                 self._cond.notify_all()
 
+    def _worker_lost(self, server: _Server, err: Optional[BaseException]) -> bool:
+        """A router answered with a 5xx even after the client's retries (sglang-router's 500, its own retries
+        disabled or spent, for a request whose worker died): the router is alive, so it is not
+        health-checked and never declared dead for it; its workers are, and the dead ones are taken out (the
+        prober brings them back). The request is sent again like any failed send (MAX_SENDS)."""
+        if not (server.is_router and isinstance(err, (ServerDown, ServerError)) and err.status >= 500):
+            return False
+        for worker in self._live_workers():
+            if not worker.client.health():
+                self._mark_down(worker, err)
+        return True
+
     # --- weights ---------------------------------------------------------------------------------------
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Write the weights once as an HF checkpoint, have every live server load them, check the version."""
-        if self.template is None:
-            raise ValueError("this engine was built without its checkpoint, which weight syncs need as a template")
-        path = publish_checkpoint(state_dict, self.template, self.weights_dir / f"v{version}")
-        self.load_weights(path, version)
-        for old in self.weights_dir.glob("v*"):
-            if old != path:
-                shutil.rmtree(old, ignore_errors=True)
+        """Every live worker gets the weights (as `weight_sync` says) and confirms `version`; one that cannot
+        be reached is taken out, and gets them when it comes back."""
+        with self._weights_lock:
+            if self._weight_sync == "tensor":
+                packed = pack_tensors(state_dict)
+                self._sync(lambda workers: self._on_workers(
+                    lambda w: w.client.update_weights_from_tensor(packed, str(version)), version, workers))
+            elif self._weight_sync == "distributed":
+                snapshot = {k: v.clone() for k, v in untied(state_dict).items()}  # for a worker that comes back
+                self._sync(lambda workers: self._broadcast_weights(snapshot, version, workers))
+            else:
+                if self.template is None:
+                    raise ValueError("this engine was built without its checkpoint, which disk weight syncs need "
+                                     "as a template")
+                path = publish_checkpoint(state_dict, self.template, self.weights_dir / f"v{version}")
+                self.load_weights(path, version)
+                for old in self.weights_dir.glob("v*"):
+                    if old != path:
+                        shutil.rmtree(old, ignore_errors=True)
+            self._version = version
 
     def load_weights(self, path: str | Path, version: int) -> None:
-        """Every live server loads `path` as `version` and reports it back. One that cannot be reached is taken
-        out (it does not hold these weights); a dead one gets them when it comes back."""
-        path = Path(path).resolve()
-
-        def load(server: _Server) -> None:
-            try:
-                server.client.update_weights_from_disk(str(path), str(version))
-                reported = server.client.weight_version()
-            except ServerDown as err:
-                self._mark_down(server, err)
-                return
-            if reported != str(version):
-                raise ServerError(f"rollout server {server.client.url} reports weight_version {reported!r} "
-                                  f"after loading version {version}")
-
+        """Every live worker loads the checkpoint at `path` as `version` and reports it back."""
+        resolved = str(Path(path).resolve())
         with self._weights_lock:
-            servers = self._alive()
-            if servers:
-                with ThreadPoolExecutor(len(servers)) as pool:
-                    list(pool.map(load, servers))
-            self._weights, self._version = path, version
-        self._alive()
+            self._sync(lambda workers: self._on_workers(
+                lambda w: w.client.update_weights_from_disk(resolved, str(version)), version, workers))
+            self._version = version
+
+    def _sync(self, restore) -> None:
+        """`restore(workers)` gives workers the new weights: now to the live ones, later to one that comes
+        back. With none live the weights wait for a revival (an error once down for down_timeout)."""
+        self._restore = restore
+        workers = self._live_workers()
+        if workers:
+            restore(workers)
+        with self._cond:
+            self._alive()
+
+    def _live_workers(self) -> list[_Server]:
+        with self._cond:
+            return [w for w in self._workers if w.alive]
+
+    def _on_workers(self, update, version: int, workers: list[_Server], during=None) -> list[_Server]:
+        """`update(worker)` on `workers` in parallel (while `during()` runs here), then each worker's
+        weight_version checked; returns the workers that confirmed it (one that stopped answering is taken
+        out)."""
+
+        def run(worker: _Server) -> bool:
+            try:
+                update(worker)
+                reported = worker.client.weight_version()
+            except ServerDown as err:
+                self._mark_down(worker, err)
+                return False
+            if reported != str(version):
+                raise ServerError(f"rollout server {worker.client.url} reports weight_version {reported!r} "
+                                  f"after loading version {version}")
+            return True
+
+        with ThreadPoolExecutor(len(workers)) as pool:
+            futures = [pool.submit(run, w) for w in workers]
+            if during is not None:
+                during()
+            return [w for w, future in zip(workers, futures) if future.result()]
+
+    def _broadcast_weights(self, tensors: dict[str, torch.Tensor], version: int,
+                           workers: list[_Server]) -> list[_Server]:
+        """SGLang's update_weights_from_distributed: each worker is told the names, dtypes and shapes while
+        this process broadcasts the tensors, in that order, as rank 0 of the weight update group of these
+        workers (made again when they change, e.g. after a worker died or came back)."""
+        names = list(tensors)
+        dtypes = [dtype_name(t.dtype) for t in tensors.values()]
+        shapes = [list(t.shape) for t in tensors.values()]
+        group_name, group = self._weight_group(workers)
+        try:
+            return self._on_workers(
+                lambda w: w.client.update_weights_from_distributed(names, dtypes, shapes, group_name, str(version)),
+                version, workers, during=lambda: [broadcast(group, t) for t in tensors.values()])
+        except RuntimeError:  # a collective failed: a worker died mid-broadcast; once more, with the others
+            survivors = [w for w in workers if w.client.health()]
+            for worker in workers:
+                if worker not in survivors:
+                    self._mark_down(worker, ServerDown(f"{worker.client.url} died during a weight broadcast"))
+            if survivors == workers or not survivors:
+                raise
+            return self._broadcast_weights(tensors, version, survivors)
+
+    def _weight_group(self, workers: list[_Server]) -> tuple[str, object]:
+        if self._group is not None and self._group[1] == workers:
+            return self._group[0], self._group[2]
+        self._drop_group()
+        self._groups_made += 1
+        name, world = f"opd-sao-weights-{self._groups_made}", len(workers) + 1
+        store = host_store(self._sync_address, world)
+        with ThreadPoolExecutor(len(workers)) as pool:
+            joins = [pool.submit(w.client.init_weights_update_group, self._sync_address, store.port, rank, world, name)
+                     for rank, w in enumerate(workers, start=1)]
+            group = join_group(store, 0, world, name)
+            for future in joins:
+                future.result()
+        self._group = (name, workers, group, store)
+        return name, group
+
+    def _drop_group(self) -> None:
+        if self._group is None:
+            return
+        name, members = self._group[0], self._group[1]
+        self._group = None
+        for worker in members:
+            if worker.alive:
+                try:
+                    worker.client.destroy_weights_update_group(name)
+                except (ServerDown, ServerError) as err:
+                    log.warning("%s could not leave weight update group %s: %s", worker.client.url, name, err)
 
     # --- teacher scoring -------------------------------------------------------------------------------
 
     def score(self, input_ids: list[int], start: int, top_k: int = 0) -> PromptLogprobs:
-        """Prompt logprobs from the least-loaded live server (another one if it is down)."""
+        """Prompt logprobs from the least-loaded live server (another one if it is down), sent at most
+        MAX_SENDS times like a generation request."""
+        sends = 0
         while True:
             with self._cond:
                 alive = self._alive()
@@ -469,12 +696,19 @@ class HTTPEngine(RolloutEngine):
                 server = self._pick(alive)
             try:
                 return server.client.score(input_ids, start, top_k)
-            except ServerDown as err:
-                self._failed(server, err)
+            except (ServerDown, ServerError) as err:
+                if not self._worker_lost(server, err):
+                    if isinstance(err, ServerError):
+                        raise
+                    self._failed(server, err)
+                sends += 1
+                if sends >= MAX_SENDS:
+                    raise RuntimeError(f"a scoring request failed on {sends} sends; the last: {err}") from err
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
+        self._drop_group()
         for server in self._servers:
             server.pool.shutdown(wait=False)
         if self._remove_weights_dir is not None:

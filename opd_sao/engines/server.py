@@ -1,10 +1,11 @@
 """`opd-sao serve CHECKPOINT --port PORT`: the embedded engine behind SGLang's native HTTP API.
 
 Concurrent `/generate` requests join one EmbeddedEngine continuous batch: a decode thread runs the
-engine, HTTP threads only queue requests and wait. Weight updates keep SGLang's semantics: an
-`/update_weights_from_disk` waits until the requests in flight have finished (new ones wait meanwhile),
-so every response was sampled entirely by the `weight_version` it reports. Serves the subset of the API
-that opd-sao uses (see docs/scale_out.md) and rejects, with a 400, what it does not implement.
+engine, HTTP threads only queue requests and wait. Weight updates (from disk, from tensors in the request,
+or broadcast over a weight update group) keep SGLang's semantics: the swap waits until the requests in
+flight have finished (new ones wait meanwhile), so every response was sampled entirely by the
+`weight_version` it reports. Serves the subset of the API that opd-sao, sglang-router and SGLang's
+RuntimeEndpoint use (see docs/scale_out.md) and rejects, with a 400, what it does not implement.
 
 No request can harm another (docs/reliability.md): every field is checked (type, finite, in range, prompt
 plus max_new_tokens within the model's positions, max_new_tokens under the server's cap) before it reaches
@@ -24,10 +25,11 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 from urllib.parse import urlsplit
 
 import torch
@@ -35,16 +37,36 @@ import torch
 from opd_sao.checkpoints import load_causal_lm, load_tokenizer
 from opd_sao.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from opd_sao.engines.embedded import EmbeddedEngine
+from opd_sao.engines.weight_transfer import (DTYPES, TENSOR_FORMAT, broadcast, connect_store, join_group,
+                                             unpack_tensors, untied)
 from opd_sao.modeling import forward_logits
 
 # sampling_params keys accepted only at these (SGLang default) values: text-only or unimplemented options
 NEUTRAL_PARAMS = {"top_k": (-1, None), "min_p": (0, 0.0, None), "n": (1, None), "frequency_penalty": (0, 0.0, None),
-                  "presence_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None), "stop": (None, [], "")}
+                  "presence_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None), "stop": (None, [], ""),
+                  "min_new_tokens": (0, None), "regex": (None,), "json_schema": (None,), "ebnf": (None,),
+                  "structural_tag": (None,), "stop_regex": (None, [], "")}
 TEXT_ONLY_PARAMS = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
 SAMPLING_PARAMS = {"temperature", "top_p", "max_new_tokens", "ignore_eos", "stop_token_ids"}
+# /generate fields besides the prompt and sampling_params: implemented, bookkeeping that changes nothing
+# (what sglang-router adds to every request), and SGLang options accepted only at their defaults
+GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                   "return_text_in_logprobs", "rid"}
+BOOKKEEPING_FIELDS = {"log_metrics", "no_logs", "custom_labels"}
+DEFAULT_ONLY_FIELDS = {"stream": (False, None), "return_hidden_states": (False, None), "return_bytes": (False, None),
+                       "return_entropy": (False, None), "return_routed_experts": (False, None),
+                       "background": (False, None), "input_embeds": (None,), "image_data": (None,),
+                       "video_data": (None,), "audio_data": (None,), "modalities": (None,), "lora_path": (None,),
+                       "lora_id": (None,), "session_params": (None,), "custom_logit_processor": (None,),
+                       "token_ids_logprob": (None,), "data_parallel_rank": (None,), "bootstrap_host": (None,),
+                       "bootstrap_port": (None,), "bootstrap_room": (None,)}
+WEIGHT_PATHS = {"/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
+                "/update_weights_from_distributed", "/destroy_weights_update_group"}
 MIN_TEMPERATURE = 1e-4  # below it logits / T overflows float32 for large logits (SGLang treats it as greedy)
 MAX_NEW_TOKENS = 8192  # the default of `--max-new-tokens`
-MAX_BODY_BYTES = 64 << 20  # the default of `--max-body-mb`: a 1M-token prompt as JSON is about 8 MB
+# the default of `--max-body-mb`: a 1M-token prompt as JSON is about 8 MB; /update_weights_from_tensor
+# carries the weights as base64 (4/3 of their bytes), so 256 MiB takes a model of about 190 MB
+MAX_BODY_BYTES = 256 << 20
 LISTEN_BACKLOG = 1024  # connections the kernel queues before accept (the socketserver default, 5, resets bursts)
 IDLE_TIMEOUT_S = 300.0  # a connection silent this long (mid-request or idle keep-alive) is closed
 CLIENT_POLL_S = 0.1  # how often a waiting request checks that its client is still connected
@@ -64,6 +86,17 @@ class HTTPError(Exception):
 
 class ClientGone(Exception):
     """The client closed its connection while its request waited: the request was cancelled."""
+
+
+class _Prompt(NamedTuple):
+    """One prompt of a /generate request with its options, every one checked."""
+
+    ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    start: int
+    top_k: int
+    rid: object
 
 
 class _Waiter:
@@ -109,6 +142,8 @@ class RolloutServer:
         self._queue: "queue.SimpleQueue[GenerationRequest]" = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._inflight = 0
+        self._tokens_inflight = 0  # prompt + max_new_tokens of the requests in flight (/get_load)
+        self._groups: dict[str, tuple] = {}  # weight update groups joined: name -> (process group, store)
         self._updating = False
         self._update_lock = threading.Lock()
         self._ids = itertools.count()
@@ -138,16 +173,18 @@ class RolloutServer:
             self._crash = err
 
     @contextmanager
-    def _admitted(self):
+    def _admitted(self, tokens: int = 0):
         """A request in flight: a weight update waits for it, and it waits for a pending update."""
         with self._cond:
             self._cond.wait_for(lambda: not self._updating)
             self._inflight += 1
+            self._tokens_inflight += tokens
         try:
             yield self.weight_version
         finally:
             with self._cond:
                 self._inflight -= 1
+                self._tokens_inflight -= tokens
                 self._cond.notify_all()
 
     @property
@@ -160,19 +197,42 @@ class RolloutServer:
         return {"model_path": self.checkpoint, "tokenizer_path": self.checkpoint, "is_generation": True,
                 "weight_version": self.weight_version}
 
-    def generate(self, body: dict, client_gone=lambda: False) -> dict:
-        """`client_gone()` says the client hung up: the request is then cancelled (ClientGone)."""
+    def server_info(self) -> dict:
+        """SGLang's /get_server_info, the part sglang-router and clients read: model, limits, version."""
+        return {**self.model_info(), "served_model_name": self.checkpoint, "dtype": self.dtype,
+                "max_running_requests": self.engine.max_batch, "tp_size": 1, "dp_size": 1,
+                "skip_tokenizer_init": False, "version": "opd-sao serve",
+                "tokens_generated": self.engine.tokens_generated}  # ours: what a balance benchmark counts
+
+    def load(self) -> list[dict]:
+        """SGLang's /get_load (one data-parallel rank): sglang-router's power_of_two policy reads num_tokens."""
+        with self._cond:
+            return [{"dp_rank": 0, "num_reqs": self._inflight, "num_waiting_reqs": 0,
+                     "num_tokens": self._tokens_inflight}]
+
+    def generate(self, body: dict, client_gone=lambda: False) -> dict | list[dict]:
+        """One prompt, or a batch (a list of `text`s or of `input_ids` lists) answered with a list as SGLang
+        does: every prompt of a batch is checked before any of it runs, then they join the continuous batch
+        together. `client_gone()` says the client hung up: the request is then cancelled (ClientGone)."""
+        _check_generate_fields(body, self.checkpoint)
+        prompts, batched = self._input_ids(body)
+        text_in_logprobs = _flag("return_text_in_logprobs", body.get("return_text_in_logprobs", False))
+        if not batched:
+            prompt = self._prompt(body, prompts[0], body.get("sampling_params"), body.get("rid"))
+            return self._generate_one(prompt, text_in_logprobs, client_gone)
+        params, rids = (_per_prompt(name, body.get(name), len(prompts)) for name in ("sampling_params", "rid"))
+        batch = [self._prompt(body, ids, sp, rid) for ids, sp, rid in zip(prompts, params, rids)]
+        with ThreadPoolExecutor(min(len(batch), self.engine.max_batch), thread_name_prefix="batch") as pool:
+            return list(pool.map(lambda prompt: self._generate_one(prompt, text_in_logprobs, client_gone), batch))
+
+    def _generate_one(self, prompt: _Prompt, text_in_logprobs: bool, client_gone) -> dict:
         t0 = time.perf_counter()
-        ids = self._input_ids(body)
-        sampling = body.get("sampling_params")
-        params = self._sampling_params({} if sampling is None else sampling)
-        self._check_length(ids, params.max_new_tokens)
-        return_logprob, start, top_k = self._logprob_options(body, ids, params)
-        with self._admitted() as version:
-            meta = {"id": str(body.get("rid") or next(self._ids)), "prompt_tokens": len(ids), "cached_tokens": 0,
+        ids, params = prompt.ids, prompt.params
+        with self._admitted(len(ids) + params.max_new_tokens) as version:
+            meta = {"id": str(prompt.rid or next(self._ids)), "prompt_tokens": len(ids), "cached_tokens": 0,
                     "weight_version": version}
-            if return_logprob and start >= 0:
-                meta.update(self._prompt_logprobs(ids, start, top_k))
+            if prompt.return_logprob and prompt.start >= 0:
+                meta.update(self._prompt_logprobs(ids, prompt.start, prompt.top_k))
             output, logprobs, finish = [], [], {"type": "length", "length": 0}
             if params.max_new_tokens:
                 result = self._sample(GenerationRequest(ids, params, tag=_Waiter()), client_gone)
@@ -180,25 +240,106 @@ class RolloutServer:
                 finish = ({"type": "stop", "matched": self.tokenizer.eos_token_id} if result.finish_reason == "stop"
                           else {"type": "length", "length": params.max_new_tokens})
         meta.update(finish_reason=finish, completion_tokens=len(output), e2e_latency=time.perf_counter() - t0)
-        if return_logprob:
+        if prompt.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, output)]
+            if text_in_logprobs:
+                self._add_token_texts(meta)
         return {"text": self.tokenizer.decode(output), "output_ids": output, "meta_info": meta}
 
     def update_weights_from_disk(self, body: dict) -> dict:
         path = body.get("model_path")
         if not isinstance(path, str) or not path or not (Path(path) / "config.json").is_file():
             raise BadRequest(f"model_path {path!r} is not an HF model directory")
-        if body.get("abort_all_requests"):
-            raise BadRequest("abort_all_requests is not supported by opd-sao serve (updates wait for requests)")
+        _check_update_fields(body)
         try:
             state = load_causal_lm(path, self.dtype).state_dict()
         except Exception as err:  # noqa: BLE001 (a broken checkpoint is the request's fault)
             raise BadRequest(f"{path} could not be loaded: {type(err).__name__}: {err}") from None
+        self._check_weight_shapes({k: v.shape for k, v in state.items()}, path)
+        return self._install_weights(state, body)
+
+    def update_weights_from_tensor(self, body: dict) -> dict:
+        """The weights in the request: one entry of base64 safetensors bytes (one tensor-parallel rank). The
+        body is bounded by --max-body-mb like any other."""
+        _check_update_fields(body)
+        if body.get("load_format") != TENSOR_FORMAT:
+            raise BadRequest(f"load_format {body.get('load_format')!r}: opd-sao serve takes serialized_named_tensors "
+                             f"as base64 safetensors (load_format {TENSOR_FORMAT!r}), not pickled tensors")
+        shards = body.get("serialized_named_tensors")
+        if not isinstance(shards, list) or len(shards) != 1 or not isinstance(shards[0], str):
+            raise BadRequest("serialized_named_tensors must be a list of one string (one tensor-parallel rank)")
+        try:
+            state = unpack_tensors(shards[0])
+        except Exception as err:  # noqa: BLE001 (whatever the parser says, the request is bad)
+            raise BadRequest(f"serialized_named_tensors[0] is not base64 safetensors: {err}") from None
+        self._check_weight_shapes({k: v.shape for k, v in state.items()}, "serialized_named_tensors")
+        return self._install_weights(state, body)
+
+    def init_weights_update_group(self, body: dict) -> dict:
+        """Join the trainer's weight broadcast group at rank `rank_offset` (blocks until every rank joined)."""
+        name = _group_name(body)
+        if body.get("backend", "gloo") != "gloo":
+            raise BadRequest(f"backend {body.get('backend')!r}: opd-sao serve runs on CPU, use gloo")
+        if name in self._groups:
+            raise BadRequest(f"weight update group {name!r} already exists on this server")
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
+        if missing:
+            raise BadRequest(f"init_weights_update_group needs {missing[0]}")
+        address = body["master_address"]
+        if not isinstance(address, str) or not address:
+            raise BadRequest(f"master_address must be a host name or address, got {address!r}")
+        port = _integer("master_port", body["master_port"], 1, 65535)
+        world = _integer("world_size", body["world_size"], 2)
+        rank = _integer("rank_offset", body["rank_offset"], 1, world - 1)  # rank 0 is the trainer
+        store = connect_store(address, port, world)
+        self._groups[name] = (join_group(store, rank, world, name), store)
+        return {"success": True, "message": f"joined weight update group {name!r} as rank {rank} of {world}"}
+
+    def update_weights_from_distributed(self, body: dict) -> dict:
+        """Receive every named tensor by broadcast from rank 0 (validated first: a refused request must not
+        leave the trainer waiting in a collective), then swap them in like a disk update."""
+        _check_update_fields(body)
+        name = _group_name(body)
+        if name not in self._groups:
+            raise BadRequest(f"no weight update group {name!r}: call /init_weights_update_group first")
+        if body.get("load_format") is not None:
+            raise BadRequest(f"load_format {body['load_format']!r} is not supported by opd-sao serve")
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not all(isinstance(v, list) for v in (names, dtypes, shapes)) or not names \
+                or not len(names) == len(dtypes) == len(shapes):
+            raise BadRequest("names, dtypes and shapes must be non-empty lists of one length")
+        if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+            raise BadRequest("names must be distinct parameter names")
+        unknown = [d for d in dtypes if not isinstance(d, str) or d not in DTYPES]
+        if unknown:
+            raise BadRequest(f"dtype {unknown[0]!r} is not one of {sorted(DTYPES)}")
+        if not all(isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s)
+                   for s in shapes):
+            raise BadRequest("each shape must be a list of non-negative integers")
+        self._check_weight_shapes(dict(zip(names, shapes)), "names and shapes")
+        group = self._groups[name][0]
+        state = {}
+        for tensor_name, dtype, shape in zip(names, dtypes, shapes):
+            state[tensor_name] = torch.empty(shape, dtype=DTYPES[dtype])
+            broadcast(group, state[tensor_name])
+        return self._install_weights(state, body)
+
+    def destroy_weights_update_group(self, body: dict) -> dict:
+        name = _group_name(body)
+        if self._groups.pop(name, None) is None:
+            raise BadRequest(f"no weight update group {name!r}")
+        return {"success": True, "message": f"left weight update group {name!r}"}
+
+    def _check_weight_shapes(self, shapes: dict, source: str) -> None:
+        """Every parameter of the served model (tied ones once) with its shape, and nothing else."""
         current = self.engine.model.state_dict()
-        wrong = [k for k in current if k not in state or state[k].shape != current[k].shape]
-        if wrong or len(state) != len(current):
-            raise BadRequest(f"{path} does not match the served model's parameters (first mismatch: "
-                             f"{(wrong or sorted(set(state) - set(current)))[0]})")
+        wrong = [k for k in untied(current) if k not in shapes or tuple(shapes[k]) != tuple(current[k].shape)]
+        wrong += sorted(k for k in shapes if k not in current)
+        if wrong:
+            raise BadRequest(f"{source} does not match the served model's parameters (first mismatch: {wrong[0]})")
+
+    def _install_weights(self, state: dict[str, torch.Tensor], body: dict) -> dict:
+        """Swap weights in once the requests in flight have finished (new ones wait meanwhile)."""
         version = str(body["weight_version"]) if body.get("weight_version") is not None else self.weight_version
         with self._update_lock:
             with self._cond:
@@ -215,15 +356,36 @@ class RolloutServer:
 
     # --- helpers ---------------------------------------------------------------------------------------
 
-    def _input_ids(self, body: dict) -> list[int]:
-        ids = body.get("input_ids")
-        if ids is None:
-            raise BadRequest("send input_ids: opd-sao serve does not tokenize text")
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise BadRequest("input_ids must be one non-empty list of token ids (batched requests are not supported)")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise BadRequest(f"input_ids must be in [0, {self.vocab_size})")
-        return ids
+    def _input_ids(self, body: dict) -> tuple[list[list[int]], bool]:
+        """Each prompt's token ids, and whether the request is a batch: `input_ids` (a list of ids, or a list
+        of such lists) or `text` (a string or a list of strings, tokenized with the tokenizer's defaults, as
+        SGLang does)."""
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise BadRequest("send exactly one of text and input_ids")
+        if text is not None:
+            if not isinstance(text, str) and not (isinstance(text, list) and text
+                                                  and all(isinstance(t, str) for t in text)):
+                raise BadRequest("text must be a string or a non-empty list of strings")
+            batched = isinstance(text, list)
+            prompts = [self.tokenizer.encode(t) for t in (text if batched else [text])]
+            if not all(prompts):
+                raise BadRequest("text must not be empty")
+            return prompts, batched
+        batched = isinstance(ids, list) and bool(ids) and all(isinstance(p, list) for p in ids)
+        for prompt in ids if batched else [ids]:
+            if not isinstance(prompt, list) or not prompt \
+                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise BadRequest("input_ids must be a non-empty list of token ids, or a list of such lists")
+            if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+                raise BadRequest(f"input_ids must be in [0, {self.vocab_size})")
+        return ids if batched else [ids], batched
+
+    def _prompt(self, body: dict, ids: list[int], sampling, rid) -> _Prompt:
+        """One prompt with its sampling_params and logprob options, checked against the model and the caps."""
+        params = self._sampling_params({} if sampling is None else sampling)
+        self._check_length(ids, params.max_new_tokens)
+        return _Prompt(ids, params, *self._logprob_options(body, ids, params), rid)
 
     def _sampling_params(self, sp) -> SamplingParams:
         if not isinstance(sp, dict):
@@ -251,9 +413,9 @@ class RolloutServer:
         if self.max_positions is None:
             return
         if len(ids) > self.max_positions:
-            raise BadRequest(f"input_ids has {len(ids)} tokens; the model has {self.max_positions} positions")
+            raise BadRequest(f"the prompt has {len(ids)} tokens; the model has {self.max_positions} positions")
         if len(ids) + max_new_tokens > self.max_positions:
-            raise BadRequest(f"input_ids ({len(ids)} tokens) + sampling_params.max_new_tokens ({max_new_tokens}) "
+            raise BadRequest(f"the prompt ({len(ids)} tokens) + sampling_params.max_new_tokens ({max_new_tokens}) "
                              f"exceed the model's {self.max_positions} positions")
 
     def _logprob_options(self, body: dict, ids: list[int], params: SamplingParams) -> tuple[bool, int, int]:
@@ -265,6 +427,15 @@ class RolloutServer:
             raise BadRequest("top_logprobs_num for generated tokens is not supported by opd-sao serve "
                              "(prompt scoring with max_new_tokens 0 is)")
         return return_logprob, start, top_k
+
+    def _add_token_texts(self, meta: dict) -> None:
+        """return_text_in_logprobs: each [logprob, token_id, null] entry gets the token's text."""
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            for entry in meta.get(key) or []:
+                entry[2] = self.tokenizer.decode([entry[1]])
+        for top in meta.get("input_top_logprobs") or []:
+            for entry in top or []:
+                entry[2] = self.tokenizer.decode([entry[1]])
 
     def _sample(self, request: GenerationRequest, client_gone) -> GenerationResult:
         """Queue the request and wait for it; cancel it if the client hangs up meanwhile."""
@@ -299,7 +470,58 @@ class RolloutServer:
         return out
 
 
+def _check_generate_fields(body: dict, served_model: str) -> None:
+    """Every /generate field is implemented, bookkeeping, or at SGLang's default: none is silently ignored."""
+    for key, value in body.items():
+        if key in GENERATE_FIELDS or key in BOOKKEEPING_FIELDS:
+            continue
+        if key == "model":
+            if value not in (None, served_model):
+                raise BadRequest(f"model {value!r}: this server serves {served_model!r}")
+        elif key not in DEFAULT_ONLY_FIELDS:
+            raise BadRequest(f"{key} is not supported by opd-sao serve")
+        elif value not in DEFAULT_ONLY_FIELDS[key]:
+            raise BadRequest(f"{key}={value!r} is not supported by opd-sao serve")
+
+
+def _per_prompt(name: str, value, n: int) -> list:
+    """A batch's field: one value for every prompt, or a list of one per prompt."""
+    if not isinstance(value, list):
+        return [value] * n
+    if len(value) != n:
+        raise BadRequest(f"{name} has {len(value)} entries for {n} prompts")
+    return value
+
+
+def _check_update_fields(body: dict) -> None:
+    if body.get("abort_all_requests"):
+        raise BadRequest("abort_all_requests is not supported by opd-sao serve (updates wait for requests)")
+
+
+def _group_name(body: dict) -> str:
+    name = body.get("group_name") or "weight_update_group"
+    if not isinstance(name, str):
+        raise BadRequest(f"group_name must be a string, got {name!r}")
+    return name
+
+
+def _routes(app: RolloutServer) -> dict:
+    """(method, path) -> handler(body) for every endpoint but /generate (which watches its client)."""
+    return {("GET", "/get_model_info"): lambda _: app.model_info(),
+            ("GET", "/model_info"): lambda _: app.model_info(),
+            ("GET", "/get_server_info"): lambda _: app.server_info(),
+            ("GET", "/server_info"): lambda _: app.server_info(),
+            ("GET", "/get_load"): lambda _: app.load(),
+            ("POST", "/update_weights_from_disk"): app.update_weights_from_disk,
+            ("POST", "/update_weights_from_tensor"): app.update_weights_from_tensor,
+            ("POST", "/init_weights_update_group"): app.init_weights_update_group,
+            ("POST", "/update_weights_from_distributed"): app.update_weights_from_distributed,
+            ("POST", "/destroy_weights_update_group"): app.destroy_weights_update_group}
+
+
 def _handler(app: RolloutServer, max_body_bytes: int = MAX_BODY_BYTES):
+    routes = _routes(app)
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: a client slot reuses its connection
         timeout = IDLE_TIMEOUT_S  # a slow or silent client cannot hold a thread forever
@@ -364,25 +586,23 @@ def _handler(app: RolloutServer, max_body_bytes: int = MAX_BODY_BYTES):
             except OSError:  # the client went away while we answered
                 self.close_connection = True
 
-        def _answer(self, method: str, path: str) -> tuple[int, Optional[dict]]:
+        def _answer(self, method: str, path: str) -> tuple[int, object]:
             try:
                 body = self._json_object(self._read_body())
                 if path in ("/health", "/health_generate"):
                     return 503 if app.crashed else 200, None
-                if path in ("/get_model_info", "/model_info") and method == "GET":
-                    return 200, app.model_info()
                 if path == "/flush_cache":  # the embedded engine keeps no prefix cache
                     return 200, None
                 if path == "/generate" and method == "POST":
                     return 200, app.generate(body, self._client_gone)
-                if path == "/update_weights_from_disk" and method == "POST":
-                    return 200, app.update_weights_from_disk(body)
+                if (method, path) in routes:
+                    return 200, routes[method, path](body)
                 return 404, {"error": {"message": f"no endpoint {method} {path}"}}
             except HTTPError as err:
                 self.close_connection = True  # the stream's framing is lost: nothing more can be read from it
                 return err.status, {"error": {"message": str(err)}}
             except BadRequest as err:
-                failed = path == "/update_weights_from_disk"
+                failed = path in WEIGHT_PATHS
                 return 400, {"success": False, "message": str(err)} if failed else {"error": {"message": str(err)}}
             except ClientGone:
                 raise
