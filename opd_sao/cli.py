@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from stages.envs.dataset.rewards import RewardFailure
 from stages.envs.sandbox import SandboxUnavailableError
 
 
@@ -183,7 +184,7 @@ def _cmd_reward_model(args) -> int:
     return 0
 
 
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, SandboxUnavailableError)
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, SandboxUnavailableError, RewardFailure)
 
 
 def main(argv: list[str] | None = None) -> int:

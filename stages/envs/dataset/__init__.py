@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import json
 import logging
 from collections import Counter
 from pathlib import Path
@@ -86,8 +87,6 @@ def render_messages(messages: list[dict], chat_template: Optional[str]) -> str:
 def parse_tests(path: Path, number: int, key: str, value: Any) -> dict:
     """Assert strings -> {"kind": "asserts"}; stdin/stdout pairs or APPS' {"inputs", "outputs"} (also as a JSON
     string) -> {"kind": "io"}."""
-    import json
-
     if isinstance(value, str) and value.lstrip().startswith("{"):
         try:
             value = json.loads(value)
