@@ -111,7 +111,6 @@ class DatasetEnv(Environment):
     corpus_from_options = True  # the tokenizer must see the files' texts
 
     def __init__(self, **options):
-        super().__init__(**options)
         try:
             self.opts = DatasetOptions(**options)
         except ValidationError as err:
@@ -121,7 +120,8 @@ class DatasetEnv(Environment):
         self.needs = set(reward_cls.needs) | set(self.opts.reward_options.get("needs", ()))
         self.slow_steps = reward_cls.slow or bool(self.opts.reward_options.get("slow", False))
         self.task, self.score = None, 0.0
-        if options:  # only the bare default (the pipeline's tokenizer corpus of every class) may have no files
+        self.has_files = bool(options)  # only the bare default (the pipeline's corpus of every class) has none
+        if self.has_files:
             self.opts.files()
 
     # ------------------------------------------------------------------------------------------ tasks
@@ -197,7 +197,7 @@ class DatasetEnv(Environment):
 
     def make_tasks(self, split: str, n: int, seed: int) -> list[dict]:
         """Up to n tasks of the split in a seeded order (a seeded hash of the id), holding at most n at a time."""
-        if not self.options:
+        if not self.has_files:
             return []
         order = lambda task: stable_fraction(f"{seed}:{task['id']}")  # noqa: E731
         return heapq.nsmallest(n, self.scan(split), key=order)
