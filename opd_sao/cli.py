@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from stages.envs.dataset.rewards import RewardFailure
 from stages.envs.sandbox import SandboxUnavailableError
 
 
@@ -78,6 +79,22 @@ def _cmd_validate_env(args) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_data(args) -> int:
+    """`opd-sao data inspect PATH`: row count, fields, and three prompts as a dataset environment shows them."""
+    from stages.envs.dataset import inspect_file
+
+    try:
+        options = json.loads(args.options)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--options is not valid JSON: {err}") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"--options must be a JSON object (got {args.options!r})")
+    if args.chat_template:
+        options["chat_template"] = args.chat_template
+    print(inspect_file(args.path, options, n=args.n))
+    return 0
+
+
 def _cmd_sandbox(args) -> int:
     """`opd-sao sandbox run FILE [limits]`: the sandbox's own command line (opd_sao.sandbox.main)."""
     from stages.envs.sandbox import main as sandbox_main
@@ -106,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--n", type=int, default=16, help="tasks to check, half from each split (default 16)")
     validate.add_argument("--seed", type=int, default=0)
     validate.set_defaults(func=_cmd_validate_env)
+    data = sub.add_parser("data", help="inspect a dataset file: row count, fields, prompts as the environment shows them")
+    data.add_argument("action", choices=["inspect"])
+    data.add_argument("path", help="a .jsonl, .json or .parquet file, or a datasets save_to_disk directory")
+    data.add_argument("--options", default="{}", help='dataset env options as a JSON object, e.g. \'{"prompt_key": '
+                                                      '"question"}\'')
+    data.add_argument("--chat-template", help="a local HF tokenizer directory: render prompts with its chat template")
+    data.add_argument("--n", type=int, default=3, help="prompts to show (default 3)")
+    data.set_defaults(func=_cmd_data)
     sandbox = sub.add_parser("sandbox", add_help=False, help="run one Python program in the agent sandbox "
                                                              "(`opd-sao sandbox run FILE`, prints one JSON object)")
     sandbox.add_argument("args", nargs=argparse.REMAINDER)
@@ -162,7 +187,7 @@ def _cmd_reward_model(args) -> int:
     return 0
 
 
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, SandboxUnavailableError)
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, SandboxUnavailableError, RewardFailure)
 
 
 def main(argv: list[str] | None = None) -> int:

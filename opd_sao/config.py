@@ -358,7 +358,8 @@ def config_reference(prefix: str = "", *, markdown: bool = False) -> str:
     return "\n".join(f"{path:<{width}}  {kind} = {default}\n{'':<{width}}  {text}" for path, kind, default, text in rows)
 
 
-def _format_error(err: ValidationError) -> str:
+def format_error(err: ValidationError) -> str:
+    """The first validation error as one line: where, what, and the value given."""
     first = err.errors()[0]
     where = ".".join(str(p) for p in first["loc"]) or "config"
     got = first.get("input")
@@ -405,7 +406,7 @@ def parse_config(data: dict, overrides: list[str] = ()) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
+        raise ConfigError(format_error(err)) from None
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:

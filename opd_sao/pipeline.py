@@ -46,6 +46,10 @@ def ensure_base_model(cfg: RunConfig, run_dir: Path) -> Path:
     texts = []
     for name in ENVIRONMENTS.names():  # every domain, so later stages' text tokenizes well too
         texts.extend(ENVIRONMENTS.get(name)().corpus())
+    for stage in cfg.stages:  # and every configured domain whose texts come from its options (a data file)
+        env_cls = ENVIRONMENTS.get(stage.env) if stage.env else None
+        if env_cls is not None and env_cls.corpus_from_options:
+            texts.extend(env_cls(**stage.env_options).corpus())
     return build_tiny_model(run_dir / "base_model", texts, cfg.model.tiny, cfg.seed)
 
 

@@ -34,7 +34,8 @@ def encode(tokenizer, prompts: list[str], responses: list[str]) -> tuple[torch.T
 
 def _scores(model, tokenizer, prompts: list[str], responses: list[str]) -> torch.Tensor:
     ids, attention = encode(tokenizer, prompts, responses)
-    return model(input_ids=ids, attention_mask=attention).logits.squeeze(-1).float()
+    device = model.device
+    return model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits.squeeze(-1).float().cpu()
 
 
 def _pair_scores(model, tokenizer, pairs: list[Pair]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,11 +55,12 @@ def best_threshold(good: torch.Tensor, bad: torch.Tensor) -> float:
 
 
 class RewardModel:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, device: str = "cpu"):
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"no reward model at {str(path)!r} (no config.json)")
-        self.model = pretrained(AutoModelForSequenceClassification, path).eval()
+        self.device = torch.device(device)
+        self.model = pretrained(AutoModelForSequenceClassification, path).to(self.device).eval()
         self.tokenizer = load_tokenizer(path)
         self.info = getattr(self.model.config, "reward_model", None) or {}
         self.threshold = float(self.info.get("threshold", 0.0))
