@@ -31,7 +31,10 @@ def _cmd_run(args) -> int:
         from .trainers.deepspeed_backend import follow
 
         return follow(cfg)
-    summary = run_pipeline(cfg, run_dir, log=lambda msg: print(msg, flush=True), resume=bool(args.resume))
+    if args.allow_config_change and not args.resume:
+        raise ValueError("--allow-config-change only applies with --resume")
+    summary = run_pipeline(cfg, run_dir, log=lambda msg: print(msg, flush=True), resume=bool(args.resume),
+                           allow_config_change=args.allow_config_change)
     print(f"\nrun finished: {run_dir}")
     print(f"{'stage':<12} {'kind':<10} {'algo':<8} {'gate':<7} eval after (held-out, per domain)")
     for stage in summary["stages"]:
@@ -110,7 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", nargs="?")
     run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.policy_lr=1e-5 stages.reasoning.steps=5")
     run.add_argument("--run-dir", help="run directory (default: runs/<timestamp>-<config name>)")
-    run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run (completed stages are kept)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run (completed stages are kept); "
+                                                         "refused when its config.yaml was changed since the start")
+    run.add_argument("--allow-config-change", action="store_true",
+                     help="with --resume: accept a config.yaml whose only changes are logging settings")
     run.set_defaults(func=_cmd_run)
     cache = sub.add_parser("cache", help="logit cache: size and bytes/token, integrity check, garbage collection")
     cache.add_argument("action", choices=["inspect", "verify", "gc"])

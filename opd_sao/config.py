@@ -249,10 +249,13 @@ class LoggingConfig(Strict):
     progress: bool = describe("live progress bars", True)
 
 
+SEED_LIMIT = 2**32  # numpy, torch and random all take seeds below this (and small offsets of them)
+
+
 class RunConfig(Strict):
     """A whole run: the base model, the engine, the trainer and the stages in order."""
 
-    seed: int = describe("seed of every random choice", 0)
+    seed: int = describe("seed of every random choice", 0, ge=0, lt=SEED_LIMIT)
     torch_threads: Optional[int] = describe("torch threads per process (tiny models run fastest single-threaded, and "
                                             "the rollout and trainer threads each get a core); null: torch's default",
                                             1, ge=1)
@@ -288,7 +291,10 @@ class RunConfig(Strict):
             if stage.opd.teachers and not set(stage.domains) <= taught:
                 raise ValueError(f"stage {stage.name!r}: domains {sorted(set(stage.domains) - taught)} have no teacher "
                                  f"(teachers cover {sorted(taught)})")
-            trainer = TrainerConfig(**{**self.trainer.model_dump(), **stage.trainer})
+            try:
+                trainer = self.stage_trainer(stage)
+            except ValidationError as err:
+                raise ValueError(f"stage {stage.name!r}: trainer.{_format_error(err)}") from None
             grouped = ALGORITHMS[self.stage_algo(stage)].grouped
             if stage.rollout.group_size is None:
                 stage.rollout.group_size = 8 if grouped else 1
@@ -301,6 +307,10 @@ class RunConfig(Strict):
                 raise ValueError(f"stage {stage.name!r}: trainer.train_batch_size {trainer.train_batch_size} must be "
                                  f"a multiple of rollout.group_size {stage.rollout.group_size}")
             seen.append(stage.name)
+        envs = {stage.env for stage in self.stages if stage.env}
+        if set(self.eval_domains) - envs:
+            raise ValueError(f"eval_domains {sorted(set(self.eval_domains) - envs)} are not the env of any stage "
+                             f"({sorted(envs)})")
         return self
 
     def stage_algo(self, stage: StageConfig) -> str:
@@ -361,12 +371,12 @@ def config_reference(prefix: str = "", *, markdown: bool = False) -> str:
 def format_error(err: ValidationError) -> str:
     """The first validation error as one line: where, what, and the value given."""
     first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "config"
+    where = ".".join(str(p) for p in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")  # a validator's own message already names the field
     got = first.get("input")
     shown = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
     more = f"; and {err.error_count() - 1} more" if err.error_count() > 1 else ""
-    message = first['msg'].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
-    return f"{where}: {message}{shown}{more}"
+    return f"{where + ': ' if where else ''}{message}{shown}{more}"
 
 
 def _apply_override(data: dict, dotted: str) -> None:
@@ -374,7 +384,11 @@ def _apply_override(data: dict, dotted: str) -> None:
     if "=" not in dotted:
         raise ConfigError(f"override {dotted!r} must look like key.path=value")
     key, raw = dotted.split("=", 1)
-    value = yaml.safe_load(raw) if raw else ""
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {dotted!r}: the value is not valid YAML ({getattr(err, 'problem', None) or err})"
+                          ) from None
     node: Any = data
     parts = key.split(".")
     for i, part in enumerate(parts):

@@ -14,7 +14,7 @@ import random
 from abc import ABC, abstractmethod
 from typing import Optional
 
-from opd_sao.registry import Registry
+from opd_sao.registry import Registry, check_keywords
 
 
 
@@ -42,6 +42,12 @@ class Environment(ABC):
     # True when the texts of this domain come from the options (a data file) rather than the class: the
     # pipeline then trains the tiny model's tokenizer on the corpus of every configured instance too.
     corpus_from_options = False
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """Raise ValueError for `env_options` the constructor would refuse; the pipeline checks every stage's
+        before any work. An environment with nested options (the chat env's judge) checks those too."""
+        check_keywords(cls, options)
 
     @abstractmethod
     def make_tasks(self, split: str, n: int, seed: int) -> list[dict]:

@@ -26,7 +26,9 @@ from typing import Callable, Optional
 
 from stages.envs.base import Environment, register_env, shuffled
 
-from .judges import build_judge, words_of
+from opd_sao.registry import check_keywords
+
+from .judges import JUDGES, build_judge, words_of
 
 STYLES = ("cute", "chuunibyou", "classical")
 RESPONSES = {  # short, so a 2-layer model writes them well; the first word already commits to a style
@@ -99,6 +101,11 @@ class ChatEnv(Environment):
         self.stochastic_reward = self.judge.stochastic
         self.eval_fraction, self.train_step = eval_fraction, train_step
         self.task = None
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        super().check_options(options)
+        check_judge(options.get("judge", "rule"), options.get("judge_options"))
 
     def _prompts(self, split: str) -> list[tuple[str, int]]:
         """(topic, prompt template) pairs of a split; a stable hash keeps train and eval apart."""
@@ -193,6 +200,21 @@ def ensure_reward_model(judge: str, options: Optional[dict]) -> Optional[dict]:
             train_chat_reward_model(Path(options["path"]), n_pairs=training.get("train_pairs", 3000),
                                     steps=training.get("train_steps", 300), seed=training.get("seed", 0))
     return options
+
+
+def check_judge(judge: str, options: Optional[dict], where: str = "judge_options") -> None:
+    """Raise ValueError for a judge name or options that ensure_reward_model and build_judge would refuse, without
+    training or loading anything."""
+    try:
+        judge_cls = JUDGES.get(judge)
+    except KeyError as err:
+        raise ValueError(f"judge: {err.args[0]}") from None
+    try:
+        check_keywords(judge_cls, options or {}, also=REWARD_MODEL_TRAINING if judge == "reward_model" else ())
+    except ValueError as err:
+        raise ValueError(f"{where} of judge {judge!r}: {err}") from None
+    if judge == "noisy":
+        check_judge((options or {}).get("inner", "rule"), (options or {}).get("inner_options"), f"{where}.inner_options")
 
 
 def train_chat_reward_model(out: Path, *, n_pairs: int = 3000, steps: int = 300, seed: int = 0,
