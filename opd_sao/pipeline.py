@@ -125,14 +125,15 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
     from stages import discover
 
     discover()
-    check_before_work(cfg)
     run_dir = Path(run_dir)
     config = cfg.model_dump(mode="json")
-    if resume:
+    if resume:  # an edited config is named as such, before what the edit may have broken
         allowed = check_resume(config, run_dir, allow_change=allow_config_change)
+        check_before_work(cfg)
         if allowed:
             log(f"resuming with changed {', '.join(allowed)} (--allow-config-change)")
         return _run_stages(cfg, run_dir, log, resume=True)
+    check_before_work(cfg)
     existing = create_run_dir(run_dir)
     try:
         atomic_write(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
