@@ -1,7 +1,6 @@
 """Supervised warm start on an environment's reference solutions, so a tiny model starts above zero."""
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 from typing import Optional
@@ -12,6 +11,7 @@ from opd_sao.checkpoints import load_causal_lm, save_checkpoint
 from opd_sao.config import SFTConfig
 from opd_sao.modeling import sft_loss
 from opd_sao.runs.checkpointing import truncate_step_log
+from opd_sao.runs.files import atomic_path
 from opd_sao.runs.tracking import MetricsLogger
 
 STATE, LOG = "sft_state.pt", "sft.jsonl"  # in run_sft's work_dir
@@ -92,10 +92,9 @@ def run_sft(checkpoint: Path, out_dir: Path, examples, tokenizer, cfg: SFTConfig
         if logger is not None:
             logger.log({"loss": round(loss.item(), 5), "examples": picks}, step)
             if save_every and (step + 1) % save_every == 0 and step + 1 < cfg.steps:
-                tmp = Path(work_dir) / (STATE + ".tmp")
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng.getstate(),
-                            "step": step + 1}, tmp)
-                os.replace(tmp, Path(work_dir) / STATE)
+                with atomic_path(Path(work_dir) / STATE) as tmp:
+                    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng.getstate(),
+                                "step": step + 1}, tmp)
     checkpoint = save_checkpoint(model, tokenizer, out_dir)
     if work_dir is not None:
         (Path(work_dir) / STATE).unlink(missing_ok=True)

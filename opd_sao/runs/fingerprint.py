@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from opd_sao.runs.files import write_json
 
 RECORD = "config.fingerprint.json"
 SAFE_ON_RESUME = ("logging.",)  # prefixes of dotted fields that change how a run reports, not what it trains
@@ -24,10 +25,7 @@ def fingerprint(config: dict) -> str:
 
 def write_record(config: dict, run_dir: Path) -> None:
     """`config` is the validated config as JSON (every default filled in); written atomically."""
-    path = Path(run_dir) / RECORD
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"sha256": fingerprint(config), "config": config}, indent=1))
-    os.replace(tmp, path)
+    write_json(Path(run_dir) / RECORD, {"sha256": fingerprint(config), "config": config}, indent=1)
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
