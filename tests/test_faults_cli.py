@@ -128,3 +128,9 @@ def test_sandbox_refuses_limits_that_are_not_finite_and_positive(tmp_path, capsy
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith(f"opd-sao sandbox run: error: argument {flag}: ")
+
+
+def test_allow_config_change_without_resume_is_refused(tmp_path, capsys):
+    line = _refused(capsys, "run", _config(tmp_path), "--allow-config-change", "--run-dir", str(tmp_path / "run"))
+    assert "--allow-config-change only applies with --resume" in line
+    assert not (tmp_path / "run").exists()
