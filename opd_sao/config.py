@@ -294,7 +294,7 @@ class RunConfig(Strict):
             try:
                 trainer = self.stage_trainer(stage)
             except ValidationError as err:
-                raise ValueError(f"stage {stage.name!r}: trainer.{_format_error(err)}") from None
+                raise ValueError(f"stage {stage.name!r}: trainer.{format_error(err)}") from None
             grouped = ALGORITHMS[self.stage_algo(stage)].grouped
             if stage.rollout.group_size is None:
                 stage.rollout.group_size = 8 if grouped else 1

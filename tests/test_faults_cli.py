@@ -81,6 +81,15 @@ def test_bad_judge_options_are_refused_before_any_work(tmp_path, capsys, options
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("options, needle", [({"path": "x.jsonl", "answer_kee": "a"}, "answer_kee"),
+                                             ({"path": "x.jsonl", "reward": "nope"}, "unknown reward 'nope'")])
+def test_bad_dataset_env_options_are_refused_before_any_work(tmp_path, capsys, options, needle):
+    line = _refused(capsys, "run", _config(tmp_path, env="dataset:mine", env_options=options),
+                    "--run-dir", str(tmp_path / "run"))
+    assert "stage 'r'" in line and needle in line
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_huge_seed_names_the_field_before_the_run_dir_is_written(tmp_path, capsys):
     line = _refused(capsys, "run", _config(tmp_path), f"seed={10**23}", "--run-dir", str(tmp_path / "run"))
     assert "seed" in line and str(10**23) in line

@@ -111,18 +111,26 @@ class DatasetEnv(Environment):
     corpus_from_options = True  # the tokenizer must see the files' texts
 
     def __init__(self, **options):
-        try:
-            self.opts = DatasetOptions(**options)
-        except ValidationError as err:
-            raise ValueError(f"dataset env option {format_error(err)}") from None
+        self.opts = self.check_options(options)
         self.reward_name = self.opts.reward
-        reward_cls = REWARDS.get(self.reward_name)  # an unknown name fails here, naming the registered ones
+        reward_cls = REWARDS.get(self.reward_name)
         self.needs = set(reward_cls.needs) | set(self.opts.reward_options.get("needs", ()))
         self.slow_steps = reward_cls.slow or bool(self.opts.reward_options.get("slow", False))
         self.task, self.score = None, 0.0
         self.has_files = bool(options)  # only the bare default (the pipeline's corpus of every class) has none
         if self.has_files:
             self.opts.files()
+
+    @classmethod
+    def check_options(cls, options: dict) -> DatasetOptions:
+        """The options schema and the reward's name (an unknown one is named with the registered ones); no file
+        is read, so the pipeline can call it for every stage before any work."""
+        try:
+            opts = DatasetOptions(**options)
+        except ValidationError as err:
+            raise ValueError(f"dataset env option {format_error(err)}") from None
+        REWARDS.get(opts.reward)
+        return opts
 
     # ------------------------------------------------------------------------------------------ tasks
     @property
