@@ -9,6 +9,7 @@ import itertools
 import json
 import statistics
 
+from opd_sao.checkpoints import PromptFormat
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
 from opd_sao.rl.learner import Learner, needs_critic
@@ -51,7 +52,8 @@ class RLStage(Stage):
         if self.ctx.resume and (done / "config.json").is_file() and record.is_file():
             return done, json.loads(record.read_text())["eval_init"]
         before = evaluate(start, env_factory, tok, domain=cfg.env, rollout=cfg.rollout, eval_cfg=cfg.eval, seed=run.seed)
-        examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=run.seed)
+        examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=run.seed,
+                                prompt_format=PromptFormat.from_rollout(tok, cfg.rollout))
         with self.progress(cfg.sft.steps, "sft") as bar:
             sft_ckpt = run_sft(start, done, examples, tok, cfg.sft, run.seed, bar)
         record.write_text(json.dumps({"eval_init": before}))

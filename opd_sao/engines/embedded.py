@@ -36,12 +36,12 @@ class _Sequence:
 
 
 class EmbeddedEngine(RolloutEngine):
-    def __init__(self, model: torch.nn.Module, *, eos_id: int, pad_id: int, max_batch: int = 32,
+    def __init__(self, model: torch.nn.Module, *, eos_id: Optional[int], pad_id: int, max_batch: int = 32,
                  seed: int = 0, deterministic: bool = False):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.eos_id, self.pad_id, self.max_batch = eos_id, pad_id, max_batch
+        self.stop_ids, self.pad_id, self.max_batch = stop_ids(model, eos_id), pad_id, max_batch
         self.deterministic = deterministic
         self.generator = torch.Generator().manual_seed(seed)
         self._lock = threading.Lock()
@@ -124,7 +124,7 @@ class EmbeddedEngine(RolloutEngine):
             seq.token_ids.append(token)
             seq.logprobs.append(logp)
             seq.versions.append(version)
-            if token == self.eos_id and not params.ignore_eos:
+            if token in self.stop_ids and not params.ignore_eos:
                 seq.finish_reason = "stop"
             elif len(seq.token_ids) >= params.max_new_tokens:
                 seq.finish_reason = "length"
@@ -209,6 +209,18 @@ class EmbeddedEngine(RolloutEngine):
                 return seq.logprobs
             logp = sequence_logprobs(self.model, ids, torch.ones_like(ids), seq.request.params.temperature)
         return logp[0, len(seq.request.prompt_ids):].tolist()
+
+
+def stop_ids(model: torch.nn.Module, eos_id: Optional[int]) -> frozenset[int]:
+    """The tokenizer's eos and every eos id of the model's generation config: any of them ends a response
+    (Qwen-style chat models stop on `<|im_end|>` or `<|endoftext|>`)."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    ids = frozenset(configured + ([eos_id] if eos_id is not None else []))
+    if not ids:
+        raise ValueError("the model has no eos token (neither its tokenizer nor its generation config names one), "
+                         "so generation could never stop")
+    return ids
 
 
 def _concat_left_padded(cache_a, mask_a, cache_b, mask_b, config):
