@@ -243,7 +243,11 @@ def file_hash(*paths: Path) -> str:
 
 
 def checkpoint_hash(path: str | Path) -> str:
-    return file_hash(*sorted(Path(path).glob("*.safetensors")))
+    """Hash of the weight files (safetensors, sharded or not, or pytorch .bin)."""
+    weights = sorted(Path(path).glob("*.safetensors")) or sorted(Path(path).glob("pytorch_model*.bin"))
+    if not weights:
+        raise ValueError(f"{path} holds no weights (*.safetensors or *.bin)")
+    return file_hash(*weights)
 
 
 def tokenizer_hash(path: str | Path) -> str:

@@ -12,7 +12,7 @@ loads through `from_pretrained` exactly as a downloaded checkpoint would:
 - `build_llama`: a Llama model with untied embeddings on the project's own byte-level tokenizer, which has
   a BOS token (vocab padded past the tokenizer too);
 - `build_small`: Qwen3 / Mistral / Llama configs in any checkpoint format (safetensors, sharded safetensors
-  with an index, or `.bin`).
+  with an index, or `pytorch_model.bin`).
 
 At hidden size 32 the 151,936-row embedding is most of the Qwen2 model (4.9M of ~5M parameters).
 """
@@ -107,13 +107,21 @@ def build_qwen25_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def _save(model, tokenizer, out: Path, generation: GenerationConfig | None = None, **save_options) -> Path:
-    """Write atomically (a session fixture may be asked for the same directory twice)."""
+def _save(model, tokenizer, out: Path, generation: GenerationConfig | None = None, bin_weights: bool = False,
+          **save_options) -> Path:
+    """Write atomically (a session fixture may be asked for the same directory twice).
+
+    `bin_weights`: an older checkpoint's `pytorch_model.bin` (transformers 5 only writes safetensors, and
+    still loads .bin checkpoints)."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     if generation is not None:
         model.generation_config = generation
     model.save_pretrained(tmp, **save_options)
+    if bin_weights:
+        for weights in tmp.glob("model*.safetensors*"):
+            weights.unlink()
+        torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, tmp / "pytorch_model.bin")
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, out)
     return out
@@ -144,8 +152,8 @@ def build_small(out: Path, texts: list[str], arch: str = "llama", *, tie: bool =
                 seed: int = 0, **save_options) -> Path:
     """A tiny `arch` (llama, mistral, qwen3) model on the project's tokenizer, vocab padded by `vocab_pad` rows.
 
-    `save_options` go to `save_pretrained`: `max_shard_size="200KB"` for a sharded checkpoint with an index,
-    `safe_serialization=False` for `pytorch_model.bin`.
+    `save_options` go to `_save`: `max_shard_size="200KB"` for a sharded checkpoint with an index,
+    `bin_weights=True` for `pytorch_model.bin`.
     """
     out = Path(out)
     if (out / "config.json").exists():
