@@ -188,6 +188,18 @@ def load_causal_lm(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
     return model
 
 
+def stop_ids(model: torch.nn.Module, eos_id: Optional[int]) -> frozenset[int]:
+    """The tokenizer's eos and every eos id of the model's generation config: any of them ends a response
+    (Qwen-style chat models stop on `<|im_end|>` or `<|endoftext|>`)."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    ids = frozenset(configured + ([eos_id] if eos_id is not None else []))
+    if not ids:
+        raise ValueError("the model has no eos token (neither its tokenizer nor its generation config names one), "
+                         "so generation could never stop")
+    return ids
+
+
 def describe_model(path: str | Path) -> dict:
     """What opd-sao will use from a model directory (`opd-sao models check`); ValueError naming what is wrong."""
     path = Path(path)
@@ -205,7 +217,6 @@ def describe_model(path: str | Path) -> dict:
     def token(i):
         return None if i is None else {"id": i, "token": tokenizer.convert_ids_to_tokens(i)}
 
-    generation_eos = getattr(model.generation_config, "eos_token_id", None)
     return {
         "path": str(path), "architecture": (model.config.architectures or [type(model).__name__])[0],
         "model_type": model.config.model_type, "vocab_size": vocab, "tokenizer_size": len(tokenizer),
@@ -213,8 +224,7 @@ def describe_model(path: str | Path) -> dict:
         "tied_embeddings": output is not None and output.weight is model.get_input_embeddings().weight,
         "bos": token(tokenizer.bos_token_id), "eos": token(tokenizer.eos_token_id), "pad": token(tokenizer.pad_token_id),
         "pad_is_eos": tokenizer.pad_token_id == tokenizer.eos_token_id,
-        "stop_ids": sorted({*([generation_eos] if isinstance(generation_eos, int) else generation_eos or []),
-                            *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])}),
+        "stop_ids": sorted(stop_ids(model, tokenizer.eos_token_id)),
         "chat_template": bool(tokenizer.chat_template), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "parameters": model.num_parameters(),
         "weights": sorted(p.name for p in path.iterdir() if p.suffix in (".safetensors", ".bin")

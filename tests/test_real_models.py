@@ -194,3 +194,17 @@ def test_logit_cache_keeps_padded_vocabulary_ids(tmp_path, granularity):
         assert back.logp.shape == (n, QWEN25_VOCAB_SIZE)
     else:
         assert set(back.ids[back.offsets[0]:back.offsets[1]].tolist()) <= set(padded.tolist())
+
+
+def test_pad_falls_back_to_eos_then_fails_naming_the_model(tmp_path, corpus):
+    from real_models import project_tokenizer
+
+    tok = project_tokenizer(corpus)
+    tok.pad_token = None
+    tok.save_pretrained(tmp_path / "no_pad")
+    loaded = load_tokenizer(tmp_path / "no_pad")
+    assert loaded.pad_token_id == loaded.eos_token_id == tok.eos_token_id
+    tok.eos_token = None
+    tok.save_pretrained(tmp_path / "neither")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'neither'} has neither a pad nor an eos token"):
+        load_tokenizer(tmp_path / "neither")

@@ -123,7 +123,7 @@ def run_audit(args) -> dict:
         data = {"checkpoint": str(checkpoint), "engine": args.engine, "engine_dtype": args.dtype,
                 "deterministic": args.deterministic, "prompts": len(trajs),
                 "prompt_source": args.prompts_file or domain,
-                "temperature": args.temperature, "top_p": args.top_p,
+                "temperature": args.temperature, "top_p": args.top_p, "prompt_format": args.prompt_format,
                 "thresholds": {"mean_abs_diff": args.threshold_mean, "p99_abs_diff": args.threshold_p99},
                 "passed": not reasons, "reasons": reasons, **report.to_dict()}
         if reasons:

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from transformers import DynamicCache
 
+from ..checkpoints import stop_ids
 from ..modeling import position_ids_for, sample_tokens, sequence_logprobs
 from .base import GenerationRequest, GenerationResult, ResultCallback, RolloutEngine
 
@@ -209,18 +210,6 @@ class EmbeddedEngine(RolloutEngine):
                 return seq.logprobs
             logp = sequence_logprobs(self.model, ids, torch.ones_like(ids), seq.request.params.temperature)
         return logp[0, len(seq.request.prompt_ids):].tolist()
-
-
-def stop_ids(model: torch.nn.Module, eos_id: Optional[int]) -> frozenset[int]:
-    """The tokenizer's eos and every eos id of the model's generation config: any of them ends a response
-    (Qwen-style chat models stop on `<|im_end|>` or `<|endoftext|>`)."""
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
-    ids = frozenset(configured + ([eos_id] if eos_id is not None else []))
-    if not ids:
-        raise ValueError("the model has no eos token (neither its tokenizer nor its generation config names one), "
-                         "so generation could never stop")
-    return ids
 
 
 def _concat_left_padded(cache_a, mask_a, cache_b, mask_b, config):
