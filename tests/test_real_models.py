@@ -208,3 +208,22 @@ def test_pad_falls_back_to_eos_then_fails_naming_the_model(tmp_path, corpus):
     tok.save_pretrained(tmp_path / "neither")
     with pytest.raises(ValueError, match=f"{tmp_path / 'neither'} has neither a pad nor an eos token"):
         load_tokenizer(tmp_path / "neither")
+
+
+def test_prompt_format_is_run_wide_with_a_per_stage_override():
+    from opd_sao.config import ConfigError, parse_config
+    from stages.domains import Domain
+
+    stages = [{"name": "a", "kind": "reasoning", "env": "arithmetic", "rollout": {"prompt_format": "raw"}},
+              {"name": "b", "kind": "chat", "env": "chat", "rollout": {"system_prompt": "Be kind."}},
+              {"name": "o", "kind": "opd", "domains": ["arithmetic", "chat"],
+               "opd": {"teachers": [{"name": "t", "checkpoint": "a", "domains": ["arithmetic", "chat"]}]}}]
+    cfg = parse_config({"prompt_format": "chat", "stages": stages})
+    assert [s.rollout.prompt_format for s in cfg.stages] == ["raw", "chat", "chat"]
+    opd = cfg.stages[2]
+    arithmetic, chat = Domain("arithmetic", opd, cfg.stages), Domain("chat", opd, cfg.stages)
+    assert (arithmetic.rollout.prompt_format, chat.rollout.prompt_format) == ("raw", "chat")  # as trained
+    assert chat.rollout.system_prompt == "Be kind." and arithmetic.eval_rollout.prompt_format == "raw"
+    with pytest.raises(ConfigError, match="stages.0.rollout.prompt_format"):
+        parse_config({"stages": [{"name": "a", "kind": "reasoning", "env": "arithmetic",
+                                  "rollout": {"prompt_format": "xml"}}]})
