@@ -146,7 +146,7 @@ class PromptFormat:
 
     @classmethod
     def from_rollout(cls, tokenizer, rollout) -> "PromptFormat":
-        return cls(tokenizer, rollout.prompt_format or "raw", rollout.system_prompt)
+        return cls(tokenizer, rollout.prompt_format, rollout.system_prompt)
 
     def _render(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(self.system + messages, tokenize=False, add_generation_prompt=True)
