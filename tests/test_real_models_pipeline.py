@@ -77,7 +77,7 @@ def test_llama_untied_with_bos_runs_every_stage_kind(tmp_path, llama_model_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_qwen2_with_the_qwen25_tokenizer_runs_every_stage_kind(tmp_path, qwen_model_dir):
-    """SLOW: 200-245 s on the 2-core VM with the vocabulary-chunked path (pipeline 185-230 s, audit 13-15 s; it
-    was 355-405 s before it). Before it, per stage: setup 24 s, sft 32, reasoning 24, agent 75, chat 23, opd
+    """SLOW: 118-245 s on the 2-core VM (shared with other jobs) with the vocabulary-chunked path (the last run:
+    pipeline 115 s, audit 3 s; it was 355-405 s before that path). Before it, per stage: setup 24 s, sft 32, reasoning 24, agent 75, chat 23, opd
     top_k 44, opd top_p 128 (the random-init teacher's uncapped nucleus holds most of the 151,936 tokens)."""
     _run_and_audit(tmp_path, qwen_model_dir, "chat", "raw", "reasoning")
