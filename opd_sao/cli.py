@@ -105,6 +105,27 @@ def _cmd_sandbox(args) -> int:
     return sandbox_main(args.args)
 
 
+def _cmd_models(args) -> int:
+    """`opd-sao models check DIR`: what opd-sao will use from a model directory, or one line saying why it cannot."""
+    from .checkpoints import describe_model
+
+    info = describe_model(args.dir)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    name = lambda t: "none" if t is None else f"{t['id']} {t['token']!r}"  # noqa: E731
+    padded = f" (tokenizer {info['tokenizer_size']}, {info['padded_rows']} padded rows)" if info["padded_rows"] else ""
+    print(f"{info['path']}: {info['architecture']} ({info['model_type']}), {info['parameters']:,} parameters, "
+          f"{info['dtype']}, {'tied' if info['tied_embeddings'] else 'untied'} embeddings\n"
+          f"  vocab {info['vocab_size']}{padded}\n"
+          f"  bos {name(info['bos'])}; eos {name(info['eos'])}; pad {name(info['pad'])}"
+          f"{' (falls back to eos)' if info['pad_is_eos'] else ''}\n"
+          f"  generation stops on ids {info['stop_ids']}\n"
+          f"  chat template: {'yes (prompt_format chat works)' if info['chat_template'] else 'no (prompt_format raw only)'}"
+          f"\n  weights: {', '.join(info['weights']) or 'none found'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opd-sao", description=__doc__)
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher's
@@ -161,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("prefix", nargs="?", default="", help="only settings under this path, e.g. stages[].opd")
     config.add_argument("--markdown", action="store_true", help="as the markdown table of docs/config.md")
     config.set_defaults(func=_cmd_config)
+    models = sub.add_parser("models", help="check a model directory: what opd-sao will use from it")
+    models.add_argument("action", choices=["check"])
+    models.add_argument("dir", help="a local HF-format model directory")
+    models.add_argument("--json", action="store_true", help="print one JSON object")
+    models.set_defaults(func=_cmd_models)
     reward = sub.add_parser("reward-model", help="train the chat judge's reward model from generated preference pairs")
     reward.add_argument("out", help="directory to write the HF-format reward model to")
     reward.add_argument("--pairs", type=int, default=3000)

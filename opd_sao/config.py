@@ -124,6 +124,12 @@ class RolloutConfig(Strict):
     compaction_budget: int = describe("context tokens past which an episode compacts", 256, ge=16)
     compaction_instruction: str = describe("the observation that asks the model for its summary",
                                            "\n# summary of the task and attempts so far:\n")
+    prompt_format: Literal["raw", "chat"] = describe(
+        "raw: prompts and observations as plain text (after BOS when the tokenizer has one); chat: the tokenizer's "
+        "chat template (the prompt a user turn + the generation prompt, each observation a user turn). "
+        "Default: the run's prompt_format", "raw")
+    system_prompt: Optional[str] = describe("chat format: the system message before the first user turn (null: the "
+                                            "template's default, if any)", None)
 
     @model_validator(mode="after")
     def _room_for_a_summary(self) -> "RolloutConfig":
@@ -260,6 +266,8 @@ class RunConfig(Strict):
                                             "the rollout and trainer threads each get a core); null: torch's default",
                                             1, ge=1)
     algo: Algo = describe("the learning rule of RL stages (a row of opd_sao.algorithms.ALGORITHMS)", "sao")
+    prompt_format: Literal["raw", "chat"] = describe("every stage's rollout.prompt_format unless the stage sets "
+                                                     "its own (raw | chat)", "raw")
     run_dir: Optional[str] = describe("the run directory (default: runs/<timestamp>-<config name>)", None)
     model: ModelConfig = describe("the base model", ModelConfig())
     engine: EngineConfig = describe("the rollout engine", EngineConfig())
@@ -291,6 +299,8 @@ class RunConfig(Strict):
             if stage.opd.teachers and not set(stage.domains) <= taught:
                 raise ValueError(f"stage {stage.name!r}: domains {sorted(set(stage.domains) - taught)} have no teacher "
                                  f"(teachers cover {sorted(taught)})")
+            if "prompt_format" not in stage.rollout.model_fields_set:
+                stage.rollout.prompt_format = self.prompt_format
             try:
                 trainer = self.stage_trainer(stage)
             except ValidationError as err:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from opd_sao.checkpoints import load_causal_lm, save_checkpoint
+from opd_sao.checkpoints import PromptFormat, load_causal_lm, save_checkpoint
 from opd_sao.config import SFTConfig
 from opd_sao.modeling import sft_loss
 from opd_sao.runs.checkpointing import truncate_step_log
@@ -17,17 +17,17 @@ from opd_sao.runs.tracking import MetricsLogger
 STATE, LOG = "sft_state.pt", "sft.jsonl"  # in run_sft's work_dir
 
 
-def sft_examples(env_factory, tokenizer, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids + eos) from the train split's reference actions."""
+def sft_examples(env_factory, tokenizer, n: int, seed: int,
+                 prompt_format: Optional[PromptFormat] = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids + eos) from the train split's reference actions, in the stage's prompt format."""
     env = env_factory()
+    fmt = prompt_format or PromptFormat(tokenizer)
     examples = []
     for task in env.make_tasks("train", n, seed):
         actions = env.reference_actions(task)
         if not actions:
             continue
-        prompt = [tokenizer.bos_token_id] + tokenizer.encode(env.reset(task), add_special_tokens=False)
-        answer = tokenizer.encode(actions[0], add_special_tokens=False) + [tokenizer.eos_token_id]
-        examples.append((prompt, answer))
+        examples.append((fmt.prompt(env.reset(task)), fmt.answer(actions[0])))
     if not examples:
         raise ValueError("the environment gives no reference actions, so SFT warm start has nothing to learn from")
     return examples

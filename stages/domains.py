@@ -2,7 +2,7 @@
 and evaluation settings of the stage of the run that trains on it.
 
 Per domain, episodes use the environment options, rollout lengths (max_new_tokens, max_turns,
-max_context_tokens) and compaction of the first other-kind stage whose `env` is that domain, if there is one, else the
+max_context_tokens), compaction and prompt format of the first other-kind stage whose `env` is that domain, if there is one, else the
 asking stage's own; temperature and top_p are always the asking stage's. Without an asking stage (the
 pipeline's per-stage evaluation), everything comes from the first stage that trains on the domain.
 """
@@ -15,7 +15,7 @@ from opd_sao.config import EvalConfig, RolloutConfig, StageConfig
 from .envs import ENVIRONMENTS
 
 EPISODE_FIELDS = ("max_new_tokens", "max_turns", "max_context_tokens", "compaction", "compaction_budget",
-                  "compaction_instruction")
+                  "compaction_instruction", "prompt_format", "system_prompt")
 
 
 class Domain:

@@ -9,6 +9,7 @@ import itertools
 import json
 import statistics
 
+from opd_sao.checkpoints import PromptFormat
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
 from opd_sao.rl.learner import Learner, needs_critic
@@ -57,7 +58,8 @@ class RLStage(Stage):
             before = evaluate(start, env_factory, tok, domain=cfg.env, rollout=cfg.rollout, eval_cfg=cfg.eval,
                               seed=run.seed)
             record.write_text(json.dumps({"eval_init": before}))
-        examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=run.seed)
+        examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=run.seed,
+                                prompt_format=PromptFormat.from_rollout(tok, cfg.rollout))
         sft_ckpt, resumed = self.sft(start, examples, done)
         return sft_ckpt, before, resumed
 

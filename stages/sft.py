@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+from opd_sao.checkpoints import PromptFormat
 from opd_sao.supervised import sft_examples
 
 from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
@@ -32,8 +33,9 @@ class SFTStage(Stage):
 
     def run(self) -> StageResult:
         cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
-        pools = [sft_examples(Domain(name, cfg, run.stages).factory, tok, n=TRAIN_TASK_POOL, seed=run.seed)
-                 for name in cfg.domains]
+        domains = [Domain(name, cfg, run.stages) for name in cfg.domains]
+        pools = [sft_examples(d.factory, tok, n=TRAIN_TASK_POOL, seed=run.seed,
+                              prompt_format=PromptFormat.from_rollout(tok, d.rollout)) for d in domains]
         rng, share = random.Random(run.seed), max(len(pool) for pool in pools)
         mixture = [example for pool in pools for example in rng.choices(pool, k=share)]
         start = self.ctx.resolve_checkpoint(cfg.init_from)

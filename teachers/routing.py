@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Callable, Optional
 
-from opd_sao.checkpoints import checkpoint_hash, load_tokenizer
+from opd_sao.checkpoints import checkpoint_hash, file_hash, load_tokenizer
 from opd_sao.config import OPDConfig
 from teachers.base import TEACHER_KINDS, Teacher, TeacherIncompatibleError, TeacherSpec
 
@@ -22,6 +22,18 @@ def vocab_fingerprint(tokenizer) -> str:
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     special = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
     return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()[:16]
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def same_tokenizer_files(a: Path, b: Path) -> bool:
+    """Both directories hold byte-identical tokenizer files (so the same token ids)."""
+    if not (Path(a) / "tokenizer.json").is_file():
+        return False
+    return all((Path(a) / name).is_file() == (Path(b) / name).is_file()
+               and (not (Path(a) / name).is_file() or file_hash(Path(a) / name) == file_hash(Path(b) / name))
+               for name in TOKENIZER_FILES)
 
 
 def model_vocab_size(checkpoint: Path) -> int:
@@ -79,8 +91,11 @@ class TeacherSet:
                                  f"domains {domains}")
             checkpoint = Path(resolve(teacher.checkpoint))
             vocab = model_vocab_size(checkpoint)
-            tokenizer = load_tokenizer(checkpoint)
-            fingerprint = vocab_fingerprint(tokenizer)
+            if same_tokenizer_files(checkpoint, student_checkpoint):  # an earlier stage of the run: no need to
+                fingerprint = student_print  # load a 150k-token tokenizer again (seconds each)
+            else:
+                tokenizer = load_tokenizer(checkpoint)
+                fingerprint = vocab_fingerprint(tokenizer)
             where = f"teacher {teacher.name!r} ({checkpoint}) cannot teach student {student_checkpoint}"
             if vocab != student_vocab:
                 raise TeacherIncompatibleError(f"{where}: model vocabulary sizes differ: student {student_vocab}, "

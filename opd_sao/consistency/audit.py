@@ -31,6 +31,9 @@ def add_audit_parser(sub, environment) -> None:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--prompt-format", choices=["raw", "chat"], default="raw",
+                   help="raw text prompts, or the tokenizer's chat template (default: raw)")
+    p.add_argument("--system-prompt", help="chat format: the system message (default: the template's own)")
     p.add_argument("--threshold-mean", type=float, default=gate.mean_abs_diff, help="max mean |delta logp|")
     p.add_argument("--threshold-p99", type=float, default=gate.p99_abs_diff, help="max p99 |delta logp|")
     p.add_argument("--eps-low", type=float, default=sao.eps_low, help="DIS lower bound for mask_fraction")
@@ -106,7 +109,8 @@ def run_audit(args) -> dict:
     out = Path(args.out) if args.out else checkpoint.parent / "audit"
     domain, env_factory = _env_factory(args)
     tokenizer = load_tokenizer(checkpoint)
-    rollout = RolloutConfig(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)
+    rollout = RolloutConfig(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                            prompt_format=args.prompt_format, system_prompt=args.system_prompt)
     engine = _engine(args, checkpoint, tokenizer)
     try:
         episodes = probe_episodes(env_factory, tokenizer, rollout, domain=domain, n=args.prompts, seed=args.seed)
@@ -119,7 +123,7 @@ def run_audit(args) -> dict:
         data = {"checkpoint": str(checkpoint), "engine": args.engine, "engine_dtype": args.dtype,
                 "deterministic": args.deterministic, "prompts": len(trajs),
                 "prompt_source": args.prompts_file or domain,
-                "temperature": args.temperature, "top_p": args.top_p,
+                "temperature": args.temperature, "top_p": args.top_p, "prompt_format": args.prompt_format,
                 "thresholds": {"mean_abs_diff": args.threshold_mean, "p99_abs_diff": args.threshold_p99},
                 "passed": not reasons, "reasons": reasons, **report.to_dict()}
         if reasons:

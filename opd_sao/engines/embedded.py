@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from transformers import DynamicCache
 
+from ..checkpoints import stop_ids
 from ..modeling import position_ids_for, sample_tokens, sequence_logprobs
 from .base import GenerationRequest, GenerationResult, ResultCallback, RolloutEngine
 
@@ -36,12 +37,12 @@ class _Sequence:
 
 
 class EmbeddedEngine(RolloutEngine):
-    def __init__(self, model: torch.nn.Module, *, eos_id: int, pad_id: int, max_batch: int = 32,
+    def __init__(self, model: torch.nn.Module, *, eos_id: Optional[int], pad_id: int, max_batch: int = 32,
                  seed: int = 0, deterministic: bool = False):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.eos_id, self.pad_id, self.max_batch = eos_id, pad_id, max_batch
+        self.stop_ids, self.pad_id, self.max_batch = stop_ids(model, eos_id), pad_id, max_batch
         self.deterministic = deterministic
         self.generator = torch.Generator().manual_seed(seed)
         self._lock = threading.Lock()
@@ -124,7 +125,7 @@ class EmbeddedEngine(RolloutEngine):
             seq.token_ids.append(token)
             seq.logprobs.append(logp)
             seq.versions.append(version)
-            if token == self.eos_id and not params.ignore_eos:
+            if token in self.stop_ids and not params.ignore_eos:
                 seq.finish_reason = "stop"
             elif len(seq.token_ids) >= params.max_new_tokens:
                 seq.finish_reason = "length"

@@ -177,7 +177,7 @@ class RolloutServer:
             if params.max_new_tokens:
                 result = self._sample(GenerationRequest(ids, params, tag=_Waiter()), client_gone)
                 output, logprobs = result.token_ids, result.logprobs
-                finish = ({"type": "stop", "matched": self.tokenizer.eos_token_id} if result.finish_reason == "stop"
+                finish = ({"type": "stop", "matched": output[-1]} if result.finish_reason == "stop"
                           else {"type": "length", "length": params.max_new_tokens})
         meta.update(finish_reason=finish, completion_tokens=len(output), e2e_latency=time.perf_counter() - t0)
         if return_logprob:
@@ -234,8 +234,8 @@ class RolloutServer:
             if key in NEUTRAL_PARAMS and value not in NEUTRAL_PARAMS[key]:
                 raise BadRequest(f"sampling_params.{key}={value!r} is not supported by opd-sao serve")
             if key == "stop_token_ids" and (not isinstance(value, (list, type(None)))
-                                            or not all(t == self.tokenizer.eos_token_id for t in value or [])):
-                raise BadRequest("stop_token_ids other than the model's eos are not supported by opd-sao serve")
+                                            or not all(t in self.engine.stop_ids for t in value or [])):
+                raise BadRequest("stop_token_ids other than the model's eos ids are not supported by opd-sao serve")
         temperature = _number("sampling_params.temperature", sp.get("temperature", 1.0), MIN_TEMPERATURE, math.inf)
         top_p = _number("sampling_params.top_p", sp.get("top_p", 1.0), 0.0, 1.0, low_open=True)
         max_new_tokens = _integer("sampling_params.max_new_tokens",

@@ -14,15 +14,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
-from opd_sao.checkpoints import load_tokenizer, pretrained, save_checkpoint
+from opd_sao.checkpoints import encode_text, load_tokenizer, pretrained, save_checkpoint
 
 Pair = tuple[str, str, str]  # (prompt, chosen response, rejected response)
 
 
 def encode(tokenizer, prompts: list[str], responses: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """bos + prompt + response + eos, right-padded: the classifier reads the eos, so a cut-off response differs."""
-    seqs = [[tokenizer.bos_token_id] + tokenizer.encode(p + r, add_special_tokens=False) + [tokenizer.eos_token_id]
-            for p, r in zip(prompts, responses)]
+    """(bos +) prompt + response + eos, right-padded: the classifier reads the eos, so a cut-off response differs."""
+    seqs = [encode_text(tokenizer, p + r) + [tokenizer.eos_token_id] for p, r in zip(prompts, responses)]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
     attention = torch.zeros_like(ids)
