@@ -144,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--max-batch", type=int, default=32, help="sequences decoded together (continuous batch)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    serve.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     serve.add_argument("--seed", type=int, default=0, help="sampling seed")
     serve.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     serve.add_argument("--weight-version", default="default", help="reported until the first weight update (as SGLang)")

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from opd_sao.checkpoints import load_causal_lm, save_checkpoint
 from opd_sao.config import SFTConfig
+from opd_sao.devices import resolve_device
 from opd_sao.modeling import sft_loss
 
 
@@ -27,8 +29,11 @@ def sft_examples(env_factory, tokenizer, n: int, seed: int) -> list[tuple[list[i
     return examples
 
 
-def run_sft(checkpoint: Path, out_dir: Path, examples, tokenizer, cfg: SFTConfig, seed: int, progress=None) -> Path:
-    model = load_causal_lm(checkpoint).train()
+def run_sft(checkpoint: Path, out_dir: Path, examples, tokenizer, cfg: SFTConfig, seed: int, progress=None,
+            device: Optional[str] = None) -> Path:
+    """`steps` AdamW steps on random batches of `examples`, on `device` (the trainer's; None: auto)."""
+    device = resolve_device(device)
+    model = load_causal_lm(checkpoint, device=device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     rng = random.Random(seed)
     for _ in range(cfg.steps):
@@ -42,7 +47,7 @@ def run_sft(checkpoint: Path, out_dir: Path, examples, tokenizer, cfg: SFTConfig
             ids[i, : len(seq)] = torch.tensor(seq)
             attention[i, : len(seq)] = 1
             loss_mask[i, len(prompt): len(seq)] = 1
-        loss = sft_loss(model, ids, attention, loss_mask)
+        loss = sft_loss(model, ids.to(device), attention.to(device), loss_mask.to(device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

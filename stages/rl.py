@@ -39,6 +39,8 @@ class RLStage(Stage):
         options = dict(self.cfg.env_options)
         if train_step is not None and getattr(env_cls, "reads_train_step", False):
             options["train_step"] = train_step
+        if getattr(env_cls, "reads_device", False):
+            options.setdefault("device", self.ctx.cfg.device)
         return lambda: env_cls(**options)
 
     def warm_start(self, start, env_factory) -> tuple:
@@ -50,10 +52,11 @@ class RLStage(Stage):
         record = self.dir / "sft_eval.json"
         if self.ctx.resume and (done / "config.json").is_file() and record.is_file():
             return done, json.loads(record.read_text())["eval_init"]
-        before = evaluate(start, env_factory, tok, domain=cfg.env, rollout=cfg.rollout, eval_cfg=cfg.eval, seed=run.seed)
+        before = evaluate(start, env_factory, tok, domain=cfg.env, rollout=cfg.rollout, eval_cfg=cfg.eval, seed=run.seed,
+                          device=run.engine_device)
         examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=run.seed)
         with self.progress(cfg.sft.steps, "sft") as bar:
-            sft_ckpt = run_sft(start, done, examples, tok, cfg.sft, run.seed, bar)
+            sft_ckpt = run_sft(start, done, examples, tok, cfg.sft, run.seed, bar, device=run.stage_trainer(cfg).device)
         record.write_text(json.dumps({"eval_init": before}))
         return sft_ckpt, before
 
@@ -64,7 +67,7 @@ class RLStage(Stage):
         start, eval_init = self.warm_start(self.ctx.resolve_checkpoint(cfg.init_from), env_factory)
         algo, trainer_cfg = run.stage_algo(cfg), run.stage_trainer(cfg)
         backend = build_backend(trainer_cfg, start, with_critic=needs_critic(algo))
-        engine = build_engine(run.engine, start, tok, seed=run.seed)
+        engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device)
         learner = Learner(backend, algo, cfg.sao, critic_steps=trainer_cfg.critic_steps,
                           critic_warmup_steps=trainer_cfg.critic_warmup_steps)
         train_env = self.env_factory(train_step=lambda: learner.steps_done)

@@ -31,13 +31,15 @@ class SFTStage(Stage):
 
     def run(self) -> StageResult:
         cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
-        pools = [sft_examples(Domain(name, cfg, run.stages).factory, tok, n=TRAIN_TASK_POOL, seed=run.seed)
+        pools = [sft_examples(Domain(name, cfg, run.stages, run.device).factory, tok, n=TRAIN_TASK_POOL,
+                              seed=run.seed)
                  for name in cfg.domains]
         rng, share = random.Random(run.seed), max(len(pool) for pool in pools)
         mixture = [example for pool in pools for example in rng.choices(pool, k=share)]
         start = self.ctx.resolve_checkpoint(cfg.init_from)
         with self.progress(cfg.sft.steps, "sft") as bar:
-            checkpoint = run_sft(start, self.dir / "checkpoint", mixture, tok, cfg.sft, run.seed, bar)
+            checkpoint = run_sft(start, self.dir / "checkpoint", mixture, tok, cfg.sft, run.seed, bar,
+                                 device=run.stage_trainer(cfg).device)
         return StageResult(checkpoint, {"algo": "sft", "steps": cfg.sft.steps, "domains": list(cfg.domains),
                                         "examples_per_domain": share, "start_checkpoint": str(start)},
                            start_checkpoint=start)
