@@ -161,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     reward.add_argument("--pairs", type=int, default=3000)
     reward.add_argument("--steps", type=int, default=300)
     reward.add_argument("--seed", type=int, default=0)
+    reward.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     reward.set_defaults(func=_cmd_reward_model)
     return parser
 
@@ -183,7 +184,11 @@ def _cmd_reward_model(args) -> int:
     """`opd-sao reward-model --out DIR`: train the chat environment's reward model, print its figures as JSON."""
     from stages.envs.chat import train_chat_reward_model
 
-    info = train_chat_reward_model(Path(args.out), n_pairs=args.pairs, steps=args.steps, seed=args.seed)
+    from opd_sao.devices import resolve_device
+
+    resolve_device(args.device)  # a device this machine lacks stops here, before the training pairs are built
+    info = train_chat_reward_model(Path(args.out), n_pairs=args.pairs, steps=args.steps, seed=args.seed,
+                                   device=args.device)
     print(json.dumps({"path": args.out, **info}))
     return 0
 

@@ -23,9 +23,9 @@ def resolve_device(spec: Optional[str]) -> torch.device:
     device = torch.device(spec)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {spec!r} was asked for, but this machine has no CUDA device "
-                             f"(torch {torch.__version__}); use device: cpu or auto")
+            raise ValueError(f"no CUDA device on this machine (torch {torch.__version__}) for device {spec!r}; "
+                             "use cpu or auto")
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise ValueError(f"device {spec!r} was asked for, but this machine has {count} CUDA device(s)")
+            raise ValueError(f"this machine has {count} CUDA device(s), so no device {spec!r}")
     return device

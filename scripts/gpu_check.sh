@@ -46,9 +46,7 @@ if [ -z "$PY" ]; then
   PY=build/venv-gpu/bin/python
   has_cuda "$PY" || { echo "gpu_check: $PY's torch does not see the GPU (driver / CUDA mismatch?)" >&2; exit 2; }
 fi
-if ! timeout 120 "$PY" -c 'import opd_sao' 2>/dev/null; then
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # a Python with torch but without opd-sao installed
-fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this checkout's code, whatever $PY has installed
 
 mkdir -p "$WORK" "$(dirname "$OUT")"
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}
@@ -92,7 +90,7 @@ for run in $RUNS; do
 done
 
 timeout 300 "$PY" - "$RESULTS" "$CONFIG" > "$WORK/report.txt" <<'EOF'
-import json, subprocess, sys
+import contextlib, io, json, subprocess, sys
 from pathlib import Path
 
 import torch
@@ -101,7 +99,8 @@ results, config = Path(sys.argv[1]), sys.argv[2]
 gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                      capture_output=True, text=True).stdout.strip().splitlines()
 try:
-    import deepspeed
+    with contextlib.redirect_stdout(io.StringIO()):  # its accelerator banner is not part of the report
+        import deepspeed
     ds = deepspeed.__version__
 except Exception as err:  # the report still says what ran
     ds = f"not importable ({type(err).__name__})"

@@ -49,22 +49,24 @@ def test_device_defaults_and_overrides_in_the_config():
 @pytest.mark.parametrize("override", ["device=cuda", "device=cuda:1", "engine.device=cuda", "trainer.device=cuda:0",
                                       "stages.reasoning.trainer.device=cuda"])
 def test_cuda_without_cuda_is_refused_in_one_line(override):
-    with pytest.raises(ConfigError, match="this machine has no CUDA device") as err:
+    with pytest.raises(ConfigError, match="no CUDA device on this machine") as err:
         parse_config(_config(), [override])
     assert "\n" not in str(err.value)
 
 
 @NO_CUDA
-@pytest.mark.parametrize("args", [["run", "configs/reasoning.yaml", "device=cuda"], ["serve", "CKPT", "--port", "0",
-                                                                                     "--device", "cuda"]])
+@pytest.mark.parametrize("args", [["run", "configs/reasoning.yaml", "device=cuda"],
+                                  ["serve", "CKPT", "--port", "0", "--device", "cuda"],
+                                  ["audit", "CKPT", "--device", "cuda:0", "--out", "OUT"],
+                                  ["reward-model", "OUT", "--device", "cuda"]])
 def test_the_cli_refuses_cuda_before_any_work(tmp_path, tiny_model_dir, args):
-    args = [str(tiny_model_dir) if a == "CKPT" else a for a in args]
+    args = [{"CKPT": str(tiny_model_dir), "OUT": str(tmp_path / "out")}.get(a, a) for a in args]
     extra = ["--run-dir", str(tmp_path / "run")] if args[0] == "run" else []
     result = subprocess.run([sys.executable, "-m", "opd_sao.cli", *args, *extra], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "no CUDA device" in result.stderr
-    assert not (tmp_path / "run").exists()  # nothing was started
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()  # nothing was started
 
 
 def test_components_run_on_the_configured_device(tiny_model_dir, tokenizer):
