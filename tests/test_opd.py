@@ -285,6 +285,12 @@ def test_config_checks_domains_and_teachers():
     bad["stages"][2]["opd"]["teachers"][0]["checkpoint"] = "later"
     with pytest.raises(ConfigError, match="neither a local directory nor an earlier stage"):
         parse_config(bad)
+    bad = _run_config()
+    bad["stages"][2]["trainer"] = {"backend": "deepspeed"}
+    with pytest.raises(ConfigError, match=r"deepspeed trains OPD only at granularity sampled.*\['t_rev', 't_sort'\]"):
+        parse_config(bad)
+    bad["stages"][2]["opd"]["granularity"] = "sampled"
+    parse_config(bad)  # the sampled loss goes through policy_logprobs, which the DeepSpeed backend steps
 
 
 def test_opd_stage_end_to_end(tmp_path):
