@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd_sao.config import ConfigError, EngineConfig, EvalConfig, RolloutConfig, SAOConfig, SFTConfig, TrainerConfig
+from opd_sao.config import AlgoConfig, ConfigError, EngineConfig, EvalConfig, RolloutConfig, SFTConfig, TrainerConfig
 from opd_sao.config import parse_config
 from opd_sao.devices import resolve_device
 
@@ -96,7 +96,7 @@ def test_components_run_on_the_configured_device(tiny_model_dir, tokenizer):
     assert batch.input_ids.device == cpu and batch.rewards.device == cpu
     assert backend.policy_logprobs(batch, 1.0, grad=False).device == cpu
     assert backend.critic_values(batch, grad=False).device == cpu
-    metrics = Learner(backend, "sao", SAOConfig(), critic_steps=1, critic_warmup_steps=0).step(batch, 1.0)
+    metrics = Learner(backend, "sao", AlgoConfig(), critic_steps=1, critic_warmup_steps=0).step(batch, 1.0)
     assert backend.policy_version == 1 and metrics["policy_loss"] == metrics["policy_loss"]  # a finite step
     engine.update_weights(backend.policy_state_dict(), backend.policy_version)
     assert {p.device for p in engine.model.parameters()} == {cpu}
