@@ -21,7 +21,8 @@ EPISODE_FIELDS = ("max_new_tokens", "max_turns", "max_context_tokens", "compacti
 class Domain:
     """Its environment factory, episode settings and evaluation settings."""
 
-    def __init__(self, name: str, own: Optional[StageConfig], stages: list[StageConfig], device: Optional[str] = None):
+    def __init__(self, name: str, own: Optional[StageConfig], stages: list[StageConfig],
+                 device: Optional[str] = None):
         """`device`: the run's, for environments that run a model (`reads_device`, e.g. a reward-model judge)."""
         source = next((s for s in stages if s.env == name and (own is None or s.kind != own.kind)), None)
         if source is None and own is None:

@@ -52,11 +52,12 @@ class RLStage(Stage):
         record = self.dir / "sft_eval.json"
         if self.ctx.resume and (done / "config.json").is_file() and record.is_file():
             return done, json.loads(record.read_text())["eval_init"]
-        before = evaluate(start, env_factory, tok, domain=cfg.env, rollout=cfg.rollout, eval_cfg=cfg.eval, seed=run.seed,
-                          device=run.engine_device)
+        before = evaluate(start, env_factory, tok, domain=cfg.env, rollout=cfg.rollout, eval_cfg=cfg.eval,
+                          seed=run.seed, device=run.engine_device)
         examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=run.seed)
         with self.progress(cfg.sft.steps, "sft") as bar:
-            sft_ckpt = run_sft(start, done, examples, tok, cfg.sft, run.seed, bar, device=run.stage_trainer(cfg).device)
+            sft_ckpt = run_sft(start, done, examples, tok, cfg.sft, run.seed, bar,
+                               device=run.stage_trainer(cfg).device)
         record.write_text(json.dumps({"eval_init": before}))
         return sft_ckpt, before
 

@@ -31,7 +31,8 @@ def _config(**top):
 
 def test_resolve_device():
     assert resolve_device("cpu") == torch.device("cpu")
-    assert resolve_device("auto") == resolve_device(None) == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    expected = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("auto") == resolve_device(None) == expected
     with pytest.raises(ValueError, match="not one of auto, cpu, cuda, cuda:N"):
         resolve_device("gpu")
 
@@ -189,8 +190,10 @@ def test_the_engine_samples_with_a_generator_on_its_device(fake_cuda, tiny_model
     assert engine.device == torch.device("cpu") and engine.generator.device == torch.device("cpu")
 
 
-@pytest.mark.skipif(subprocess.run("command -v nvidia-smi && nvidia-smi -L", shell=True, capture_output=True).returncode == 0,
-                    reason="this machine has an NVIDIA GPU: the script would run the check")
+HAS_NVIDIA_GPU = subprocess.run("command -v nvidia-smi && nvidia-smi -L", shell=True, capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(HAS_NVIDIA_GPU, reason="this machine has an NVIDIA GPU: the script would run the check")
 def test_gpu_check_exits_2_with_one_line_without_a_gpu(tmp_path):
     out = tmp_path / "gpu_check.txt"
     result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)], capture_output=True, text=True,
