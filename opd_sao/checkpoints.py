@@ -182,10 +182,12 @@ def pretrained(auto_class, path: str | Path, **kwargs) -> torch.nn.Module:
         return auto_class.from_pretrained(str(path), **kwargs)
 
 
-def load_causal_lm(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+def load_causal_lm(path: str | Path, dtype: str = "float32", device: Optional[torch.device | str] = None
+                   ) -> torch.nn.Module:
+    """The model in `dtype` (float32 or bfloat16, on any device), moved to `device` (None: where it loads)."""
     model = pretrained(AutoModelForCausalLM, path, dtype=DTYPES[dtype], attn_implementation="eager")
     model.config.use_cache = False
-    return model
+    return model if device is None else model.to(device)
 
 
 def stop_ids(model: torch.nn.Module, eos_id: Optional[int]) -> frozenset[int]:

@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--max-batch", type=int, default=32, help="sequences decoded together (continuous batch)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    serve.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     serve.add_argument("--seed", type=int, default=0, help="sampling seed")
     serve.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     serve.add_argument("--weight-version", default="default", help="reported until the first weight update (as SGLang)")
@@ -192,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     reward.add_argument("--pairs", type=int, default=3000)
     reward.add_argument("--steps", type=int, default=300)
     reward.add_argument("--seed", type=int, default=0)
+    reward.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     reward.set_defaults(func=_cmd_reward_model)
     return parser
 
@@ -214,7 +216,11 @@ def _cmd_reward_model(args) -> int:
     """`opd-sao reward-model --out DIR`: train the chat environment's reward model, print its figures as JSON."""
     from stages.envs.chat import train_chat_reward_model
 
-    info = train_chat_reward_model(Path(args.out), n_pairs=args.pairs, steps=args.steps, seed=args.seed)
+    from opd_sao.devices import resolve_device
+
+    resolve_device(args.device)  # a device this machine lacks stops here, before the training pairs are built
+    info = train_chat_reward_model(Path(args.out), n_pairs=args.pairs, steps=args.steps, seed=args.seed,
+                                   device=args.device)
     print(json.dumps({"path": args.out, **info}))
     return 0
 

@@ -15,6 +15,8 @@ from pydantic import (
     model_validator,
 )
 
+from opd_sao.devices import DEVICE_PATTERN, resolve_device
+
 Granularity = Literal["sampled", "top_k", "top_p", "full"]
 Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
 Dtype = Literal["float32", "bfloat16"]
@@ -43,6 +45,19 @@ class Strict(BaseModel):
 def describe(description: str, default: Any = ..., **constraints) -> Any:
     """A documented field: every setting says what it does (`opd-sao config` prints them all)."""
     return Field(default, description=description, **constraints)
+
+
+def describe_device(description: str, default: Optional[str] = None) -> Any:
+    """A `device` setting: auto, cpu, cuda or cuda:N (checked against this machine by RunConfig)."""
+    return describe(description, default, pattern=DEVICE_PATTERN)
+
+
+def _require_device(where: str, spec: Optional[str]) -> None:
+    """A device this machine lacks is a config error naming the setting, found before any work."""
+    try:
+        resolve_device(spec)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 class TinyModelConfig(Strict):
@@ -76,6 +91,8 @@ class EngineConfig(Strict):
     dtype: Dtype = describe("embedded engine weights' dtype", "float32")
     deterministic: bool = describe("score every sequence alone with the trainer's kernels (bitwise agreement; slow)",
                                    False)
+    device: Optional[str] = describe_device("where the embedded engine's model and batches live (auto | cpu | cuda | "
+                                            "cuda:N); default: the run's `device`")
 
 
 class TrainerConfig(Strict):
@@ -97,6 +114,9 @@ class TrainerConfig(Strict):
     deepspeed_config: Optional[dict[str, Any]] = describe("backend=deepspeed: a DeepSpeed config dict (defaults to "
                                                           "ZeRO-2)", None)
     slowdown_s: float = describe("artificial delay per step, to force staleness in experiments", 0.0, ge=0)
+    device: Optional[str] = describe_device("where the policy, critic, SFT warm starts and the learner's batches live "
+                                            "(auto | cpu | cuda | cuda:N); default: the run's `device`. DeepSpeed "
+                                            "uses its launcher's GPU (LOCAL_RANK), in a world of one this one")
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> "TrainerConfig":
@@ -187,6 +207,8 @@ class TeacherConfig(Strict):
     domains: list[str] = describe("the domains (environments) this teacher teaches", min_length=1)
     granularity: Optional[Granularity] = describe("what the teacher stores per token (default: the stage's)", None)
     kind: str = describe("a Teacher implementation registered in teachers/ (TEACHER_KINDS)", "in_process")
+    device: Optional[str] = describe_device("where this teacher scores (auto | cpu | cuda | cuda:N); default: the "
+                                            "run's `device`")
 
 
 class OPDConfig(Strict):
@@ -197,6 +219,9 @@ class OPDConfig(Strict):
                                         "top_k")
     top_k: int = describe("top_k: tokens kept per position", 16, ge=1)
     top_p: float = describe("top_p: probability mass kept per position", 0.95, gt=0, le=1)
+    max_support: int = describe("top_p: at most this many token ids per position (the nucleus cap); the rest of the "
+                                "nucleus joins the tail bucket, so cache bytes and memory per token stay bounded "
+                                "whatever the teacher's entropy (metric: nucleus_cap_hit_rate)", 256, ge=1)
     divergence: Divergence = describe("top_k/top_p/full: forward_kl, reverse_kl or jsd", "reverse_kl")
     jsd_beta: float = describe("jsd: the mixture weight", 0.5, gt=0, lt=1)
     reward_weight: float = describe("mix the task reward (minus a running mean) into the loss", 0.0, ge=0)
@@ -262,6 +287,9 @@ class RunConfig(Strict):
     """A whole run: the base model, the engine, the trainer and the stages in order."""
 
     seed: int = describe("seed of every random choice", 0, ge=0, lt=SEED_LIMIT)
+    device: str = describe_device("run-wide device of every model and batch: auto (cuda when torch sees a GPU, else "
+                                  "cpu), cpu, cuda or cuda:N; engine.device, trainer.device and a teacher's device "
+                                  "override it", "auto")
     torch_threads: Optional[int] = describe("torch threads per process (tiny models run fastest single-threaded, and "
                                             "the rollout and trainer threads each get a core); null: torch's default",
                                             1, ge=1)
@@ -280,6 +308,7 @@ class RunConfig(Strict):
     def _check_stages(self) -> "RunConfig":
         from opd_sao.algorithms import ALGORITHMS
 
+        _require_device("device" if self.engine.device is None else "engine.device", self.engine_device)
         seen: list[str] = []
         for stage in self.stages:
             if stage.name in seen:
@@ -305,6 +334,15 @@ class RunConfig(Strict):
                 trainer = self.stage_trainer(stage)
             except ValidationError as err:
                 raise ValueError(f"stage {stage.name!r}: trainer.{format_error(err)}") from None
+            _require_device(f"stage {stage.name!r}: trainer.device", trainer.device)
+            for teacher in stage.opd.teachers:
+                _require_device(f"stage {stage.name!r}: teacher {teacher.name!r} device", teacher.device or self.device)
+            divergent = [t.name for t in stage.opd.teachers if (t.granularity or stage.opd.granularity) != "sampled"]
+            if trainer.backend == "deepspeed" and divergent:
+                raise ValueError(f"stage {stage.name!r}: trainer.backend deepspeed trains OPD only at granularity "
+                                 f"sampled (the top_k / top_p / full losses read the policy module directly, which "
+                                 f"the DeepSpeed backend cannot step), but teachers {divergent} are not; use "
+                                 f"trainer.backend torch for this stage")
             grouped = ALGORITHMS[self.stage_algo(stage)].grouped
             if stage.rollout.group_size is None:
                 stage.rollout.group_size = 8 if grouped else 1
@@ -327,7 +365,15 @@ class RunConfig(Strict):
         return stage.algo or self.algo
 
     def stage_trainer(self, stage: StageConfig) -> TrainerConfig:
-        return TrainerConfig(**{**self.trainer.model_dump(), **stage.trainer})
+        """The run's trainer settings with the stage's overrides; `device` filled in from the run's."""
+        trainer = TrainerConfig(**{**self.trainer.model_dump(), **stage.trainer})
+        if trainer.device is None:
+            trainer.device = self.device
+        return trainer
+
+    @property
+    def engine_device(self) -> str:
+        return self.engine.device or self.device
 
 
 def type_name(annotation) -> str:

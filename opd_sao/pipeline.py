@@ -100,7 +100,7 @@ class Evaluator:
         from stages.domains import Domain
 
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.domains = {name: Domain(name, None, cfg.stages) for name in eval_domains(cfg)}
+        self.domains = {name: Domain(name, None, cfg.stages, cfg.device) for name in eval_domains(cfg)}
         self._seen: dict[str, dict[str, float]] = {}
 
     def __call__(self, checkpoint: Path) -> dict[str, float]:
@@ -108,7 +108,7 @@ class Evaluator:
         if key not in self._seen:
             self._seen[key] = {
                 name: round(evaluate(checkpoint, d.factory, self.tokenizer, domain=name, rollout=d.eval_rollout,
-                                     eval_cfg=d.eval_cfg, seed=self.cfg.seed), 4)
+                                     eval_cfg=d.eval_cfg, seed=self.cfg.seed, device=self.cfg.engine_device), 4)
                 for name, d in self.domains.items()
             }
         return self._seen[key]

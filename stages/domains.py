@@ -21,13 +21,17 @@ EPISODE_FIELDS = ("max_new_tokens", "max_turns", "max_context_tokens", "compacti
 class Domain:
     """Its environment factory, episode settings and evaluation settings."""
 
-    def __init__(self, name: str, own: Optional[StageConfig], stages: list[StageConfig]):
+    def __init__(self, name: str, own: Optional[StageConfig], stages: list[StageConfig],
+                 device: Optional[str] = None):
+        """`device`: the run's, for environments that run a model (`reads_device`, e.g. a reward-model judge)."""
         source = next((s for s in stages if s.env == name and (own is None or s.kind != own.kind)), None)
         if source is None and own is None:
             raise ValueError(f"no stage trains on domain {name!r}")
         env_cls = ENVIRONMENTS.get(name)  # raises for an unknown environment, naming the registered ones
         self.name, self.source = name, source.name if source else None
         options = dict(source.env_options) if source else {}
+        if device is not None and getattr(env_cls, "reads_device", False):
+            options.setdefault("device", device)
         self.factory = lambda: env_cls(**options)
         base = source.rollout if source else own.rollout
         sampling = (own or source).rollout

@@ -40,6 +40,8 @@ class RLStage(Stage):
         options = dict(self.cfg.env_options)
         if train_step is not None and getattr(env_cls, "reads_train_step", False):
             options["train_step"] = train_step
+        if getattr(env_cls, "reads_device", False):
+            options.setdefault("device", self.ctx.cfg.device)
         return lambda: env_cls(**options)
 
     def warm_start(self, start, env_factory) -> tuple:
@@ -56,7 +58,7 @@ class RLStage(Stage):
                 return done, before, {"sft_from_step": cfg.sft.steps}
         else:
             before = evaluate(start, env_factory, tok, domain=cfg.env, rollout=cfg.rollout, eval_cfg=cfg.eval,
-                              seed=run.seed)
+                              seed=run.seed, device=run.engine_device)
             record.write_text(json.dumps({"eval_init": before}))
         examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=run.seed,
                                 prompt_format=PromptFormat.from_rollout(tok, cfg.rollout))
@@ -70,7 +72,7 @@ class RLStage(Stage):
         start, eval_init, sft_resumed = self.warm_start(self.ctx.resolve_checkpoint(cfg.init_from), env_factory)
         algo, trainer_cfg = run.stage_algo(cfg), run.stage_trainer(cfg)
         backend = build_backend(trainer_cfg, start, with_critic=needs_critic(algo))
-        engine = build_engine(run.engine, start, tok, seed=run.seed)
+        engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device)
         learner = Learner(backend, algo, cfg.sao, critic_steps=trainer_cfg.critic_steps,
                           critic_warmup_steps=trainer_cfg.critic_warmup_steps)
         train_env = self.env_factory(train_step=lambda: learner.steps_done)

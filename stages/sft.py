@@ -33,7 +33,7 @@ class SFTStage(Stage):
 
     def run(self) -> StageResult:
         cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
-        domains = [Domain(name, cfg, run.stages) for name in cfg.domains]
+        domains = [Domain(name, cfg, run.stages, run.device) for name in cfg.domains]
         pools = [sft_examples(d.factory, tok, n=TRAIN_TASK_POOL, seed=run.seed,
                               prompt_format=PromptFormat.from_rollout(tok, d.rollout)) for d in domains]
         rng, share = random.Random(run.seed), max(len(pool) for pool in pools)

@@ -75,8 +75,11 @@ class TeacherSet:
 
     @classmethod
     def from_config(cls, opd: OPDConfig, *, domains: list[str], resolve: Callable[[str], Path],
-                    student_checkpoint: Path, student_tokenizer) -> "TeacherSet":
-        """Resolve and check every teacher; ValueError (TeacherIncompatibleError) with the reason otherwise."""
+                    student_checkpoint: Path, student_tokenizer, device: Optional[str] = None) -> "TeacherSet":
+        """Resolve and check every teacher; ValueError (TeacherIncompatibleError) with the reason otherwise.
+
+        `device`: the run's, for teachers that name none.
+        """
         if not opd.teachers:
             raise ValueError("an OPD stage needs at least one teacher (opd.teachers)")
         student_vocab = model_vocab_size(student_checkpoint)
@@ -108,7 +111,8 @@ class TeacherSet:
                 name=teacher.name, kind=teacher.kind, checkpoint=checkpoint, domains=tuple(teacher.domains),
                 granularity=granularity, k=opd.top_k if granularity == "top_k" else None,
                 p=opd.top_p if granularity == "top_p" else None, checkpoint_hash=checkpoint_hash(checkpoint),
-                vocab_size=vocab, tokenizer_hash=fingerprint))
+                vocab_size=vocab, tokenizer_hash=fingerprint,
+                max_support=opd.max_support if granularity == "top_p" else None, device=teacher.device or device))
         return cls(specs, score_batch_size=opd.score_batch_size, vocab_chunk=opd.vocab_chunk)
 
     def teacher_for(self, domain: str) -> TeacherSpec:
@@ -132,5 +136,6 @@ class TeacherSet:
 def describe(registry: TeacherSet, order: Optional[list[str]] = None) -> dict:
     """The summary.json view of the teachers."""
     return {name: {"checkpoint": str(spec.checkpoint), "domains": list(spec.domains), "granularity": spec.granularity,
-                   "k": spec.k, "p": spec.p, "checkpoint_hash": spec.checkpoint_hash, "kind": spec.kind}
+                   "k": spec.k, "p": spec.p, "max_support": spec.max_support, "device": spec.device,
+                   "checkpoint_hash": spec.checkpoint_hash, "kind": spec.kind}
             for name, spec in registry.specs.items() if order is None or name in order}

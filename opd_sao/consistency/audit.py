@@ -24,6 +24,8 @@ def add_audit_parser(sub, environment) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic mode: fp32, each sequence scored alone by engine and checker")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="embedded engine dtype")
+    p.add_argument("--device", default="auto", help="where the embedded engine and the checker run: auto (cuda when "
+                   "available, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--out", help="output directory (default: <checkpoint>/../audit)")
     p.add_argument("--env", default="arithmetic", help="environment whose eval prompts are used (default: arithmetic)")
     p.add_argument("--prompts-file", help="a text file with one prompt per line, instead of --env's prompts")
@@ -75,7 +77,7 @@ def _engine(args, checkpoint: Path, tokenizer):
     from opd_sao.engines import build_engine
 
     if args.engine == "embedded":
-        cfg = EngineConfig(kind="embedded", dtype=args.dtype, deterministic=args.deterministic)
+        cfg = EngineConfig(kind="embedded", dtype=args.dtype, deterministic=args.deterministic, device=args.device)
     elif args.engine.startswith(("http://", "https://")):
         cfg = EngineConfig(kind="http", urls=[args.engine])
     else:
@@ -94,10 +96,12 @@ def run_audit(args) -> dict:
     from opd_sao.checkpoints import load_causal_lm, load_tokenizer
     from opd_sao.config import RolloutConfig
     from opd_sao.consistency.check import check
+    from opd_sao.devices import resolve_device
     from opd_sao.consistency.gate import diagnose, over_threshold, probe_episodes
     from opd_sao.rl.rollout import run_episodes
 
     checkpoint = Path(args.checkpoint)
+    resolve_device(args.device)  # a device this machine lacks stops here, in one line
     if not (checkpoint / "config.json").is_file():
         raise FileNotFoundError(f"checkpoint {str(checkpoint)!r} is not an HF-format model directory (no config.json)")
     if args.deterministic and args.dtype != "float32":
@@ -116,7 +120,7 @@ def run_audit(args) -> dict:
         episodes = probe_episodes(env_factory, tokenizer, rollout, domain=domain, n=args.prompts, seed=args.seed)
         with torch.no_grad():
             trajs = run_episodes(engine, episodes)
-        trainer = load_causal_lm(checkpoint, "float32")
+        trainer = load_causal_lm(checkpoint, "float32", resolve_device(args.device))
         report = check(trajs, trainer, version=engine.version, eps_low=args.eps_low, eps_high=args.eps_high,
                        alone=args.deterministic)
         reasons = over_threshold(report, args.threshold_mean, args.threshold_p99)

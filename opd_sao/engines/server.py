@@ -34,6 +34,7 @@ import torch
 
 from opd_sao.checkpoints import load_causal_lm, load_tokenizer
 from opd_sao.engines.base import GenerationRequest, GenerationResult, SamplingParams
+from opd_sao.devices import resolve_device
 from opd_sao.engines.embedded import EmbeddedEngine
 from opd_sao.modeling import forward_logits
 
@@ -97,11 +98,13 @@ class RolloutServer:
     """The API's behaviour, independent of HTTP."""
 
     def __init__(self, checkpoint: str | Path, *, max_batch: int = 32, seed: int = 0, dtype: str = "float32",
-                 weight_version: str = "default", max_new_tokens: int = MAX_NEW_TOKENS):
+                 weight_version: str = "default", max_new_tokens: int = MAX_NEW_TOKENS,
+                 device: Optional[str] = None):
         self.checkpoint, self.dtype = str(checkpoint), dtype
         self.tokenizer = load_tokenizer(checkpoint)
-        self.engine = EmbeddedEngine(load_causal_lm(checkpoint, dtype), eos_id=self.tokenizer.eos_token_id,
-                                     pad_id=self.tokenizer.pad_token_id, max_batch=max_batch, seed=seed)
+        self.engine = EmbeddedEngine(load_causal_lm(checkpoint, dtype, resolve_device(device)),
+                                     eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
+                                     max_batch=max_batch, seed=seed)
         self.vocab_size = self.engine.model.get_input_embeddings().num_embeddings
         self.max_positions: Optional[int] = getattr(self.engine.model.config, "max_position_embeddings", None)
         self.max_new_tokens = max_new_tokens
@@ -283,7 +286,7 @@ class RolloutServer:
     @torch.no_grad()
     def _prompt_logprobs(self, ids: list[int], start: int, top_k: int) -> dict:
         """SGLang's input logprobs (temperature 1): entry i is token start+i given the tokens before it."""
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=self.engine.device)
         logp = torch.log_softmax(forward_logits(self.engine.model, x, torch.ones_like(x))[0].float(), dim=-1)
         out = {"input_token_logprobs": [[None if t == 0 else float(logp[t - 1, ids[t]]), ids[t], None]
                                         for t in range(start, len(ids))]}
@@ -411,7 +414,7 @@ def serve(args) -> int:
     if args.max_new_tokens < 1 or args.max_body_mb < 1:
         raise ValueError("--max-new-tokens and --max-body-mb must be at least 1")
     app = RolloutServer(args.checkpoint, max_batch=args.max_batch, seed=args.seed, dtype=args.dtype,
-                        weight_version=args.weight_version, max_new_tokens=args.max_new_tokens)
+                        weight_version=args.weight_version, max_new_tokens=args.max_new_tokens, device=args.device)
     httpd = _HTTPServer((args.host, args.port), _handler(app, args.max_body_mb << 20))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"opd-sao serve: {args.checkpoint} on http://{args.host}:{httpd.server_port} "

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
 from opd_sao.checkpoints import encode_text, load_tokenizer, pretrained, save_checkpoint
+from opd_sao.devices import resolve_device
 
 Pair = tuple[str, str, str]  # (prompt, chosen response, rejected response)
 
@@ -54,11 +56,12 @@ def best_threshold(good: torch.Tensor, bad: torch.Tensor) -> float:
 
 
 class RewardModel:
-    def __init__(self, path: str | Path, device: str = "cpu"):
+    def __init__(self, path: str | Path, device: Optional[str] = None):
+        """`device`: where it scores (auto | cpu | cuda | cuda:N; None: auto)."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"no reward model at {str(path)!r} (no config.json)")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.model = pretrained(AutoModelForSequenceClassification, path).to(self.device).eval()
         self.tokenizer = load_tokenizer(path)
         self.info = getattr(self.model.config, "reward_model", None) or {}
@@ -75,14 +78,16 @@ class RewardModel:
 
 
 def train_reward_model(init: str | Path, out: str | Path, pairs: list[Pair], heldout: list[Pair], *,
-                       steps: int = 300, lr: float = 2e-3, batch_size: int = 32, seed: int = 0) -> dict:
-    """Train from `init` (an HF causal-LM directory), save to `out`; returns the held-out pair accuracy etc."""
+                       steps: int = 300, lr: float = 2e-3, batch_size: int = 32, seed: int = 0,
+                       device: Optional[str] = None) -> dict:
+    """Train from `init` (an HF causal-LM directory) on `device`, save to `out`; returns the held-out pair
+    accuracy etc."""
     if not pairs or not heldout:
         raise ValueError("training a reward model needs training and held-out preference pairs")
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(init)
     model = pretrained(AutoModelForSequenceClassification, init, num_labels=1,
-                       pad_token_id=tokenizer.pad_token_id).train()
+                       pad_token_id=tokenizer.pad_token_id).to(resolve_device(device)).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
     for _ in range(steps):
