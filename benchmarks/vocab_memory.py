@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per child (median)")
+    parser.add_argument("--kinds", default="sft,sao_policy", help="comma-separated step kinds to measure")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "METHOD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -100,7 +101,7 @@ def main() -> None:
         print(json.dumps(measure(*args.child, args.batch, args.seq, args.repeats)))
         return
     results: dict = {}
-    for kind in ("sft", "sao_policy"):
+    for kind in args.kinds.split(","):
         for method in ("naive", "chunked"):
             results.setdefault(kind, {})[method] = run_child(kind, method, args.batch, args.seq, args.repeats)
             print(f"{kind:10s} {method:8s} {results[kind][method]}", flush=True)

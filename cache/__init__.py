@@ -16,8 +16,9 @@ API:
   LogitCache(root).teachers() -> {name: CacheMeta}, teacher_dirs(), open_dir(path), rebuild_teacher(meta)
   TeacherCache.put(traj_id, record) / get(traj_id) / get_many(traj_ids) / invalidate(traj_id)
   TeacherCache: `in`, len(), traj_ids(), n_tokens(), verify(), bad_index_lines(), collect_garbage()
-  encode_top_k(logp_rows, k, sampled_ids), encode_top_p(logp_rows, p, sampled_ids), encode_full(logp_rows,
-  sampled_ids), record_from_logprobs(meta, logp_rows, sampled_ids) -> TeacherRecord
+  encode_top_k(logp_rows, k, sampled_ids), encode_top_p(logp_rows, p, sampled_ids, max_support),
+  encode_full(logp_rows, sampled_ids), record_from_logprobs(meta, logp_rows, sampled_ids) -> TeacherRecord
+  capped_nucleus_size(logp_desc, p, max_support), nucleus_cut(row_len, tail_mass, p, max_support): the top-p cap
   cache.cli: inspect(path), verify(path), gc(path), main(argv)
 
 The byte encoding and its error bounds are documented in ``cache.encoding``; the storage layout and commit
@@ -27,7 +28,14 @@ protocol in ``cache.store``.
 from .errors import CacheDamagedError, CacheMismatchError, CacheReadOnlyError, CorruptRecordError
 from .records import CacheMeta, TeacherRecord
 from .store import LogitCache, TeacherCache
-from .support import encode_full, encode_top_k, encode_top_p, record_from_logprobs
+from .support import (
+    capped_nucleus_size,
+    encode_full,
+    encode_top_k,
+    encode_top_p,
+    nucleus_cut,
+    record_from_logprobs,
+)
 
 __all__ = [
     "CacheDamagedError",
@@ -38,8 +46,10 @@ __all__ = [
     "LogitCache",
     "TeacherCache",
     "TeacherRecord",
+    "capped_nucleus_size",
     "encode_full",
     "encode_top_k",
     "encode_top_p",
+    "nucleus_cut",
     "record_from_logprobs",
 ]

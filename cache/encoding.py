@@ -383,6 +383,9 @@ def _support_gaps(meta: CacheMeta, record: TeacherRecord) -> np.ndarray:
     _require(len(record.tail_mass) == n, "tail_mass must be [n]")
     if meta.granularity == "top_k":
         _require(bool((row_len == meta.k).all()), f"every top_k position must hold k={meta.k} ids")
+    if meta.granularity == "top_p":
+        _require(bool((row_len <= meta.max_support).all()), f"a top_p position holds more than "
+                 f"max_support={meta.max_support} ids")
     _require(len(ids) == 0 or (0 <= ids.min() and ids.max() < meta.vocab_size), "ids outside the vocabulary")
     previous = np.empty_like(ids)
     previous[1:] = ids[:-1]

@@ -22,6 +22,7 @@ class CacheMeta:
     granularity: Granularity
     k: int | None = None
     p: float | None = None
+    max_support: int | None = None  # top_p: at most this many ids per position (the nucleus cap)
 
     def __post_init__(self) -> None:
         if not self.teacher:
@@ -32,6 +33,10 @@ class CacheMeta:
             raise ValueError("k is required for granularity 'top_k' and only for it")
         if (self.granularity == "top_p") != (self.p is not None):
             raise ValueError("p is required for granularity 'top_p' and only for it")
+        if (self.granularity == "top_p") != (self.max_support is not None):
+            raise ValueError("max_support is required for granularity 'top_p' and only for it")
+        if self.max_support is not None and not 1 <= self.max_support:
+            raise ValueError(f"max_support must be >= 1, got {self.max_support}")
         if self.k is not None and not 1 <= self.k <= self.vocab_size:
             raise ValueError(f"k must be in [1, vocab_size], got {self.k}")
         if self.p is not None and not 0.0 < self.p <= 1.0:
@@ -42,7 +47,7 @@ class CacheMeta:
 
     @classmethod
     def from_attrs(cls, attrs: dict) -> "CacheMeta":
-        return cls(**{f.name: attrs[f.name] for f in fields(cls)})
+        return cls(**{f.name: attrs.get(f.name) for f in fields(cls)})  # a field newer than the cache: None
 
 
 @dataclass

@@ -12,7 +12,6 @@ import torch
 
 from .records import CacheMeta, TeacherRecord
 
-TOP_P_PROBE = 256  # nuclei are found among each row's top 256 tokens; rows whose nucleus is larger get a full sort
 
 
 def _rows(logp_rows) -> torch.Tensor:
@@ -55,25 +54,33 @@ def encode_top_k(logp_rows, k: int, sampled_ids) -> TeacherRecord:
     return _support_record(rows, sampled_ids, row_index, ids.reshape(-1))
 
 
-def _nucleus(values: torch.Tensor, ids: torch.Tensor, row_index: torch.Tensor, p: float):
-    """(row, id) pairs of the shortest prefix of each descending row whose probability reaches p."""
-    cumulative = values.double().exp().cumsum(-1)
-    size = ((cumulative < p).sum(-1) + 1).clamp(max=values.shape[-1])
-    keep = torch.arange(values.shape[-1], device=values.device) < size[:, None]
-    return row_index[:, None].expand_as(ids)[keep], ids[keep]
+def capped_nucleus_size(logp_desc: torch.Tensor, p: float, max_support: int) -> torch.Tensor:
+    """[n] support size of each row's capped top-p nucleus: the shortest prefix of the row's most probable
+    tokens whose probability reaches p, cut to at most ``max_support`` ids (the rest of the nucleus then
+    joins the tail bucket), so bytes per token stay bounded whatever the teacher's entropy.
+
+    ``logp_desc`` [n, w]: normalised log-probs sorted descending, at least the top min(max_support, vocab)
+    of each row (the capped nucleus never reaches further). The one definition teacher scoring
+    (teachers.scoring) and the dense encoder below share.
+    """
+    cumulative = logp_desc.double().exp().cumsum(-1)
+    return ((cumulative < p).sum(-1) + 1).clamp(max=min(max_support, logp_desc.shape[-1]))
 
 
-def encode_top_p(logp_rows, p: float, sampled_ids) -> TeacherRecord:
-    """Keep each position's nucleus: the fewest most probable tokens holding at least probability p."""
+def nucleus_cut(row_len: torch.Tensor, tail_mass: torch.Tensor, p: float, max_support: int) -> torch.Tensor:
+    """[n] bool: positions whose nucleus the cap cut (the support is full and still holds less than p)."""
+    return (row_len >= max_support) & (1.0 - tail_mass.double() < p)
+
+
+def encode_top_p(logp_rows, p: float, sampled_ids, max_support: int) -> TeacherRecord:
+    """Keep each position's nucleus (the fewest most probable tokens holding at least probability p), at most
+    ``max_support`` of them."""
     rows = _rows(logp_rows)
-    values, ids = rows.topk(min(rows.shape[1], TOP_P_PROBE), dim=-1)
-    covered = values.double().exp().sum(-1) >= p
-    row_numbers = torch.arange(rows.shape[0], device=rows.device)
-    parts = [_nucleus(values[covered], ids[covered], row_numbers[covered], p)]
-    if not bool(covered.all()):
-        values, ids = rows[~covered].sort(dim=-1, descending=True)
-        parts.append(_nucleus(values, ids, row_numbers[~covered], p))
-    return _support_record(rows, sampled_ids, torch.cat([r for r, _ in parts]), torch.cat([i for _, i in parts]))
+    values, ids = rows.topk(min(rows.shape[1], max_support), dim=-1)
+    size = capped_nucleus_size(values, p, max_support)
+    keep = torch.arange(values.shape[-1], device=values.device) < size[:, None]
+    row_index = torch.arange(rows.shape[0], device=rows.device)[:, None].expand_as(ids)
+    return _support_record(rows, sampled_ids, row_index[keep], ids[keep])
 
 
 def encode_full(logp_rows, sampled_ids) -> TeacherRecord:
@@ -86,7 +93,7 @@ def record_from_logprobs(meta: CacheMeta, logp_rows, sampled_ids) -> TeacherReco
     if meta.granularity == "top_k":
         return encode_top_k(logp_rows, meta.k, sampled_ids)
     if meta.granularity == "top_p":
-        return encode_top_p(logp_rows, meta.p, sampled_ids)
+        return encode_top_p(logp_rows, meta.p, sampled_ids, meta.max_support)
     if meta.granularity == "full":
         return encode_full(logp_rows, sampled_ids)
     return TeacherRecord(sampled_logp=_sampled_logp(_rows(logp_rows), sampled_ids))

@@ -1,8 +1,10 @@
-"""Loading policies and tokenizers from local HF directories, and building the embedded tiny model.
+"""Loading policies and tokenizers from local HF directories, prompt encoding, and the embedded tiny model.
 
 The tiny model is built once (random init from a Llama config, a byte-level BPE tokenizer trained
-locally) and saved in HF format; from then on it loads through the same `from_pretrained` path a
-real checkpoint takes. Nothing is ever downloaded.
+locally, a small chat template) and saved in HF format; from then on it loads through the same
+`from_pretrained` path a real checkpoint takes. Nothing is ever downloaded. Any local HF causal LM
+loads the same way; `PromptFormat` encodes prompts the way its tokenizer expects (BOS only when it has
+one; its chat template for `prompt_format: chat`).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 import shutil
 import threading
 from pathlib import Path
+from typing import Optional
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -29,6 +32,13 @@ hf_logging.disable_progress_bar()  # one bar per stage is ours to draw; loading 
 hf_logging.set_verbosity_error()
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+# The tiny model's chat template: "role: content" lines, the assistant's closed by eos (what stops generation).
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+)
+PROMPT_FORMATS = ("raw", "chat")
 
 # transformers builds a model inside context managers that patch process-wide state (the default
 # dtype, the meta device, no-op `nn.init` functions) and restore it on exit. Two threads loading at
@@ -54,7 +64,8 @@ def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", clean_up_tokenization_spaces=False
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", clean_up_tokenization_spaces=False,
+        chat_template=TINY_CHAT_TEMPLATE,
     )
 
 
@@ -89,10 +100,80 @@ def build_tiny_model(out_dir: Path, texts: list[str], shape: TinyModelConfig, se
 
 
 def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer; without a pad token, eos pads (every padded position is masked out)."""
     tok = AutoTokenizer.from_pretrained(str(path))
     if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {path} has neither a pad nor an eos token: set one of them in its "
+                             "tokenizer_config.json")
         tok.pad_token = tok.eos_token
     return tok
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Plain text as a model sees it at the start of a sequence: BOS first only when the tokenizer has one."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids if tokenizer.bos_token_id is None else [tokenizer.bos_token_id] + ids
+
+
+_ACTION, _OBSERVATION = "\x00opd-sao-action\x00", "\x00opd-sao-observation\x00"
+
+
+class PromptFormat:
+    """How environment text becomes the token ids a model expects (a stage's `rollout.prompt_format`).
+
+    raw: the prompt as plain text (`encode_text`), observations as plain text after the action. chat: the
+    tokenizer's chat template: the prompt is a user turn (after the optional system prompt) followed by the
+    generation prompt; each observation closes the assistant's turn (unless the action already ended on the
+    stop token that closes it), is a user turn, and opens the next assistant turn. Actions are the engine's
+    token ids, never re-tokenised: only the text around them is encoded.
+    """
+
+    def __init__(self, tokenizer, kind: str = "raw", system_prompt: Optional[str] = None):
+        if kind not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format must be one of {list(PROMPT_FORMATS)} (got {kind!r})")
+        if kind == "chat" and not tokenizer.chat_template:
+            raise ValueError(f"prompt_format chat: the tokenizer {tokenizer.name_or_path!r} has no chat template "
+                             "(use prompt_format raw, or add a chat_template to its tokenizer_config.json)")
+        self.tokenizer, self.kind = tokenizer, kind
+        self.system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        if kind == "chat":
+            # The template's text between an assistant message and the next assistant message's content,
+            # around the user's content: rendered once with placeholders, so any template works.
+            text = self._render([{"role": "user", "content": "?"}, {"role": "assistant", "content": _ACTION},
+                                 {"role": "user", "content": _OBSERVATION}])
+            self._turn = tuple(text.split(_ACTION, 1)[1].split(_OBSERVATION, 1))
+
+    @classmethod
+    def from_rollout(cls, tokenizer, rollout) -> "PromptFormat":
+        return cls(tokenizer, rollout.prompt_format, rollout.system_prompt)
+
+    def _render(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(self.system + messages, tokenize=False, add_generation_prompt=True)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt(self, text: str) -> list[int]:
+        if self.kind == "raw":
+            return encode_text(self.tokenizer, text)
+        return self._encode(self._render([{"role": "user", "content": text}]))
+
+    def observation(self, text: str, stopped_on: Optional[int] = None, instruction: str = "") -> list[int]:
+        """An observation after an action (`stopped_on`: the stop token the action ended with, if any),
+        followed by `instruction` (compaction's request for a summary) in the same turn."""
+        if self.kind == "raw":
+            return self._encode(text) + (self._encode(instruction) if instruction else [])
+        head, tail = self._turn
+        if stopped_on is not None:
+            closing = self.tokenizer.decode([stopped_on])
+            if closing and head.startswith(closing):
+                head = head[len(closing):]
+        return self._encode(head + text + instruction + tail)
+
+    def answer(self, text: str) -> list[int]:
+        """A reference response as the model should write it (SFT): the text, then eos, which ends the turn."""
+        return self._encode(text) + [self.tokenizer.eos_token_id]
 
 
 def pretrained(auto_class, path: str | Path, **kwargs) -> torch.nn.Module:
@@ -101,10 +182,56 @@ def pretrained(auto_class, path: str | Path, **kwargs) -> torch.nn.Module:
         return auto_class.from_pretrained(str(path), **kwargs)
 
 
-def load_causal_lm(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+def load_causal_lm(path: str | Path, dtype: str = "float32", device: Optional[torch.device | str] = None
+                   ) -> torch.nn.Module:
+    """The model in `dtype` (float32 or bfloat16, on any device), moved to `device` (None: where it loads)."""
     model = pretrained(AutoModelForCausalLM, path, dtype=DTYPES[dtype], attn_implementation="eager")
     model.config.use_cache = False
-    return model
+    return model if device is None else model.to(device)
+
+
+def stop_ids(model: torch.nn.Module, eos_id: Optional[int]) -> frozenset[int]:
+    """The tokenizer's eos and every eos id of the model's generation config: any of them ends a response
+    (Qwen-style chat models stop on `<|im_end|>` or `<|endoftext|>`)."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    ids = frozenset(configured + ([eos_id] if eos_id is not None else []))
+    if not ids:
+        raise ValueError("the model has no eos token (neither its tokenizer nor its generation config names one), "
+                         "so generation could never stop")
+    return ids
+
+
+def describe_model(path: str | Path) -> dict:
+    """What opd-sao will use from a model directory (`opd-sao models check`); ValueError naming what is wrong."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not an HF-format model directory (no config.json)")
+    try:
+        tokenizer = load_tokenizer(path)
+        model = pretrained(AutoModelForCausalLM, path, dtype="auto")
+    except Exception as err:  # noqa: BLE001 (any loading failure is the one-line answer)
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"{path} cannot be loaded as a causal LM: {type(err).__name__}: {reason}") from None
+    vocab = model.get_input_embeddings().num_embeddings
+    output = model.get_output_embeddings()
+
+    def token(i):
+        return None if i is None else {"id": i, "token": tokenizer.convert_ids_to_tokens(i)}
+
+    return {
+        "path": str(path), "architecture": (model.config.architectures or [type(model).__name__])[0],
+        "model_type": model.config.model_type, "vocab_size": vocab, "tokenizer_size": len(tokenizer),
+        "padded_rows": vocab - len(tokenizer),
+        "tied_embeddings": output is not None and output.weight is model.get_input_embeddings().weight,
+        "bos": token(tokenizer.bos_token_id), "eos": token(tokenizer.eos_token_id), "pad": token(tokenizer.pad_token_id),
+        "pad_is_eos": tokenizer.pad_token_id == tokenizer.eos_token_id,
+        "stop_ids": sorted(stop_ids(model, tokenizer.eos_token_id)),
+        "chat_template": bool(tokenizer.chat_template), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "parameters": model.num_parameters(),
+        "weights": sorted(p.name for p in path.iterdir() if p.suffix in (".safetensors", ".bin")
+                          or p.name.endswith(".index.json")),
+    }
 
 
 def save_checkpoint(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
@@ -128,7 +255,11 @@ def file_hash(*paths: Path) -> str:
 
 
 def checkpoint_hash(path: str | Path) -> str:
-    return file_hash(*sorted(Path(path).glob("*.safetensors")))
+    """Hash of the weight files (safetensors, sharded or not, or pytorch .bin)."""
+    weights = sorted(Path(path).glob("*.safetensors")) or sorted(Path(path).glob("pytorch_model*.bin"))
+    if not weights:
+        raise ValueError(f"{path} holds no weights (*.safetensors or *.bin)")
+    return file_hash(*weights)
 
 
 def tokenizer_hash(path: str | Path) -> str:

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from stages.envs.dataset.rewards import RewardFailure
 from stages.envs.sandbox import SandboxUnavailableError
 
 
@@ -30,7 +31,10 @@ def _cmd_run(args) -> int:
         from .trainers.deepspeed_backend import follow
 
         return follow(cfg)
-    summary = run_pipeline(cfg, run_dir, log=lambda msg: print(msg, flush=True), resume=bool(args.resume))
+    if args.allow_config_change and not args.resume:
+        raise ValueError("--allow-config-change only applies with --resume")
+    summary = run_pipeline(cfg, run_dir, log=lambda msg: print(msg, flush=True), resume=bool(args.resume),
+                           allow_config_change=args.allow_config_change)
     print(f"\nrun finished: {run_dir}")
     print(f"{'stage':<12} {'kind':<10} {'algo':<8} {'gate':<7} eval after (held-out, per domain)")
     for stage in summary["stages"]:
@@ -78,11 +82,48 @@ def _cmd_validate_env(args) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_data(args) -> int:
+    """`opd-sao data inspect PATH`: row count, fields, and three prompts as a dataset environment shows them."""
+    from stages.envs.dataset import inspect_file
+
+    try:
+        options = json.loads(args.options)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--options is not valid JSON: {err}") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"--options must be a JSON object (got {args.options!r})")
+    if args.chat_template:
+        options["chat_template"] = args.chat_template
+    print(inspect_file(args.path, options, n=args.n))
+    return 0
+
+
 def _cmd_sandbox(args) -> int:
     """`opd-sao sandbox run FILE [limits]`: the sandbox's own command line (opd_sao.sandbox.main)."""
     from stages.envs.sandbox import main as sandbox_main
 
     return sandbox_main(args.args)
+
+
+def _cmd_models(args) -> int:
+    """`opd-sao models check DIR`: what opd-sao will use from a model directory, or one line saying why it cannot."""
+    from .checkpoints import describe_model
+
+    info = describe_model(args.dir)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    name = lambda t: "none" if t is None else f"{t['id']} {t['token']!r}"  # noqa: E731
+    padded = f" (tokenizer {info['tokenizer_size']}, {info['padded_rows']} padded rows)" if info["padded_rows"] else ""
+    print(f"{info['path']}: {info['architecture']} ({info['model_type']}), {info['parameters']:,} parameters, "
+          f"{info['dtype']}, {'tied' if info['tied_embeddings'] else 'untied'} embeddings\n"
+          f"  vocab {info['vocab_size']}{padded}\n"
+          f"  bos {name(info['bos'])}; eos {name(info['eos'])}; pad {name(info['pad'])}"
+          f"{' (falls back to eos)' if info['pad_is_eos'] else ''}\n"
+          f"  generation stops on ids {info['stop_ids']}\n"
+          f"  chat template: {'yes (prompt_format chat works)' if info['chat_template'] else 'no (prompt_format raw only)'}"
+          f"\n  weights: {', '.join(info['weights']) or 'none found'}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", nargs="?")
     run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.policy_lr=1e-5 stages.reasoning.steps=5")
     run.add_argument("--run-dir", help="run directory (default: runs/<timestamp>-<config name>)")
-    run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run (completed stages are kept)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run (completed stages are kept); "
+                                                         "refused when its config.yaml was changed since the start")
+    run.add_argument("--allow-config-change", action="store_true",
+                     help="with --resume: accept a config.yaml whose only changes are logging settings")
     run.set_defaults(func=_cmd_run)
     cache = sub.add_parser("cache", help="logit cache: size and bytes/token, integrity check, garbage collection")
     cache.add_argument("action", choices=["inspect", "verify", "gc"])
@@ -106,6 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--n", type=int, default=16, help="tasks to check, half from each split (default 16)")
     validate.add_argument("--seed", type=int, default=0)
     validate.set_defaults(func=_cmd_validate_env)
+    data = sub.add_parser("data", help="inspect a dataset file: row count, fields, prompts as the environment shows them")
+    data.add_argument("action", choices=["inspect"])
+    data.add_argument("path", help="a .jsonl, .json or .parquet file, or a datasets save_to_disk directory")
+    data.add_argument("--options", default="{}", help='dataset env options as a JSON object, e.g. \'{"prompt_key": '
+                                                      '"question"}\'')
+    data.add_argument("--chat-template", help="a local HF tokenizer directory: render prompts with its chat template")
+    data.add_argument("--n", type=int, default=3, help="prompts to show (default 3)")
+    data.set_defaults(func=_cmd_data)
     sandbox = sub.add_parser("sandbox", add_help=False, help="run one Python program in the agent sandbox "
                                                              "(`opd-sao sandbox run FILE`, prints one JSON object)")
     sandbox.add_argument("args", nargs=argparse.REMAINDER)
@@ -119,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--max-batch", type=int, default=32, help="sequences decoded together (continuous batch)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    serve.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     serve.add_argument("--seed", type=int, default=0, help="sampling seed")
     serve.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     serve.add_argument("--weight-version", default="default", help="reported until the first weight update (as SGLang)")
@@ -132,11 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("prefix", nargs="?", default="", help="only settings under this path, e.g. stages[].opd")
     config.add_argument("--markdown", action="store_true", help="as the markdown table of docs/config.md")
     config.set_defaults(func=_cmd_config)
+    models = sub.add_parser("models", help="check a model directory: what opd-sao will use from it")
+    models.add_argument("action", choices=["check"])
+    models.add_argument("dir", help="a local HF-format model directory")
+    models.add_argument("--json", action="store_true", help="print one JSON object")
+    models.set_defaults(func=_cmd_models)
     reward = sub.add_parser("reward-model", help="train the chat judge's reward model from generated preference pairs")
     reward.add_argument("out", help="directory to write the HF-format reward model to")
     reward.add_argument("--pairs", type=int, default=3000)
     reward.add_argument("--steps", type=int, default=300)
     reward.add_argument("--seed", type=int, default=0)
+    reward.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     reward.set_defaults(func=_cmd_reward_model)
     return parser
 
@@ -159,12 +218,16 @@ def _cmd_reward_model(args) -> int:
     """`opd-sao reward-model --out DIR`: train the chat environment's reward model, print its figures as JSON."""
     from stages.envs.chat import train_chat_reward_model
 
-    info = train_chat_reward_model(Path(args.out), n_pairs=args.pairs, steps=args.steps, seed=args.seed)
+    from opd_sao.devices import resolve_device
+
+    resolve_device(args.device)  # a device this machine lacks stops here, before the training pairs are built
+    info = train_chat_reward_model(Path(args.out), n_pairs=args.pairs, steps=args.steps, seed=args.seed,
+                                   device=args.device)
     print(json.dumps({"path": args.out, **info}))
     return 0
 
 
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, SandboxUnavailableError)
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, SandboxUnavailableError, RewardFailure)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,8 @@ from pydantic import (
     model_validator,
 )
 
+from opd_sao.devices import DEVICE_PATTERN, resolve_device
+
 Granularity = Literal["sampled", "top_k", "top_p", "full"]
 Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
 Dtype = Literal["float32", "bfloat16"]
@@ -43,6 +45,19 @@ class Strict(BaseModel):
 def describe(description: str, default: Any = ..., **constraints) -> Any:
     """A documented field: every setting says what it does (`opd-sao config` prints them all)."""
     return Field(default, description=description, **constraints)
+
+
+def describe_device(description: str, default: Optional[str] = None) -> Any:
+    """A `device` setting: auto, cpu, cuda or cuda:N (checked against this machine by RunConfig)."""
+    return describe(description, default, pattern=DEVICE_PATTERN)
+
+
+def _require_device(where: str, spec: Optional[str]) -> None:
+    """A device this machine lacks is a config error naming the setting, found before any work."""
+    try:
+        resolve_device(spec)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 class TinyModelConfig(Strict):
@@ -88,6 +103,8 @@ class EngineConfig(Strict):
     dtype: Dtype = describe("embedded engine weights' dtype", "float32")
     deterministic: bool = describe("score every sequence alone with the trainer's kernels (bitwise agreement; slow)",
                                    False)
+    device: Optional[str] = describe_device("where the embedded engine's model and batches live (auto | cpu | cuda | "
+                                            "cuda:N); default: the run's `device`")
 
 
 class TrainerConfig(Strict):
@@ -109,6 +126,9 @@ class TrainerConfig(Strict):
     deepspeed_config: Optional[dict[str, Any]] = describe("backend=deepspeed: a DeepSpeed config dict (defaults to "
                                                           "ZeRO-2)", None)
     slowdown_s: float = describe("artificial delay per step, to force staleness in experiments", 0.0, ge=0)
+    device: Optional[str] = describe_device("where the policy, critic, SFT warm starts and the learner's batches live "
+                                            "(auto | cpu | cuda | cuda:N); default: the run's `device`. DeepSpeed "
+                                            "uses its launcher's GPU (LOCAL_RANK), in a world of one this one")
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> "TrainerConfig":
@@ -136,6 +156,12 @@ class RolloutConfig(Strict):
     compaction_budget: int = describe("context tokens past which an episode compacts", 256, ge=16)
     compaction_instruction: str = describe("the observation that asks the model for its summary",
                                            "\n# summary of the task and attempts so far:\n")
+    prompt_format: Literal["raw", "chat"] = describe(
+        "raw: prompts and observations as plain text (after BOS when the tokenizer has one); chat: the tokenizer's "
+        "chat template (the prompt a user turn + the generation prompt, each observation a user turn). "
+        "Default: the run's prompt_format", "raw")
+    system_prompt: Optional[str] = describe("chat format: the system message before the first user turn (null: the "
+                                            "template's default, if any)", None)
 
     @model_validator(mode="after")
     def _room_for_a_summary(self) -> "RolloutConfig":
@@ -193,6 +219,8 @@ class TeacherConfig(Strict):
     domains: list[str] = describe("the domains (environments) this teacher teaches", min_length=1)
     granularity: Optional[Granularity] = describe("what the teacher stores per token (default: the stage's)", None)
     kind: str = describe("a Teacher implementation registered in teachers/ (TEACHER_KINDS)", "in_process")
+    device: Optional[str] = describe_device("where this teacher scores (auto | cpu | cuda | cuda:N); default: the "
+                                            "run's `device`")
 
 
 class OPDConfig(Strict):
@@ -203,6 +231,9 @@ class OPDConfig(Strict):
                                         "top_k")
     top_k: int = describe("top_k: tokens kept per position", 16, ge=1)
     top_p: float = describe("top_p: probability mass kept per position", 0.95, gt=0, le=1)
+    max_support: int = describe("top_p: at most this many token ids per position (the nucleus cap); the rest of the "
+                                "nucleus joins the tail bucket, so cache bytes and memory per token stay bounded "
+                                "whatever the teacher's entropy (metric: nucleus_cap_hit_rate)", 256, ge=1)
     divergence: Divergence = describe("top_k/top_p/full: forward_kl, reverse_kl or jsd", "reverse_kl")
     jsd_beta: float = describe("jsd: the mixture weight", 0.5, gt=0, lt=1)
     reward_weight: float = describe("mix the task reward (minus a running mean) into the loss", 0.0, ge=0)
@@ -261,14 +292,22 @@ class LoggingConfig(Strict):
     progress: bool = describe("live progress bars", True)
 
 
+SEED_LIMIT = 2**32  # numpy, torch and random all take seeds below this (and small offsets of them)
+
+
 class RunConfig(Strict):
     """A whole run: the base model, the engine, the trainer and the stages in order."""
 
-    seed: int = describe("seed of every random choice", 0)
+    seed: int = describe("seed of every random choice", 0, ge=0, lt=SEED_LIMIT)
+    device: str = describe_device("run-wide device of every model and batch: auto (cuda when torch sees a GPU, else "
+                                  "cpu), cpu, cuda or cuda:N; engine.device, trainer.device and a teacher's device "
+                                  "override it", "auto")
     torch_threads: Optional[int] = describe("torch threads per process (tiny models run fastest single-threaded, and "
                                             "the rollout and trainer threads each get a core); null: torch's default",
                                             1, ge=1)
     algo: Algo = describe("the learning rule of RL stages (a row of opd_sao.algorithms.ALGORITHMS)", "sao")
+    prompt_format: Literal["raw", "chat"] = describe("every stage's rollout.prompt_format unless the stage sets "
+                                                     "its own (raw | chat)", "raw")
     run_dir: Optional[str] = describe("the run directory (default: runs/<timestamp>-<config name>)", None)
     model: ModelConfig = describe("the base model", ModelConfig())
     engine: EngineConfig = describe("the rollout engine", EngineConfig())
@@ -281,6 +320,7 @@ class RunConfig(Strict):
     def _check_stages(self) -> "RunConfig":
         from opd_sao.algorithms import ALGORITHMS
 
+        _require_device("device" if self.engine.device is None else "engine.device", self.engine_device)
         seen: list[str] = []
         for stage in self.stages:
             if stage.name in seen:
@@ -300,7 +340,21 @@ class RunConfig(Strict):
             if stage.opd.teachers and not set(stage.domains) <= taught:
                 raise ValueError(f"stage {stage.name!r}: domains {sorted(set(stage.domains) - taught)} have no teacher "
                                  f"(teachers cover {sorted(taught)})")
-            trainer = TrainerConfig(**{**self.trainer.model_dump(), **stage.trainer})
+            if "prompt_format" not in stage.rollout.model_fields_set:
+                stage.rollout.prompt_format = self.prompt_format
+            try:
+                trainer = self.stage_trainer(stage)
+            except ValidationError as err:
+                raise ValueError(f"stage {stage.name!r}: trainer.{format_error(err)}") from None
+            _require_device(f"stage {stage.name!r}: trainer.device", trainer.device)
+            for teacher in stage.opd.teachers:
+                _require_device(f"stage {stage.name!r}: teacher {teacher.name!r} device", teacher.device or self.device)
+            divergent = [t.name for t in stage.opd.teachers if (t.granularity or stage.opd.granularity) != "sampled"]
+            if trainer.backend == "deepspeed" and divergent:
+                raise ValueError(f"stage {stage.name!r}: trainer.backend deepspeed trains OPD only at granularity "
+                                 f"sampled (the top_k / top_p / full losses read the policy module directly, which "
+                                 f"the DeepSpeed backend cannot step), but teachers {divergent} are not; use "
+                                 f"trainer.backend torch for this stage")
             grouped = ALGORITHMS[self.stage_algo(stage)].grouped
             if stage.rollout.group_size is None:
                 stage.rollout.group_size = 8 if grouped else 1
@@ -313,13 +367,25 @@ class RunConfig(Strict):
                 raise ValueError(f"stage {stage.name!r}: trainer.train_batch_size {trainer.train_batch_size} must be "
                                  f"a multiple of rollout.group_size {stage.rollout.group_size}")
             seen.append(stage.name)
+        envs = {stage.env for stage in self.stages if stage.env}
+        if set(self.eval_domains) - envs:
+            raise ValueError(f"eval_domains {sorted(set(self.eval_domains) - envs)} are not the env of any stage "
+                             f"({sorted(envs)})")
         return self
 
     def stage_algo(self, stage: StageConfig) -> str:
         return stage.algo or self.algo
 
     def stage_trainer(self, stage: StageConfig) -> TrainerConfig:
-        return TrainerConfig(**{**self.trainer.model_dump(), **stage.trainer})
+        """The run's trainer settings with the stage's overrides; `device` filled in from the run's."""
+        trainer = TrainerConfig(**{**self.trainer.model_dump(), **stage.trainer})
+        if trainer.device is None:
+            trainer.device = self.device
+        return trainer
+
+    @property
+    def engine_device(self) -> str:
+        return self.engine.device or self.device
 
 
 def type_name(annotation) -> str:
@@ -370,14 +436,15 @@ def config_reference(prefix: str = "", *, markdown: bool = False) -> str:
     return "\n".join(f"{path:<{width}}  {kind} = {default}\n{'':<{width}}  {text}" for path, kind, default, text in rows)
 
 
-def _format_error(err: ValidationError) -> str:
+def format_error(err: ValidationError) -> str:
+    """The first validation error as one line: where, what, and the value given."""
     first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "config"
+    where = ".".join(str(p) for p in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")  # a validator's own message already names the field
     got = first.get("input")
     shown = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
     more = f"; and {err.error_count() - 1} more" if err.error_count() > 1 else ""
-    message = first['msg'].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
-    return f"{where}: {message}{shown}{more}"
+    return f"{where + ': ' if where else ''}{message}{shown}{more}"
 
 
 def _apply_override(data: dict, dotted: str) -> None:
@@ -385,7 +452,11 @@ def _apply_override(data: dict, dotted: str) -> None:
     if "=" not in dotted:
         raise ConfigError(f"override {dotted!r} must look like key.path=value")
     key, raw = dotted.split("=", 1)
-    value = yaml.safe_load(raw) if raw else ""
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {dotted!r}: the value is not valid YAML ({getattr(err, 'problem', None) or err})"
+                          ) from None
     node: Any = data
     parts = key.split(".")
     for i, part in enumerate(parts):
@@ -417,7 +488,7 @@ def parse_config(data: dict, overrides: list[str] = ()) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
+        raise ConfigError(format_error(err)) from None
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -11,7 +13,8 @@ import yaml
 from opd_sao.checkpoints import build_tiny_model, load_tokenizer
 from opd_sao.engines import check_engine
 from opd_sao.runs.evaluation import evaluate
-from opd_sao.runs.files import write_json
+from opd_sao.runs.files import atomic_write, write_json
+from opd_sao.runs.fingerprint import check_resume, write_record
 from opd_sao.runs.report import forgetting, write_report
 from opd_sao.runs.tracking import start_wandb
 
@@ -28,25 +31,68 @@ def eval_domains(cfg: RunConfig) -> dict[str, object]:
     for stage in cfg.stages:
         if stage.env and stage.env not in domains:
             domains[stage.env] = stage
-    if cfg.eval_domains:
-        missing = set(cfg.eval_domains) - set(domains)
-        if missing:
-            raise ValueError(f"eval_domains {sorted(missing)} are not the env of any stage ({sorted(domains)})")
+    if cfg.eval_domains:  # the config schema has checked that each is some stage's env
         domains = {d: domains[d] for d in cfg.eval_domains}
     return domains
 
 
+def check_before_work(cfg: RunConfig) -> None:
+    """What the schema cannot check alone (it needs the registries or the disk), checked before anything is written:
+    every stage's kind and the settings that kind needs, every environment's options, the model path, and an http
+    engine's fleet (every URL answers, every router has workers)."""
+    from stages import STAGES
+    from stages.envs import ENVIRONMENTS
+
+    for stage in cfg.stages:
+        STAGES.get(stage.kind).check(stage)
+        if stage.env:
+            try:
+                ENVIRONMENTS.get(stage.env).check_options(stage.env_options)
+            except (KeyError, ValueError) as err:
+                raise ValueError(f"stage {stage.name!r}: env_options of {stage.env!r}: {err.args[0]}") from None
+    if cfg.model.path != "tiny" and not (Path(cfg.model.path) / "config.json").is_file():
+        raise ValueError(f"model.path {cfg.model.path!r} is not an HF-format model directory (no config.json)")
+    check_engine(cfg.engine)  # a rollout fleet that cannot take weights fails now, not after an SFT warm start
+
+
+def create_run_dir(run_dir: Path) -> set[str] | None:
+    """Make the run directory; returns the names it already held (None when it is new), so that a run that fails
+    before any stage output can remove exactly what it made."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"run directory {str(run_dir)!r} is a file, not a directory")
+    existing = set(os.listdir(run_dir)) if run_dir.is_dir() else None
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"cannot create run directory {str(run_dir)!r}: {err.strerror}") from None
+    return existing
+
+
+def remove_if_no_stage_output(run_dir: Path, existing: set[str] | None) -> None:
+    """After a failed fresh run: remove what it created, unless a stage has already written a file."""
+    stages = run_dir / "stages"
+    if stages.is_dir() and any(path.is_file() for path in stages.rglob("*")):
+        return
+    if existing is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for name in set(os.listdir(run_dir)) - existing:
+        path = run_dir / name
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
 def ensure_base_model(cfg: RunConfig, run_dir: Path) -> Path:
-    if cfg.model.path != "tiny":
-        path = Path(cfg.model.path)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model.path {str(path)!r} is not an HF-format model directory (no config.json)")
-        return path
+    if cfg.model.path != "tiny":  # check_before_work has checked it is a model directory
+        return Path(cfg.model.path)
     from stages.envs import ENVIRONMENTS
 
     texts = []
     for name in ENVIRONMENTS.names():  # every domain, so later stages' text tokenizes well too
         texts.extend(ENVIRONMENTS.get(name)().corpus())
+    for stage in cfg.stages:  # and every configured domain whose texts come from its options (a data file)
+        env_cls = ENVIRONMENTS.get(stage.env) if stage.env else None
+        if env_cls is not None and env_cls.corpus_from_options:
+            texts.extend(env_cls(**stage.env_options).corpus())
     return build_tiny_model(run_dir / "base_model", texts, cfg.model.tiny, cfg.seed)
 
 
@@ -57,7 +103,7 @@ class Evaluator:
         from stages.domains import Domain
 
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.domains = {name: Domain(name, None, cfg.stages) for name in eval_domains(cfg)}
+        self.domains = {name: Domain(name, None, cfg.stages, cfg.device) for name in eval_domains(cfg)}
         self._seen: dict[str, dict[str, float]] = {}
 
     def __call__(self, checkpoint: Path) -> dict[str, float]:
@@ -65,26 +111,47 @@ class Evaluator:
         if key not in self._seen:
             self._seen[key] = {
                 name: round(evaluate(checkpoint, d.factory, self.tokenizer, domain=name, rollout=d.eval_rollout,
-                                     eval_cfg=d.eval_cfg, seed=self.cfg.seed), 4)
+                                     eval_cfg=d.eval_cfg, seed=self.cfg.seed, device=self.cfg.engine_device), 4)
                 for name, d in self.domains.items()
             }
         return self._seen[key]
 
 
-def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = False) -> dict:
-    """Run every stage in order; with `resume`, skip completed stages and continue the interrupted one."""
-    from stages import STAGES, RunContext, discover
+def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = False,
+                 allow_config_change: bool = False) -> dict:
+    """Run every stage in order; with `resume`, skip completed stages and continue the interrupted one.
+
+    Everything checkable is checked before the run directory is written; a fresh run that fails before any stage
+    has written a file leaves nothing behind. A resume refuses a config that differs from the one the run started
+    with (runs/fingerprint.py); `allow_config_change` lets through changes that cannot change what is trained.
+    """
+    from stages import discover
 
     discover()
+    run_dir = Path(run_dir)
+    config = cfg.model_dump(mode="json")
+    if resume:  # an edited config is named as such, before what the edit may have broken
+        allowed = check_resume(config, run_dir, allow_change=allow_config_change)
+        check_before_work(cfg)
+        if allowed:
+            log(f"resuming with changed {', '.join(allowed)} (--allow-config-change)")
+        return _run_stages(cfg, run_dir, log, resume=True)
+    check_before_work(cfg)
+    existing = create_run_dir(run_dir)
+    try:
+        atomic_write(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+        write_record(config, run_dir)
+        return _run_stages(cfg, run_dir, log, resume=False)
+    except BaseException:
+        remove_if_no_stage_output(run_dir, existing)
+        raise
+
+
+def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
+    from stages import STAGES, RunContext
+
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    for stage in cfg.stages:  # unknown kinds and configs a kind cannot run fail before any work starts
-        STAGES.get(stage.kind).check(stage)
-    check_engine(cfg.engine)  # a rollout fleet that cannot take weights fails now, not after an SFT warm start
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     base = ensure_base_model(cfg, run_dir)
     tokenizer = load_tokenizer(base)
     wandb_run = start_wandb(cfg.logging.wandb_project, run_dir, cfg.model_dump(mode="json"), cfg.logging.wandb)

@@ -6,6 +6,7 @@ a component package, so the file registers itself just by being there; nothing e
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 from typing import Callable, Generic, TypeVar
 
@@ -47,3 +48,22 @@ def import_submodules(package_name: str, package_path) -> list[str]:
             importlib.import_module(f"{package_name}.{info.name}")
             names.append(info.name)
     return names
+
+
+def check_keywords(factory: Callable, options: dict, *, also: tuple[str, ...] = ()) -> None:
+    """Raise ValueError naming the keys `factory(**options)` would refuse (unknown or missing), without calling it:
+    a config mistake is then found before any work, not when the object is first built. `also`: further keys
+    the caller consumes itself."""
+    if not isinstance(options, dict):
+        raise ValueError(f"options must be a mapping (got {options!r})")
+    params = [p for p in inspect.signature(factory).parameters.values()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(factory).parameters.values()):
+        unknown = sorted(set(options) - {p.name for p in params} - set(also))
+        if unknown:
+            takes = ", ".join([p.name for p in params] + list(also)) or "none"
+            raise ValueError(f"unknown option{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))} "
+                             f"(options: {takes})")
+    missing = [p.name for p in params if p.default is p.empty and p.name not in options]
+    if missing:
+        raise ValueError(f"missing option{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}")

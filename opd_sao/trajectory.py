@@ -89,6 +89,12 @@ class Batch:
     def traj_ids(self) -> list[str]:
         return [t.traj_id for t in self.trajectories]
 
+    def to(self, device: torch.device) -> "Batch":
+        """The same batch with every tensor on `device` (the trainer's: its losses are computed there)."""
+        tensors = [getattr(self, name).to(device) for name in
+                   ("input_ids", "attention_mask", "action_mask", "rollout_logp", "rewards", "versions")]
+        return Batch(*tensors, self.trajectories)
+
 
 def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
     if not trajectories:

@@ -62,10 +62,10 @@ class OPDStage(Stage):
     def run(self) -> StageResult:
         cfg, run, tok, opd = self.cfg, self.ctx.cfg, self.ctx.tokenizer, self.cfg.opd
         names = self.domain_names(cfg)
-        domains = {name: Domain(name, cfg, run.stages) for name in names}
+        domains = {name: Domain(name, cfg, run.stages, run.device) for name in names}
         start = self.ctx.resolve_checkpoint(cfg.init_from)
         registry = TeacherSet.from_config(opd, domains=names, resolve=self.ctx.resolve_checkpoint,
-                                               student_checkpoint=start, student_tokenizer=tok)
+                                          student_checkpoint=start, student_tokenizer=tok, device=run.device)
         trainer_cfg = run.stage_trainer(cfg)
         bandwidth = opd.copy_bandwidth_mb_s * 1e6 if opd.copy_bandwidth_mb_s else None
         prefetcher = Prefetcher(registry.build_all(), local_dir=Path(opd.local_dir or self.dir / "teacher_tier"),
@@ -76,7 +76,7 @@ class OPDStage(Stage):
             targets.warm_up()  # teachers copy and load in the background from here on: trainer and engine
             # loading, the consistency probe and the first rollouts all overlap with it
             backend = build_backend(trainer_cfg, start, with_critic=False)
-            engine = build_engine(run.engine, start, tok, seed=run.seed)
+            engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device)
             learner = OPDLearner(backend, opd, cfg.sao, targets)
             gate, resumed = self._train(domains, backend, engine, learner, trainer_cfg)
             checkpoint = backend.export_policy(self.dir / "checkpoint", tok)
@@ -129,7 +129,7 @@ class OPDStage(Stage):
             key = (str(Path(ckpt).resolve()), d.name)
             if key not in scores:
                 scores[key] = round(evaluate(ckpt, d.factory, tok, domain=d.name, rollout=d.eval_rollout,
-                                             eval_cfg=d.eval_cfg, seed=seed), 4)
+                                             eval_cfg=d.eval_cfg, seed=seed, device=self.ctx.cfg.engine_device), 4)
             return scores[key]
 
         out = {}
@@ -155,6 +155,7 @@ def _train_summary(history: list[dict]) -> dict:
     out = {"kl_first_quarter": mean("kl", first), "kl_last_quarter": mean("kl", last),
            "reward_first_quarter": mean("reward_mean", first), "reward_last_quarter": mean("reward_mean", last),
            "support_mass_mean": mean("support_mass", history),
+           "nucleus_cap_hit_rate_mean": mean("nucleus_cap_hit_rate", history),
            "topk_overlap_first_quarter": mean("topk_overlap", first),
            "topk_overlap_last_quarter": mean("topk_overlap", last),
            "cache_hit_rate_mean": mean("cache_hit_rate", history),

@@ -9,13 +9,14 @@ import itertools
 import json
 import statistics
 
+from opd_sao.checkpoints import PromptFormat
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
 from opd_sao.rl.learner import Learner, needs_critic
 from opd_sao.rl.rollout import Episode, episodes_for
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.tracking import read_jsonl
-from opd_sao.supervised import run_sft, sft_examples
+from opd_sao.supervised import sft_examples
 from opd_sao.trainers import build_backend
 from stages.envs.validity import require_valid
 
@@ -39,32 +40,39 @@ class RLStage(Stage):
         options = dict(self.cfg.env_options)
         if train_step is not None and getattr(env_cls, "reads_train_step", False):
             options["train_step"] = train_step
+        if getattr(env_cls, "reads_device", False):
+            options.setdefault("device", self.ctx.cfg.device)
         return lambda: env_cls(**options)
 
     def warm_start(self, start, env_factory) -> tuple:
-        """SFT on reference solutions when configured; returns (checkpoint, eval before SFT or None)."""
+        """SFT on reference solutions when configured (resumable, Stage.sft); returns (checkpoint, eval before SFT
+        or None, resume report)."""
         cfg, run = self.cfg, self.ctx.cfg
         if not cfg.sft.steps:
-            return start, None
+            return start, None, {}
         tok, done = self.ctx.tokenizer, self.dir / "sft_checkpoint"
         record = self.dir / "sft_eval.json"
-        if self.ctx.resume and (done / "config.json").is_file() and record.is_file():
-            return done, json.loads(record.read_text())["eval_init"]
-        before = evaluate(start, env_factory, tok, domain=cfg.env, rollout=cfg.rollout, eval_cfg=cfg.eval, seed=run.seed)
-        examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=run.seed)
-        with self.progress(cfg.sft.steps, "sft") as bar:
-            sft_ckpt = run_sft(start, done, examples, tok, cfg.sft, run.seed, bar)
-        record.write_text(json.dumps({"eval_init": before}))
-        return sft_ckpt, before
+        if self.ctx.resume and record.is_file():
+            before = json.loads(record.read_text())["eval_init"]
+            if (done / "config.json").is_file():
+                return done, before, {"sft_from_step": cfg.sft.steps}
+        else:
+            before = evaluate(start, env_factory, tok, domain=cfg.env, rollout=cfg.rollout, eval_cfg=cfg.eval,
+                              seed=run.seed, device=run.engine_device)
+            record.write_text(json.dumps({"eval_init": before}))
+        examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=run.seed,
+                                prompt_format=PromptFormat.from_rollout(tok, cfg.rollout))
+        sft_ckpt, resumed = self.sft(start, examples, done)
+        return sft_ckpt, before, resumed
 
     def run(self) -> StageResult:
         cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
         env_factory = self.env_factory()
         require_valid(cfg.env, env_factory, n=VALIDITY_TASKS, seed=run.seed)  # before any work
-        start, eval_init = self.warm_start(self.ctx.resolve_checkpoint(cfg.init_from), env_factory)
+        start, eval_init, sft_resumed = self.warm_start(self.ctx.resolve_checkpoint(cfg.init_from), env_factory)
         algo, trainer_cfg = run.stage_algo(cfg), run.stage_trainer(cfg)
         backend = build_backend(trainer_cfg, start, with_critic=needs_critic(algo))
-        engine = build_engine(run.engine, start, tok, seed=run.seed)
+        engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device)
         learner = Learner(backend, algo, cfg.sao, critic_steps=trainer_cfg.critic_steps,
                           critic_warmup_steps=trainer_cfg.critic_warmup_steps)
         train_env = self.env_factory(train_step=lambda: learner.steps_done)
@@ -88,8 +96,8 @@ class RLStage(Stage):
         if env_report:  # settle: steps whose batches may hold rollouts scored under the previous reward
             settle = cfg.rollout.max_staleness if cfg.rollout.asynchronous else 0
             summary.update(env_report([row["reward_mean"] for row in history], settle=settle))
-        if resumed:
-            summary["resume"] = resumed
+        if resumed or sft_resumed:
+            summary["resume"] = {**sft_resumed, **resumed}
         if eval_init is not None:
             summary["eval_init"] = {cfg.env: eval_init}
         return StageResult(checkpoint, summary, start_checkpoint=start)

@@ -3,14 +3,16 @@
 A real post-training run starts its RL stages from a model that already has some skill in every domain;
 this stage gives the tiny model that start. Domains are environment names (`domains:`), mixed in equal
 shares; each uses the environment options of the stage that trains on it (stages.domains.Domain).
-Settings are the `sft:` block (steps, lr, batch_size). An interrupted SFT stage is re-run from its start
-(it is short); its checkpoint is written atomically, so a completed one is never half there.
+Settings are the `sft:` block (steps, lr, batch_size). An interrupted SFT stage continues from its last saved
+state (every `checkpoint_every` steps, Stage.sft); its checkpoint is written atomically, so a completed one is
+never half there.
 """
 from __future__ import annotations
 
 import random
 
-from opd_sao.supervised import run_sft, sft_examples
+from opd_sao.checkpoints import PromptFormat
+from opd_sao.supervised import sft_examples
 
 from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .domains import Domain
@@ -31,13 +33,15 @@ class SFTStage(Stage):
 
     def run(self) -> StageResult:
         cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
-        pools = [sft_examples(Domain(name, cfg, run.stages).factory, tok, n=TRAIN_TASK_POOL, seed=run.seed)
-                 for name in cfg.domains]
+        domains = [Domain(name, cfg, run.stages, run.device) for name in cfg.domains]
+        pools = [sft_examples(d.factory, tok, n=TRAIN_TASK_POOL, seed=run.seed,
+                              prompt_format=PromptFormat.from_rollout(tok, d.rollout)) for d in domains]
         rng, share = random.Random(run.seed), max(len(pool) for pool in pools)
         mixture = [example for pool in pools for example in rng.choices(pool, k=share)]
         start = self.ctx.resolve_checkpoint(cfg.init_from)
-        with self.progress(cfg.sft.steps, "sft") as bar:
-            checkpoint = run_sft(start, self.dir / "checkpoint", mixture, tok, cfg.sft, run.seed, bar)
-        return StageResult(checkpoint, {"algo": "sft", "steps": cfg.sft.steps, "domains": list(cfg.domains),
-                                        "examples_per_domain": share, "start_checkpoint": str(start)},
-                           start_checkpoint=start)
+        checkpoint, resumed = self.sft(start, mixture, self.dir / "checkpoint")
+        summary = {"algo": "sft", "steps": cfg.sft.steps, "domains": list(cfg.domains),
+                   "examples_per_domain": share, "start_checkpoint": str(start)}
+        if resumed:
+            summary["resume"] = resumed
+        return StageResult(checkpoint, summary, start_checkpoint=start)

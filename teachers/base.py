@@ -37,12 +37,14 @@ class TeacherSpec:
     checkpoint_hash: str
     vocab_size: int
     tokenizer_hash: str  # fingerprint of the vocabulary (token -> id) and special tokens
+    max_support: Optional[int] = None  # top_p only: the nucleus cap
+    device: Optional[str] = None  # where it scores (auto | cpu | cuda | cuda:N; None: auto); not part of the cache key
 
     @property
     def cache_meta(self) -> CacheMeta:
         return CacheMeta(teacher=self.name, checkpoint_hash=self.checkpoint_hash, vocab_size=self.vocab_size,
                          tokenizer_hash=self.tokenizer_hash, granularity=self.granularity,  # type: ignore[arg-type]
-                         k=self.k, p=self.p)
+                         k=self.k, p=self.p, max_support=self.max_support)
 
 
 class Teacher(ABC):
@@ -58,7 +60,7 @@ class Teacher(ABC):
 
     @abstractmethod
     def load(self, local_dir: Path) -> None:
-        """Load the weights from `local_dir` (the local-tier copy of `spec.checkpoint`) into host memory."""
+        """Load the weights from `local_dir` (the local-tier copy of `spec.checkpoint`) onto `spec.device`."""
 
     @abstractmethod
     def unload(self) -> None: ...

@@ -1,4 +1,4 @@
-"""The in-process teacher: a transformers causal LM in host memory, scoring with chunked lm-head passes."""
+"""The in-process teacher: a transformers causal LM on its device, scoring with chunked lm-head passes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,6 +9,7 @@ import torch
 from cache import TeacherRecord
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.consistency.check import action_hidden_states
+from opd_sao.devices import resolve_device
 from opd_sao.modeling import lm_head
 from opd_sao.trajectory import Trajectory
 
@@ -24,7 +25,7 @@ class InProcessTeacher(Teacher):
         self.model: Optional[torch.nn.Module] = None
 
     def load(self, local_dir: Path) -> None:
-        model = load_causal_lm(local_dir, self.dtype).eval()
+        model = load_causal_lm(local_dir, self.dtype, resolve_device(self.spec.device)).eval()
         for param in model.parameters():
             param.requires_grad_(False)
         if model.config.vocab_size != self.spec.vocab_size:
@@ -53,8 +54,9 @@ class InProcessTeacher(Teacher):
         spec = self.spec
         hidden = action_hidden_states(self.model, trajectories, batch_size=self.score_batch_size)
         targets = torch.tensor([tok for t in trajectories for tok, m in zip(t.token_ids, t.action_mask) if m],
-                               dtype=torch.long)
+                               dtype=torch.long, device=hidden.device)
         weight, bias = lm_head(self.model)
         rows = score_rows(hidden, weight, bias, targets, granularity=spec.granularity, k=spec.k, p=spec.p,
+                          max_support=spec.max_support,
                           vocab_chunk=self.vocab_chunk)
         return rows.split([t.num_action_tokens for t in trajectories])

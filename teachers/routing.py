@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Callable, Optional
 
-from opd_sao.checkpoints import checkpoint_hash, load_tokenizer
+from opd_sao.checkpoints import checkpoint_hash, file_hash, load_tokenizer
 from opd_sao.config import OPDConfig
 from teachers.base import TEACHER_KINDS, Teacher, TeacherIncompatibleError, TeacherSpec
 
@@ -22,6 +22,18 @@ def vocab_fingerprint(tokenizer) -> str:
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     special = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
     return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()[:16]
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def same_tokenizer_files(a: Path, b: Path) -> bool:
+    """Both directories hold byte-identical tokenizer files (so the same token ids)."""
+    if not (Path(a) / "tokenizer.json").is_file():
+        return False
+    return all((Path(a) / name).is_file() == (Path(b) / name).is_file()
+               and (not (Path(a) / name).is_file() or file_hash(Path(a) / name) == file_hash(Path(b) / name))
+               for name in TOKENIZER_FILES)
 
 
 def model_vocab_size(checkpoint: Path) -> int:
@@ -63,8 +75,11 @@ class TeacherSet:
 
     @classmethod
     def from_config(cls, opd: OPDConfig, *, domains: list[str], resolve: Callable[[str], Path],
-                    student_checkpoint: Path, student_tokenizer) -> "TeacherSet":
-        """Resolve and check every teacher; ValueError (TeacherIncompatibleError) with the reason otherwise."""
+                    student_checkpoint: Path, student_tokenizer, device: Optional[str] = None) -> "TeacherSet":
+        """Resolve and check every teacher; ValueError (TeacherIncompatibleError) with the reason otherwise.
+
+        `device`: the run's, for teachers that name none.
+        """
         if not opd.teachers:
             raise ValueError("an OPD stage needs at least one teacher (opd.teachers)")
         student_vocab = model_vocab_size(student_checkpoint)
@@ -79,8 +94,11 @@ class TeacherSet:
                                  f"domains {domains}")
             checkpoint = Path(resolve(teacher.checkpoint))
             vocab = model_vocab_size(checkpoint)
-            tokenizer = load_tokenizer(checkpoint)
-            fingerprint = vocab_fingerprint(tokenizer)
+            if same_tokenizer_files(checkpoint, student_checkpoint):  # an earlier stage of the run: no need to
+                fingerprint = student_print  # load a 150k-token tokenizer again (seconds each)
+            else:
+                tokenizer = load_tokenizer(checkpoint)
+                fingerprint = vocab_fingerprint(tokenizer)
             where = f"teacher {teacher.name!r} ({checkpoint}) cannot teach student {student_checkpoint}"
             if vocab != student_vocab:
                 raise TeacherIncompatibleError(f"{where}: model vocabulary sizes differ: student {student_vocab}, "
@@ -93,7 +111,8 @@ class TeacherSet:
                 name=teacher.name, kind=teacher.kind, checkpoint=checkpoint, domains=tuple(teacher.domains),
                 granularity=granularity, k=opd.top_k if granularity == "top_k" else None,
                 p=opd.top_p if granularity == "top_p" else None, checkpoint_hash=checkpoint_hash(checkpoint),
-                vocab_size=vocab, tokenizer_hash=fingerprint))
+                vocab_size=vocab, tokenizer_hash=fingerprint,
+                max_support=opd.max_support if granularity == "top_p" else None, device=teacher.device or device))
         return cls(specs, score_batch_size=opd.score_batch_size, vocab_chunk=opd.vocab_chunk)
 
     def teacher_for(self, domain: str) -> TeacherSpec:
@@ -117,5 +136,6 @@ class TeacherSet:
 def describe(registry: TeacherSet, order: Optional[list[str]] = None) -> dict:
     """The summary.json view of the teachers."""
     return {name: {"checkpoint": str(spec.checkpoint), "domains": list(spec.domains), "granularity": spec.granularity,
-                   "k": spec.k, "p": spec.p, "checkpoint_hash": spec.checkpoint_hash, "kind": spec.kind}
+                   "k": spec.k, "p": spec.p, "max_support": spec.max_support, "device": spec.device,
+                   "checkpoint_hash": spec.checkpoint_hash, "kind": spec.kind}
             for name, spec in registry.specs.items() if order is None or name in order}

@@ -6,11 +6,10 @@ is row_block x vocab_chunk floats however long the sequences and however large t
 `full` granularity's output is [n, V] by definition; nothing else is).
 
 One pass over the chunks gives, per row: the logsumexp of all logits (a running `logaddexp`), the logit
-of the sampled token, and for truncated supports a running candidate set (top-k, or the top `probe`
-tokens for top-p) plus the logsumexp of every logit evicted from it. The tail mass is therefore summed
-directly from the logits outside the support (exp(rest_lse - lse)), not computed as 1 - kept, so a tiny
-tail keeps its relative precision. A top-p row whose nucleus is larger than the probe falls back to its
-full sorted row, a few rows at a time.
+of the sampled token, and for truncated supports a running candidate set (top-k, or the top `max_support`
+tokens for top-p: the capped nucleus never reaches further, `cache.capped_nucleus_size`) plus the logsumexp
+of every logit evicted from it. The tail mass is therefore summed directly from the logits outside the
+support (exp(rest_lse - lse)), not computed as 1 - kept, so a tiny tail keeps its relative precision.
 
 Output layout is the logit cache's `TeacherRecord`: support ids ascending within each position, offsets
 per position, logprobs, tail mass, and the sampled token's logprob at every granularity.
@@ -23,12 +22,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-from cache import TeacherRecord
+from cache import TeacherRecord, capped_nucleus_size
 from opd_sao.modeling import logit_chunks
 
 VOCAB_CHUNK = 8192
 ROW_BLOCK = 256
-TOP_P_PROBE = 256  # nuclei are looked for among each row's 256 most probable tokens first
 
 NEG_INF = float("-inf")
 
@@ -78,8 +76,8 @@ def _merge(cand_vals, cand_ids, rest_lse, logits, start, keep: int):
 
 @torch.no_grad()
 def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, *,
-               granularity: str, k: Optional[int] = None, p: Optional[float] = None,
-               vocab_chunk: int = VOCAB_CHUNK, row_block: int = ROW_BLOCK, probe: int = TOP_P_PROBE) -> ScoredRows:
+               granularity: str, k: Optional[int] = None, p: Optional[float] = None, max_support: Optional[int] = None,
+               vocab_chunk: int = VOCAB_CHUNK, row_block: int = ROW_BLOCK) -> ScoredRows:
     """Teacher outputs for hidden [N, H] (the state before each action token) and the sampled targets [N].
 
     Logprobs are of softmax(hidden @ weight.T + bias) at temperature 1, in float32.
@@ -88,11 +86,11 @@ def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         raise ValueError(f"unknown granularity {granularity!r}")
     n, vocab = hidden.shape[0], weight.shape[0]
     hidden = hidden.to(weight.dtype)
-    keep = {"top_k": k, "top_p": min(probe, vocab)}.get(granularity)
     if granularity == "top_k" and not (k and 1 <= k <= vocab):
         raise ValueError(f"top_k needs 1 <= k <= vocab size {vocab}, got {k}")
-    if granularity == "top_p" and not (p and 0 < p <= 1):
-        raise ValueError(f"top_p needs 0 < p <= 1, got {p}")
+    if granularity == "top_p" and not (p and 0 < p <= 1 and max_support and max_support >= 1):
+        raise ValueError(f"top_p needs 0 < p <= 1 and max_support >= 1, got p={p}, max_support={max_support}")
+    keep = {"top_k": k, "top_p": min(max_support or 0, vocab)}.get(granularity)
     dev = hidden.device
     sampled = torch.empty(n, dtype=torch.float32, device=dev)
     full = torch.empty((n, vocab), dtype=torch.float32, device=dev) if granularity == "full" else None
@@ -123,7 +121,7 @@ def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
             len_out.append(torch.full((rows,), k, dtype=torch.long, device=dev))
             tail_out.append((rest - lse).exp())
         elif granularity == "top_p":
-            parts = _nuclei(h, weight, bias, lse, cand_vals, cand_ids, rest, p, vocab, vocab_chunk, row_block)
+            parts = _nuclei(lse, cand_vals, cand_ids, rest, p, max_support)
             for out, part in zip((ids_out, logp_out, len_out, tail_out), parts):
                 out.append(part)
     sampled = sampled.cpu()
@@ -136,43 +134,15 @@ def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                       row_len=cat(len_out, torch.long), tail_mass=cat(tail_out, torch.float32))
 
 
-def _nucleus_of_sorted(vals_desc: torch.Tensor, lse: torch.Tensor, p: float) -> torch.Tensor:
-    """Size of the shortest prefix of each descending row whose probability reaches p."""
-    cumulative = (vals_desc - lse.unsqueeze(1)).double().exp().cumsum(dim=1)
-    return ((cumulative < p).sum(dim=1) + 1).clamp(max=vals_desc.shape[1])
-
-
-def _nuclei(h, weight, bias, lse, cand_vals, cand_ids, rest, p, vocab, vocab_chunk, row_block):
-    """(ids ascending, logp, row_len, tail) of each row's nucleus, from the candidates or the full row."""
-    rows = h.shape[0]
-    covered = (torch.logsumexp(cand_vals, dim=1) - lse).double().exp() >= p
-    if cand_vals.shape[1] >= vocab:
-        covered[:] = True
-    ids_rows: list[torch.Tensor] = [None] * rows  # type: ignore[list-item]
-    logp_rows: list[torch.Tensor] = [None] * rows  # type: ignore[list-item]
-    tail = torch.empty(rows, device=h.device)
-
-    def take(index, vals_desc, ids_desc, rest_lse):
-        size = _nucleus_of_sorted(vals_desc, lse[index], p)
-        width = torch.arange(vals_desc.shape[1], device=vals_desc.device)
-        beyond = width.unsqueeze(0) >= size.unsqueeze(1)
-        tail_lse = torch.logaddexp(rest_lse, torch.logsumexp(vals_desc.masked_fill(~beyond, NEG_INF), dim=1))
-        tail[index] = (tail_lse - lse[index]).exp()
-        for j, row in enumerate(index.tolist()):
-            m = int(size[j])
-            ids, vals = ids_desc[j, :m], vals_desc[j, :m]
-            order = ids.argsort()
-            ids_rows[row] = ids[order]
-            logp_rows[row] = vals[order] - lse[row]
-
-    index = covered.nonzero().squeeze(1)
-    if len(index):  # topk output is already descending
-        take(index, cand_vals[index], cand_ids[index], rest[index])
-    index = (~covered).nonzero().squeeze(1)
-    per_block = max(1, row_block * vocab_chunk // vocab)
-    for block in index.split(per_block):
-        logits = torch.cat([chunk for _, chunk in logit_chunks(h[block], weight, bias, vocab_chunk)], dim=1)
-        vals, ids = logits.sort(dim=1, descending=True)
-        take(block, vals, ids, torch.full((len(block),), NEG_INF, device=h.device))
-    row_len = torch.tensor([len(x) for x in ids_rows], dtype=torch.long, device=h.device)
-    return torch.cat(ids_rows), torch.cat(logp_rows), row_len, tail
+def _nuclei(lse, cand_vals, cand_ids, rest, p, max_support):
+    """(ids ascending, logp, row_len, tail) of each row's capped nucleus, from its top-max_support candidates
+    (descending, as topk leaves them); the candidates past the nucleus join the tail."""
+    logp_desc = cand_vals - lse.unsqueeze(1)
+    size = capped_nucleus_size(logp_desc, p, max_support)
+    beyond = torch.arange(cand_vals.shape[1], device=cand_vals.device).unsqueeze(0) >= size.unsqueeze(1)
+    tail = (torch.logaddexp(rest, torch.logsumexp(cand_vals.masked_fill(~beyond, NEG_INF), dim=1)) - lse).exp()
+    # ids ascending within each row: sort the kept ids, pushing the dropped ones (vocab and above) to the end
+    keyed = cand_ids.masked_fill(beyond, torch.iinfo(cand_ids.dtype).max)
+    order = keyed.argsort(dim=1)
+    kept = ~beyond.gather(1, order)
+    return cand_ids.gather(1, order)[kept], logp_desc.gather(1, order)[kept], size.long(), tail

@@ -66,3 +66,27 @@ def start_server(tmp_path_factory):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+@pytest.fixture(scope="session")
+def corpus():
+    """The tiny models' tokenizer corpus: a little of every domain's text."""
+    from stages.envs import ENVIRONMENTS
+
+    return [text for name in ENVIRONMENTS.names() for text in ENVIRONMENTS.get(name)().corpus(300)]
+
+
+@pytest.fixture(scope="session")
+def qwen_model_dir(tmp_path_factory):
+    """Qwen2 architecture with the real Qwen2.5 tokenizer: no BOS, eos ids [151645, 151643], vocab 151,936."""
+    from real_models import build_qwen2
+
+    return build_qwen2(tmp_path_factory.mktemp("real_models") / "qwen2")
+
+
+@pytest.fixture(scope="session")
+def llama_model_dir(tmp_path_factory, corpus):
+    """Llama architecture, untied embeddings, the project's tokenizer (with BOS), padded vocabulary."""
+    from real_models import build_llama
+
+    return build_llama(tmp_path_factory.mktemp("real_models") / "llama", corpus)

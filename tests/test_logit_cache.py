@@ -26,6 +26,7 @@ from cache import (
     TeacherRecord,
     encode_top_k,
     encode_top_p,
+    nucleus_cut,
     record_from_logprobs,
 )
 from cache.cli import gc, inspect, main, verify
@@ -56,7 +57,7 @@ def teacher_rows(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def make_meta(granularity: str = "top_k", **overrides) -> CacheMeta:
-    extra = {"top_k": {"k": 16}, "top_p": {"p": 0.9}}.get(granularity, {})
+    extra = {"top_k": {"k": 16}, "top_p": {"p": 0.9, "max_support": VOCAB}}.get(granularity, {})
     fields = dict(teacher="reasoning-rl", checkpoint_hash="ckpt-1", vocab_size=VOCAB, tokenizer_hash="tok-1",
                   granularity=granularity, **extra)
     return CacheMeta(**{**fields, **overrides})
@@ -146,7 +147,7 @@ def test_round_trip_every_granularity(tmp_path, granularity):
 def test_top_p_keeps_a_ragged_nucleus_per_position(tmp_path):
     meta = make_meta("top_p", p=0.9)
     rows, sampled = teacher_rows(64, seed=3)
-    record = encode_top_p(rows, 0.9, sampled)
+    record = encode_top_p(rows, 0.9, sampled, VOCAB)
     sizes = np.diff(record.offsets)
     assert len(set(sizes.tolist())) > 5  # different support sizes per position
     for position in range(64):
@@ -161,10 +162,26 @@ def test_top_p_keeps_a_ragged_nucleus_per_position(tmp_path):
     assert (back.offsets == record.offsets).all() and (back.ids == record.ids).all()
 
 
-def test_top_p_rows_beyond_the_probe_get_a_full_sort():
+def test_top_p_nucleus_is_capped_at_max_support(tmp_path):
+    """A flat teacher (the nucleus would be most of the vocabulary) keeps max_support ids, the rest is tail."""
     rows = torch.log_softmax(torch.zeros(2, 2000), dim=-1)  # uniform: 0.90025 needs 1800.5 of 2000 ids
-    record = encode_top_p(rows, 0.90025, torch.tensor([0, 1]))
-    assert np.diff(record.offsets).tolist() == [1801, 1801]
+    uncapped = encode_top_p(rows, 0.90025, torch.tensor([0, 1]), max_support=2000)
+    assert np.diff(uncapped.offsets).tolist() == [1801, 1801]
+    capped = encode_top_p(rows, 0.90025, torch.tensor([0, 1]), max_support=256)
+    sizes = torch.from_numpy(np.diff(capped.offsets))
+    assert sizes.tolist() == [256, 256]
+    np.testing.assert_allclose(capped.tail_mass, 1 - 256 / 2000, rtol=1e-6)
+    tail = torch.from_numpy(capped.tail_mass)
+    assert nucleus_cut(sizes, tail, 0.90025, 256).tolist() == [True, True]
+    assert nucleus_cut(torch.from_numpy(np.diff(uncapped.offsets)), torch.from_numpy(uncapped.tail_mass), 0.90025,
+                       2000).tolist() == [False, False]
+    teacher = LogitCache(tmp_path).open_teacher(make_meta("top_p", p=0.90025, max_support=256, vocab_size=2000))
+    teacher.put("flat", capped)
+    with pytest.raises(ValueError, match="max_support=256"):  # the cap is an invariant of the cache
+        teacher.put("too-wide", uncapped)
+    back = teacher.get("flat")
+    assert np.diff(back.offsets).tolist() == [256, 256]
+    np.testing.assert_allclose(back.tail_mass, 1 - 256 / 2000, rtol=1e-3)  # tail stored to ~5e-4 relative
 
 
 def test_put_rejects_a_record_that_does_not_fit_the_cache(tmp_path):
@@ -369,7 +386,7 @@ def test_inspect_reports_size_tokens_and_granularity(tmp_path, capsys):
     teacher = LogitCache(tmp_path).open_teacher(make_meta("top_p"))
     for i in range(3):
         rows, sampled = teacher_rows(10, seed=i)
-        teacher.put(f"traj-{i}", encode_top_p(rows, 0.9, sampled))
+        teacher.put(f"traj-{i}", encode_top_p(rows, 0.9, sampled, VOCAB))
     stats = inspect(tmp_path)["teachers"]["reasoning-rl"]
     assert (stats["records"], stats["tokens"], stats["granularity"], stats["p"]) == (3, 30, "top_p", 0.9)
     assert stats["bytes_on_disk"] > 0 and stats["bytes_per_token"] == stats["bytes_on_disk"] / 30

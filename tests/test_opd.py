@@ -73,6 +73,86 @@ def test_padded_support_layout():
 
 
 # ----------------------------------------------------------------------------
+# the top-p cap (opd.max_support)
+# ----------------------------------------------------------------------------
+
+def test_capped_top_p_divergence_matches_a_hand_computed_case():
+    """Teacher (0.4, 0.3, 0.1, 0.1, 0.05, 0.05), p 0.85: the nucleus is 4 ids; a cap of 2 keeps {0, 1} and puts
+    0.3 in the tail. Student (0.25, 0.25, 0.2, 0.1, 0.1, 0.1): buckets (0.25, 0.25, 0.5)."""
+    import math
+
+    from cache import encode_top_p, nucleus_cut
+    from opd_sao import algorithms as A
+
+    teacher = torch.tensor([[0.4, 0.3, 0.1, 0.1, 0.05, 0.05]], dtype=torch.float64).log()
+    record = encode_top_p(teacher, 0.85, torch.tensor([2]), max_support=2)
+    assert record.ids.tolist() == [0, 1] and record.tail_mass.tolist() == pytest.approx([0.3])
+    assert encode_top_p(teacher, 0.85, torch.tensor([2]), max_support=6).ids.tolist() == [0, 1, 2, 3]
+    ids, t_raw, mask, tail = padded_support([record])
+    assert nucleus_cut(mask.sum(1), tail, 0.85, 2).tolist() == [True]
+    student = torch.tensor([[0.25, 0.25, 0.2, 0.1, 0.1, 0.1]], dtype=torch.float64).log()
+    s_logp, s_tail, _ = support_logprobs(torch.ones(1, 1, dtype=torch.float64), student.T, None, ids, mask,
+                                         vocab_chunk=4)
+    t_logp = A.renormalize_support(t_raw, mask, tail)
+    forward = A.truncated_divergence(s_logp, t_logp, mask, s_tail, kind="forward_kl")
+    reverse = A.truncated_divergence(s_logp, t_logp, mask, s_tail, kind="reverse_kl")
+    by_hand_forward = 0.4 * math.log(0.4 / 0.25) + 0.3 * math.log(0.3 / 0.25) + 0.3 * math.log(0.3 / 0.5)
+    by_hand_reverse = 0.25 * math.log(0.25 / 0.4) + 0.25 * math.log(0.25 / 0.3) + 0.5 * math.log(0.5 / 0.3)
+    assert by_hand_forward == pytest.approx(0.0894502, abs=1e-6)
+    assert float(forward) == pytest.approx(by_hand_forward, abs=1e-6)
+    assert float(reverse) == pytest.approx(by_hand_reverse, abs=1e-6)
+
+
+def test_high_entropy_teacher_at_a_large_vocabulary_keeps_at_most_max_support(tmp_path):
+    """A random-init teacher over 50,000 tokens: its nucleus at p 0.95 is most of the vocabulary; the cap keeps 64
+    ids per position, and they are the 64 most probable with the exact tail."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cache import nucleus_cut
+    from opd_sao.checkpoints import MODEL_INIT_LOCK
+    from teachers import InProcessTeacher, TeacherSpec
+
+    vocab, cap = 50_000, 64
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    with MODEL_INIT_LOCK:
+        LlamaForCausalLM(config).save_pretrained(tmp_path / "teacher")
+    spec = TeacherSpec(name="flat", kind="in_process", checkpoint=tmp_path / "teacher", domains=("d",),
+                       granularity="top_p", k=None, p=0.95, checkpoint_hash="h", vocab_size=vocab,
+                       tokenizer_hash="t", max_support=cap, device="cpu")
+    teacher = InProcessTeacher(spec, vocab_chunk=8192)
+    teacher.load(tmp_path / "teacher")
+    rng = np.random.default_rng(0)
+    trajs = [Trajectory(traj_id=f"t{i}", domain="d", prompt_ids=rng.integers(0, vocab, 3).tolist(),
+                        token_ids=(tokens := rng.integers(0, vocab, 5).tolist()), action_mask=[1] * 5,
+                        rollout_logp=[0.0] * 5, versions=[0] * 5, rewards=[0.0] * 5) for i in range(3)]
+    records = teacher.score(trajs)
+    model = teacher.model
+    for traj, rec in zip(trajs, records):
+        row_len = np.diff(rec.offsets)
+        assert (row_len == cap).all()  # every nucleus was cut to the cap
+        assert nucleus_cut(torch.from_numpy(row_len), torch.from_numpy(rec.tail_mass), 0.95, cap).all()
+        seq = torch.tensor([traj.prompt_ids + traj.token_ids])
+        with torch.no_grad():
+            dense = torch.log_softmax(model(input_ids=seq).logits[0, 2:-1].double(), dim=-1)
+        assert float(dense.exp().topk(cap).values.sum(-1).max()) < 0.5  # the uncapped nucleus: far more ids
+        top = dense.topk(cap, dim=-1)
+        assert (rec.ids.reshape(5, cap) == top.indices.sort(dim=-1).values.numpy()).all()
+        np.testing.assert_allclose(rec.tail_mass, 1 - top.values.exp().sum(-1).numpy(), rtol=1e-4)
+
+
+def test_opd_metrics_report_the_cap_hit_rate(tiny_model_dir, tokenizer, tmp_path):
+    learner, pf = _learner(tiny_model_dir, {"digits_reverse": (tiny_model_dir, {})}, tokenizer, tmp_path,
+                           granularity="top_p", top_p=0.95, max_support=4)
+    trajs = _trajectories(load_causal_lm(tiny_model_dir), tokenizer, ["digits_reverse"])
+    m = learner.step(collate(trajs, tokenizer.pad_token_id), 1.0)
+    pf.close()
+    assert m["support_size_top_p"] == 4.0 and m["nucleus_cap_hit_rate"] == 1.0  # 4 ids never hold 0.95 here
+    assert m["support_mass"] < 0.95 and abs(m["kl"]) < 1e-3  # student = teacher: the tail bucket agrees too
+
+
+# ----------------------------------------------------------------------------
 # the learner on real tiny models, targets through a real cache
 # ----------------------------------------------------------------------------
 
@@ -205,6 +285,12 @@ def test_config_checks_domains_and_teachers():
     bad["stages"][2]["opd"]["teachers"][0]["checkpoint"] = "later"
     with pytest.raises(ConfigError, match="neither a local directory nor an earlier stage"):
         parse_config(bad)
+    bad = _run_config()
+    bad["stages"][2]["trainer"] = {"backend": "deepspeed"}
+    with pytest.raises(ConfigError, match=r"deepspeed trains OPD only at granularity sampled.*\['t_rev', 't_sort'\]"):
+        parse_config(bad)
+    bad["stages"][2]["opd"]["granularity"] = "sampled"
+    parse_config(bad)  # the sampled loss goes through policy_logprobs, which the DeepSpeed backend steps
 
 
 def test_opd_stage_end_to_end(tmp_path):

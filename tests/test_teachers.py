@@ -60,18 +60,21 @@ def test_top_k_matches_dense(dense_case, chunk):
     np.testing.assert_allclose(rec.sampled_logp, dense.gather(1, targets[:, None])[:, 0].numpy(), atol=2e-5)
 
 
-@pytest.mark.parametrize("probe", [8, 256])  # 8: most nuclei are larger than the probe -> full-row fallback
-def test_top_p_matches_dense_ragged(dense_case, probe):
+@pytest.mark.parametrize("cap", [8, 997])  # 8: most nuclei are larger than the cap; 997: the whole vocabulary
+def test_top_p_matches_dense_ragged(dense_case, cap):
     hidden, weight, bias, targets, dense = dense_case
-    rec = score_rows(hidden, weight, bias, targets, granularity="top_p", p=0.9, vocab_chunk=128, probe=probe).split(
-        [len(targets)])[0]
-    ref = encode_top_p(dense, 0.9, targets)
+    rec = score_rows(hidden, weight, bias, targets, granularity="top_p", p=0.9, max_support=cap,
+                     vocab_chunk=128).split([len(targets)])[0]
+    ref = encode_top_p(dense, 0.9, targets, cap)
     assert (rec.offsets == ref.offsets).all() and len(set(np.diff(rec.offsets))) > 1  # ragged
+    assert np.diff(rec.offsets).max() <= cap
     assert (rec.ids == ref.ids).all()
     np.testing.assert_allclose(rec.logp, ref.logp, atol=2e-5)
     np.testing.assert_allclose(rec.tail_mass, ref.tail_mass, rtol=1e-4, atol=1e-7)
     kept = np.add.reduceat(np.exp(rec.logp), rec.offsets[:-1])
-    assert (kept >= 0.9 - 1e-5).all() and np.allclose(kept + rec.tail_mass, 1.0, atol=1e-5)
+    assert np.allclose(kept + rec.tail_mass, 1.0, atol=1e-5)
+    full = np.diff(rec.offsets) == cap
+    assert (kept[~full] >= 0.9 - 1e-5).all() and (cap == 997 or (kept[full] < 0.9).any())  # only the cap stops short
 
 
 def test_full_and_sampled_match_dense(dense_case):
@@ -120,11 +123,13 @@ def _trajectories(tokenizer, n=5, seed=0):
     return out
 
 
-def _spec(path: Path, name="t", granularity="top_k", k=8, p=None, domains=("digits_reverse",), vocab=None):
+def _spec(path: Path, name="t", granularity="top_k", k=8, p=None, domains=("digits_reverse",), vocab=None,
+          max_support=256):
     return TeacherSpec(name=name, kind="in_process", checkpoint=Path(path), domains=tuple(domains),
                        granularity=granularity, k=k if granularity == "top_k" else None,
                        p=p if granularity == "top_p" else None, checkpoint_hash=f"hash-{name}",
-                       vocab_size=vocab or 0, tokenizer_hash="tok")
+                       vocab_size=vocab or 0, tokenizer_hash="tok",
+                       max_support=max_support if granularity == "top_p" else None)
 
 
 @pytest.mark.parametrize("granularity", ["sampled", "top_k", "top_p", "full"])
@@ -149,7 +154,7 @@ def test_in_process_teacher_scores_action_tokens(tiny_model_dir, tokenizer, gran
         if granularity == "top_k":
             assert (rec.ids == encode_top_k(dense, 8, targets).ids).all()
         if granularity == "top_p":
-            assert (rec.offsets == encode_top_p(dense, 0.5, targets).offsets).all()
+            assert (rec.offsets == encode_top_p(dense, 0.5, targets, 256).offsets).all()
         if granularity == "full":
             np.testing.assert_allclose(rec.logp, dense.numpy(), atol=1e-4)
     teacher.unload()

@@ -24,6 +24,8 @@ def add_audit_parser(sub, environment) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic mode: fp32, each sequence scored alone by engine and checker")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="embedded engine dtype")
+    p.add_argument("--device", default="auto", help="where the embedded engine and the checker run: auto (cuda when "
+                   "available, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--out", help="output directory (default: <checkpoint>/../audit)")
     p.add_argument("--env", default="arithmetic", help="environment whose eval prompts are used (default: arithmetic)")
     p.add_argument("--prompts-file", help="a text file with one prompt per line, instead of --env's prompts")
@@ -31,6 +33,9 @@ def add_audit_parser(sub, environment) -> None:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--prompt-format", choices=["raw", "chat"], default="raw",
+                   help="raw text prompts, or the tokenizer's chat template (default: raw)")
+    p.add_argument("--system-prompt", help="chat format: the system message (default: the template's own)")
     p.add_argument("--threshold-mean", type=float, default=gate.mean_abs_diff, help="max mean |delta logp|")
     p.add_argument("--threshold-p99", type=float, default=gate.p99_abs_diff, help="max p99 |delta logp|")
     p.add_argument("--eps-low", type=float, default=sao.eps_low, help="DIS lower bound for mask_fraction")
@@ -72,7 +77,7 @@ def _engine(args, checkpoint: Path, tokenizer):
     from opd_sao.engines import build_engine
 
     if args.engine == "embedded":
-        cfg = EngineConfig(kind="embedded", dtype=args.dtype, deterministic=args.deterministic)
+        cfg = EngineConfig(kind="embedded", dtype=args.dtype, deterministic=args.deterministic, device=args.device)
     elif args.engine.startswith(("http://", "https://")):
         cfg = EngineConfig(kind="http", urls=[args.engine])
     else:
@@ -91,10 +96,12 @@ def run_audit(args) -> dict:
     from opd_sao.checkpoints import load_causal_lm, load_tokenizer
     from opd_sao.config import RolloutConfig
     from opd_sao.consistency.check import check
+    from opd_sao.devices import resolve_device
     from opd_sao.consistency.gate import diagnose, over_threshold, probe_episodes
     from opd_sao.rl.rollout import run_episodes
 
     checkpoint = Path(args.checkpoint)
+    resolve_device(args.device)  # a device this machine lacks stops here, in one line
     if not (checkpoint / "config.json").is_file():
         raise FileNotFoundError(f"checkpoint {str(checkpoint)!r} is not an HF-format model directory (no config.json)")
     if args.deterministic and args.dtype != "float32":
@@ -106,20 +113,21 @@ def run_audit(args) -> dict:
     out = Path(args.out) if args.out else checkpoint.parent / "audit"
     domain, env_factory = _env_factory(args)
     tokenizer = load_tokenizer(checkpoint)
-    rollout = RolloutConfig(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)
+    rollout = RolloutConfig(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                            prompt_format=args.prompt_format, system_prompt=args.system_prompt)
     engine = _engine(args, checkpoint, tokenizer)
     try:
         episodes = probe_episodes(env_factory, tokenizer, rollout, domain=domain, n=args.prompts, seed=args.seed)
         with torch.no_grad():
             trajs = run_episodes(engine, episodes)
-        trainer = load_causal_lm(checkpoint, "float32")
+        trainer = load_causal_lm(checkpoint, "float32", resolve_device(args.device))
         report = check(trajs, trainer, version=engine.version, eps_low=args.eps_low, eps_high=args.eps_high,
                        alone=args.deterministic)
         reasons = over_threshold(report, args.threshold_mean, args.threshold_p99)
         data = {"checkpoint": str(checkpoint), "engine": args.engine, "engine_dtype": args.dtype,
                 "deterministic": args.deterministic, "prompts": len(trajs),
                 "prompt_source": args.prompts_file or domain,
-                "temperature": args.temperature, "top_p": args.top_p,
+                "temperature": args.temperature, "top_p": args.top_p, "prompt_format": args.prompt_format,
                 "thresholds": {"mean_abs_diff": args.threshold_mean, "p99_abs_diff": args.threshold_p99},
                 "passed": not reasons, "reasons": reasons, **report.to_dict()}
         if reasons:

@@ -14,12 +14,17 @@ def check_engine(cfg) -> None:
         discover_fleet(cfg.urls, cfg.workers, timeout=30.0)
 
 
-def build_engine(cfg, checkpoint, tokenizer, seed: int) -> RolloutEngine:
-    """The rollout engine a config asks for, loaded with `checkpoint` at policy version 0."""
+def build_engine(cfg, checkpoint, tokenizer, seed: int, device=None) -> RolloutEngine:
+    """The rollout engine a config asks for, loaded with `checkpoint` at policy version 0.
+
+    `device`: the run's device when `cfg.device` (engine.device) does not override it.
+    """
     if cfg.kind == "embedded":
         from opd_sao.checkpoints import load_causal_lm
+        from opd_sao.devices import resolve_device
 
-        return EmbeddedEngine(load_causal_lm(checkpoint, cfg.dtype), eos_id=tokenizer.eos_token_id,
+        model = load_causal_lm(checkpoint, cfg.dtype, resolve_device(cfg.device or device))
+        return EmbeddedEngine(model, eos_id=tokenizer.eos_token_id,
                               pad_id=tokenizer.pad_token_id, max_batch=cfg.max_batch, seed=seed,
                               deterministic=cfg.deterministic)
     if cfg.kind == "http":

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from transformers import DynamicCache
 
+from ..checkpoints import stop_ids
 from ..modeling import position_ids_for, sample_tokens, sequence_logprobs
 from .base import GenerationRequest, GenerationResult, ResultCallback, RolloutEngine
 
@@ -36,14 +37,17 @@ class _Sequence:
 
 
 class EmbeddedEngine(RolloutEngine):
-    def __init__(self, model: torch.nn.Module, *, eos_id: int, pad_id: int, max_batch: int = 32,
+    """Runs where its model's parameters are (build_engine puts them on `engine.device`); batches follow."""
+
+    def __init__(self, model: torch.nn.Module, *, eos_id: Optional[int], pad_id: int, max_batch: int = 32,
                  seed: int = 0, deterministic: bool = False):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.eos_id, self.pad_id, self.max_batch = eos_id, pad_id, max_batch
+        self.device = next(self.model.parameters()).device
+        self.stop_ids, self.pad_id, self.max_batch = stop_ids(model, eos_id), pad_id, max_batch
         self.deterministic = deterministic
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
         self._lock = threading.Lock()
         self._version = 0
         self.tokens_generated = 0
@@ -109,14 +113,15 @@ class EmbeddedEngine(RolloutEngine):
                 self._cache_version = self._version
             if len(self._rows) < len(active):
                 self._admit(active[len(self._rows):])
-            pending = torch.tensor([[s.pending] for s in active])
-            self._mask = torch.cat([self._mask, torch.ones(len(active), 1, dtype=torch.long)], dim=1)
+            pending = torch.tensor([[s.pending] for s in active], device=self.device)
+            self._mask = torch.cat([self._mask, torch.ones(len(active), 1, dtype=torch.long, device=self.device)],
+                                   dim=1)
             positions = self._mask.sum(-1, keepdim=True) - 1
             out = self.model(input_ids=pending, attention_mask=self._mask, position_ids=positions, cache=self._cache,
                              use_cache=True)
             logits, version = out.logits[:, -1], self._version
-        temperature = torch.tensor([s.request.params.temperature for s in active])
-        top_p = torch.tensor([s.request.params.top_p for s in active])
+        temperature = torch.tensor([s.request.params.temperature for s in active], device=self.device)
+        top_p = torch.tensor([s.request.params.top_p for s in active], device=self.device)
         ids, logps = sample_tokens(logits, temperature, top_p, self.generator)
         self.tokens_generated += len(active)
         for seq, token, logp in zip(active, ids.tolist(), logps.tolist()):
@@ -124,7 +129,7 @@ class EmbeddedEngine(RolloutEngine):
             seq.token_ids.append(token)
             seq.logprobs.append(logp)
             seq.versions.append(version)
-            if token == self.eos_id and not params.ignore_eos:
+            if token in self.stop_ids and not params.ignore_eos:
                 seq.finish_reason = "stop"
             elif len(seq.token_ids) >= params.max_new_tokens:
                 seq.finish_reason = "length"
@@ -167,6 +172,7 @@ class EmbeddedEngine(RolloutEngine):
             if prefix:
                 ids[i, width - len(prefix):] = torch.tensor(prefix)
                 mask[i, width - len(prefix):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         cache = DynamicCache(config=self.model.config)
         self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), cache=cache, use_cache=True)
         if self._cache is None:
@@ -179,7 +185,7 @@ class EmbeddedEngine(RolloutEngine):
         if not keep:
             self._cache, self._mask = None, None
             return
-        index = torch.tensor(keep, dtype=torch.long)
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
         self._mask = self._mask.index_select(0, index)
         self._cache.batch_select_indices(index)
         first_real = int(self._mask.any(0).long().argmax())  # columns of padding only are dropped
@@ -203,7 +209,7 @@ class EmbeddedEngine(RolloutEngine):
         If the weights changed since the sequence was sampled, its sampled logprobs stand: rescoring with
         newer weights would label them with a version that did not compute them.
         """
-        ids = torch.tensor([seq.request.prompt_ids + seq.token_ids])
+        ids = torch.tensor([seq.request.prompt_ids + seq.token_ids], device=self.device)
         with self._lock:
             if self._version != seq.versions[0]:
                 return seq.logprobs

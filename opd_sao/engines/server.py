@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import torch
 
 from opd_sao.checkpoints import load_causal_lm, load_tokenizer
+from opd_sao.devices import resolve_device
 from opd_sao.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from opd_sao.engines.embedded import EmbeddedEngine
 from opd_sao.engines.weight_transfer import (DTYPES, TENSOR_FORMAT, broadcast, connect_store, join_group,
@@ -130,11 +131,13 @@ class RolloutServer:
     """The API's behaviour, independent of HTTP."""
 
     def __init__(self, checkpoint: str | Path, *, max_batch: int = 32, seed: int = 0, dtype: str = "float32",
-                 weight_version: str = "default", max_new_tokens: int = MAX_NEW_TOKENS):
+                 weight_version: str = "default", max_new_tokens: int = MAX_NEW_TOKENS,
+                 device: Optional[str] = None):
         self.checkpoint, self.dtype = str(checkpoint), dtype
         self.tokenizer = load_tokenizer(checkpoint)
-        self.engine = EmbeddedEngine(load_causal_lm(checkpoint, dtype), eos_id=self.tokenizer.eos_token_id,
-                                     pad_id=self.tokenizer.pad_token_id, max_batch=max_batch, seed=seed)
+        self.engine = EmbeddedEngine(load_causal_lm(checkpoint, dtype, resolve_device(device)),
+                                     eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
+                                     max_batch=max_batch, seed=seed)
         self.vocab_size = self.engine.model.get_input_embeddings().num_embeddings
         self.max_positions: Optional[int] = getattr(self.engine.model.config, "max_position_embeddings", None)
         self.max_new_tokens = max_new_tokens
@@ -237,7 +240,7 @@ class RolloutServer:
             if params.max_new_tokens:
                 result = self._sample(GenerationRequest(ids, params, tag=_Waiter()), client_gone)
                 output, logprobs = result.token_ids, result.logprobs
-                finish = ({"type": "stop", "matched": self.tokenizer.eos_token_id} if result.finish_reason == "stop"
+                finish = ({"type": "stop", "matched": output[-1]} if result.finish_reason == "stop"
                           else {"type": "length", "length": params.max_new_tokens})
         meta.update(finish_reason=finish, completion_tokens=len(output), e2e_latency=time.perf_counter() - t0)
         if prompt.return_logprob:
@@ -396,8 +399,8 @@ class RolloutServer:
             if key in NEUTRAL_PARAMS and value not in NEUTRAL_PARAMS[key]:
                 raise BadRequest(f"sampling_params.{key}={value!r} is not supported by opd-sao serve")
             if key == "stop_token_ids" and (not isinstance(value, (list, type(None)))
-                                            or not all(t == self.tokenizer.eos_token_id for t in value or [])):
-                raise BadRequest("stop_token_ids other than the model's eos are not supported by opd-sao serve")
+                                            or not all(t in self.engine.stop_ids for t in value or [])):
+                raise BadRequest("stop_token_ids other than the model's eos ids are not supported by opd-sao serve")
         temperature = _number("sampling_params.temperature", sp.get("temperature", 1.0), MIN_TEMPERATURE, math.inf)
         top_p = _number("sampling_params.top_p", sp.get("top_p", 1.0), 0.0, 1.0, low_open=True)
         max_new_tokens = _integer("sampling_params.max_new_tokens",
@@ -454,7 +457,7 @@ class RolloutServer:
     @torch.no_grad()
     def _prompt_logprobs(self, ids: list[int], start: int, top_k: int) -> dict:
         """SGLang's input logprobs (temperature 1): entry i is token start+i given the tokens before it."""
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=self.engine.device)
         logp = torch.log_softmax(forward_logits(self.engine.model, x, torch.ones_like(x))[0].float(), dim=-1)
         out = {"input_token_logprobs": [[None if t == 0 else float(logp[t - 1, ids[t]]), ids[t], None]
                                         for t in range(start, len(ids))]}
@@ -631,7 +634,7 @@ def serve(args) -> int:
     if args.max_new_tokens < 1 or args.max_body_mb < 1:
         raise ValueError("--max-new-tokens and --max-body-mb must be at least 1")
     app = RolloutServer(args.checkpoint, max_batch=args.max_batch, seed=args.seed, dtype=args.dtype,
-                        weight_version=args.weight_version, max_new_tokens=args.max_new_tokens)
+                        weight_version=args.weight_version, max_new_tokens=args.max_new_tokens, device=args.device)
     httpd = _HTTPServer((args.host, args.port), _handler(app, args.max_body_mb << 20))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"opd-sao serve: {args.checkpoint} on http://{args.host}:{httpd.server_port} "

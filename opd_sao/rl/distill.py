@@ -28,6 +28,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from cache import nucleus_cut
 from opd_sao import algorithms as A
 from opd_sao.config import AlgoConfig, OPDConfig
 from opd_sao.modeling import hidden_states, lm_head, logit_chunks, support_logprobs
@@ -46,8 +47,9 @@ def student_action_hidden(model, batch: Batch) -> torch.Tensor:
 # teacher records -> padded tensors
 # ----------------------------------------------------------------------------
 
-def padded_support(records) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids [N, S], teacher logp [N, S], mask [N, S], tail [N]) from top-k / top-p records, rows in order."""
+def padded_support(records, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [N, S], teacher logp [N, S], mask [N, S], tail [N]) from top-k / top-p records, rows in order, on
+    `device` (the student's)."""
     lens = np.concatenate([np.diff(r.offsets) for r in records]).astype(np.int64)
     ids = torch.from_numpy(np.concatenate([r.ids for r in records]).astype(np.int64))
     logp = torch.from_numpy(np.concatenate([r.logp for r in records]).astype(np.float32))
@@ -61,7 +63,7 @@ def padded_support(records) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     logp_pad = torch.zeros((n, width))
     mask = torch.zeros((n, width), dtype=torch.bool)
     ids_pad[row, col], logp_pad[row, col], mask[row, col] = ids, logp, True
-    return ids_pad, logp_pad, mask, tail
+    return ids_pad.to(device), logp_pad.to(device), mask.to(device), tail.to(device)
 
 
 # ----------------------------------------------------------------------------
@@ -74,7 +76,9 @@ def _mean(x: torch.Tensor) -> float:
 
 @dataclass
 class Rows:
-    """An OPD batch as action rows (trajectory order, then position) with each trajectory's teacher record."""
+    """An OPD batch as action rows (trajectory order, then position) with each trajectory's teacher record.
+
+    Every tensor lives on the batch's device (the trainer's: RLLoop moves batches there)."""
 
     batch: Batch
     records: list  # TeacherRecord per trajectory
@@ -98,16 +102,20 @@ class Rows:
     def n(self) -> int:
         return max(1, len(self.b))
 
+    @property
+    def device(self) -> torch.device:
+        return self.b.device
+
     def trajectories_with(self, *granularities: str) -> torch.Tensor:
         """[B] bool: trajectories whose teacher stores one of these granularities."""
-        return torch.tensor([g in granularities for g in self.granularity], dtype=torch.bool)
+        return torch.tensor([g in granularities for g in self.granularity], dtype=torch.bool, device=self.device)
 
     def teacher_sampled(self) -> torch.Tensor:
         """[B, T] the teacher's logprob of each sampled action token (0 elsewhere)."""
-        out = torch.zeros(self.batch.action_mask.shape)
+        out = torch.zeros(self.batch.action_mask.shape, device=self.device)
         if len(self.b):
             out[self.b, self.t] = torch.from_numpy(
-                np.concatenate([r.sampled_logp for r in self.records]).astype(np.float32))
+                np.concatenate([r.sampled_logp for r in self.records]).astype(np.float32)).to(self.device)
         return out
 
 
@@ -120,9 +128,9 @@ class RowStats:
     overlap: torch.Tensor  # top-k overlap of student and teacher
 
     @classmethod
-    def empty(cls, n: int) -> "RowStats":
-        nan = torch.full((n,), float("nan"))
-        return cls(torch.zeros(n), nan, nan.clone())
+    def empty(cls, n: int, device: torch.device) -> "RowStats":
+        nan = torch.full((n,), float("nan"), device=device)
+        return cls(torch.zeros(n, device=device), nan, nan.clone())
 
 
 class OPDLearner(ResumableLearner):
@@ -134,9 +142,9 @@ class OPDLearner(ResumableLearner):
     def step(self, batch: Batch, temperature: float) -> dict:
         fetched = self.targets.fetch(batch.trajectories)
         rows = Rows.of(batch, fetched, self.targets.registry.specs)
-        stats = RowStats.empty(len(rows.b))
+        stats = RowStats.empty(len(rows.b), rows.device)
         metrics: dict = {"reward_mean": float(rows.seq_rewards.mean()), "batch_size": float(len(batch.trajectories))}
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=rows.device)
         if bool(rows.trajectories_with("sampled").any()) or self.opd.reward_weight > 0:
             loss = loss + self._policy_gradient(rows, temperature, stats, metrics)
         if bool(rows.trajectories_with("top_k", "top_p", "full").any()):
@@ -175,7 +183,8 @@ class OPDLearner(ResumableLearner):
         model = self.backend.policy_model
         weight, bias = lm_head(model)
         hidden = student_action_hidden(model, rows.batch)
-        total = torch.zeros(())
+        dev = hidden.device
+        total = torch.zeros((), device=dev)
         div_sum, div_rows = 0.0, 0
         for gran in ("top_k", "top_p", "full"):
             traj_sel = rows.trajectories_with(gran)
@@ -187,18 +196,22 @@ class OPDLearner(ResumableLearner):
             if gran == "full":
                 s_logp = torch.cat([chunk for _, chunk in logit_chunks(h, weight, bias, opd.vocab_chunk)], dim=-1)
                 s_logp = torch.log_softmax(s_logp, dim=-1)
-                t_logp = torch.log_softmax(torch.from_numpy(np.concatenate([r.logp for r in recs])).float(), dim=-1)
-                ids = torch.arange(weight.shape[0]).expand(len(h), -1)
-                support = torch.ones(t_logp.shape, dtype=torch.bool)
-                s_tail = torch.full((len(h),), math.log(torch.finfo(torch.float32).tiny))
+                t_logp = torch.log_softmax(torch.from_numpy(np.concatenate([r.logp for r in recs])).float().to(dev),
+                                           dim=-1)
+                ids = torch.arange(weight.shape[0], device=dev).expand(len(h), -1)
+                support = torch.ones(t_logp.shape, dtype=torch.bool, device=dev)
+                s_tail = torch.full((len(h),), math.log(torch.finfo(torch.float32).tiny), device=dev)
                 top_ids = s_logp.detach().topk(min(self.overlap_k, s_logp.shape[1]), dim=-1).indices
-                mass = torch.ones(len(h))
+                mass = torch.ones(len(h), device=dev)
             else:
-                ids, t_raw, support, tail = padded_support(recs)
+                ids, t_raw, support, tail = padded_support(recs, dev)
                 t_logp = A.renormalize_support(t_raw, support, tail)
                 s_logp, s_tail, top_ids = support_logprobs(h, weight, bias, ids, support,
                                                            vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k)
                 mass = 1.0 - tail
+                if gran == "top_p":  # the share of positions whose nucleus opd.max_support cut
+                    cut = nucleus_cut(support.sum(1), tail, opd.top_p, opd.max_support)
+                    metrics["nucleus_cap_hit_rate"] = float(cut.float().mean())
             div = A.truncated_divergence(s_logp, t_logp, support, s_tail, kind=opd.divergence, beta=opd.jsd_beta)
             total = total + div.sum() / rows.n
             div_sum, div_rows = div_sum + float(div.detach().sum()), div_rows + len(div)
@@ -221,18 +234,18 @@ class OPDLearner(ResumableLearner):
         domain_of_row = [trajs[i].domain for i in rows.b.tolist()]
         for key, labels in (("kl_teacher", teacher_of_row), ("kl_domain", domain_of_row)):
             for label in sorted(set(labels)):
-                sel = torch.tensor([x == label for x in labels], dtype=torch.bool)
+                sel = torch.tensor([x == label for x in labels], dtype=torch.bool, device=rows.device)
                 metrics[f"{key}/{label}"] = _mean(stats.kl[sel])
         finite = ~stats.mass.isnan()
         if bool(finite.any()):
             metrics["support_mass"] = _mean(stats.mass[finite])
             for label in sorted(set(teacher_of_row)):
-                sel = finite & torch.tensor([x == label for x in teacher_of_row], dtype=torch.bool)
+                sel = finite & torch.tensor([x == label for x in teacher_of_row], dtype=torch.bool, device=rows.device)
                 if bool(sel.any()):
                     metrics[f"support_mass/{label}"] = _mean(stats.mass[sel])
             metrics["topk_overlap"] = _mean(stats.overlap[~stats.overlap.isnan()])
         for domain in sorted({t.domain for t in trajs}):
-            sel = torch.tensor([t.domain == domain for t in trajs], dtype=torch.bool)
+            sel = torch.tensor([t.domain == domain for t in trajs], dtype=torch.bool, device=rows.device)
             metrics[f"reward_domain/{domain}"] = _mean(rows.seq_rewards[sel])
         prefetch = self.targets.prefetcher.stats
         metrics.update(

@@ -65,7 +65,8 @@ class Learner(ResumableLearner):
         return metrics
 
     def _inputs(self, batch: Batch, values) -> A.AdvantageInputs:
-        group_ids = torch.tensor([t.meta.get("group", i) for i, t in enumerate(batch.trajectories)])
+        group_ids = torch.tensor([t.meta.get("group", i) for i, t in enumerate(batch.trajectories)],
+                                 device=batch.rewards.device)
         return A.AdvantageInputs(rewards=batch.rewards, action_mask=batch.action_mask, values=values,
                                  group_ids=group_ids, baseline=self.baseline.value, gamma=self.cfg.gamma,
                                  alpha=self.cfg.alpha, lam=self.cfg.ppo_lambda)

@@ -112,7 +112,7 @@ class RLLoop:
     def _train_step(self, trajs: list[Trajectory]) -> dict:
         version = self.backend.policy_version
         staleness = Counter(version - t.min_version for t in trajs)
-        batch = collate(trajs, self.pad_id)
+        batch = collate(trajs, self.pad_id).to(self.backend.device)
         metrics = self.learner.step(batch, self.rollout.temperature)
         if self.slowdown_s:
             time.sleep(self.slowdown_s)

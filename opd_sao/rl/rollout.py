@@ -2,8 +2,9 @@
 
 Single-turn and multi-turn tasks share one path: prompt, then action, observation, action, ...
 Action spans keep exactly the token ids the engine sampled (no re-tokenisation); observation
-tokens get action_mask 0 and no logprob. With compaction on, a long episode is several trajectory
-segments (see opd_sao.compaction), each exactly what the engine conditioned on.
+tokens get action_mask 0 and no logprob. Prompts and observations are encoded by the stage's
+`PromptFormat` (raw text, or the tokenizer's chat template). With compaction on, a long episode is
+several trajectory segments (see opd_sao.compaction), each exactly what the engine conditioned on.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, Optional
 
+from opd_sao.checkpoints import PromptFormat
 from opd_sao.engines.base import (
     GenerationRequest,
     GenerationResult,
@@ -27,24 +29,26 @@ from opd_sao.trajectory import Trajectory
 def episodes_for(env_factory, task: dict, tokenizer, rollout, *, domain: str, count: int = 1, group: int = -1,
                  temperature: Optional[float] = None, traj_ids: Optional[list[str]] = None) -> list["Episode"]:
     """The `count` episodes of one task as every caller plays them (training, OPD, evaluation, gate probes):
-    the rollout config's sampling, episode lengths and compaction; `temperature` overrides the sampling one."""
+    the rollout config's sampling, episode lengths, compaction and prompt format; `temperature` overrides the
+    sampling one."""
     params = SamplingParams(rollout.temperature if temperature is None else temperature, rollout.top_p,
                             rollout.max_new_tokens)
-    compaction = Compaction.from_rollout(rollout)
+    compaction, prompt_format = Compaction.from_rollout(rollout), PromptFormat.from_rollout(tokenizer, rollout)
     return [Episode(env_factory(), task, tokenizer, params, domain=domain, max_turns=rollout.max_turns,
                     max_context_tokens=rollout.max_context_tokens, group=group, compaction=compaction,
-                    traj_id=traj_ids[i] if traj_ids else None)
+                    traj_id=traj_ids[i] if traj_ids else None, prompt_format=prompt_format)
             for i in range(count)]
 
 
 class Episode:
     def __init__(self, env, task: dict, tokenizer, params: SamplingParams, *, domain: str, max_turns: int,
                  max_context_tokens: int, group: int = -1, traj_id: Optional[str] = None,
-                 compaction: Optional[Compaction] = None):
+                 compaction: Optional[Compaction] = None, prompt_format: Optional[PromptFormat] = None):
         self.env, self.task, self.tokenizer, self.params = env, task, tokenizer, params
         self.max_turns, self.max_context_tokens, self.compaction = max_turns, max_context_tokens, compaction
+        self.format = prompt_format or PromptFormat(tokenizer)
         first_observation = env.reset(task)
-        prompt_ids = [tokenizer.bos_token_id] + tokenizer.encode(first_observation, add_special_tokens=False)
+        prompt_ids = self.format.prompt(first_observation)
         traj_id = traj_id or f"{domain}-{uuid.uuid4().hex[:16]}"
         self.traj = Trajectory(
             traj_id=traj_id, domain=domain, prompt_ids=prompt_ids, temperature=params.temperature, top_p=params.top_p,
@@ -52,7 +56,7 @@ class Episode:
         )
         self.segments = [self.traj]  # self.traj is the last one, the segment being played
         self.turns = 0  # environment steps over all segments
-        self._summarising: Optional[list[int]] = None  # during a compaction turn: the latest observation
+        self._summarising: Optional[str] = None  # during a compaction turn: the latest observation
 
     def request(self) -> GenerationRequest:
         ids = self.traj.prompt_ids + self.traj.token_ids
@@ -65,25 +69,27 @@ class Episode:
         """Record the action, step the environment; True when the episode is over."""
         traj = self.traj
         traj.append(result.token_ids, action=True, logp=result.logprobs, versions=result.versions)
+        stopped_on = result.token_ids[-1] if result.finish_reason == "stop" and result.token_ids else None
         if self._summarising is not None:
-            return self._continue_after_summary(result.token_ids)
+            return self._continue_after_summary(result.token_ids, stopped_on)
         self.turns += 1
         traj.meta["turns"] += 1
-        action_ids = [t for t in result.token_ids if t != self.tokenizer.eos_token_id]
-        observation, reward, done = self.env.step(self.tokenizer.decode(action_ids))
+        # the environment reads the text without the stop token and without control tokens (<|im_end|>, ...)
+        action_ids = result.token_ids[:-1] if stopped_on is not None else result.token_ids
+        observation, reward, done = self.env.step(self.tokenizer.decode(action_ids, skip_special_tokens=True))
         traj.add_reward(reward)
         traj.finish_reason = "done" if done else result.finish_reason
         if done:
             return self._end()
-        obs_ids = self.tokenizer.encode(observation, add_special_tokens=False) if observation else []
+        obs_ids = self.format.observation(observation, stopped_on) if observation else []
         total = len(traj.prompt_ids) + len(traj.token_ids) + len(obs_ids)
         if self.turns >= self.max_turns:
             return self._end("max_turns")
         if self.compaction and total > self.compaction.budget:
-            instruction = self.tokenizer.encode(self.compaction.instruction, add_special_tokens=False)
-            if total + len(instruction) < self.max_context_tokens - 1:
-                traj.append(obs_ids + instruction, action=False)  # the next action is the summary
-                self._summarising = obs_ids
+            request = self.format.observation(observation, stopped_on, instruction=self.compaction.instruction)
+            if len(traj.prompt_ids) + len(traj.token_ids) + len(request) < self.max_context_tokens - 1:
+                traj.append(request, action=False)  # the next action is the summary
+                self._summarising = observation
                 return False
         if total >= self.max_context_tokens - 1:
             return self._end("context")
@@ -91,11 +97,12 @@ class Episode:
             traj.append(obs_ids, action=False)
         return False
 
-    def _continue_after_summary(self, summary_ids: list[int]) -> bool:
+    def _continue_after_summary(self, summary_ids: list[int], stopped_on: Optional[int]) -> bool:
         """Close the segment on its summary; go on in a new one that starts from the compacted context."""
         observation, self._summarising = self._summarising, None
         self.traj.finish_reason = "compacted"
-        segment = next_segment(self.segments, summary_ids, observation)
+        obs_ids = self.format.observation(observation, stopped_on) if observation else []
+        segment = next_segment(self.segments, summary_ids, obs_ids)
         if len(segment.prompt_ids) >= self.max_context_tokens - 1:
             return self._end("context")
         self.traj = segment

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from opd_sao.config import EvalConfig, RolloutConfig
 from opd_sao.engines.embedded import EmbeddedEngine
 from opd_sao.checkpoints import load_causal_lm
+from opd_sao.devices import resolve_device
 from opd_sao.rl.rollout import Episode, episodes_for, run_episodes
 
 
@@ -21,13 +23,16 @@ def make_episodes(env_factory, tasks, tokenizer, rollout: RolloutConfig, *, doma
 
 
 def evaluate(checkpoint: Path, env_factory, tokenizer, *, domain: str, rollout: RolloutConfig, eval_cfg: EvalConfig,
-             seed: int) -> float:
-    """Sampled (not greedy) at eval_cfg.temperature, with a fixed seed, so runs are comparable."""
+             seed: int, device: Optional[str] = None) -> float:
+    """Sampled (not greedy) at eval_cfg.temperature, with a fixed seed, so runs are comparable.
+
+    `device`: where the model generates (the run's engine device; None: auto).
+    """
     tasks = env_factory().make_tasks("eval", eval_cfg.num_tasks, seed=seed)
     if not tasks:
         raise ValueError(f"environment {domain!r} has no eval tasks")
-    engine = EmbeddedEngine(load_causal_lm(checkpoint), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                            max_batch=64, seed=seed)
+    engine = EmbeddedEngine(load_causal_lm(checkpoint, device=resolve_device(device)), eos_id=tokenizer.eos_token_id,
+                            pad_id=tokenizer.pad_token_id, max_batch=64, seed=seed)
     episodes = make_episodes(env_factory, tasks, tokenizer, rollout, domain=domain, temperature=eval_cfg.temperature,
                              repeats=eval_cfg.samples_per_task)
     with torch.no_grad():

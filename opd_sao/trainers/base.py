@@ -21,6 +21,8 @@ def adamw(params, lr: float, cfg: TrainerConfig) -> torch.optim.AdamW:
 
 class TrainerBackend(ABC):
     policy_version: int = 0
+    device: torch.device  # where the models run and where the returned logprobs / values live; the Learner
+    # computes its losses there, so batches go there (`Batch.to`)
 
     @abstractmethod
     def policy_logprobs(self, batch: Batch, temperature: float, grad: bool) -> torch.Tensor:
@@ -40,7 +42,7 @@ class TrainerBackend(ABC):
 
     @abstractmethod
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights for the rollout engine (full, unsharded, on CPU)."""
+        """Weights for the rollout engine (full, unsharded; the engine copies them onto its own device)."""
 
     @property
     @abstractmethod

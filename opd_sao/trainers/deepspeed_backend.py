@@ -32,6 +32,7 @@ import torch.distributed as dist
 from opd_sao.checkpoints import load_causal_lm, save_checkpoint
 
 from ..config import TrainerConfig
+from ..devices import resolve_device
 from ..modeling import sequence_logprobs
 from .base import TrainerBackend, adamw
 from .critic import ValueModel
@@ -66,18 +67,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> None:
-    """Join the launcher's process group, or start a world of one when run as a plain process."""
+def init_distributed(device: Optional[torch.device] = None) -> None:
+    """Join the launcher's process group, or start a world of one when run as a plain process.
+
+    A launched rank uses its launcher's GPU (LOCAL_RANK); a world of one uses `device`'s index if it names one.
+    """
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if dist.is_initialized():
         return
+    index = int(os.environ.get("LOCAL_RANK", "0"))
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
-    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        index = device.index if device is not None and device.index is not None else 0
+    get_accelerator().set_device(index)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                timeout=COLLECTIVE_TIMEOUT, verbose=False)
 
@@ -116,10 +122,14 @@ class DeepSpeedTrainer(TrainerBackend):
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
-        init_distributed()
+        wanted = resolve_device(cfg.device)
+        init_distributed(wanted)
         self.cfg, self.checkpoint = cfg, str(checkpoint)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(get_accelerator().current_device_name())
+        if self.device.type != wanted.type:
+            raise ValueError(f"trainer.device {cfg.device!r} is {wanted}, but DeepSpeed's accelerator runs on "
+                             f"{self.device} (DS_ACCELERATOR={wanted.type} chooses it)")
         self._announce("init", checkpoint=self.checkpoint, cfg=cfg.model_dump(), with_critic=with_critic)
         policy_ds = deepspeed_config(cfg, cfg.policy_lr)
         # Under ZeRO-3 every rank loads the full model, then DeepSpeed partitions it (partitioning while
@@ -191,7 +201,7 @@ class DeepSpeedTrainer(TrainerBackend):
             if not active:
                 local = local * 0
         full = self._gather_rows(local.detach(), B, T, chunk, active)
-        leaf = full.to("cpu", copy=True).requires_grad_(grad) if self.rank == 0 else None
+        leaf = full.clone().requires_grad_(grad) if self.rank == 0 else None  # rank 0's loss is computed here
         if grad:
             self._pending[kind] = _Pending(local, lo, lo + local.shape[0], (B, T), leaf)
         return leaf
@@ -224,7 +234,7 @@ class DeepSpeedTrainer(TrainerBackend):
             raise RuntimeError(f"step_{kind} needs a {kind} forward with grad=True first")
         if self.rank == 0:
             (grad,) = torch.autograd.grad(loss, pending.leaf, allow_unused=True)
-            grad = torch.zeros(pending.shape) if grad is None else grad
+            grad = torch.zeros(pending.shape, device=self.device) if grad is None else grad
             grad = grad.to(self.device, torch.float32).contiguous()
         else:
             grad = torch.empty(pending.shape, dtype=torch.float32, device=self.device)

@@ -10,6 +10,7 @@ from opd_sao.checkpoints import load_causal_lm, save_checkpoint
 from opd_sao.runs.files import atomic_path
 
 from ..config import TrainerConfig
+from ..devices import resolve_device
 from ..modeling import sequence_logprobs
 from ..trajectory import Batch
 from .base import TrainerBackend, adamw
@@ -19,11 +20,12 @@ from .critic import ValueModel
 class TorchTrainer(TrainerBackend):
     def __init__(self, checkpoint: str | Path, cfg: TrainerConfig, *, with_critic: bool = True):
         self.cfg = cfg
-        self.policy = load_causal_lm(checkpoint, cfg.dtype).train()
+        self.device = resolve_device(cfg.device)
+        self.policy = load_causal_lm(checkpoint, cfg.dtype, self.device).train()
         self.policy_opt = adamw(self.policy.parameters(), cfg.policy_lr, cfg)
         self.critic = None
         if with_critic:
-            self.critic = ValueModel.from_pretrained(str(checkpoint), cfg.dtype).train()
+            self.critic = ValueModel.from_pretrained(str(checkpoint), cfg.dtype).to(self.device).train()
             if cfg.freeze_critic_attention:
                 self.critic.freeze_attention()
             trainable = [p for p in self.critic.parameters() if p.requires_grad]
@@ -36,13 +38,14 @@ class TorchTrainer(TrainerBackend):
 
     def policy_logprobs(self, batch: Batch, temperature: float, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
-            return sequence_logprobs(self.policy, batch.input_ids, batch.attention_mask, temperature, top_p=batch.top_p)
+            return sequence_logprobs(self.policy, batch.input_ids.to(self.device),
+                                     batch.attention_mask.to(self.device), temperature, top_p=batch.top_p)
 
     def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("this trainer was built without a critic (the algorithm needs none)")
         with torch.set_grad_enabled(grad):
-            return self.critic(batch.input_ids, batch.attention_mask)
+            return self.critic(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
 
     def _step(self, loss, model, opt) -> float:
         opt.zero_grad(set_to_none=True)
@@ -77,7 +80,7 @@ class TorchTrainer(TrainerBackend):
         (out_dir / "trainer_meta.json").write_text(json.dumps({"policy_version": self.policy_version}))
 
     def load_state(self, in_dir: Path) -> None:
-        state = torch.load(Path(in_dir) / "trainer_state.pt", weights_only=True)
+        state = torch.load(Path(in_dir) / "trainer_state.pt", weights_only=True, map_location=self.device)
         self.policy.load_state_dict(state["policy"])
         self.policy_opt.load_state_dict(state["policy_opt"])
         if self.critic is not None and "critic" in state:

@@ -3,6 +3,10 @@
 An environment is a class registered by name and chosen in YAML (`env: arithmetic`). One instance
 plays one episode: `reset(task)` gives the first observation (the prompt), `step(action)` gives
 (observation, reward, done). Tasks are plain dicts with a unique "id".
+
+An environment name is also a domain name (evaluation tables, OPD `domains:`). One class can be several
+domains through a label after a colon: `dataset:gsm8k` and `dataset:mbpp` are both the `dataset` class,
+each with the options of the stage that trains on it, and count as two domains.
 """
 from __future__ import annotations
 
@@ -10,9 +14,21 @@ import random
 from abc import ABC, abstractmethod
 from typing import Optional
 
-from opd_sao.registry import Registry
+from opd_sao.registry import Registry, check_keywords
 
-ENVIRONMENTS: Registry[type["Environment"]] = Registry("environment")
+
+
+class EnvironmentRegistry(Registry):
+    """Looks `name:label` up as `name` (the label only tells domains of one class apart)."""
+
+    def get(self, name: str):
+        return super().get(name.split(":", 1)[0])
+
+    def __contains__(self, name: str) -> bool:
+        return super().__contains__(name.split(":", 1)[0])
+
+
+ENVIRONMENTS: Registry[type["Environment"]] = EnvironmentRegistry("environment")
 register_env = ENVIRONMENTS.register
 
 
@@ -23,6 +39,15 @@ class Environment(ABC):
     # True when the same action can score differently on replay (a noisy judge): the validity check then
     # replays every episode, requiring the oracle to score 1 at least once and the others never to score.
     stochastic_reward = False
+    # True when the texts of this domain come from the options (a data file) rather than the class: the
+    # pipeline then trains the tiny model's tokenizer on the corpus of every configured instance too.
+    corpus_from_options = False
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """Raise ValueError for `env_options` the constructor would refuse; the pipeline checks every stage's
+        before any work. An environment with nested options (the chat env's judge) checks those too."""
+        check_keywords(cls, options)
 
     @abstractmethod
     def make_tasks(self, split: str, n: int, seed: int) -> list[dict]:
@@ -37,6 +62,12 @@ class Environment(ABC):
     def reference_actions(self, task: dict) -> Optional[list[str]]:
         """Oracle actions that solve the task (SFT warm start, validity checks); None if unknown."""
         return None
+
+    def oracle_actions(self, task: dict) -> Optional[list[str]]:
+        """Actions the validity check requires to score 1: by default the reference actions. An environment
+        whose reward is a score rather than a verifier (a reward model, an LLM judge) returns None: its
+        references still teach (SFT), but nothing guarantees they score 1."""
+        return self.reference_actions(task)
 
     def noop_action(self, task: dict) -> str:
         return ""

@@ -16,6 +16,7 @@ import logging
 import random
 import threading
 from collections import OrderedDict
+from typing import Optional
 
 from stages.envs.sandbox import SandboxLimits, SandboxResult, detect_mode, run_python
 
@@ -57,13 +58,13 @@ sys.__stdout__.write("\\n" + json.dumps(results) + "\\n")
 
 
 @functools.cache
-def _sandbox_mode(allow_rlimit_only: bool) -> str:
+def sandbox_mode(allow_rlimit_only: bool) -> str:
     """Decided once per process: a missing bubblewrap raises (loudly) unless rlimit-only is allowed."""
     return detect_mode(allow_rlimit_only)
 
 
-class _VerdictCache:
-    """Identical program + identical inputs -> the same verdict: skip the sandbox (~0.1 s a run) on repeats.
+class VerdictCache:
+    """Identical harness + identical job -> the same verdict: skip the sandbox (~0.1 s a run) on repeats.
 
     Only runs that ended on their own are kept; a wall-clock kill may be machine load, so it is retried.
     """
@@ -71,21 +72,23 @@ class _VerdictCache:
     def __init__(self, size: int = 8192):
         self.size, self._items, self._lock = size, OrderedDict(), threading.Lock()  # episodes step on threads
 
-    def run(self, job: str, limits: SandboxLimits, mode: str) -> SandboxResult:
+    def run(self, job: str, limits: SandboxLimits, mode: str, harness: str = HARNESS) -> SandboxResult:
+        """`harness` runs in the sandbox and reads `job` on stdin (the program and its tests)."""
+        key = (harness, job)
         with self._lock:
-            if job in self._items:
-                self._items.move_to_end(job)
-                return self._items[job]
-        result = run_python(HARNESS, stdin=job, limits=limits, mode=mode)
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        result = run_python(harness, stdin=job, limits=limits, mode=mode)
         if result.limit_hit != "wall":
             with self._lock:
-                self._items[job] = result
+                self._items[key] = result
                 if len(self._items) > self.size:
                     self._items.popitem(last=False)
         return result
 
 
-_VERDICTS = _VerdictCache()
+VERDICTS = VerdictCache()
 
 
 @register_env("code")
@@ -124,35 +127,14 @@ class CodeEnv(Environment):
     def step(self, action: str) -> tuple[str, float, bool]:
         job = json.dumps({"source": STARTER + action, "inputs": self.task["inputs"]})
         try:
-            result = _VERDICTS.run(job, self.limits, _sandbox_mode(self.allow_rlimit_only))
-            passed, feedback = self._grade(result)
+            result = VERDICTS.run(job, self.limits, sandbox_mode(self.allow_rlimit_only))
+            passed, feedback = grade_outputs(result, self.task["inputs"], self.task["expected"])
         except Exception as err:  # noqa: BLE001  an infrastructure failure is a failed step, never a crash
             logger.warning("code env: sandbox run failed: %r", err)
             passed, feedback = 0, f"# sandbox error: {type(err).__name__}\n"
         score = passed / len(self.task["inputs"])
         reward, self.score = score - self.score, score
         return feedback, reward, score == 1.0
-
-    def _grade(self, result: SandboxResult) -> tuple[int, str]:
-        """(tests passed, observation naming the first failure)."""
-        lines = result.stdout.strip().splitlines()
-        try:
-            outputs = json.loads(lines[-1]) if result.status == "ok" else None
-        except (IndexError, json.JSONDecodeError):
-            outputs = None
-        if not isinstance(outputs, list) or len(outputs) != len(self.task["inputs"]):
-            why = f"{result.limit_hit} limit" if result.limit_hit else "no result (the program broke the harness)"
-            return 0, f"# {why}\n"
-        feedback = ""
-        passed = 0
-        for x, want, (out, error) in zip(self.task["inputs"], self.task["expected"], outputs):
-            got = out.strip()
-            if error is None and got == want:
-                passed += 1
-            elif not feedback:
-                shown = error or f"got {got.splitlines()[0][:20] if got else 'nothing'}, want {want}"
-                feedback = f"# x={x}: {shown[:60]}\n"
-        return passed, feedback
 
     def reference_actions(self, task: dict) -> list[str]:
         return [f"print({task['solution']})"]
@@ -168,3 +150,32 @@ class CodeEnv(Environment):
             texts += [self.reset(task), *self.reference_actions(task), f"# x={x}: got {want}0, want {want}\n",
                       f"# x={x}: NameError: name 'y' is not defined\n", "# x=1: SyntaxError: invalid syntax\n"]
         return texts
+
+
+def harness_outputs(result: SandboxResult, n: int) -> tuple[Optional[list], str]:
+    """The harness's per-test [stdout, error] list (None when it broke or hit a limit) and, if None, why."""
+    lines = result.stdout.strip().splitlines()
+    try:
+        outputs = json.loads(lines[-1]) if result.status == "ok" else None
+    except (IndexError, json.JSONDecodeError):
+        outputs = None
+    if not isinstance(outputs, list) or len(outputs) != n:
+        return None, f"{result.limit_hit} limit" if result.limit_hit else "no result (the program broke the harness)"
+    return outputs, ""
+
+
+def grade_outputs(result: SandboxResult, inputs: list, expected: list[str]) -> tuple[int, str]:
+    """(tests passed, observation naming the first failure) of a HARNESS run: stdout must equal the expected."""
+    outputs, why = harness_outputs(result, len(inputs))
+    if outputs is None:
+        return 0, f"# {why}\n"
+    feedback = ""
+    passed = 0
+    for x, want, (out, error) in zip(inputs, expected, outputs):
+        got = out.strip()
+        if error is None and got == want:
+            passed += 1
+        elif not feedback:
+            shown = error or f"got {got.splitlines()[0][:20] if got else 'nothing'}, want {want}"
+            feedback = f"# x={x}: {shown[:60]}\n"
+    return passed, feedback

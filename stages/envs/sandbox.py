@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import re
 import select
@@ -553,6 +554,24 @@ def _kill_processes_naming(path: str) -> None:
             os.close(pidfd)
 
 
+LIMIT_MAX = 2**31  # above this a limit overflows select's timeout or an rlimit instead of limiting anything
+
+
+def _limit_arg(kind: type):
+    """argparse type of a limit flag: a finite number in (0, LIMIT_MAX); inf, nan or 0 would disable the limit."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (math.isfinite(value) and 0 < value < LIMIT_MAX):
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0 and < {LIMIT_MAX} (got {text})")
+        return value
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     """`opd-sao sandbox run FILE [--wall-s ...]`: argv is what follows `sandbox`; prints one JSON object."""
     parser = argparse.ArgumentParser(prog="opd-sao sandbox", description="Run untrusted Python in the sandbox.")
@@ -562,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     defaults = SandboxLimits()
     for field in dataclasses.fields(SandboxLimits):
         default = getattr(defaults, field.name)
-        run.add_argument(f"--{field.name.replace('_', '-')}", type=type(default), default=default)
+        run.add_argument(f"--{field.name.replace('_', '-')}", type=_limit_arg(type(default)), default=default)
     run.add_argument("--stdin", type=Path, help="file whose content is fed to the program's stdin")
     run.add_argument(
         "--allow-rlimit-only", action="store_true", help="run without bubblewrap (rlimits only) if it is unavailable"

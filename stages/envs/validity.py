@@ -3,7 +3,7 @@
 On a sample of train and eval tasks: the oracle solution must score 1, a no-op must score 0, and the
 untouched initial state (submitting nothing) must score 0. A verifier that fails any of these would
 reward the wrong thing, so an environment that fails is refused at stage start. Environments without
-reference actions have no oracle to check: the check is skipped. A stochastic reward (a noisy judge) is
+oracle actions (`Environment.oracle_actions`: by default the reference actions) have no oracle to check: the check is skipped. A stochastic reward (a noisy judge) is
 replayed: the oracle must score 1 at least once, the no-op and the initial state never.
 """
 from __future__ import annotations
@@ -58,9 +58,9 @@ def check_environment(name: str, env_factory, n: int = 16, seed: int = 0) -> Val
     probe = env_factory()
     tasks = probe.make_tasks("train", n - n // 2, seed) + probe.make_tasks("eval", n // 2, seed)
     report = ValidityReport(name, [t["id"] for t in tasks])
-    oracles = [probe.reference_actions(t) for t in tasks]
+    oracles = [probe.oracle_actions(t) for t in tasks]
     if not tasks or all(o is None for o in oracles):
-        report.skipped = "no tasks" if not tasks else "no reference actions: the reward is not a binary verifier"
+        report.skipped = "no tasks" if not tasks else "no oracle actions: the reward is not a binary verifier"
         return report
     replays = STOCHASTIC_REPLAYS if probe.stochastic_reward else 1
     for task, oracle in zip(tasks, oracles):

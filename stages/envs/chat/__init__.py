@@ -26,7 +26,9 @@ from typing import Callable, Optional
 
 from stages.envs.base import Environment, register_env, shuffled
 
-from .judges import build_judge, words_of
+from opd_sao.registry import check_keywords
+
+from .judges import JUDGES, build_judge, words_of
 
 STYLES = ("cute", "chuunibyou", "classical")
 RESPONSES = {  # short, so a 2-layer model writes them well; the first word already commits to a style
@@ -85,20 +87,27 @@ def steps_to_recover(rewards: list[float], switch: int, end: int, level: float, 
 @register_env("chat")
 class ChatEnv(Environment):
     reads_train_step = True  # the RL stage passes train_step: the preference may follow training progress
+    reads_device = True  # stages pass the run's device: a reward-model judge scores there
 
     def __init__(self, judge: str = "rule", judge_options: Optional[dict] = None, style: str = "cute",
                  switch_every: int = 0, recover_level: float = 0.3, recover_window: int = 5,
-                 eval_fraction: float = 0.2, train_step: Optional[Callable[[], int]] = None):
+                 eval_fraction: float = 0.2, train_step: Optional[Callable[[], int]] = None,
+                 device: Optional[str] = None):
         if not 0 < recover_level <= 1:
             raise ValueError(f"chat recover_level must be in (0, 1] (got {recover_level})")
         if recover_window < 1:
             raise ValueError(f"chat recover_window must be >= 1 (got {recover_window})")
         self.schedule = StyleSchedule(style, switch_every)
         self.recover_level, self.recover_window = recover_level, recover_window
-        self.judge = build_judge(judge, ensure_reward_model(judge, judge_options))
+        self.judge = build_judge(judge, ensure_reward_model(judge, judge_options, device))
         self.stochastic_reward = self.judge.stochastic
         self.eval_fraction, self.train_step = eval_fraction, train_step
         self.task = None
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        super().check_options(options)
+        check_judge(options.get("judge", "rule"), options.get("judge_options"))
 
     def _prompts(self, split: str) -> list[tuple[str, int]]:
         """(topic, prompt template) pairs of a split; a stable hash keeps train and eval apart."""
@@ -177,26 +186,45 @@ _training_lock = threading.Lock()
 REWARD_MODEL_TRAINING = ("train_pairs", "train_steps", "seed")  # judge_options that only shape a missing model
 
 
-def ensure_reward_model(judge: str, options: Optional[dict]) -> Optional[dict]:
+def ensure_reward_model(judge: str, options: Optional[dict], device: Optional[str] = None) -> Optional[dict]:
     """The judge options with the reward-model training keys removed, after training the reward model at
     `path` from this environment's preference pairs when the judge needs one and none is there yet
-    (also for a `noisy` judge wrapping a reward model)."""
+    (also for a `noisy` judge wrapping a reward model). A reward model runs on `device` unless its
+    options name one."""
     options = dict(options or {})
     if judge == "noisy" and options.get("inner") == "reward_model":
-        options["inner_options"] = ensure_reward_model("reward_model", options.get("inner_options"))
+        options["inner_options"] = ensure_reward_model("reward_model", options.get("inner_options"), device)
         return options
     if judge != "reward_model" or "path" not in options:
         return options
     training = {key: options.pop(key) for key in REWARD_MODEL_TRAINING if key in options}
+    if device is not None:
+        options.setdefault("device", device)
     with _training_lock:
         if not (Path(options["path"]) / "config.json").is_file():
             train_chat_reward_model(Path(options["path"]), n_pairs=training.get("train_pairs", 3000),
-                                    steps=training.get("train_steps", 300), seed=training.get("seed", 0))
+                                    steps=training.get("train_steps", 300), seed=training.get("seed", 0),
+                                    device=options.get("device"))
     return options
 
 
+def check_judge(judge: str, options: Optional[dict], where: str = "judge_options") -> None:
+    """Raise ValueError for a judge name or options that ensure_reward_model and build_judge would refuse, without
+    training or loading anything."""
+    try:
+        judge_cls = JUDGES.get(judge)
+    except KeyError as err:
+        raise ValueError(f"judge: {err.args[0]}") from None
+    try:
+        check_keywords(judge_cls, options or {}, also=REWARD_MODEL_TRAINING if judge == "reward_model" else ())
+    except ValueError as err:
+        raise ValueError(f"{where} of judge {judge!r}: {err}") from None
+    if judge == "noisy":
+        check_judge((options or {}).get("inner", "rule"), (options or {}).get("inner_options"), f"{where}.inner_options")
+
+
 def train_chat_reward_model(out: Path, *, n_pairs: int = 3000, steps: int = 300, seed: int = 0,
-                            shape=None) -> dict:
+                            shape=None, device: Optional[str] = None) -> dict:
     """Build a tiny backbone on the chat corpus, train a reward model on generated pairs, save it to `out`."""
     from opd_sao.checkpoints import build_tiny_model
     from opd_sao.config import TinyModelConfig
@@ -207,4 +235,5 @@ def train_chat_reward_model(out: Path, *, n_pairs: int = 3000, steps: int = 300,
     with tempfile.TemporaryDirectory() as tmp:
         init = build_tiny_model(Path(tmp) / "init", env.corpus(), shape or TinyModelConfig(), seed)
         return train_reward_model(init, out, env.preference_pairs("train", n_pairs, seed),
-                                  env.preference_pairs("eval", 500, seed + 1), steps=steps, seed=seed)
+                                  env.preference_pairs("eval", 500, seed + 1), steps=steps, seed=seed,
+                                  device=device)

@@ -58,12 +58,12 @@ class RewardModelJudge(Judge):
     pairs when `path` holds none) does so before building the judge, so judges never import an environment.
     """
 
-    def __init__(self, path: str, threshold: float | None = None):
+    def __init__(self, path: str, threshold: float | None = None, device: str | None = None):
         from .reward_model import RewardModel
 
         if not (Path(path) / "config.json").is_file():
             raise ValueError(f"reward_model judge: no reward model at {path} (train one with `opd-sao reward-model`)")
-        self.model = RewardModel(path)
+        self.model = RewardModel(path, device)  # device: the run's, passed in by the chat env (None: auto)
         self.threshold = self.model.threshold if threshold is None else threshold
 
     def quality(self, task: dict, response: str) -> bool:

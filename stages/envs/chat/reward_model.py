@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
-from opd_sao.checkpoints import load_tokenizer, pretrained, save_checkpoint
+from opd_sao.checkpoints import encode_text, load_tokenizer, pretrained, save_checkpoint
+from opd_sao.devices import resolve_device
 
 Pair = tuple[str, str, str]  # (prompt, chosen response, rejected response)
 
 
 def encode(tokenizer, prompts: list[str], responses: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """bos + prompt + response + eos, right-padded: the classifier reads the eos, so a cut-off response differs."""
-    seqs = [[tokenizer.bos_token_id] + tokenizer.encode(p + r, add_special_tokens=False) + [tokenizer.eos_token_id]
-            for p, r in zip(prompts, responses)]
+    """(bos +) prompt + response + eos, right-padded: the classifier reads the eos, so a cut-off response differs."""
+    seqs = [encode_text(tokenizer, p + r) + [tokenizer.eos_token_id] for p, r in zip(prompts, responses)]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
     attention = torch.zeros_like(ids)
@@ -34,7 +35,8 @@ def encode(tokenizer, prompts: list[str], responses: list[str]) -> tuple[torch.T
 
 def _scores(model, tokenizer, prompts: list[str], responses: list[str]) -> torch.Tensor:
     ids, attention = encode(tokenizer, prompts, responses)
-    return model(input_ids=ids, attention_mask=attention).logits.squeeze(-1).float()
+    device = model.device
+    return model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits.squeeze(-1).float().cpu()
 
 
 def _pair_scores(model, tokenizer, pairs: list[Pair]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,11 +56,13 @@ def best_threshold(good: torch.Tensor, bad: torch.Tensor) -> float:
 
 
 class RewardModel:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, device: Optional[str] = None):
+        """`device`: where it scores (auto | cpu | cuda | cuda:N; None: auto)."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"no reward model at {str(path)!r} (no config.json)")
-        self.model = pretrained(AutoModelForSequenceClassification, path).eval()
+        self.device = resolve_device(device)
+        self.model = pretrained(AutoModelForSequenceClassification, path).to(self.device).eval()
         self.tokenizer = load_tokenizer(path)
         self.info = getattr(self.model.config, "reward_model", None) or {}
         self.threshold = float(self.info.get("threshold", 0.0))
@@ -74,14 +78,16 @@ class RewardModel:
 
 
 def train_reward_model(init: str | Path, out: str | Path, pairs: list[Pair], heldout: list[Pair], *,
-                       steps: int = 300, lr: float = 2e-3, batch_size: int = 32, seed: int = 0) -> dict:
-    """Train from `init` (an HF causal-LM directory), save to `out`; returns the held-out pair accuracy etc."""
+                       steps: int = 300, lr: float = 2e-3, batch_size: int = 32, seed: int = 0,
+                       device: Optional[str] = None) -> dict:
+    """Train from `init` (an HF causal-LM directory) on `device`, save to `out`; returns the held-out pair
+    accuracy etc."""
     if not pairs or not heldout:
         raise ValueError("training a reward model needs training and held-out preference pairs")
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(init)
     model = pretrained(AutoModelForSequenceClassification, init, num_labels=1,
-                       pad_token_id=tokenizer.pad_token_id).train()
+                       pad_token_id=tokenizer.pad_token_id).to(resolve_device(device)).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
     for _ in range(steps):

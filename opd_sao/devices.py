@@ -1,0 +1,31 @@
+"""Where models and tensors live: the config's `device` strings resolved to `torch.device`s.
+
+One function decides, so the run, the engine, the trainer, the teachers and `serve` agree on what
+`auto` means, and a CUDA request on a machine without CUDA is refused in one line before any work.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
+
+
+def resolve_device(spec: Optional[str]) -> torch.device:
+    """`auto` (or None): cuda if torch sees a GPU, else cpu; `cpu`; `cuda` / `cuda:N`, refused when absent."""
+    spec = spec or "auto"
+    if not re.match(DEVICE_PATTERN, spec):
+        raise ValueError(f"device {spec!r} is not one of auto, cpu, cuda, cuda:N")
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"no CUDA device on this machine (torch {torch.__version__}) for device {spec!r}; "
+                             "use cpu or auto")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"this machine has {count} CUDA device(s), so no device {spec!r}")
+    return device

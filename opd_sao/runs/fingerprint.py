@@ -1,0 +1,74 @@
+"""The config a run started with, recorded in the run directory so `--resume` can refuse an edited config.yaml.
+
+A resumed stage continues from saved state and logs that belong to the config they were made with: another
+env, step count or batch size would mix two runs into one (trajectories of one task in a stage of another, a
+stage "finished" at the old step count). Only fields that cannot change what is trained may differ, and only
+when asked for (`opd-sao run --resume DIR --allow-config-change`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from opd_sao.runs.files import write_json
+
+RECORD = "config.fingerprint.json"
+SAFE_ON_RESUME = ("logging.",)  # prefixes of dotted fields that change how a run reports, not what it trains
+SHOWN = 6  # changed fields named in the refusal; the rest are counted
+
+
+def fingerprint(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
+def write_record(config: dict, run_dir: Path) -> None:
+    """`config` is the validated config as JSON (every default filled in); written atomically."""
+    write_json(Path(run_dir) / RECORD, {"sha256": fingerprint(config), "config": config}, indent=1)
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted field -> value; list items with a name (stages, teachers) go by their name, other lists are values."""
+    if isinstance(data, dict):
+        out = {}
+        for key, value in data.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out or {prefix.rstrip("."): {}}
+    if isinstance(data, list) and data and all(isinstance(item, dict) and "name" in item for item in data):
+        names = [item["name"] for item in data]
+        out = {f"{prefix}order": names} if len(set(names)) == len(names) else {prefix.rstrip("."): data}
+        for item in data:
+            out.update(flatten(item, f"{prefix}{item['name']}."))
+        return out
+    return {prefix.rstrip("."): data}
+
+
+def changed_fields(before: dict, after: dict) -> list[tuple[str, Any, Any]]:
+    """(dotted field, value before, value after) for every field that differs; a missing side is None."""
+    old, new = flatten(before), flatten(after)
+    return [(key, old.get(key), new.get(key)) for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+
+
+def check_resume(config: dict, run_dir: Path, *, allow_change: bool = False) -> list[str]:
+    """Raise ValueError (one line naming the changed fields) when `config` differs from the recorded one in a way
+    not allowed; returns the fields that differ and were allowed. A run without a record (started before
+    records existed) gets one now."""
+    path = Path(run_dir) / RECORD
+    if not path.is_file():
+        write_record(config, run_dir)
+        return []
+    recorded = json.loads(path.read_text())
+    if recorded["sha256"] == fingerprint(config):
+        return []
+    changes = changed_fields(recorded["config"], config)
+    unsafe = [c for c in changes if not c[0].startswith(SAFE_ON_RESUME)]
+    if unsafe or not allow_change:
+        shown = unsafe or changes
+        named = ", ".join(f"{key} ({a!r} -> {b!r})" for key, a, b in shown[:SHOWN])
+        more = f" and {len(shown) - SHOWN} more" if len(shown) > SHOWN else ""
+        hint = "start a new run for these" if unsafe else "resume with --allow-config-change for these"
+        raise ValueError(f"{Path(run_dir) / 'config.yaml'} was changed since the run started: {named}{more}; "
+                         f"a resume continues with the config it started with ({hint}; --allow-config-change "
+                         f"allows only {', '.join(p + '*' for p in SAFE_ON_RESUME)})")
+    return [key for key, _, _ in changes]

@@ -1,0 +1,116 @@
+"""Reading task rows from local files: JSONL, JSON, Parquet, or a `datasets.save_to_disk` directory.
+
+Rows are streamed (JSONL line by line, Parquet batch by batch through pyarrow, a saved dataset through its
+memory-mapped Arrow table), never loaded whole, except a `.json` file, which is one JSON array. A row the
+mapping cannot read (bad JSON, a missing or mistyped field, a duplicate id) is a `BadRow`: one line naming
+the file, the row (1-based) and the field. The environment skips and counts those up to `max_bad_rows` and
+refuses the file past that.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+BATCH_ROWS = 1024  # rows per Parquet / Arrow batch
+
+
+class DatasetError(ValueError):
+    """A file that cannot be read as a dataset, or that holds more malformed rows than allowed (one line)."""
+
+
+class BadRow(ValueError):
+    """One malformed row; the message names the file, the row and the field."""
+
+
+def iter_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(1-based row number, row) for every row of the file, streamed; a row is whatever the file holds there
+    (a dict when well formed), or a BadRow for a line that is not JSON."""
+    path = Path(path)
+    if not path.exists():
+        raise DatasetError(f"dataset file {str(path)!r} does not exist")
+    if path.is_dir():
+        yield from _saved_dataset_rows(path)
+    elif path.suffix in (".jsonl", ".ndjson"):
+        yield from _jsonl_rows(path)
+    elif path.suffix == ".json":
+        yield from _json_rows(path)
+    elif path.suffix in (".parquet", ".pq"):
+        yield from _parquet_rows(path)
+    else:
+        raise DatasetError(f"dataset file {str(path)!r}: unknown format {path.suffix!r} "
+                           f"(use .jsonl, .json, .parquet, or a datasets save_to_disk directory)")
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as err:
+                yield number, BadRow(f"{path}: row {number}: not valid JSON ({err.msg} at column {err.colno})")
+
+
+def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DatasetError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}); "
+                           f"a .json dataset is one array of row objects (use .jsonl for one row per line)") from None
+    if not isinstance(data, list):
+        raise DatasetError(f"{path}: a .json dataset must be one array of row objects (got {type(data).__name__})")
+    yield from enumerate(data, 1)
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as err:  # noqa: BLE001  pyarrow raises several kinds for a file that is not Parquet
+        raise DatasetError(f"{path}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
+    number = 0
+    for batch in table.iter_batches(batch_size=BATCH_ROWS):
+        for row in batch.to_pylist():
+            number += 1
+            yield number, row
+
+
+def _saved_dataset_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        raise DatasetError(f"{path} holds a DatasetDict with splits {splits}; point the path at one split's "
+                           f"folder (e.g. {path / (splits[0] if splits else 'train')})")
+    if not (path / "dataset_info.json").is_file():
+        raise DatasetError(f"{path} is a directory but not one written by datasets' save_to_disk "
+                           f"(no dataset_info.json)")
+    import datasets
+
+    table = datasets.load_from_disk(str(path))  # memory-mapped: batches are read as they are iterated
+    number = 0
+    for batch in table.iter(batch_size=BATCH_ROWS):
+        keys = list(batch)
+        for values in zip(*(batch[k] for k in keys)):
+            number += 1
+            yield number, dict(zip(keys, values))
+
+
+def stable_fraction(task_id: str) -> float:
+    """A number in [0, 1) fixed by the id alone (across processes and Python versions): the split key."""
+    return int.from_bytes(hashlib.sha256(task_id.encode()).digest()[:8], "big") / 2**64
+
+
+def field(path: Path, number: int, row: dict, key: str, kind: type | tuple, required: bool = True) -> Optional[Any]:
+    """row[key] checked for its type; a BadRow naming the field when it is missing or of the wrong type."""
+    if key not in row or row[key] is None:
+        if required:
+            raise BadRow(f"{path}: row {number}: missing field {key!r} (fields: {sorted(row)})")
+        return None
+    value = row[key]
+    if not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise BadRow(f"{path}: row {number}: field {key!r} must be {names} (got {type(value).__name__})")
+    return value

@@ -1,0 +1,526 @@
+"""Reward functions for dataset environments, registered by name and chosen in YAML (`reward: math`).
+
+A reward scores one response to one task (the task dict of `DatasetEnv`: "prompt" text, "answer",
+"tests", "metadata") and returns a `Verdict`: a score in [0, 1] (a `python:` reward may use any float),
+plus the observation for another turn when the reward allows retries (`multi_turn`: code tests). Rewards are
+built once per process per (name, options) by `build_reward`, as judges are: an environment is created per
+episode and must stay cheap, while a reward model is a network and a math checker a worker process.
+
+`verifier` says whether the reference answer must score 1 (the validity check holds a dataset to it):
+true for exact, math, code_tests and (by default) python; false for the reward model and the judge, whose
+scores are opinions that no reference is guaranteed to win.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import logging
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from opd_sao.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+REWARDS: Registry[type["Reward"]] = Registry("reward")
+register_reward = REWARDS.register
+
+
+class RewardFailure(RuntimeError):
+    """A reward that could not be computed (an LLM judge that kept failing) and was told to stop the run."""
+
+
+@dataclass
+class Verdict:
+    score: float
+    feedback: str = ""  # the next observation, for a reward that allows another turn
+    info: dict = field(default_factory=dict)
+
+
+class Reward(ABC):
+    verifier = True  # the reference answer must score 1 (validity check)
+    multi_turn = False  # a partial score may be followed by another attempt, with `feedback` as the observation
+    slow = False  # a step takes real time (a sandbox run, a network call): rollouts step it on a worker thread
+    needs: tuple[str, ...] = ()  # task fields every row must have ("answer", "tests")
+
+    @abstractmethod
+    def score(self, task: dict, response: str) -> Verdict: ...
+
+    def reference(self, task: dict) -> Optional[str]:
+        """The oracle response: the row's answer (a code task's reference solution)."""
+        return task.get("answer")
+
+    @classmethod
+    def feedback_examples(cls) -> list[str]:
+        """Observations this reward writes, for the tokenizer corpus."""
+        return []
+
+    def stats(self) -> dict:
+        """Counters for the stage summary (failures, timeouts); {} when there is nothing to report."""
+        return {}
+
+
+_built: dict[str, Reward] = {}
+_built_lock = threading.Lock()
+
+
+def build_reward(name: str, options: Optional[dict] = None) -> Reward:
+    """The process-wide reward for (name, options), built on first use."""
+    key = json.dumps([name, options or {}], sort_keys=True)
+    with _built_lock:
+        if key not in _built:
+            reward_cls = REWARDS.get(name)
+            try:
+                _built[key] = reward_cls(**(options or {}))
+            except TypeError as err:
+                raise ValueError(f"reward {name!r}: bad reward_options {options}: {err}") from None
+        return _built[key]
+
+
+# --------------------------------------------------------------------------------------------- exact
+def normalise(text: str) -> str:
+    """Lower case, single spaces, no surrounding spaces or final full stop."""
+    return " ".join(text.lower().split()).rstrip(".")
+
+
+@register_reward("exact")
+class ExactReward(Reward):
+    """1 when the response equals the answer after normalisation (`case_sensitive` keeps case)."""
+
+    needs = ("answer",)
+
+    def __init__(self, case_sensitive: bool = False):
+        self.case_sensitive = case_sensitive
+
+    def score(self, task: dict, response: str) -> Verdict:
+        a, b = response, task["answer"]
+        if self.case_sensitive:
+            return Verdict(float(" ".join(a.split()).rstrip(".") == " ".join(b.split()).rstrip(".")))
+        return Verdict(float(normalise(a) == normalise(b)))
+
+
+# ---------------------------------------------------------------------------------------------- math
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """The content of the last \\boxed{...} (or \\fbox{...}), braces balanced; None if there is none."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth = 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def marked_answer(text: str) -> Optional[str]:
+    """The answer a solution marks as final: the last \\boxed{}, else what follows the last GSM8K `####`;
+    None when nothing is marked. Commas inside numbers are dropped (`1,000` -> `1000`)."""
+    found = last_boxed(text)
+    if found is None and "####" in text:
+        tail = text.rsplit("####", 1)[1].strip()
+        found = tail.splitlines()[0] if tail else None
+    if found is None:
+        return None
+    return re.sub(r"(?<=\d),(?=\d{3})", "", found.strip().rstrip("."))
+
+
+def last_number(text: str) -> Optional[str]:
+    numbers = NUMBER.findall(text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+class MathChecker:
+    """One `math_worker.py` process, asked one question at a time; a question past its deadline kills it (a
+    new one starts on the next question) and has no answer (None)."""
+
+    def __init__(self, startup_s: float):
+        self.startup_s, self._proc, self._lock = startup_s, None, threading.Lock()
+
+    def check(self, prediction: str, reference: str, timeout_s: int) -> Optional[bool]:
+        with self._lock:
+            fresh = self._proc is None or self._proc.poll() is not None
+            if fresh:
+                self._proc = subprocess.Popen([sys.executable, "-I", str(Path(__file__).with_name("math_worker.py"))],
+                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            job = {"prediction": prediction, "reference": reference, "timeout_s": timeout_s}
+            self._proc.stdin.write(json.dumps(job) + "\n")
+            self._proc.stdin.flush()
+            deadline = 2 * timeout_s + (self.startup_s if fresh else 0)  # parse twice, verify once, each limited
+            if select.select([self._proc.stdout], [], [], deadline)[0]:
+                line = self._proc.stdout.readline()
+                if line:
+                    return bool(json.loads(line)["equal"])
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+            return None
+
+
+@register_reward("math")
+class MathReward(Reward):
+    """1 when the response's final answer equals the reference's, by math-verify (with latex2sympy2-extended):
+    `\\frac{1}{2}`, `0.5` and `1/2` agree. The final answer is the last \\boxed{}, else what follows GSM8K's
+    `####`, else (a response) the last expression or number math-verify finds, or (a reference) the whole
+    answer field, as MATH-style datasets store bare LaTeX answers.
+
+    Each check gets `timeout_s` seconds per parse and per comparison (math-verify's own limit, in a checker
+    process: `math_worker.py`), and a backstop of twice that (plus `startup_s` for a fresh process) after which
+    the process is killed; a check past it scores 0 and is counted (`stats`: checks, timeouts, no_answer).
+    """
+
+    needs = ("answer",)
+
+    def __init__(self, timeout_s: int = 5, startup_s: float = 60.0):
+        if timeout_s < 1:
+            raise ValueError(f"math reward: timeout_s must be >= 1 (got {timeout_s})")
+        self.timeout_s, self.checker = int(timeout_s), MathChecker(startup_s)
+        self._cache: dict[tuple[str, str], bool] = {}
+        self.counts = {"checks": 0, "timeouts": 0, "no_answer": 0}
+
+    def score(self, task: dict, response: str) -> Verdict:
+        reference = marked_answer(task["answer"]) or task["answer"].strip()  # MATH-style answers are bare LaTeX
+        prediction = marked_answer(response)
+        if prediction is None and last_number(response) is None and "\\" not in response:
+            self.counts["no_answer"] += 1
+            return Verdict(0.0)
+        if reference in (prediction, prediction is None and last_number(response)):
+            return Verdict(1.0)
+        # a marked answer is LaTeX; an unmarked response goes whole, and math-verify takes its last expression
+        key = (f"${prediction}$" if prediction is not None else response, f"${reference}$")
+        if key not in self._cache:
+            self.counts["checks"] += 1
+            equal = self.checker.check(*key, self.timeout_s)
+            if equal is None:
+                self.counts["timeouts"] += 1
+                logger.warning("math reward: checking %r against %r timed out; scored 0", *key)
+                return Verdict(0.0, info={"timeout": True})
+            self._cache[key] = equal
+        return Verdict(float(self._cache[key]))
+
+    def stats(self) -> dict:
+        return dict(self.counts)
+
+
+# ---------------------------------------------------------------------------------------- code tests
+# Runs in the sandbox: the program once, then each assert-style test in its namespace; prints one JSON list of
+# [stdout, error] per test. Program and tests arrive on stdin, so no model text is interpolated into code.
+ASSERT_HARNESS = """\
+import contextlib, io, json, sys
+job = json.loads(sys.stdin.read())
+tests = job["tests"]
+namespace = {"__name__": "__main__"}
+try:
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(job["source"], "main.py", "exec"), namespace)
+except BaseException as err:
+    results = [["", f"{type(err).__name__}: {err}"]] * len(tests)
+else:
+    results = []
+    for test in tests:
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out):
+                exec(compile(test, "test.py", "exec"), namespace)
+            results.append([out.getvalue(), None])
+        except BaseException as err:
+            results.append([out.getvalue(), f"{type(err).__name__}: {err}" if str(err) else type(err).__name__])
+sys.__stdout__.write("\\n" + json.dumps(results) + "\\n")
+"""
+
+
+@register_reward("code_tests")
+class CodeTestsReward(Reward):
+    """The response is a program; it runs in the bubblewrap sandbox (stages/envs/sandbox.py) against the task's
+    tests, and the score is the fraction passed. Tests are assert statements (MBPP / HumanEval) run after the
+    program in its namespace, or stdin/stdout pairs (APPS / CodeContests), one run per input, graded as the
+    code environment grades. A failure's observation names the first failing test, so the agent stage's
+    multi-turn retry works as in the code environment. `setup` (a row's `test_setup_code`) is not supported.
+    """
+
+    needs = ("tests",)
+    multi_turn = True
+    slow = True
+
+    def __init__(self, allow_rlimit_only: bool = False, wall_s: float = 5.0, cpu_s: int = 2, memory_mb: int = 256,
+                 strip_fences: bool = True):
+        from stages.envs.sandbox import SandboxLimits
+
+        self.allow_rlimit_only, self.strip_fences = allow_rlimit_only, strip_fences
+        self.limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, max_processes=8,
+                                    output_bytes=64 * 1024)
+        self.counts = {"runs": 0, "sandbox_errors": 0}
+
+    def program(self, response: str) -> str:
+        """The code in a response: the first ``` fenced block when there is one (and `strip_fences`)."""
+        if self.strip_fences and "```" in response:
+            block = response.split("```", 2)[1]
+            return block.split("\n", 1)[1] if "\n" in block and block.split("\n", 1)[0].strip().isalnum() else block
+        return response
+
+    def score(self, task: dict, response: str) -> Verdict:
+        from stages.envs.code import HARNESS, VERDICTS, grade_outputs, harness_outputs, sandbox_mode
+
+        tests, source = task["tests"], self.program(response)
+        self.counts["runs"] += 1
+        try:
+            mode = sandbox_mode(self.allow_rlimit_only)
+            if tests["kind"] == "asserts":
+                job = json.dumps({"source": source, "tests": tests["asserts"]})
+                outputs, why = harness_outputs(VERDICTS.run(job, self.limits, mode, ASSERT_HARNESS), len(tests["asserts"]))
+                passed, feedback = self._grade_asserts(tests["asserts"], outputs, why)
+                total = len(tests["asserts"])
+            else:
+                inputs, expected = tests["inputs"], [out.strip() for out in tests["outputs"]]
+                result = VERDICTS.run(json.dumps({"source": source, "inputs": inputs}), self.limits, mode, HARNESS)
+                passed, feedback = grade_outputs(result, inputs, expected)
+                total = len(inputs)
+        except Exception as err:  # noqa: BLE001  an infrastructure failure is a failed step, never a crash
+            from stages.envs.sandbox import SandboxUnavailableError
+
+            if isinstance(err, SandboxUnavailableError):
+                raise
+            self.counts["sandbox_errors"] += 1
+            logger.warning("code_tests reward: sandbox run failed: %r", err)
+            return Verdict(0.0, f"# sandbox error: {type(err).__name__}\n")
+        return Verdict(passed / total, feedback)
+
+    @staticmethod
+    def _grade_asserts(tests: list[str], outputs: Optional[list], why: str) -> tuple[int, str]:
+        if outputs is None:
+            return 0, f"# {why}\n"
+        failed = [(test, error) for test, (_, error) in zip(tests, outputs) if error is not None]
+        if not failed:
+            return len(tests), ""
+        test, error = failed[0]
+        return len(tests) - len(failed), f"# {test.strip()[:60]}: {error[:60]}\n"
+
+    @classmethod
+    def feedback_examples(cls) -> list[str]:
+        return ["# assert f(1) == 2: AssertionError\n", "# NameError: name 'x' is not defined\n",
+                "# SyntaxError: invalid syntax\n"]
+
+    def stats(self) -> dict:
+        return dict(self.counts)
+
+
+# -------------------------------------------------------------------------------------- reward model
+class _Batcher:
+    """Scores that arrive together (episodes step on worker threads) go through the model as one batch:
+    the first caller waits `wait_s` for others, then scores up to `batch_size` waiting requests at once."""
+
+    def __init__(self, score_many: Callable[[list, list], list[float]], batch_size: int, wait_s: float = 0.005):
+        self.score_many, self.batch_size, self.wait_s = score_many, batch_size, wait_s
+        self._pending: list[list] = []  # [prompt, response, event, result]
+        self._lock = threading.Lock()
+        self.batches = 0
+
+    def __call__(self, prompt: str, response: str) -> float:
+        item = [prompt, response, threading.Event(), None]
+        with self._lock:
+            self._pending.append(item)
+            leader = len(self._pending) == 1
+        if leader:
+            time.sleep(self.wait_s)
+        while not item[2].is_set():
+            with self._lock:
+                batch, self._pending = self._pending[: self.batch_size], self._pending[self.batch_size:]
+            if batch:
+                try:
+                    scores = self.score_many([b[0] for b in batch], [b[1] for b in batch])
+                except BaseException as err:  # noqa: BLE001  every waiter of the batch sees the failure
+                    scores = [err] * len(batch)
+                self.batches += 1
+                for b, s in zip(batch, scores):
+                    b[3] = s
+                    b[2].set()
+            else:
+                item[2].wait(0.001)
+        if isinstance(item[3], BaseException):
+            raise item[3]
+        return item[3]
+
+
+@register_reward("reward_model")
+class RewardModelReward(Reward):
+    """A local HF `AutoModelForSequenceClassification` directory scores (prompt, response), batched, on
+    `device`. The score is sigmoid(raw - threshold) (the threshold the project's reward-model training
+    calibrated, else 0), or with `binary` 1/0 for above/below it. When `path` holds no model and
+    `train_from` names a preference file (rows with `prompt`, `chosen`, `rejected`: the keys are options),
+    one is trained there first (`stages/envs/chat/reward_model.py`, on a tiny backbone built from the file).
+    Concurrent scores (episodes step on worker threads) wait up to `batch_wait_s` to share a forward pass.
+    """
+
+    verifier = False
+
+    def __init__(self, path: str, device: str = "cpu", batch_size: int = 32, binary: bool = False,
+                 threshold: Optional[float] = None, train_from: Optional[str] = None, prompt_key: str = "prompt",
+                 chosen_key: str = "chosen", rejected_key: str = "rejected", train_steps: int = 200, seed: int = 0,
+                 batch_wait_s: float = 0.005):
+        from stages.envs.chat.reward_model import RewardModel
+
+        if not (Path(path) / "config.json").is_file():
+            if not train_from:
+                raise ValueError(f"reward_model reward: no model at {path!r} and no `train_from` preference file")
+            from .preferences import train_from_file
+
+            train_from_file(Path(train_from), Path(path), prompt_key=prompt_key, chosen_key=chosen_key,
+                            rejected_key=rejected_key, steps=train_steps, seed=seed)
+        self.model = RewardModel(path, device=device)
+        self.binary = binary
+        self.threshold = self.model.threshold if threshold is None else float(threshold)
+        self._batch = _Batcher(self._score_many, batch_size, batch_wait_s)
+
+    def _score_many(self, prompts: list[str], responses: list[str]) -> list[float]:
+        import torch
+
+        raw = self.model.score(prompts, responses) - self.threshold
+        return ((raw > 0).float() if self.binary else torch.sigmoid(raw)).tolist()
+
+    def score(self, task: dict, response: str) -> Verdict:
+        return Verdict(float(self._batch(task["prompt"], response)))
+
+    def stats(self) -> dict:
+        return {"batches": self._batch.batches}
+
+
+# --------------------------------------------------------------------------------------------- judge
+DEFAULT_TEMPLATE = ("Rate the response to the prompt from 0 to 10 (10 = perfect).\n\nPrompt:\n{prompt}\n\n"
+                    "Reference answer (may be empty):\n{reference}\n\nResponse:\n{response}\n\n"
+                    "Reply with the score only.")
+
+
+@register_reward("judge")
+class JudgeReward(Reward):
+    """An LLM judge behind an OpenAI-compatible chat endpoint (the `openai` client): `template` is filled with
+    {prompt}, {response} and {reference} and sent as one user message to `model` at `base_url`; the first
+    match of `score_pattern` in the reply, divided by `max_score` and clipped to [0, 1], is the score. At most
+    `concurrency` requests are in flight per process; each gets `timeout_s` and up to `retries` more tries
+    (a connection error, an HTTP error, or a reply without a score is a failed try).
+
+    A judgement that still fails is counted (`stats`: requests, failed tries, failed judgements) and, by
+    default (`on_failure: raise`), stops the run with a one-line error: a judge that is down must not look
+    like a policy that got worse. `on_failure: zero` scores it 0 instead and logs a warning every time.
+    """
+
+    verifier = False
+    slow = True
+
+    def __init__(self, base_url: str, model: str, template: str = DEFAULT_TEMPLATE, api_key: str = "EMPTY",
+                 score_pattern: str = r"-?\d+(?:\.\d+)?", max_score: float = 10.0, concurrency: int = 8,
+                 timeout_s: float = 60.0, retries: int = 2, temperature: float = 0.0, max_tokens: int = 16,
+                 on_failure: str = "raise"):
+        import openai
+
+        if on_failure not in ("raise", "zero"):
+            raise ValueError(f"judge reward: on_failure must be 'raise' or 'zero' (got {on_failure!r})")
+        if max_score <= 0 or concurrency < 1 or retries < 0:
+            raise ValueError("judge reward: need max_score > 0, concurrency >= 1, retries >= 0")
+        try:
+            template.format(prompt="", response="", reference="")
+        except (KeyError, IndexError) as err:
+            raise ValueError(f"judge reward: template may only use {{prompt}}, {{response}}, {{reference}} "
+                             f"(found {err})") from None
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0)
+        self.model, self.template, self.pattern = model, template, re.compile(score_pattern)
+        self.max_score, self.retries, self.on_failure = max_score, retries, on_failure
+        self.temperature, self.max_tokens, self.base_url = temperature, max_tokens, base_url
+        self._slots = threading.BoundedSemaphore(concurrency)
+        self._count_lock = threading.Lock()
+        self.counts = {"requests": 0, "failed_tries": 0, "failed_judgements": 0}
+
+    def _count(self, key: str) -> None:
+        with self._count_lock:
+            self.counts[key] += 1
+
+    def _ask(self, content: str) -> float:
+        """One try: the parsed score, or an exception."""
+        self._count("requests")
+        with self._slots:
+            reply = self.client.chat.completions.create(
+                model=self.model, messages=[{"role": "user", "content": content}], temperature=self.temperature,
+                max_tokens=self.max_tokens)
+        text = reply.choices[0].message.content or ""
+        match = self.pattern.search(text)
+        if match is None:
+            raise ValueError(f"no score in the judge's reply {text[:80]!r}")
+        return min(1.0, max(0.0, float(match.group(0)) / self.max_score))
+
+    def score(self, task: dict, response: str) -> Verdict:
+        content = self.template.format(prompt=task["prompt"], response=response, reference=task.get("answer") or "")
+        error: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                return Verdict(self._ask(content), info={"tries": attempt + 1})
+            except Exception as err:  # noqa: BLE001  any failed try is retried, then counted
+                self._count("failed_tries")
+                error = err
+        self._count("failed_judgements")
+        why = f"judge at {self.base_url} failed {self.retries + 1} times on task {task['id']!r}: {str(error).splitlines()[0]}"
+        if self.on_failure == "raise":
+            raise RewardFailure(why + " (on_failure: raise)")
+        logger.warning("%s; scored 0 (on_failure: zero)", why)
+        return Verdict(0.0, info={"failed": True})
+
+    def stats(self) -> dict:
+        return dict(self.counts)
+
+
+# -------------------------------------------------------------------------------------------- python
+def import_function(spec: str) -> Callable:
+    """`package.module:function`, or `path/to/file.py:function`."""
+    if ":" not in spec:
+        raise ValueError(f"python reward: function {spec!r} must look like module:function or file.py:function")
+    where, name = spec.rsplit(":", 1)
+    try:
+        if where.endswith(".py"):
+            if not Path(where).is_file():
+                raise ValueError(f"python reward: file {where!r} does not exist")
+            module_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ImportError as err:
+        raise ValueError(f"python reward: cannot import {where!r}: {err}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"python reward: {where!r} has no function {name!r}")
+    return function
+
+
+@register_reward("python")
+class PythonReward(Reward):
+    """Your own function, `function: module:function` (or `file.py:function`), called as f(task, response) and
+    returning a float or (float, info dict); an info "feedback" string is the next observation when
+    `multi_turn`. `verifier: false` when the reference answer need not score 1; `needs` lists the task fields
+    it reads ("answer", "tests"), so rows without them are reported as malformed."""
+
+    def __init__(self, function: str, verifier: bool = True, multi_turn: bool = False, slow: bool = False,
+                 needs: tuple[str, ...] = ()):
+        self.function, self.name = import_function(function), function
+        self.verifier, self.multi_turn, self.slow, self.needs = verifier, multi_turn, slow, tuple(needs)
+
+    def score(self, task: dict, response: str) -> Verdict:
+        out: Any = self.function(task, response)
+        info = {}
+        if isinstance(out, tuple):
+            if len(out) != 2 or not isinstance(out[1], dict):
+                raise ValueError(f"python reward {self.name}: must return a float or (float, dict), got {out!r}")
+            out, info = out
+        if not isinstance(out, (int, float)):
+            raise ValueError(f"python reward {self.name}: must return a float or (float, dict), got {out!r}")
+        return Verdict(float(out), str(info.get("feedback", "")), info)

@@ -1,0 +1,269 @@
+"""Reward functions of dataset environments: exact, math (a hand-written table), code tests, a reward model built
+here, an LLM judge behind a real loopback HTTP server, and your own python function."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from stages.envs.dataset.rewards import (
+    CodeTestsReward,
+    ExactReward,
+    JudgeReward,
+    MathReward,
+    RewardFailure,
+    RewardModelReward,
+    build_reward,
+)
+
+# (prediction, reference, equal): LaTeX fractions, equivalent forms, GSM8K answers, and wrong answers.
+MATH_TABLE = [
+    (r"\boxed{\frac{1}{2}}", "0.5", True),
+    (r"\boxed{\frac12}", r"\frac{1}{2}", True),
+    ("the answer is 1/2", r"\frac{1}{2}", True),
+    (r"\boxed{\dfrac{2}{3}}", r"\frac{2}{3}", True),
+    (r"\boxed{\frac{6}{8}}", r"\frac{3}{4}", True),
+    (r"\boxed{\frac{3}{4}}", "0.75", True),
+    (r"\boxed{0.75}", r"\frac{3}{5}", False),
+    (r"\boxed{\frac{1}{3}}", "0.33", False),
+    (r"\boxed{\frac{-1}{2}}", r"-\frac{1}{2}", True),
+    (r"\boxed{1.5}", r"\frac{3}{2}", True),
+    (r"\boxed{3/2}", "1.5", True),
+    (r"\boxed{\sqrt{2}/2}", r"\frac{\sqrt{2}}{2}", True),
+    (r"\boxed{2\sqrt{2}}", r"\sqrt{8}", True),
+    (r"\boxed{\sqrt{3}}", "1.732", False),
+    (r"\boxed{x^2+2x+1}", "(x+1)^2", True),
+    (r"\boxed{x+1}", "x-1", False),
+    (r"\boxed{2x}", r"x \cdot 2", True),
+    (r"\boxed{x=3}", "3", True),
+    (r"\boxed{2^{10}}", "1024", True),
+    (r"\boxed{1024}", "2^{10}", True),
+    (r"\boxed{1023}", "2^{10}", False),
+    (r"\boxed{e^{0}}", "1", True),
+    (r"\boxed{\frac{\pi}{2}}", r"\pi/2", True),
+    (r"\boxed{(1,2)}", "(1, 2)", True),
+    (r"\boxed{\{1,2\}}", r"\{2,1\}", True),
+    (r"\boxed{10\%}", "10", True),
+    (r"\boxed{\infty}", r"\infty", True),
+    (r"\boxed{-5}", "-5", True),
+    (r"\boxed{5}", "-5", False),
+    (r"\boxed{7}", "#### 8", False),
+    ("#### 72", "72", True),
+    ("so 3+4=7\n#### 7", "#### 7", True),
+    ("#### 1,000", "1000", True),
+    ("4+4=8\n#### 8", "4+4=8\n#### 8", True),
+    ("4+4=8\n#### 9", "#### 8", False),
+    ("the total is 42.", "42", True),
+    ("the total is 41.", "42", False),
+    ("answer: 12 apples", "#### 12", True),
+    ("", "5", False),
+    ("no idea", "5", False),
+]
+
+
+def test_math_table_is_judged_correctly():
+    assert len(MATH_TABLE) >= 30
+    reward = MathReward(timeout_s=3)
+    wrong = [(p, r) for p, r, want in MATH_TABLE if (reward.score({"answer": r}, p).score == 1.0) != want]
+    assert wrong == []
+    assert reward.stats()["timeouts"] == 0
+
+
+def test_math_check_past_its_deadline_is_counted_and_scored_zero():
+    reward = MathReward(timeout_s=1)
+    reward.checker.startup_s = -2.0  # a fresh checker's deadline, 2 x timeout_s + startup_s, is then 0 s
+    assert reward.score({"answer": r"\frac{1}{2}"}, r"\boxed{0.5}").score == 0.0
+    assert reward.stats()["timeouts"] == 1
+
+
+@pytest.mark.parametrize("response, answer, score", [(" Paris. ", "paris", 1.0), ("Pari s", "paris", 0.0),
+                                                     ("new  york", "New York", 1.0)])
+def test_exact_normalises(response, answer, score):
+    assert ExactReward().score({"answer": answer}, response).score == score
+    assert ExactReward(case_sensitive=True).score({"answer": "Paris"}, "paris").score == 0.0
+
+
+def test_code_tests_asserts_and_stdin_pairs():
+    reward = CodeTestsReward(allow_rlimit_only=True)
+    asserts = {"kind": "asserts", "asserts": ["assert add3(1) == 4", "assert add3(0) == 3", "assert add3(-3) == 0"]}
+    assert reward.score({"tests": asserts}, "def add3(x):\n    return x + 3").score == 1.0
+    half = reward.score({"tests": asserts}, "def add3(x):\n    return 3 if x == 0 else 4")
+    assert half.score == pytest.approx(2 / 3) and half.feedback.startswith("# assert add3(-3) == 0: AssertionError")
+    broken = reward.score({"tests": asserts}, "def add3(x) return x")
+    assert broken.score == 0.0 and "SyntaxError" in broken.feedback
+    fenced = reward.score({"tests": asserts}, "```python\ndef add3(x):\n    return x + 3\n```")
+    assert fenced.score == 1.0
+    io = {"kind": "io", "inputs": ["2 3", "10 -1"], "outputs": ["5\n", "9"]}
+    assert reward.score({"tests": io}, "a, b = map(int, input().split())\nprint(a + b)").score == 1.0
+    wrong = reward.score({"tests": io}, "a, b = map(int, input().split())\nprint(a * b)")
+    assert wrong.score == 0.0 and "want 5" in wrong.feedback
+
+
+def write_module(tmp_path, body: str) -> str:
+    (tmp_path / "my_rewards.py").write_text(body)
+    return str(tmp_path / "my_rewards.py")
+
+
+def test_python_reward_float_and_info(tmp_path, monkeypatch):
+    path = write_module(tmp_path, "def length(task, response):\n    return len(response) / 10\n\n"
+                                  "def graded(task, response):\n"
+                                  "    ok = response.strip() == task['answer']\n"
+                                  "    return float(ok), {'feedback': '' if ok else 'try again'}\n\n"
+                                  "def bad(task, response):\n    return 'yes'\n")
+    assert build_reward("python", {"function": f"{path}:length"}).score({}, "abcde").score == 0.5
+    monkeypatch.syspath_prepend(str(tmp_path))  # module:function form, importable from sys.path
+    verdict = build_reward("python", {"function": "my_rewards:graded"}).score({"answer": "4"}, "5")
+    assert (verdict.score, verdict.feedback) == (0.0, "try again")
+    with pytest.raises(ValueError, match="must return a float"):
+        build_reward("python", {"function": f"{path}:bad"}).score({}, "x")
+    with pytest.raises(ValueError, match="has no function 'missing'"):
+        build_reward("python", {"function": f"{path}:missing"})
+    with pytest.raises(ValueError, match="module:function"):
+        build_reward("python", {"function": "no_colon"})
+
+
+@pytest.fixture(scope="module")
+def sequence_classifier(tiny_model_dir, tmp_path_factory):
+    """A tiny AutoModelForSequenceClassification directory, built (untrained) from the session's tiny model."""
+    from transformers import AutoModelForSequenceClassification
+
+    from opd_sao.checkpoints import load_tokenizer, pretrained, save_checkpoint
+
+    tok = load_tokenizer(tiny_model_dir)
+    model = pretrained(AutoModelForSequenceClassification, tiny_model_dir, num_labels=1, pad_token_id=tok.pad_token_id)
+    return save_checkpoint(model, tok, tmp_path_factory.mktemp("rm") / "classifier")
+
+
+def test_reward_model_scores_in_batches(sequence_classifier):
+    from stages.envs.chat.reward_model import RewardModel
+
+    reward = RewardModelReward(str(sequence_classifier), batch_size=8, batch_wait_s=0.3)
+    tasks = [{"prompt": f"user: tell me about {t}.\nbot:"} for t in ("cats", "tea", "rain", "snow")] * 4
+    responses = [" i like it a lot.", " no", "...", " cats are great!"] * 4
+    scores = [None] * len(tasks)
+
+    def one(i):
+        scores[i] = reward.score(tasks[i], responses[i]).score
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(tasks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    direct = RewardModel(sequence_classifier).score([t["prompt"] for t in tasks], responses).sigmoid().tolist()
+    assert scores == pytest.approx(direct, abs=1e-5)
+    assert 2 <= reward.stats()["batches"] < len(tasks)  # concurrent steps shared forward passes
+    binary = RewardModelReward(str(sequence_classifier), binary=True, threshold=-1e9)
+    assert binary.score(tasks[0], responses[0]).score == 1.0
+
+
+class JudgeServer:
+    """A real OpenAI-compatible chat endpoint on loopback: replies with `reply`, or fails `fail_first` times with
+    HTTP 500; records the prompts it saw and the most requests it had in flight at once."""
+
+    def __init__(self, reply: str = "Score: 7", fail_first: int = 0, delay_s: float = 0.0):
+        self.reply, self.fail_first, self.delay_s = reply, fail_first, delay_s
+        self.seen, self.in_flight, self.max_in_flight, self.lock = [], 0, 0, threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with server.lock:
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                    server.seen.append(body)
+                    failing = server.fail_first > 0
+                    server.fail_first -= failing
+                time.sleep(server.delay_s)
+                with server.lock:
+                    server.in_flight -= 1
+                if self.path != "/v1/chat/completions" or failing:
+                    self.send_response(500)
+                    self.end_headers()
+                    return
+                out = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                                  "choices": [{"index": 0, "finish_reason": "stop",
+                                               "message": {"role": "assistant", "content": server.reply}}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def judge_server():
+    servers = []
+
+    def start(**kwargs):
+        servers.append(JudgeServer(**kwargs))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+TASK = {"id": "t1", "prompt": "what is 2+2?", "answer": "4"}
+
+
+def test_judge_scores_through_the_endpoint(judge_server):
+    server = judge_server(reply="Score: 7/10")
+    reward = JudgeReward(server.url, "judge-model", template="P={prompt} R={response} REF={reference}")
+    verdict = reward.score(TASK, "four")
+    assert verdict.score == pytest.approx(0.7)
+    assert server.seen[0]["model"] == "judge-model"
+    assert server.seen[0]["messages"] == [{"role": "user", "content": "P=what is 2+2? R=four REF=4"}]
+    assert reward.stats() == {"requests": 1, "failed_tries": 0, "failed_judgements": 0}
+
+
+def test_judge_retries_then_counts_failures(judge_server):
+    server = judge_server(fail_first=1)
+    reward = JudgeReward(server.url, "m", retries=1, timeout_s=5)
+    assert reward.score(TASK, "four").score == pytest.approx(0.7)  # the retry succeeded
+    assert reward.stats() == {"requests": 2, "failed_tries": 1, "failed_judgements": 0}
+    down = judge_server(fail_first=10**6)
+    raising = JudgeReward(down.url, "m", retries=1, timeout_s=5)
+    with pytest.raises(RewardFailure) as err:
+        raising.score(TASK, "four")
+    assert "failed 2 times on task 't1'" in str(err.value) and "\n" not in str(err.value)
+    zero = JudgeReward(down.url, "m", retries=0, timeout_s=5, on_failure="zero")
+    assert zero.score(TASK, "four").score == 0.0
+    assert zero.stats()["failed_judgements"] == 1
+    unparsable = JudgeReward(judge_server(reply="I cannot rate this").url, "m", retries=0, on_failure="zero")
+    assert unparsable.score(TASK, "four").score == 0.0 and unparsable.stats()["failed_judgements"] == 1
+
+
+def test_judge_concurrency_limit(judge_server):
+    server = judge_server(delay_s=0.2)
+    reward = JudgeReward(server.url, "m", concurrency=2)
+    threads = [threading.Thread(target=reward.score, args=(TASK, "four")) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(server.seen) == 6 and server.max_in_flight == 2
+
+
+def test_judge_bad_options_are_one_line():
+    with pytest.raises(ValueError, match="template may only use"):
+        JudgeReward("http://127.0.0.1:9/v1", "m", template="{question}")
+    with pytest.raises(ValueError, match="on_failure"):
+        JudgeReward("http://127.0.0.1:9/v1", "m", on_failure="ignore")
+    with pytest.raises(KeyError, match="unknown reward 'regex'"):
+        build_reward("regex")
