@@ -328,13 +328,18 @@ def test_a_one_server_run_survives_a_transient_reset(server, tiny_model_dir, pro
     proxy.close()
 
 
-def test_a_dead_server_is_brought_back_when_its_health_recovers(server, tiny_model_dir, prompt):
+@pytest.mark.parametrize("sync", ["disk", "tensor", "distributed"])
+def test_a_dead_server_is_brought_back_when_its_health_recovers(server, tiny_model_dir, prompt, sync):
+    """It gets the current weights back the way the engine syncs them (distributed: a new group with it)."""
     from opd_sao.engines.http import HTTPEngine
 
     proxy = FaultyProxy(server)
-    engine = HTTPEngine(proxy.url, checkpoint=tiny_model_dir, max_inflight=4)
+    engine = HTTPEngine(proxy.url, checkpoint=tiny_model_dir, max_inflight=4, weight_sync=sync)
     engine.update_weights(engine_state(tiny_model_dir), 3)
     proxy.down = True
+    # while it is unreachable it "restarts": back at the start checkpoint, version 0
+    requests.post(server + "/update_weights_from_disk", json={"model_path": str(tiny_model_dir),
+                                                              "weight_version": "0"}, timeout=30).raise_for_status()
     threading.Timer(3.0, lambda: setattr(proxy, "down", False)).start()
     results = engine.generate_all([GenerationRequest(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))
                                    for _ in range(4)])
