@@ -1,4 +1,4 @@
-"""Peak memory and step time of an SFT step and an SAO policy step at a real vocabulary: chunked vs naive.
+"""Peak memory, step time and achieved FLOP/s of SFT, SAO policy and OPD top-p steps at a real vocabulary.
 
 The model is a Qwen2-architecture causal LM at a tiny hidden size (64, 2 layers) with Qwen2.5's padded
 vocabulary (151,936), so the lm head is almost all of the work, as it is for small students at real
@@ -7,12 +7,22 @@ then the lm head a vocabulary chunk at a time, recomputed in the backward); "nai
 forward, which materialises [B, T, V] float32 logits (`full_logits=True`). Each (step, method) runs in
 its own child process, so its peak RSS growth is its own; the two methods alternate within one run.
 
+The `opd_top_p` kind is an OPD step at granularity top_p (p 0.95) from a random-init teacher (the
+nucleus would be most of the vocabulary) with the nucleus capped at `opd.max_support` (256): teacher
+scoring (`teachers.scoring.score_rows`), the cache's padded support, the student's support logprobs and
+the divergence's backward; chunked only (there is no naive OPD path). `--vocab 384` gives the tiny
+model's vocabulary for comparison. Every chunked step also reports the achieved FLOP/s of its lm-head
+matmuls (the work at this vocabulary) against a plain `torch.matmul` of the lm head's shape timed in the
+same child, in CPU time (robust to other load): the lm-head matmuls of a chunked SFT/policy step are
+4 x 2NHV (forward, and the backward's recomputation, grad-hidden and grad-weight), of an OPD step
+1 x 2NHV for the teacher plus 3 x 2NHV for the student (forward, backward's recomputation, two grads).
+
     python benchmarks/vocab_memory.py            # batch 8 x sequence 512 (the issue's setting)
     python benchmarks/vocab_memory.py --quick    # batch 2 x sequence 128
 
 Prints one JSON object on its last line: per step kind and method, peak RSS growth (MB), the median
 step time (wall s) and CPU time (s, user + system of the process: steadier than wall time on a shared
-machine), and the chunked/naive ratios.
+machine), the chunked/naive ratios, and the lm head's achieved GFLOP/s per CPU-second vs the plain matmul's.
 """
 from __future__ import annotations
 
@@ -28,29 +38,45 @@ import time
 
 VOCAB = 151_936
 HIDDEN = 64
+MAX_SUPPORT = 256
+LM_HEAD_MATMULS = {"sft": 4, "sao_policy": 4, "opd_top_p": 5}  # 2NHV-FLOP lm-head matmuls per step (see above)
 
 
 def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def measure(kind: str, method: str, batch: int, seq: int, repeats: int) -> dict:
+def matmul_gflops_per_cpu_s(rows: int, vocab: int) -> float:
+    """A plain torch.matmul of the lm head's shape ([rows, H] @ [H, V]), in GFLOP per CPU-second."""
+    import torch
+
+    h, w = torch.randn(rows, HIDDEN), torch.randn(vocab, HIDDEN)
+    h @ w.T  # warm-up
+    c0, n = time.process_time(), 3
+    for _ in range(n):
+        h @ w.T
+    return n * 2 * rows * HIDDEN * vocab / (time.process_time() - c0) / 1e9
+
+
+def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: int = VOCAB) -> dict:
     """In the child: build the model, run one warm-up and `repeats` timed steps; peak RSS growth and times."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from opd_sao import algorithms as A
-    from opd_sao.modeling import sequence_logprobs
+    from opd_sao.modeling import hidden_states, lm_head, sequence_logprobs, support_logprobs
+    from teachers.scoring import score_rows
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2 * seq,
                          tie_word_embeddings=True)
     model = Qwen2ForCausalLM(config).train()
+    teacher = Qwen2ForCausalLM(config).eval() if kind == "opd_top_p" else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
     mask = torch.ones_like(ids)
     loss_mask = torch.zeros_like(ids, dtype=torch.float32)
     loss_mask[:, seq // 4:] = 1  # the response: everything after a prompt of a quarter of the sequence
@@ -58,8 +84,35 @@ def measure(kind: str, method: str, batch: int, seq: int, repeats: int) -> dict:
     advantages = torch.randn(batch, seq, generator=g) * loss_mask
     full = method == "naive"
 
+    b, t = loss_mask.bool().nonzero(as_tuple=True)
+    extra: dict = {}
+
+    def opd_loss() -> torch.Tensor:
+        with torch.no_grad():
+            weight, _ = lm_head(teacher)
+            scored = score_rows(hidden_states(teacher, ids, mask)[b, t - 1], weight, None, ids[b, t],
+                                granularity="top_p", p=0.95, max_support=MAX_SUPPORT)
+        lens = scored.row_len
+        width, n = int(lens.max()), len(lens)
+        col = torch.arange(width).expand(n, -1)
+        support = col < lens.unsqueeze(1)
+        flat = torch.zeros((n, width), dtype=torch.long)
+        t_raw = torch.zeros((n, width))
+        flat[support], t_raw[support] = scored.ids, scored.logp
+        extra.update(support_mean=float(lens.float().mean()), cap_hit_rate=float((lens >= MAX_SUPPORT).float().mean()))
+        t_logp = A.renormalize_support(t_raw, support, scored.tail_mass)
+        weight, _ = lm_head(model)
+        s_logp, s_tail, _ = support_logprobs(hidden_states(model, ids, mask)[b, t - 1], weight, None, flat, support)
+        return A.truncated_divergence(s_logp, t_logp, support, s_tail, kind="forward_kl").mean()
+
     def step() -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()
+        if kind == "opd_top_p":
+            loss = opd_loss()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            return time.perf_counter() - t0, time.process_time() - c0
         logp = sequence_logprobs(model, ids, mask, 1.0, full_logits=full)
         if kind == "sft":
             loss = -(logp * loss_mask).sum() / loss_mask.sum()
@@ -73,13 +126,20 @@ def measure(kind: str, method: str, batch: int, seq: int, repeats: int) -> dict:
     base = _peak_mb()
     step()  # warm-up: optimizer state, allocator
     times = [step() for _ in range(repeats)]
-    return {"peak_mb": round(_peak_mb() - base, 1), "step_s": round(statistics.median(t for t, _ in times), 3),
-            "cpu_s": round(statistics.median(c for _, c in times), 3)}
+    out = {"peak_mb": round(_peak_mb() - base, 1), "step_s": round(statistics.median(s for s, _ in times), 3),
+           "cpu_s": round(statistics.median(c for _, c in times), 3), **extra}
+    if method == "chunked":  # the lm head's achieved FLOP/s against a plain matmul of its shape
+        rows = int(loss_mask.sum()) if kind == "opd_top_p" else batch * (seq - 1)
+        flops = LM_HEAD_MATMULS[kind] * 2 * rows * HIDDEN * vocab
+        out["lm_head_gflops_per_cpu_s"] = round(flops / out["cpu_s"] / 1e9, 2)
+        out["matmul_gflops_per_cpu_s"] = round(matmul_gflops_per_cpu_s(rows, vocab), 2)
+        out["share_of_matmul"] = round(out["lm_head_gflops_per_cpu_s"] / out["matmul_gflops_per_cpu_s"], 3)
+    return out
 
 
-def run_child(kind: str, method: str, batch: int, seq: int, repeats: int) -> dict:
+def run_child(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: int) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", kind, method, "--batch", str(batch), "--seq", str(seq),
-                          "--repeats", str(repeats)], capture_output=True, text=True,
+                          "--repeats", str(repeats), "--vocab", str(vocab)], capture_output=True, text=True,
                          env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)})
     if out.returncode:
         raise SystemExit(f"{kind}/{method} child failed:\n{out.stderr[-2000:]}")
@@ -92,24 +152,29 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per child (median)")
-    parser.add_argument("--kinds", default="sft,sao_policy", help="comma-separated step kinds to measure")
+    parser.add_argument("--kinds", default="sft,sao_policy,opd_top_p", help="comma-separated step kinds to measure")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (384: the tiny model's)")
+    parser.add_argument("--methods", default="naive,chunked", help="comma-separated: naive, chunked")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "METHOD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.batch, args.seq, args.repeats = 2, 128, 1
     if args.child:
-        print(json.dumps(measure(*args.child, args.batch, args.seq, args.repeats)))
+        print(json.dumps(measure(*args.child, args.batch, args.seq, args.repeats, args.vocab)))
         return
     results: dict = {}
     for kind in args.kinds.split(","):
-        for method in ("naive", "chunked"):
-            results.setdefault(kind, {})[method] = run_child(kind, method, args.batch, args.seq, args.repeats)
+        methods = ["chunked"] if kind == "opd_top_p" else args.methods.split(",")
+        for method in methods:
+            results.setdefault(kind, {})[method] = run_child(kind, method, args.batch, args.seq, args.repeats,
+                                                             args.vocab)
             print(f"{kind:10s} {method:8s} {results[kind][method]}", flush=True)
         r = results[kind]
-        r["memory_ratio"] = round(r["chunked"]["peak_mb"] / max(r["naive"]["peak_mb"], 1e-9), 3)
-        r["time_ratio"] = round(r["chunked"]["step_s"] / max(r["naive"]["step_s"], 1e-9), 3)
-        r["cpu_time_ratio"] = round(r["chunked"]["cpu_s"] / max(r["naive"]["cpu_s"], 1e-9), 3)
-    print(json.dumps({"benchmark": "vocab_memory", "vocab": VOCAB, "hidden": HIDDEN, "batch": args.batch,
+        if "naive" in r and "chunked" in r:
+            r["memory_ratio"] = round(r["chunked"]["peak_mb"] / max(r["naive"]["peak_mb"], 1e-9), 3)
+            r["time_ratio"] = round(r["chunked"]["step_s"] / max(r["naive"]["step_s"], 1e-9), 3)
+            r["cpu_time_ratio"] = round(r["chunked"]["cpu_s"] / max(r["naive"]["cpu_s"], 1e-9), 3)
+    print(json.dumps({"benchmark": "vocab_memory", "vocab": args.vocab, "hidden": HIDDEN, "batch": args.batch,
                       "seq": args.seq, "repeats": args.repeats, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                       "results": results}))
 
