@@ -64,6 +64,17 @@ def test_split_is_stable_and_order_is_seeded(tmp_path):
     assert len(two.make_tasks("train", 100, 0)) == 40 and len(two.make_tasks("eval", 100, 0)) == 3
 
 
+def without_chat_template(model_dir, out):
+    """The tiny model's tokenizer with its chat template removed (the project's tiny model ships one)."""
+    from opd_sao.checkpoints import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    tok.chat_template = None
+    tok.save_pretrained(out)
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    return out
+
+
 def test_field_mapping_messages_template_and_chat_template(tmp_path, tiny_model_dir):
     rows = [{"uid": 7, "conversation": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
              "ref": 3.5}]
@@ -72,10 +83,12 @@ def test_field_mapping_messages_template_and_chat_template(tmp_path, tiny_model_
     (task,) = env.make_tasks("train", 10, 0)
     assert task["id"] == "7" and task["answer"] == "3.5"
     assert env.reset(task) == "system: be brief\nuser: hi\nassistant:"
-    with pytest.raises(ValueError, match="has no chat template"):
-        DatasetEnv(path=str(path), id_key="uid", messages_key="conversation", answer_key="ref", chat_template=str(tiny_model_dir),
-                   eval_fraction=0.01).make_tasks("train", 10, 0)
     from opd_sao.checkpoints import load_tokenizer
+
+    untemplated = without_chat_template(tiny_model_dir, tmp_path / "untemplated")
+    with pytest.raises(ValueError, match="has no chat template"):
+        DatasetEnv(path=str(path), id_key="uid", messages_key="conversation", answer_key="ref", chat_template=str(untemplated),
+                   eval_fraction=0.01).make_tasks("train", 10, 0)
 
     templated = tmp_path / "templated"
     tok = load_tokenizer(tiny_model_dir)
@@ -198,7 +211,8 @@ def test_validate_env_and_data_inspect_commands(tmp_path, capsys, tiny_model_dir
     out = capsys.readouterr().out
     assert out.startswith(f"{DATA / 'gsm8k.jsonl'}: 60 rows, 0 malformed") and "answer: str (60)" in out
     assert out.count("--- prompt of gsm8k-") == 3 and "#### " in out
-    assert cli.main(["data", "inspect", str(DATA / "chat_prefs.jsonl"), "--chat-template", str(tiny_model_dir)]) == 0
+    untemplated = without_chat_template(tiny_model_dir, tmp_path / "untemplated")
+    assert cli.main(["data", "inspect", str(DATA / "chat_prefs.jsonl"), "--chat-template", str(untemplated)]) == 0
     assert "has no chat template" in capsys.readouterr().out
     assert cli.main(["data", "inspect", str(tmp_path / "none.jsonl")]) == 2
     err = capsys.readouterr().err.strip()

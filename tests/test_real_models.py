@@ -184,7 +184,8 @@ def test_logit_cache_keeps_padded_vocabulary_ids(tmp_path, granularity):
     logits[:, torch.from_numpy(padded[:5])] += 40  # the support lies in the padded rows
     logp = torch.log_softmax(logits, -1)
     meta = CacheMeta("t", "h", QWEN25_VOCAB_SIZE, "tok", granularity, k=4 if granularity == "top_k" else None,
-                     p=0.95 if granularity == "top_p" else None)
+                     p=0.95 if granularity == "top_p" else None,
+                     max_support=256 if granularity == "top_p" else None)
     sampled = torch.tensor([151700, 151900, 3])
     cache = LogitCache(tmp_path).open_teacher(meta)
     cache.put("a", record_from_logprobs(meta, logp, sampled))
