@@ -247,19 +247,36 @@ def save_checkpoint(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
     return out_dir
 
 
-def file_hash(*paths: Path) -> str:
+HASH_BLOCK = 1 << 24
+# Every file a loader may read weights from: (sharded) safetensors and their index, PyTorch .bin / .pt
+# shards and their index, under any sub-folder (some exports put weights in a sub-directory).
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth")
+
+
+def file_hash(*paths: Path, root: Path | None = None) -> str:
+    """sha256 of the files' bytes, streamed (a shard can be larger than memory); with `root`, of their
+    paths relative to it too, so a renamed shard changes the hash."""
     digest = hashlib.sha256()
     for path in paths:
-        digest.update(Path(path).read_bytes())
+        if root is not None:
+            digest.update(str(Path(path).relative_to(root)).encode() + b"\0")
+        with open(path, "rb") as f:
+            while block := f.read(HASH_BLOCK):
+                digest.update(block)
     return digest.hexdigest()[:16]
 
 
+def weight_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    return sorted({f for pattern in WEIGHT_PATTERNS for f in path.rglob(pattern) if f.is_file()})
+
+
 def checkpoint_hash(path: str | Path) -> str:
-    """Hash of the weight files (safetensors, sharded or not, or pytorch .bin)."""
-    weights = sorted(Path(path).glob("*.safetensors")) or sorted(Path(path).glob("pytorch_model*.bin"))
-    if not weights:
-        raise ValueError(f"{path} holds no weights (*.safetensors or *.bin)")
-    return file_hash(*weights)
+    """The identity of a checkpoint's weights (the logit cache keys on it): every weight file, any format."""
+    files = weight_files(path)
+    if not files:
+        raise ValueError(f"checkpoint {str(path)!r} has no weight files to hash ({', '.join(WEIGHT_PATTERNS)})")
+    return file_hash(*files, root=Path(path))
 
 
 def tokenizer_hash(path: str | Path) -> str:

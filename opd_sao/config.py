@@ -171,17 +171,47 @@ class RolloutConfig(Strict):
         return self
 
 
+# The paper's DIS bounds per stage kind (SAO section 4.1): math / reasoning, and code / agent. A stage whose
+# config leaves eps_low / eps_high unset gets its kind's pair; other kinds (chat, opd, ...) the math pair.
+DIS_BOUNDS_BY_KIND = {"reasoning": (0.3, 5.0), "agent": (0.8, 3.0)}
+DEFAULT_DIS_BOUNDS = DIS_BOUNDS_BY_KIND["reasoning"]
+
+
 class AlgoConfig(Strict):
     """Parameters of the learning rules in `opd_sao.algorithms.ALGORITHMS` (the YAML key is `sao`)."""
 
-    eps_low: float = describe("DIS: tokens with ratio below 1 - eps_low are masked", 0.3, ge=0, le=1)
-    eps_high: float = describe("DIS: tokens with ratio above 1 + eps_high are masked", 5.0, ge=0)
+    eps_low: float = describe("DIS: tokens with ratio below 1 - eps_low are masked (unset: the stage kind's paper "
+                              "value, agent 0.8, reasoning and others 0.3)", DEFAULT_DIS_BOUNDS[0], ge=0, le=1)
+    eps_high: float = describe("DIS: tokens with ratio above 1 + eps_high are masked (unset: the stage kind's paper "
+                               "value, agent 3.0, reasoning and others 5.0)", DEFAULT_DIS_BOUNDS[1], ge=0)
     alpha: float = describe("length-adaptive policy lambda = 1 - 1/(alpha * l)", 1.5, gt=0)
     gamma: float = describe("discount", 1.0, ge=0, le=1)
     ppo_clip: float = describe("ppo, grpo: clip range of the ratio to pi_old", 0.2, gt=0)
     ppo_lambda: float = describe("ppo: GAE lambda", 0.95, ge=0, le=1)
     update_epochs: int = describe("ppo, grpo: passes over each batch (the clip needs > 1)", 1, ge=1)
     baseline_window: int = describe("running_mean: rewards averaged for the baseline", 128, ge=1)
+
+
+class CriticPretrainConfig(Strict):
+    """Value pre-training (SAO section 3.3, "scaling value pre-training"): before RL, the stage's start policy
+    rolls out on training tasks and the critic is fitted to those rollouts' Monte-Carlo returns, so the first
+    policy steps get advantages from a critic that already knows the task instead of a zero value head."""
+
+    rollouts: int = describe("rollouts of the start policy to fit the critic on (0: off)", 0, ge=0)
+    steps: int = describe("critic optimizer steps on minibatches of those rollouts", 0, ge=0)
+    batch_size: Optional[int] = describe("trajectories per critic step (default: the stage's "
+                                         "trainer.train_batch_size)", None, ge=1)
+    carry_over: bool = describe(
+        "start the critic from the one the latest earlier stage with the same env trained (saved next to its "
+        "checkpoint, stages/<name>/critic) instead of from the start policy's backbone; pre-training, if on, "
+        "continues from it", False)
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> "CriticPretrainConfig":
+        if bool(self.rollouts) != bool(self.steps):
+            raise ValueError(f"rollouts and steps must both be > 0 (value pre-training on) or both 0 (off); got "
+                             f"rollouts={self.rollouts}, steps={self.steps}")
+        return self
 
 
 class SFTConfig(Strict):
@@ -211,11 +241,17 @@ class GateConfig(Strict):
     probe_size: int = describe("probe rollouts per check", 8, ge=1)
 
 
+BEST_CHECKPOINT = "best"  # TeacherConfig.checkpoint: the earlier stage that scored highest on the domain
+
+
 class TeacherConfig(Strict):
     """One OPD teacher."""
 
     name: str = describe("a unique name (cache folders and metrics use it)")
-    checkpoint: str = describe("a local HF directory, or the name of an earlier stage of this run")
+    checkpoint: str = describe(
+        "a local HF directory, the name of an earlier stage of this run, or `best`: the completed stage whose "
+        "checkpoint scored highest on the teacher's (single) domain's held-out set, chosen when the stage starts "
+        "and recorded in its summary")
     domains: list[str] = describe("the domains (environments) this teacher teaches", min_length=1)
     granularity: Optional[Granularity] = describe("what the teacher stores per token (default: the stage's)", None)
     kind: str = describe("a Teacher implementation registered in teachers/ (TEACHER_KINDS)", "in_process")
@@ -278,6 +314,9 @@ class StageConfig(Strict):
     rollout: RolloutConfig = describe("sampling and episodes", RolloutConfig())
     sao: AlgoConfig = describe("parameters of the learning rule (DIS band, GAE, baselines)", AlgoConfig())
     sft: SFTConfig = describe("the stage's supervised warm start", SFTConfig())
+    critic_pretrain: CriticPretrainConfig = describe(
+        "RL stages with a critic (sao, ppo): value pre-training before the first step, and critic carry-over",
+        CriticPretrainConfig())
     eval: EvalConfig = describe("held-out evaluation", EvalConfig())
     gate: GateConfig = describe("the consistency gate", GateConfig())
     opd: OPDConfig = describe("opd stages: teachers and losses", OPDConfig())
@@ -325,13 +364,20 @@ class RunConfig(Strict):
         for stage in self.stages:
             if stage.name in seen:
                 raise ValueError(f"stage name {stage.name!r} is used twice; stage names must be unique")
+            if stage.name in ("base", "previous", BEST_CHECKPOINT):
+                raise ValueError(f"stage name {stage.name!r} is reserved (it names a checkpoint rule)")
             if stage.init_from not in ("base", "previous") and stage.init_from not in seen:
                 raise ValueError(
                     f"stage {stage.name!r}: init_from {stage.init_from!r} is not an earlier stage "
                     f"(use 'base', 'previous' or one of {seen})"
                 )
             for teacher in stage.opd.teachers:
-                if not Path(teacher.checkpoint).is_dir() and teacher.checkpoint not in seen:
+                if teacher.checkpoint == BEST_CHECKPOINT:
+                    if not seen or len(teacher.domains) != 1:
+                        raise ValueError(f"stage {stage.name!r}: teacher {teacher.name!r} checkpoint 'best' needs an "
+                                         f"earlier stage and exactly one domain (got {teacher.domains}); the best "
+                                         f"checkpoint is chosen per domain")
+                elif not Path(teacher.checkpoint).is_dir() and teacher.checkpoint not in seen:
                     raise ValueError(
                         f"stage {stage.name!r}: teacher {teacher.name!r} checkpoint {teacher.checkpoint!r} "
                         f"is neither a local directory nor an earlier stage ({seen})"
@@ -342,6 +388,10 @@ class RunConfig(Strict):
                                  f"(teachers cover {sorted(taught)})")
             if "prompt_format" not in stage.rollout.model_fields_set:
                 stage.rollout.prompt_format = self.prompt_format
+            _kind_dis_bounds(stage)
+            if stage.critic_pretrain.carry_over and not any(s.env == stage.env for s in self.stages[:len(seen)]):
+                raise ValueError(f"stage {stage.name!r}: critic_pretrain.carry_over needs an earlier stage with env "
+                                 f"{stage.env!r} to take the critic from")
             try:
                 trainer = self.stage_trainer(stage)
             except ValidationError as err:
@@ -386,6 +436,15 @@ class RunConfig(Strict):
     @property
     def engine_device(self) -> str:
         return self.engine.device or self.device
+
+
+def _kind_dis_bounds(stage: StageConfig) -> None:
+    """Fill the DIS bounds the stage's config left unset with its kind's paper values; explicit values win."""
+    low, high = DIS_BOUNDS_BY_KIND.get(stage.kind, DEFAULT_DIS_BOUNDS)
+    if "eps_low" not in stage.sao.model_fields_set:
+        stage.sao.eps_low = low
+    if "eps_high" not in stage.sao.model_fields_set:
+        stage.sao.eps_high = high
 
 
 def type_name(annotation) -> str:

@@ -163,6 +163,7 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
         summary = json.loads((run_dir / "summary.json").read_text())
         for entry in summary["stages"]:
             ctx.checkpoints[entry["name"]] = Path(entry["checkpoint"])
+            ctx.scores[entry["name"]] = entry["eval_after"]
     done = set(ctx.checkpoints)
     try:
         for stage_cfg in cfg.stages:
@@ -182,6 +183,7 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
                 "wall_s": round(time.perf_counter() - t0, 1),
             }
             ctx.checkpoints[stage_cfg.name] = result.checkpoint
+            ctx.scores[stage_cfg.name] = entry["eval_after"]
             write_json(ctx.stage_dir(stage_cfg.name) / "summary.json", entry)
             summary["stages"].append(entry)
             write_json(run_dir / "summary.json", summary)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from tqdm import tqdm
@@ -44,6 +44,7 @@ class RunContext:
     base_checkpoint: Path
     tokenizer: Any
     checkpoints: dict[str, Path] = field(default_factory=dict)  # completed stage name -> checkpoint
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)  # completed stage -> held-out score per domain
     wandb_run: Any = None
     resume: bool = False
 
@@ -115,16 +116,20 @@ class Stage(ABC):
         return checkpoint, ({"sft_from_step": state["step"] if state else 0} if self.ctx.resume else {})
 
     def train(self, *, engine, backend, learner, make_episodes, make_probe, trainer_cfg: TrainerConfig,
-              what: str) -> tuple[ConsistencyGate, dict]:
+              what: str, before_loop: Optional[Callable[[], None]] = None) -> tuple[ConsistencyGate, dict]:
         """The asynchronous loop (RLLoop) for `steps`, resumable, gated at the start and before promotion.
 
-        Returns (gate, resume report). The step history is in metrics.jsonl, trained ids in trained.jsonl.
+        `before_loop` runs once on a fresh start (step 0), before the first rollout of the loop; a stage
+        resumed from saved state skips it (its effect is in that state). Returns (gate, resume report). The
+        step history is in metrics.jsonl, trained ids in trained.jsonl.
         """
         cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
         gate = ConsistencyGate(cfg.gate, stage=cfg.name, out_dir=self.dir, engine=engine, backend=backend,
                                make_probe=make_probe, eps_low=cfg.sao.eps_low, eps_high=cfg.sao.eps_high,
                                deterministic=run.engine.deterministic, pad_id=tok.pad_token_id)
         start_step, waiting, resumed = self.resume_point(backend, learner)
+        if before_loop is not None and start_step == 0:
+            before_loop()
         state = StageState(self.dir)
 
         def after_step(step: int) -> None:

@@ -65,7 +65,8 @@ class OPDStage(Stage):
         domains = {name: Domain(name, cfg, run.stages, run.device) for name in names}
         start = self.ctx.resolve_checkpoint(cfg.init_from)
         registry = TeacherSet.from_config(opd, domains=names, resolve=self.ctx.resolve_checkpoint,
-                                          student_checkpoint=start, student_tokenizer=tok, device=run.device)
+                                          student_checkpoint=start, student_tokenizer=tok, device=run.device,
+                                          stage_scores=self.ctx.scores)
         trainer_cfg = run.stage_trainer(cfg)
         bandwidth = opd.copy_bandwidth_mb_s * 1e6 if opd.copy_bandwidth_mb_s else None
         prefetcher = Prefetcher(registry.build_all(), local_dir=Path(opd.local_dir or self.dir / "teacher_tier"),

@@ -8,12 +8,14 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
+from pathlib import Path
 
 from opd_sao.checkpoints import PromptFormat
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
 from opd_sao.rl.learner import Learner, needs_critic
 from opd_sao.rl.rollout import Episode, episodes_for
+from opd_sao.rl.value_pretrain import pretrain_critic
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.tracking import read_jsonl
 from opd_sao.supervised import sft_examples
@@ -23,6 +25,7 @@ from stages.envs.validity import require_valid
 from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .envs import ENVIRONMENTS, sample_tasks
 
+CRITIC_DIR = "critic"  # next to checkpoint/: the critic a later stage of the same env carries over
 VALIDITY_TASKS = 16  # tasks the oracle / no-op / initial-state check samples at stage start
 
 
@@ -65,13 +68,31 @@ class RLStage(Stage):
         sft_ckpt, resumed = self.sft(start, examples, done)
         return sft_ckpt, before, resumed
 
+    def carried_critic(self) -> Path:
+        """The critic saved by the latest earlier stage with this stage's env (`critic_pretrain.carry_over`)."""
+        earlier = [s for s in self.ctx.cfg.stages[:self.ctx.cfg.stages.index(self.cfg)] if s.env == self.cfg.env]
+        path = self.ctx.stage_dir(earlier[-1].name) / CRITIC_DIR if earlier else None
+        if path is None or not (path / "config.json").is_file():
+            raise ValueError(f"stage {self.cfg.name!r}: critic_pretrain.carry_over: no critic saved by an earlier "
+                             f"stage with env {self.cfg.env!r} ({path or 'no such stage'}; a stage saves its "
+                             f"critic only if it trains one)")
+        return path
+
+    def critic_carried_later(self) -> bool:
+        """Whether a later stage of the same env starts from this stage's critic (then it is saved)."""
+        stages = self.ctx.cfg.stages
+        following = next((s for s in stages[stages.index(self.cfg) + 1:] if s.env == self.cfg.env), None)
+        return following is not None and following.critic_pretrain.carry_over
+
     def run(self) -> StageResult:
         cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
         env_factory = self.env_factory()
         require_valid(cfg.env, env_factory, n=VALIDITY_TASKS, seed=run.seed)  # before any work
         start, eval_init, sft_resumed = self.warm_start(self.ctx.resolve_checkpoint(cfg.init_from), env_factory)
         algo, trainer_cfg = run.stage_algo(cfg), run.stage_trainer(cfg)
-        backend = build_backend(trainer_cfg, start, with_critic=needs_critic(algo))
+        critic = needs_critic(algo)
+        critic_from = self.carried_critic() if critic and cfg.critic_pretrain.carry_over else None
+        backend = build_backend(trainer_cfg, start, with_critic=critic, critic_from=critic_from)
         engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device)
         learner = Learner(backend, algo, cfg.sao, critic_steps=trainer_cfg.critic_steps,
                           critic_warmup_steps=trainer_cfg.critic_warmup_steps)
@@ -83,11 +104,24 @@ class RLStage(Stage):
             return episodes_for(train_env, next(tasks), tok, cfg.rollout, domain=cfg.env, count=cfg.rollout.group_size,
                                 group=next(groups))
 
+        pretrain = cfg.critic_pretrain
+        pretrain_record = self.dir / "critic_pretrain.json"
+
+        def pretrain_critic_first() -> None:
+            with self.progress(pretrain.steps, "critic pre-training") as bar:
+                report = pretrain_critic(backend, engine, make_episodes, rollouts=pretrain.rollouts,
+                                         steps=pretrain.steps, batch_size=pretrain.batch_size or trainer_cfg.train_batch_size,
+                                         gamma=cfg.sao.gamma, pad_id=tok.pad_token_id, seed=run.seed, progress=bar)
+            pretrain_record.write_text(json.dumps(report))
+
         gate, resumed = self.train(engine=engine, backend=backend, learner=learner, make_episodes=make_episodes,
                                    make_probe=lambda: probe_episodes(env_factory, tok, cfg.rollout, domain=cfg.env,
                                                                      n=cfg.gate.probe_size, seed=run.seed),
-                                   trainer_cfg=trainer_cfg, what=algo)
+                                   trainer_cfg=trainer_cfg, what=algo,
+                                   before_loop=pretrain_critic_first if critic and pretrain.rollouts else None)
         checkpoint = backend.export_policy(self.dir / "checkpoint", tok)
+        if critic and self.critic_carried_later():
+            backend.export_critic(self.dir / CRITIC_DIR)
         engine.close()
         history = read_jsonl(self.dir / "metrics.jsonl")  # the whole stage, resumed or not
         summary = {"algo": algo, "steps": len(history), "start_checkpoint": str(start), "train": _train_summary(history),
@@ -98,6 +132,10 @@ class RLStage(Stage):
             summary.update(env_report([row["reward_mean"] for row in history], settle=settle))
         if resumed or sft_resumed:
             summary["resume"] = {**sft_resumed, **resumed}
+        if critic_from:
+            summary["critic_from"] = str(critic_from)
+        if pretrain_record.is_file():
+            summary["critic_pretrain"] = json.loads(pretrain_record.read_text())
         if eval_init is not None:
             summary["eval_init"] = {cfg.env: eval_init}
         return StageResult(checkpoint, summary, start_checkpoint=start)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from opd_sao.checkpoints import checkpoint_hash, file_hash, load_tokenizer
-from opd_sao.config import OPDConfig
+from opd_sao.config import BEST_CHECKPOINT, OPDConfig
 from teachers.base import TEACHER_KINDS, Teacher, TeacherIncompatibleError, TeacherSpec
 
 
@@ -62,9 +62,25 @@ def _tokenizer_difference(student, teacher) -> str:
     return "tokenizers differ"
 
 
+def best_stage(stage_scores: dict[str, dict[str, float]], domain: str) -> tuple[str, float]:
+    """(stage, score): the completed stage whose checkpoint scored highest on `domain`'s held-out set.
+
+    `stage_scores` is stage name -> eval_after in run order (the summary's stages). Ties go to the later
+    stage, the one closer to the student the OPD stage starts from.
+    """
+    scored = [(scores[domain], i, name) for i, (name, scores) in enumerate(stage_scores.items()) if domain in scores]
+    if not scored:
+        raise ValueError(f"teacher checkpoint 'best' for domain {domain!r}: no completed stage has a held-out score "
+                         f"on it (stages scored: {list(stage_scores)})")
+    score, _, name = max(scored)
+    return name, score
+
+
 class TeacherSet:
-    def __init__(self, specs: list[TeacherSpec], *, score_batch_size: int = 32, vocab_chunk: int = 8192):
+    def __init__(self, specs: list[TeacherSpec], *, score_batch_size: int = 32, vocab_chunk: int = 8192,
+                 chosen: Optional[dict[str, dict]] = None):
         self.specs = {spec.name: spec for spec in specs}
+        self.chosen = chosen or {}  # teacher name -> {stage, domain, score}, for `checkpoint: best` teachers
         self.score_batch_size, self.vocab_chunk = score_batch_size, vocab_chunk
         self._by_domain: dict[str, str] = {}
         for spec in specs:
@@ -75,16 +91,18 @@ class TeacherSet:
 
     @classmethod
     def from_config(cls, opd: OPDConfig, *, domains: list[str], resolve: Callable[[str], Path],
-                    student_checkpoint: Path, student_tokenizer, device: Optional[str] = None) -> "TeacherSet":
+                    student_checkpoint: Path, student_tokenizer, device: Optional[str] = None,
+                    stage_scores: Optional[dict[str, dict[str, float]]] = None) -> "TeacherSet":
         """Resolve and check every teacher; ValueError (TeacherIncompatibleError) with the reason otherwise.
 
-        `device`: the run's, for teachers that name none.
+        `device`: the run's, for teachers that name none. `stage_scores` (completed stage -> held-out score per
+        domain) picks the `checkpoint: best` teachers.
         """
         if not opd.teachers:
             raise ValueError("an OPD stage needs at least one teacher (opd.teachers)")
         student_vocab = model_vocab_size(student_checkpoint)
         student_print = vocab_fingerprint(student_tokenizer)
-        specs = []
+        specs, chosen = [], {}
         for teacher in opd.teachers:
             if teacher.kind not in TEACHER_KINDS:
                 TEACHER_KINDS.get(teacher.kind)  # raises with the registered kinds
@@ -92,7 +110,12 @@ class TeacherSet:
             if unused:
                 raise ValueError(f"teacher {teacher.name!r} teaches {unused}, which are not among the stage's "
                                  f"domains {domains}")
-            checkpoint = Path(resolve(teacher.checkpoint))
+            ref = teacher.checkpoint
+            if ref == BEST_CHECKPOINT:
+                (domain,) = teacher.domains
+                ref, score = best_stage(stage_scores or {}, domain)
+                chosen[teacher.name] = {"stage": ref, "domain": domain, "score": score}
+            checkpoint = Path(resolve(ref))
             vocab = model_vocab_size(checkpoint)
             if same_tokenizer_files(checkpoint, student_checkpoint):  # an earlier stage of the run: no need to
                 fingerprint = student_print  # load a 150k-token tokenizer again (seconds each)
@@ -113,7 +136,7 @@ class TeacherSet:
                 p=opd.top_p if granularity == "top_p" else None, checkpoint_hash=checkpoint_hash(checkpoint),
                 vocab_size=vocab, tokenizer_hash=fingerprint,
                 max_support=opd.max_support if granularity == "top_p" else None, device=teacher.device or device))
-        return cls(specs, score_batch_size=opd.score_batch_size, vocab_chunk=opd.vocab_chunk)
+        return cls(specs, score_batch_size=opd.score_batch_size, vocab_chunk=opd.vocab_chunk, chosen=chosen)
 
     def teacher_for(self, domain: str) -> TeacherSpec:
         if domain not in self._by_domain:
@@ -137,5 +160,6 @@ def describe(registry: TeacherSet, order: Optional[list[str]] = None) -> dict:
     """The summary.json view of the teachers."""
     return {name: {"checkpoint": str(spec.checkpoint), "domains": list(spec.domains), "granularity": spec.granularity,
                    "k": spec.k, "p": spec.p, "max_support": spec.max_support, "device": spec.device,
-                   "checkpoint_hash": spec.checkpoint_hash, "kind": spec.kind}
+                   "checkpoint_hash": spec.checkpoint_hash, "kind": spec.kind,
+                   **({"best": registry.chosen[name]} if name in registry.chosen else {})}
             for name, spec in registry.specs.items() if order is None or name in order}

@@ -294,8 +294,14 @@ def test_config_checks_domains_and_teachers():
 
 
 def test_opd_stage_end_to_end(tmp_path):
-    summary = run_pipeline(parse_config(_run_config()), tmp_path, log=lambda m: None)
+    cfg = _run_config()
+    cfg["stages"][2]["opd"]["teachers"][1]["checkpoint"] = "best"  # t_sort: the best earlier stage on digits_sort
+    summary = run_pipeline(parse_config(cfg), tmp_path, log=lambda m: None)
     stage = summary["stages"][2]
+    scores = [(s["eval_after"]["digits_sort"], i, s["name"]) for i, s in enumerate(summary["stages"][:2])]
+    best_score, _, best = max(scores)
+    assert stage["teachers"]["t_sort"]["best"] == {"stage": best, "domain": "digits_sort", "score": best_score}
+    assert stage["teachers"]["t_sort"]["checkpoint"] == summary["stages"][[n for *_, n in scores].index(best)]["checkpoint"]
     assert stage["kind"] == "opd" and stage["algo"] == "opd" and stage["steps"] == 2
     assert set(stage["distillation"]) == {"digits_reverse", "digits_sort"}
     for domain, row in stage["distillation"].items():

@@ -141,3 +141,32 @@ def test_optimizer_settings_reach_both_optimizers_and_bad_betas_are_refused(tiny
     cfg["trainer"]["adam_betas"] = [0.9, 1.0]
     with pytest.raises(Exception, match=r"adam_betas must both be in \[0, 1\)"):
         parse_config(cfg)
+
+
+def test_dis_bounds_default_to_the_papers_values_for_the_stage_kind_and_explicit_values_win():
+    stages = [{"name": "r", "kind": "reasoning", "env": "arithmetic"},
+              {"name": "a", "kind": "agent", "env": "code"},
+              {"name": "a2", "kind": "agent", "env": "code", "sao": {"eps_high": 2.0}},
+              {"name": "r2", "kind": "reasoning", "env": "arithmetic", "sao": {"eps_low": 0.1, "eps_high": 1.0}},
+              {"name": "c", "kind": "chat", "env": "chat"}]
+    cfg = parse_config({"stages": stages})
+    bounds = {s.name: (s.sao.eps_low, s.sao.eps_high) for s in cfg.stages}
+    assert bounds == {"r": (0.3, 5.0), "a": (0.8, 3.0), "a2": (0.8, 2.0), "r2": (0.1, 1.0), "c": (0.3, 5.0)}
+    override = parse_config({"stages": stages[1:2]}, ["stages.a.sao.eps_low=0.5"])
+    assert (override.stages[0].sao.eps_low, override.stages[0].sao.eps_high) == (0.5, 3.0)
+    again = parse_config(cfg.model_dump(mode="json"))  # the run dir's config.yaml reads back the same
+    assert {s.name: (s.sao.eps_low, s.sao.eps_high) for s in again.stages} == bounds
+
+
+@pytest.mark.parametrize("teacher, needle", [
+    ({"name": "t", "checkpoint": "best", "domains": ["arithmetic", "code"]}, "exactly one domain"),
+    ({"name": "t", "checkpoint": "nowhere", "domains": ["arithmetic"]}, "neither a local directory"),
+])
+def test_best_teacher_config_is_checked_before_any_work(teacher, needle):
+    cfg = _config()
+    cfg["stages"].append({"name": "o", "kind": "opd", "domains": teacher["domains"], "opd": {"teachers": [teacher]}})
+    with pytest.raises(ValueError, match=needle):
+        parse_config(cfg)
+    cfg["stages"] = cfg["stages"][1:]
+    with pytest.raises(ValueError, match="needs an earlier stage|neither a local directory"):
+        parse_config(cfg)

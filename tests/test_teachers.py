@@ -34,6 +34,7 @@ from teachers import (
     score_rows,
 )
 from teachers.base import TeacherSpec
+from teachers.routing import describe
 
 # ----------------------------------------------------------------------------
 # chunked scoring == dense reference
@@ -446,3 +447,65 @@ def test_cache_of_another_checkpoint_is_refused(tiny_model_dir, tokenizer, tmp_p
     save_checkpoint(model, load_tokenizer(tiny_model_dir), retrained)
     with pytest.raises(ValueError, match="checkpoint_hash differs"):
         _targets(retrained, tokenizer, tmp_path / "cache", tmp_path)
+
+
+def test_a_bin_checkpoint_change_invalidates_the_cache(tiny_model_dir, tokenizer, tmp_path):
+    """checkpoint_hash covers PyTorch .bin weights in a sub-folder, not only top-level safetensors."""
+    from opd_sao.checkpoints import checkpoint_hash
+
+    model, bin_ckpt = load_causal_lm(tiny_model_dir), tmp_path / "bin_ckpt"
+    model.config.save_pretrained(bin_ckpt)  # a PyTorch-format checkpoint (transformers 5 writes only safetensors)
+    load_tokenizer(tiny_model_dir).save_pretrained(bin_ckpt)
+    torch.save(model.state_dict(), bin_ckpt / "pytorch_model.bin")
+    _targets(bin_ckpt, tokenizer, tmp_path / "cache", tmp_path).prefetcher.close()
+    first = checkpoint_hash(bin_ckpt)
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)
+    torch.save(model.state_dict(), bin_ckpt / "pytorch_model.bin")
+    assert checkpoint_hash(bin_ckpt) != first
+    with pytest.raises(ValueError, match="checkpoint_hash differs"):
+        _targets(bin_ckpt, tokenizer, tmp_path / "cache", tmp_path)
+    nested = tmp_path / "nested"  # weights in a sub-folder count too
+    (nested / "weights").mkdir(parents=True)
+    (nested / "weights" / "pytorch_model.bin").write_bytes((bin_ckpt / "pytorch_model.bin").read_bytes())
+    before = checkpoint_hash(nested)
+    (nested / "weights" / "pytorch_model.bin").write_bytes(b"other weights")
+    assert checkpoint_hash(nested) != before
+
+
+def test_a_checkpoint_without_weight_files_is_refused(tmp_path):
+    from opd_sao.checkpoints import checkpoint_hash
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="has no weight files to hash") as err:
+        checkpoint_hash(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_best_teacher_is_the_highest_scoring_completed_stage(tiny_model_dir, tokenizer, tmp_path):
+    from teachers.routing import best_stage
+
+    summary = {"stages": [  # a crafted summary.json: held-out scores after each stage
+        {"name": "warmup", "eval_after": {"arithmetic": 0.5, "code": 0.98, "chat": 0.3}},
+        {"name": "reasoning", "eval_after": {"arithmetic": 0.9, "code": 0.94, "chat": 0.3}},
+        {"name": "agent", "eval_after": {"arithmetic": 0.85, "code": 0.81, "chat": 0.35}},
+        {"name": "chat", "eval_after": {"arithmetic": 0.55, "code": 0.4, "chat": 0.95}},
+        {"name": "extra", "eval_after": {"arithmetic": 0.9}},  # ties go to the later stage
+    ]}
+    scores = {s["name"]: s["eval_after"] for s in summary["stages"]}
+    assert best_stage(scores, "code") == ("warmup", 0.98)
+    assert best_stage(scores, "chat") == ("chat", 0.95)
+    assert best_stage(scores, "arithmetic") == ("extra", 0.9)
+    with pytest.raises(ValueError, match="no completed stage has a held-out score on it"):
+        best_stage(scores, "digits_sort")
+    dirs = {name: tmp_path / name for name in scores}
+    for name, path in dirs.items():
+        save_checkpoint(load_causal_lm(tiny_model_dir), tokenizer, path)
+    opd = _opd([{"name": "code_teacher", "checkpoint": "best", "domains": ["code"]},
+                {"name": "chat_teacher", "checkpoint": "agent", "domains": ["chat"]}])
+    reg = TeacherSet.from_config(opd, domains=["code", "chat"], resolve=dirs.__getitem__, stage_scores=scores,
+                                 student_checkpoint=tiny_model_dir, student_tokenizer=tokenizer)
+    assert reg.teacher_for("code").checkpoint == dirs["warmup"] and reg.teacher_for("chat").checkpoint == dirs["agent"]
+    described = describe(reg)
+    assert described["code_teacher"]["best"] == {"stage": "warmup", "domain": "code", "score": 0.98}
+    assert "best" not in described["chat_teacher"]

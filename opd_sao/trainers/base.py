@@ -53,6 +53,10 @@ class TrainerBackend(ABC):
         """An HF-format checkpoint loadable by plain transformers."""
 
     @abstractmethod
+    def export_critic(self, out_dir: Path) -> Path:
+        """The critic (backbone in HF format + value head), for a later stage to start from (`critic_from`)."""
+
+    @abstractmethod
     def save_state(self, out_dir: Path) -> None:
         """Everything needed to resume: weights, optimizer states, policy version."""
 

@@ -5,13 +5,20 @@ critic training was unstable in the paper.
 """
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel
 
 from opd_sao.checkpoints import DTYPES, MODEL_INIT_LOCK
 
 from ..modeling import position_ids_for
+
+VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 class ValueModel(nn.Module):
@@ -24,9 +31,26 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: str = "float32") -> "ValueModel":
+        """From a policy checkpoint (zero value head) or a saved critic (`save_pretrained`: its trained head)."""
         with MODEL_INIT_LOCK:  # the head's nn.init must not run while another thread loads a model
             backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation="eager")
-            return cls(backbone, backbone.config.hidden_size)
+            model = cls(backbone, backbone.config.hidden_size)
+        head = Path(path) / VALUE_HEAD_FILE
+        if head.is_file():
+            model.value_head.load_state_dict(load_file(head))
+        return model
+
+    def save_pretrained(self, out_dir: Path) -> Path:
+        """Backbone in HF format plus the value head, written to a temp dir, then renamed."""
+        out_dir = Path(out_dir)
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.backbone.save_pretrained(tmp, safe_serialization=True)
+        save_file({k: v.detach().float().cpu().contiguous() for k, v in self.value_head.state_dict().items()},
+                  tmp / VALUE_HEAD_FILE)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+        return out_dir
 
     def freeze_attention(self) -> None:
         for name, param in self.backbone.named_parameters():

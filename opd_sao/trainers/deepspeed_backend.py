@@ -118,19 +118,23 @@ def deepspeed_config(cfg: TrainerConfig, lr: float) -> dict:
 
 
 class DeepSpeedTrainer(TrainerBackend):
-    def __init__(self, checkpoint: str | Path, cfg: TrainerConfig, *, with_critic: bool = True):
+    def __init__(self, checkpoint: str | Path, cfg: TrainerConfig, *, with_critic: bool = True,
+                 critic_from: str | Path | None = None):
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
         wanted = resolve_device(cfg.device)
         init_distributed(wanted)
         self.cfg, self.checkpoint = cfg, str(checkpoint)
+        critic_from = str(critic_from) if critic_from else None
+        self.critic_source = critic_from or self.checkpoint  # where the critic loads from
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(get_accelerator().current_device_name())
         if self.device.type != wanted.type:
             raise ValueError(f"trainer.device {cfg.device!r} is {wanted}, but DeepSpeed's accelerator runs on "
                              f"{self.device} (DS_ACCELERATOR={wanted.type} chooses it)")
-        self._announce("init", checkpoint=self.checkpoint, cfg=cfg.model_dump(), with_critic=with_critic)
+        self._announce("init", checkpoint=self.checkpoint, cfg=cfg.model_dump(), with_critic=with_critic,
+                       critic_from=critic_from)
         policy_ds = deepspeed_config(cfg, cfg.policy_lr)
         # Under ZeRO-3 every rank loads the full model, then DeepSpeed partitions it (partitioning while
         # loading needs transformers' DeepSpeed integration, hence `accelerate`, which is no dependency).
@@ -139,7 +143,7 @@ class DeepSpeedTrainer(TrainerBackend):
         self.policy, _ = self._engine(deepspeed, policy, policy_ds, cfg.policy_lr, cfg)
         self.critic = None
         if with_critic:
-            critic = ValueModel.from_pretrained(str(checkpoint), "float32")
+            critic = ValueModel.from_pretrained(self.critic_source, "float32")
             if cfg.freeze_critic_attention:
                 critic.freeze_attention()
             # The head reads fp32 hidden states; under bf16 DeepSpeed casts the head too.
@@ -262,14 +266,14 @@ class DeepSpeedTrainer(TrainerBackend):
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights on CPU on rank 0 (ZeRO-3: gathered one tensor at a time); {} on the other ranks."""
         self._announce("policy_state_dict")
-        return self._full_state_dict()
+        return self._full_state_dict(self.policy)
 
-    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+    def _full_state_dict(self, engine) -> dict[str, torch.Tensor]:
         import deepspeed
 
         out: dict[str, torch.Tensor] = {}
         first_name: dict[int, str] = {}
-        for name, tensor in self.policy.module.state_dict(keep_vars=True).items():
+        for name, tensor in engine.module.state_dict(keep_vars=True).items():
             if id(tensor) in first_name:  # tied weights: one copy, under both names
                 if self.rank == 0:
                     out[name] = out[first_name[id(tensor)]]
@@ -284,11 +288,25 @@ class DeepSpeedTrainer(TrainerBackend):
     def export_policy(self, out_dir: Path, tokenizer=None) -> Path:
         """Rank 0 writes an HF checkpoint in trainer.dtype; the other ranks only help gather."""
         self._announce("export_policy", out_dir=str(out_dir))
-        state = self._full_state_dict()
+        state = self._full_state_dict(self.policy)
         if self.rank == 0:
             model = load_causal_lm(self.checkpoint, self.cfg.dtype)
             model.load_state_dict(state)
             save_checkpoint(model, tokenizer, Path(out_dir))
+        if self.world > 1:
+            dist.barrier()
+        return Path(out_dir)
+
+    def export_critic(self, out_dir: Path) -> Path:
+        """Rank 0 writes the critic (fp32, as it trains); the other ranks only help gather."""
+        if self.critic is None:
+            raise RuntimeError("this trainer was built without a critic (the algorithm needs none)")
+        self._announce("export_critic", out_dir=str(out_dir))
+        state = self._full_state_dict(self.critic)
+        if self.rank == 0:
+            critic = ValueModel.from_pretrained(self.critic_source, "float32")
+            critic.load_state_dict(state)
+            critic.save_pretrained(Path(out_dir))
         if self.world > 1:
             dist.barrier()
         return Path(out_dir)
@@ -349,6 +367,6 @@ def follow(run_cfg=None) -> int:
             trainer = None  # a new stage: free the previous engines first
             gc.collect()
             trainer = DeepSpeedTrainer(kwargs["checkpoint"], TrainerConfig(**kwargs["cfg"]),
-                                       with_critic=kwargs["with_critic"])
+                                       with_critic=kwargs["with_critic"], critic_from=kwargs["critic_from"])
         else:
             getattr(trainer, op)(**kwargs)

@@ -18,14 +18,15 @@ from .critic import ValueModel
 
 
 class TorchTrainer(TrainerBackend):
-    def __init__(self, checkpoint: str | Path, cfg: TrainerConfig, *, with_critic: bool = True):
+    def __init__(self, checkpoint: str | Path, cfg: TrainerConfig, *, with_critic: bool = True,
+                 critic_from: str | Path | None = None):
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.policy = load_causal_lm(checkpoint, cfg.dtype, self.device).train()
         self.policy_opt = adamw(self.policy.parameters(), cfg.policy_lr, cfg)
         self.critic = None
         if with_critic:
-            self.critic = ValueModel.from_pretrained(str(checkpoint), cfg.dtype).to(self.device).train()
+            self.critic = ValueModel.from_pretrained(str(critic_from or checkpoint), cfg.dtype).to(self.device).train()
             if cfg.freeze_critic_attention:
                 self.critic.freeze_attention()
             trainable = [p for p in self.critic.parameters() if p.requires_grad]
@@ -68,6 +69,11 @@ class TorchTrainer(TrainerBackend):
 
     def export_policy(self, out_dir: Path, tokenizer) -> Path:
         return save_checkpoint(self.policy, tokenizer, out_dir)
+
+    def export_critic(self, out_dir: Path) -> Path:
+        if self.critic is None:
+            raise RuntimeError("this trainer was built without a critic (the algorithm needs none)")
+        return self.critic.save_pretrained(out_dir)
 
     def save_state(self, out_dir: Path) -> None:
         out_dir = Path(out_dir)
