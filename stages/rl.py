@@ -17,6 +17,7 @@ from opd_sao.rl.learner import Learner, needs_critic
 from opd_sao.rl.rollout import Episode, episodes_for
 from opd_sao.rl.value_pretrain import pretrain_critic
 from opd_sao.runs.evaluation import evaluate
+from opd_sao.runs.files import write_json
 from opd_sao.runs.tracking import read_jsonl
 from opd_sao.supervised import sft_examples
 from opd_sao.trainers import build_backend
@@ -110,9 +111,10 @@ class RLStage(Stage):
         def pretrain_critic_first() -> None:
             with self.progress(pretrain.steps, "critic pre-training") as bar:
                 report = pretrain_critic(backend, engine, make_episodes, rollouts=pretrain.rollouts,
-                                         steps=pretrain.steps, batch_size=pretrain.batch_size or trainer_cfg.train_batch_size,
+                                         steps=pretrain.steps,
+                                         batch_size=pretrain.batch_size or trainer_cfg.train_batch_size,
                                          gamma=cfg.sao.gamma, pad_id=tok.pad_token_id, seed=run.seed, progress=bar)
-            pretrain_record.write_text(json.dumps(report))
+            write_json(pretrain_record, report)
 
         gate, resumed = self.train(engine=engine, backend=backend, learner=learner, make_episodes=make_episodes,
                                    make_probe=lambda: probe_episodes(env_factory, tok, cfg.rollout, domain=cfg.env,

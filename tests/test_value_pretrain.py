@@ -67,7 +67,8 @@ def test_a_saved_critic_loads_with_its_trained_value_head(tiny_model_dir, tmp_pa
     again = TorchTrainer(tiny_model_dir, TrainerConfig(), with_critic=True, critic_from=saved)
     for key, value in backend.critic.state_dict().items():
         assert torch.equal(value, again.critic.state_dict()[key]), key
-    assert float(ValueModel.from_pretrained(tiny_model_dir).value_head.bias.detach()) == 0.0  # a policy dir: a zero head
+    fresh = ValueModel.from_pretrained(tiny_model_dir)  # from a policy directory: a zero head
+    assert float(fresh.value_head.bias.detach()) == 0.0
 
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
@@ -90,7 +91,8 @@ def test_pipeline_pretrains_the_critic_and_carries_it_to_the_next_stage_of_its_e
     assert "critic_from" not in first and second["critic_from"] == str(tmp_path / "stages" / "first" / "critic")
     assert (tmp_path / "stages" / "first" / "critic" / "value_head.safetensors").is_file()
     assert not (tmp_path / "stages" / "second" / "critic").exists()  # no later stage takes it
-    assert json.loads((tmp_path / "stages" / "second" / "critic_pretrain.json").read_text()) == second["critic_pretrain"]
+    record = tmp_path / "stages" / "second" / "critic_pretrain.json"
+    assert json.loads(record.read_text()) == second["critic_pretrain"]
 
 
 @pytest.mark.parametrize("stages, needle", [
