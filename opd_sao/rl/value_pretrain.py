@@ -30,7 +30,7 @@ def monte_carlo_returns(batch: Batch, gamma: float) -> torch.Tensor:
 
 def critic_error(backend: TrainerBackend, trajectories: list[Trajectory], *, gamma: float, pad_id: int) -> dict:
     """The critic's value loss and explained variance against the MC returns of `trajectories` (no update)."""
-    batch = collate(trajectories, pad_id)
+    batch = collate(trajectories, pad_id).to(backend.device)
     with torch.no_grad():
         _, metrics = A.value_loss(backend.critic_values(batch, grad=False), monte_carlo_returns(batch, gamma),
                                   batch.action_mask)
@@ -59,7 +59,7 @@ def pretrain_critic(backend: TrainerBackend, engine: RolloutEngine, make_episode
     for _ in range(steps):
         while len(order) < batch_size:  # epochs over the corpus, reshuffled
             order += rng.sample(range(len(corpus)), len(corpus))
-        batch = collate([corpus[i] for i in order[:batch_size]], pad_id)
+        batch = collate([corpus[i] for i in order[:batch_size]], pad_id).to(backend.device)
         del order[:batch_size]
         values = backend.critic_values(batch, grad=True)
         loss, metrics = A.value_loss(values, monte_carlo_returns(batch, gamma), batch.action_mask)
