@@ -60,17 +60,23 @@ def _environment(name: str):
     return ENVIRONMENTS.get(name)
 
 
+def _json_options(text: str) -> dict:
+    """An `--options` argument: a JSON object, or a one-line error."""
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--options is not valid JSON: {err}") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"--options must be a JSON object (got {text!r})")
+    return options
+
+
 def _cmd_validate_env(args) -> int:
     """`opd-sao validate-env NAME`: the three-way validity check as JSON; exit status 1 when it fails."""
     from stages.envs.validity import check_environment
 
     env_cls = _environment(args.name)
-    try:
-        options = json.loads(args.options)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--options is not valid JSON: {err}") from None
-    if not isinstance(options, dict):
-        raise ValueError(f"--options must be a JSON object (got {args.options!r})")
+    options = _json_options(args.options)
     try:
         env_cls(**options)
     except TypeError as err:
@@ -86,12 +92,7 @@ def _cmd_data(args) -> int:
     """`opd-sao data inspect PATH`: row count, fields, and three prompts as a dataset environment shows them."""
     from stages.envs.dataset import inspect_file
 
-    try:
-        options = json.loads(args.options)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--options is not valid JSON: {err}") from None
-    if not isinstance(options, dict):
-        raise ValueError(f"--options must be a JSON object (got {args.options!r})")
+    options = _json_options(args.options)
     if args.chat_template:
         options["chat_template"] = args.chat_template
     print(inspect_file(args.path, options, n=args.n))
