@@ -24,7 +24,7 @@ setup(
         "requests",
         "pyarrow",  # dataset environments: Parquet files
         "datasets",  # dataset environments: save_to_disk directories
-        "math-verify[antlr4_13_2]",  # the math reward (LaTeX parsing through latex2sympy2-extended + antlr4 4.13.2)
+        "math-verify",  # the math reward (LaTeX parsing through latex2sympy2-extended, which brings antlr4)
         "openai",  # the LLM-judge reward's client
     ],
     extras_require={
