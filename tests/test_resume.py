@@ -154,3 +154,19 @@ def test_the_fingerprint_passes_the_same_config_and_a_logging_change_only_with_t
     else:
         with pytest.raises(ValueError, match=r"logging.wandb_project \('opd-sao' -> 'other'\).*--allow-config-change"):
             check_resume(changed, tmp_path)
+
+
+def test_a_setting_added_by_an_upgrade_does_not_block_a_resume(tmp_path):
+    """A run recorded before a config field existed resumes after the upgrade; edits to recorded fields still fail."""
+    from opd_sao.config import parse_config
+    from opd_sao.runs.fingerprint import check_resume, write_record
+
+    config = parse_config(_config()).model_dump(mode="json")
+    older = json.loads(json.dumps(config))
+    del older["device"], older["stages"][0]["rollout"]["prompt_format"]  # settings this session added
+    write_record(older, tmp_path)
+    assert check_resume(config, tmp_path) == []
+    edited = json.loads(json.dumps(config))
+    edited["stages"][0]["steps"] += 1
+    with pytest.raises(ValueError, match=r"stages\.\w+\.steps"):
+        check_resume(edited, tmp_path)

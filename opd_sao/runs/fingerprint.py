@@ -45,9 +45,13 @@ def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def changed_fields(before: dict, after: dict) -> list[tuple[str, Any, Any]]:
-    """(dotted field, value before, value after) for every field that differs; a missing side is None."""
+    """(dotted field, value before, value after) for every field both configs have and that differs.
+
+    A setting only one side has is not a change the user made: an upgrade of opd-sao added it (the resumed
+    run gets its default, as a new run would) or removed it (nothing reads it any more). A stage or teacher
+    added or removed still shows, in the list's `order`."""
     old, new = flatten(before), flatten(after)
-    return [(key, old.get(key), new.get(key)) for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+    return [(key, old[key], new[key]) for key in sorted(old.keys() & new.keys()) if old[key] != new[key]]
 
 
 def check_resume(config: dict, run_dir: Path, *, allow_change: bool = False) -> list[str]:
@@ -62,6 +66,8 @@ def check_resume(config: dict, run_dir: Path, *, allow_change: bool = False) -> 
     if recorded["sha256"] == fingerprint(config):
         return []
     changes = changed_fields(recorded["config"], config)
+    if not changes:  # only settings an upgrade added or removed differ
+        return []
     unsafe = [c for c in changes if not c[0].startswith(SAFE_ON_RESUME)]
     if unsafe or not allow_change:
         shown = unsafe or changes
