@@ -341,8 +341,11 @@ _followers_waiting: list[bool] = []  # rank 0: set once followers wait for calls
 
 
 def _release_followers() -> None:
+    """Rank 0 at exit: tell the followers to stop, then tear the process group down. A gloo group left alive
+    until interpreter teardown can abort the process ("terminate called without an active exception")."""
     if dist.is_initialized():
         dist.broadcast_object_list([("exit", {})], src=0)
+        dist.destroy_process_group()
 
 
 def follow(run_cfg=None) -> int:
@@ -362,6 +365,7 @@ def follow(run_cfg=None) -> int:
         dist.broadcast_object_list(box, src=0)
         op, kwargs = box[0]
         if op == "exit":
+            dist.destroy_process_group()
             return 0
         if op == "init":
             trainer = None  # a new stage: free the previous engines first
