@@ -61,7 +61,8 @@ def worker(args: dict) -> None:
 
     init_distributed()
     if int(os.environ["RANK"]) != 0:
-        sys.exit(follow())
+        follow()
+        return
     out, model = Path(args["out"]), args["model"]
     batch = _load_batch(Path(args["batch"]), args["pad_id"])
     zero2 = _trainer_cfg(backend="deepspeed", deepspeed_config={"zero_optimization": {"stage": 2}})
@@ -176,3 +177,9 @@ def test_two_process_zero2_matches_torch_backend_and_resumes(tmp_path, fixed_bat
 
 if __name__ == "__main__":
     worker(json.loads(sys.argv[-1]))
+    # Leave without interpreter teardown: with the results written and the process group destroyed, torch's
+    # and DeepSpeed's C++ threads can still abort the exit ("terminate called without an active exception",
+    # seen in 2 of 3 fresh-clone suite runs, never alone); that is not what this test measures.
+    from opd_sao.trainers.deepspeed_backend import shut_down
+
+    shut_down(0)

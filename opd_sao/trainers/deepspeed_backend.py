@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -346,6 +347,19 @@ def _release_followers() -> None:
     if dist.is_initialized():
         dist.broadcast_object_list([("exit", {})], src=0)
         dist.destroy_process_group()
+
+
+def shut_down(code: int) -> None:
+    """End a rank's process now: release the followers (rank 0), destroy the process group, flush, and exit
+    without interpreter teardown, where torch's and DeepSpeed's C++ threads can abort a finished process."""
+    if dist.is_initialized():
+        if dist.get_rank() == 0:
+            _release_followers()
+        else:
+            dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def follow(run_cfg=None) -> int:
