@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import pkgutil
+import threading
 from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
@@ -17,6 +19,8 @@ class Registry(Generic[T]):
     def __init__(self, what: str):
         self.what = what
         self._items: dict[str, T] = {}
+        self._built: dict[str, object] = {}
+        self._build_lock = threading.RLock()  # re-entrant: a component may build the one it wraps
 
     def register(self, name: str) -> Callable[[T], T]:
         def decorator(obj: T) -> T:
@@ -32,6 +36,19 @@ class Registry(Generic[T]):
             known = ", ".join(sorted(self._items)) or "none"
             raise KeyError(f"unknown {self.what} {name!r}; registered: {known}")
         return self._items[name]
+
+    def build(self, name: str, options: dict | None = None):
+        """The process-wide instance of `name` with `options`, built on first use (judges and rewards: an
+        environment is created per episode and must stay cheap, while a reward model is a network to load once)."""
+        key = json.dumps([name, options or {}], sort_keys=True)
+        with self._build_lock:
+            if key not in self._built:
+                cls = self.get(name)
+                try:
+                    self._built[key] = cls(**(options or {}))
+                except TypeError as err:
+                    raise ValueError(f"{self.what} {name!r}: bad {self.what}_options {options}: {err}") from None
+            return self._built[key]
 
     def names(self) -> list[str]:
         return sorted(self._items)

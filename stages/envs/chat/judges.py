@@ -7,7 +7,6 @@ cheap, while a reward model is a network to load (or train) once.
 """
 from __future__ import annotations
 
-import json
 import random
 import string
 import threading
@@ -99,18 +98,6 @@ class NoisyJudge(Judge):
         return draw >= self.miss_rate * self.harshness(task)
 
 
-_built: dict[str, Judge] = {}
-_lock = threading.RLock()  # re-entrant: a judge may build the judge it wraps
-
-
 def build_judge(name: str, options: dict | None = None) -> Judge:
     """The process-wide judge for (name, options), built on first use."""
-    key = json.dumps([name, options or {}], sort_keys=True)
-    with _lock:
-        if key not in _built:
-            judge_cls = JUDGES.get(name)
-            try:
-                _built[key] = judge_cls(**(options or {}))
-            except TypeError as err:
-                raise ValueError(f"judge {name!r}: bad judge_options {options}: {err}") from None
-        return _built[key]
+    return JUDGES.build(name, options)

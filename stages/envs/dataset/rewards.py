@@ -69,21 +69,9 @@ class Reward(ABC):
         return {}
 
 
-_built: dict[str, Reward] = {}
-_built_lock = threading.Lock()
-
-
 def build_reward(name: str, options: Optional[dict] = None) -> Reward:
     """The process-wide reward for (name, options), built on first use."""
-    key = json.dumps([name, options or {}], sort_keys=True)
-    with _built_lock:
-        if key not in _built:
-            reward_cls = REWARDS.get(name)
-            try:
-                _built[key] = reward_cls(**(options or {}))
-            except TypeError as err:
-                raise ValueError(f"reward {name!r}: bad reward_options {options}: {err}") from None
-        return _built[key]
+    return REWARDS.build(name, options)
 
 
 # --------------------------------------------------------------------------------------------- exact
