@@ -11,7 +11,6 @@ import json
 import logging
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -25,31 +24,23 @@ from opd_sao.engines.http import start_sglang_router, wait_until_healthy
 pytest.importorskip("sglang_router", reason="sglang-router is a test extra: pip install -e .[test]")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stop(proc: subprocess.Popen) -> None:
     proc.kill()
     proc.wait()
 
 
-@pytest.fixture(scope="module")
-def workers(tiny_model_dir):
-    """[(url, process)]: two `opd-sao serve` subprocesses, one torch thread each."""
-    servers = []
-    for i in range(2):
-        port = _free_port()
-        cmd = [sys.executable, "-m", "opd_sao.cli", "serve", str(tiny_model_dir), "--port", str(port),
-               "--threads", "1", "--seed", str(i), "--max-batch", "16"]
-        servers.append((f"http://127.0.0.1:{port}", subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                                                     stderr=subprocess.PIPE, text=True)))
+def _healthy_workers(start_server, checkpoint, max_batch: int) -> list:
+    """[(url, process)]: two `opd-sao serve` workers (conftest's start_server: one torch thread, logs to a
+    file), seeds 0 and 1, answering /health."""
+    servers = [start_server(checkpoint, "--seed", i, "--max-batch", max_batch) for i in range(2)]
     for url, proc in servers:
         wait_until_healthy(url, lambda proc=proc: proc.poll() is None, timeout_s=120)
+    return servers
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model_dir, start_server):
+    servers = _healthy_workers(start_server, tiny_model_dir, 16)
     yield servers
     for _, proc in servers:
         _stop(proc)
@@ -174,19 +165,11 @@ def test_runtime_endpoint_text_generation_and_the_router_request_shape(router, w
 
 
 def test_reasoning_stage_trains_through_sglang_router_and_a_killed_worker_loses_nothing(
-        tmp_path, tiny_model_dir, caplog):
+        tmp_path, tiny_model_dir, caplog, start_server):
     from opd_sao.config import parse_config
     from opd_sao.pipeline import run_pipeline
 
-    procs = []
-    for i in range(2):
-        port = _free_port()
-        cmd = [sys.executable, "-m", "opd_sao.cli", "serve", str(tiny_model_dir), "--port", str(port),
-               "--threads", "1", "--seed", str(i), "--max-batch", "8"]
-        procs.append((f"http://127.0.0.1:{port}", subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                                                   stderr=subprocess.DEVNULL)))
-    for url, proc in procs:
-        wait_until_healthy(url, lambda proc=proc: proc.poll() is None, timeout_s=120)
+    procs = _healthy_workers(start_server, tiny_model_dir, 8)
     # retries off: a request whose worker dies comes back as an error, and opd-sao's own retry must cover it
     router_url, router_proc = start_sglang_router([u for u, _ in procs], "--policy", "round_robin", "--disable-retries",
                                            "--health-check-interval-secs", "1", "--health-failure-threshold", "1")
