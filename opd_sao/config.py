@@ -237,7 +237,7 @@ class GateConfig(Strict):
     mean_abs_diff: float = describe("fail when the mean |logp_train - logp_rollout| exceeds this", 1e-3, gt=0)
     p99_abs_diff: float = describe("fail when the 99th percentile of |dlogp| exceeds this", 1e-2, gt=0)
     every: int = describe("also gate every N policy steps, on the engine's weights of that version (0: only at "
-                          "start and before promotion)", 50, ge=0)
+                          "start, before promotion and after a rollout server rejoins the fleet)", 50, ge=0)
     probe_size: int = describe("probe rollouts per check", 8, ge=1)
 
 

@@ -263,6 +263,7 @@ class FaultyProxy:
         host, port = target.rsplit("/", 1)[-1].split(":")
         self.target = (host, int(port))
         self.reset_next, self.unavailable_next, self.down, self.resets = 0, 0, False, 0
+        self.piped: list[socket.socket] = []  # the open connections to the server
         self.listener = socket.create_server(("127.0.0.1", 0), backlog=128)
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -291,6 +292,7 @@ class FaultyProxy:
                     conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
                 continue
             upstream = socket.create_connection(self.target)
+            self.piped += [conn, upstream]
             for a, b in ((conn, upstream), (upstream, conn)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
@@ -307,6 +309,16 @@ class FaultyProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    def crash(self) -> None:
+        """The server goes away as a crashed process does: open connections drop, new ones are reset."""
+        self.down = True
+        for sock in self.piped:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.piped.clear()
 
     def close(self) -> None:
         self.listener.close()
@@ -347,6 +359,37 @@ def test_a_dead_server_is_brought_back_when_its_health_recovers(server, tiny_mod
     assert [r.versions for r in results] == [[3] * 3] * 4  # the revived server got the current weights back
     assert stats["alive"] and stats["revived"] == 1 and stats["requeued"] >= 1
     assert requests.get(server + "/get_model_info", timeout=10).json()["weight_version"] == "3"
+    engine.close()
+    proxy.close()
+
+
+def test_the_gate_checks_again_after_a_server_rejoins(server, tiny_model_dir, tokenizer, prompt, tmp_path):
+    """A restarted server given the weights back is a new inference stack: the next step is gated on it, with
+    periodic checks off, and only once per rejoin."""
+    from opd_sao.config import GateConfig, RolloutConfig, TrainerConfig
+    from opd_sao.consistency.gate import ConsistencyGate, probe_episodes
+    from opd_sao.engines.http import HTTPEngine
+    from opd_sao.trainers.torch_backend import TorchTrainer
+    from stages.envs import ENVIRONMENTS
+
+    proxy = FaultyProxy(server)
+    engine = HTTPEngine(proxy.url, checkpoint=tiny_model_dir, max_inflight=4)
+    trainer = TorchTrainer(tiny_model_dir, TrainerConfig(), with_critic=False)
+    probe = lambda: probe_episodes(ENVIRONMENTS.get("arithmetic"), tokenizer,  # noqa: E731
+                                   RolloutConfig(max_new_tokens=4), domain="arithmetic", n=2, seed=0)
+    gate = ConsistencyGate(GateConfig(every=0), stage="probe", out_dir=tmp_path, engine=engine, backend=trainer,
+                           make_probe=probe, eps_low=0.3, eps_high=5.0, pad_id=tokenizer.pad_token_id)
+    gate.run("start")
+    gate.after_step(1)
+    assert [e["phase"] for e in gate.evaluations] == ["start"] and engine.rejoins == 0
+    proxy.crash()
+    threading.Timer(3.0, lambda: setattr(proxy, "down", False)).start()
+    engine.generate_all([GenerationRequest(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))])
+    assert engine.rejoins == 1
+    gate.after_step(2)
+    gate.after_step(3)
+    assert [(e["phase"], e["step"], e["passed"]) for e in gate.evaluations] == [("start", None, True),
+                                                                              ("rejoin", 2, True)]
     engine.close()
     proxy.close()
 

@@ -55,6 +55,12 @@ class RolloutEngine(ABC):
     @abstractmethod
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
 
+    @property
+    def rejoins(self) -> int:
+        """How often a server came back into the fleet and was given the current weights since the engine
+        started (0 for an engine that is one process): the consistency gate checks again after each."""
+        return 0
+
     def generate_all(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         results: dict[int, GenerationResult] = {}
         order = {id(r): i for i, r in enumerate(requests)}

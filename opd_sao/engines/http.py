@@ -400,6 +400,12 @@ class HTTPEngine(RolloutEngine):
                     for s in self._servers}
 
     @property
+    def rejoins(self) -> int:
+        with self._cond:
+            return sum(s.revived for s in self._servers) + sum(
+                w.revived for w in self._workers if all(w is not s for s in self._servers))
+
+    @property
     def workers(self) -> list[str]:
         """The servers that hold weights (the URLs themselves unless they are routers)."""
         return [s.client.url for s in self._workers]
