@@ -122,7 +122,9 @@ class TrainerConfig(Strict):
                                                "names an optimizer)", (0.9, 0.999))
     weight_decay: float = describe("AdamW weight decay", 0.0, ge=0)
     train_batch_size: int = describe("trajectories per policy step", 16, ge=1)
-    dtype: Dtype = describe("trainer weights' dtype", "float32")
+    dtype: Dtype = describe("the trainer's compute dtype; bfloat16 is mixed precision: weights, gradients and "
+                            "optimizer stay float32 (torch: autocast; deepspeed: its bf16 mode), checkpoints are "
+                            "written float32 (torch) or bfloat16 (deepspeed)", "float32")
     deepspeed_config: Optional[dict[str, Any]] = describe("backend=deepspeed: a DeepSpeed config dict (defaults to "
                                                           "ZeRO-2)", None)
     slowdown_s: float = describe("artificial delay per step, to force staleness in experiments", 0.0, ge=0)

@@ -5,8 +5,9 @@ One function decides, so the run, the engine, the trainer, the teachers and `ser
 """
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Optional
+from typing import ContextManager, Optional
 
 import torch
 
@@ -29,3 +30,12 @@ def resolve_device(spec: Optional[str]) -> torch.device:
         if device.index is not None and device.index >= count:
             raise ValueError(f"this machine has {count} CUDA device(s), so no device {spec!r}")
     return device
+
+
+def mixed_precision(device: torch.device, dtype: str) -> ContextManager:
+    """The trainers' compute precision: float32 master weights (AdamW's small updates are not rounded away,
+    as they are on bfloat16 weights), with `dtype: bfloat16` the forward's matmuls in bfloat16 under
+    `torch.autocast`; float32: nothing to do."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))

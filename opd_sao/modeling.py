@@ -87,6 +87,12 @@ def fused_logsumexp(logits: torch.Tensor) -> torch.Tensor:
     return (top - torch.log_softmax(logits, dim=-1).gather(-1, j)).squeeze(-1)
 
 
+def autocast_state(device: torch.device) -> tuple[str, bool, torch.dtype]:
+    """The autocast setting a custom autograd function's forward ran under, for its backward to run under too
+    (the autograd engine does not carry it over, and the recomputed chunks must match the forward's)."""
+    return device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+
+
 def _row_blocks(n: int, size: int) -> list[slice]:
     return [slice(first, min(n, first + size)) for first in range(0, n, size)]
 
@@ -114,11 +120,17 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                 picked[inside] = logits[inside, t[inside] - start]
             out[rows], lse_all[rows] = picked - lse, lse
         ctx.save_for_backward(hidden, weight, targets, lse_all)
-        ctx.vocab_chunk, ctx.row_block = vocab_chunk, row_block
+        ctx.vocab_chunk, ctx.row_block, ctx.autocast = vocab_chunk, row_block, autocast_state(hidden.device)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
+        device_type, enabled, dtype = ctx.autocast
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            return _ChunkedTokenLogprob._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         hidden, weight, targets, lse_all = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         acc = acc_dtype(weight)

@@ -9,7 +9,7 @@ import torch
 
 from opd_sao.checkpoints import PromptFormat, load_causal_lm, save_checkpoint
 from opd_sao.config import SFTConfig
-from opd_sao.devices import resolve_device
+from opd_sao.devices import mixed_precision, resolve_device
 from opd_sao.modeling import sft_loss
 from opd_sao.runs.checkpointing import truncate_step_log
 from opd_sao.runs.files import atomic_path
@@ -48,7 +48,7 @@ def discard_sft_state(work_dir: Path) -> None:
 
 def run_sft(checkpoint: Path, out_dir: Path, examples, tokenizer, cfg: SFTConfig, seed: int, progress=None, *,
             work_dir: Optional[Path] = None, save_every: int = 0, state: Optional[dict] = None,
-            device: Optional[str] = None) -> Path:
+            device: Optional[str] = None, dtype: str = "float32") -> Path:
     """SFT from `checkpoint`; returns the HF-format `out_dir`, written atomically.
 
     With `work_dir` it is resumable, like an RL stage: work_dir/sft.jsonl gets one line per step (loss and the
@@ -56,7 +56,7 @@ def run_sft(checkpoint: Path, out_dir: Path, examples, tokenizer, cfg: SFTConfig
     work_dir/sft_state.pt (atomically). Given that `state` (load_sft_state), it continues from the saved step with
     the log cut back to it: a step counts as trained only if the weights that learnt from it were saved, and the
     examples drawn are the ones an uninterrupted run draws. The state is removed once `out_dir` is written.
-    Runs on `device` (the trainer's; None: auto).
+    Runs on `device` in the trainer's precision (`dtype`: float32 weights, bfloat16 compute under autocast).
     """
     device = resolve_device(device)
     model = load_causal_lm(checkpoint, device=device).train()
@@ -85,7 +85,8 @@ def run_sft(checkpoint: Path, out_dir: Path, examples, tokenizer, cfg: SFTConfig
             ids[i, : len(seq)] = torch.tensor(seq)
             attention[i, : len(seq)] = 1
             loss_mask[i, len(prompt): len(seq)] = 1
-        loss = sft_loss(model, ids.to(device), attention.to(device), loss_mask.to(device))
+        with mixed_precision(device, dtype):
+            loss = sft_loss(model, ids.to(device), attention.to(device), loss_mask.to(device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -109,10 +109,11 @@ class Stage(ABC):
         state = load_sft_state(self.dir) if self.ctx.resume else None
         if not self.ctx.resume:
             discard_sft_state(self.dir)
+        trainer = self.ctx.cfg.stage_trainer(self.cfg)
         with self.progress(self.cfg.sft.steps, "sft") as bar:
             checkpoint = run_sft(start, out, examples, self.ctx.tokenizer, self.cfg.sft, self.ctx.cfg.seed, bar,
                                  work_dir=self.dir, save_every=self.cfg.checkpoint_every, state=state,
-                                 device=self.ctx.cfg.stage_trainer(self.cfg).device)
+                                 device=trainer.device, dtype=trainer.dtype)
         return checkpoint, ({"sft_from_step": state["step"] if state else 0} if self.ctx.resume else {})
 
     def train(self, *, engine, backend, learner, make_episodes, make_probe, trainer_cfg: TrainerConfig,

@@ -227,3 +227,49 @@ def test_the_gpu_check_config_is_valid_for_every_run_setting():
         assert cfg.trainer.dtype == ("bfloat16" if "bf16" in name else "float32") == cfg.engine.dtype
         if "bf16" in name:
             assert {s.gate.mean_abs_diff for s in cfg.stages if s.kind != "sft"} == {2e-2}
+
+
+def test_bfloat16_trains_in_mixed_precision(tiny_model_dir, tokenizer, tmp_path):
+    """trainer.dtype bfloat16 computes in bfloat16 and keeps float32 weights and AdamW state: a step of lr 1e-6
+    moves every trained weight (on bfloat16 weights, 8 mantissa bits, such an update is rounded away), and the
+    logprobs, values and SFT loss differ from float32's by bfloat16 rounding, not by nothing."""
+    from opd_sao.modeling import sft_loss
+    from opd_sao.supervised import run_sft
+    from opd_sao.trainers import TorchTrainer
+    from opd_sao.trajectory import Trajectory, collate
+
+    prompt = [tokenizer.bos_token_id] + tokenizer.encode("12+3=", add_special_tokens=False)
+    traj = Trajectory("t", "arithmetic", prompt)
+    answer = tokenizer.encode("15", add_special_tokens=False) + [tokenizer.eos_token_id]
+    traj.append(answer, action=True, logp=[-1.0] * len(answer), versions=[0] * len(answer))
+    batch = collate([traj], tokenizer.pad_token_id)
+    fp32 = TorchTrainer(tiny_model_dir, TrainerConfig(device="cpu"), with_critic=True)
+    bf16 = TorchTrainer(tiny_model_dir, TrainerConfig(device="cpu", dtype="bfloat16", policy_lr=1e-6,
+                                                      critic_lr=1e-6), with_critic=True)
+    assert {p.dtype for m in (bf16.policy, bf16.critic) for p in m.parameters()} == {torch.float32}
+    head = torch.randn_like(fp32.critic.value_head.weight)  # a fresh critic's head is 0: values would agree at 0
+    for trainer in (fp32, bf16):
+        trainer.critic.value_head.weight.data.copy_(head)
+    act = batch.action_mask.bool()
+    for name in ("policy", "critic"):
+        get = (lambda b, g: b.policy_logprobs(batch, 1.0, grad=g)) if name == "policy" else \
+            (lambda b, g: b.critic_values(batch, grad=g))
+        gap = (get(bf16, False) - get(fp32, False))[act].abs().max()
+        assert 1e-5 < gap < 0.1, f"{name}: bfloat16 compute should differ from float32 by rounding, got {gap}"
+        before = {n: p.detach().clone() for n, p in getattr(bf16, name).named_parameters() if p.requires_grad}
+        out = get(bf16, True)
+        loss = -(out[act]).mean() if name == "policy" else (out[act] - 1).pow(2).mean()
+        (bf16.step_policy if name == "policy" else bf16.step_critic)(loss)
+        moved = {n: float((p.detach() - before[n]).abs().max()) for n, p in getattr(bf16, name).named_parameters()
+                 if p.requires_grad and p.grad is not None and p.grad.abs().max() > 0}
+        assert moved and all(0 < m < 1e-5 for m in moved.values()), f"{name}: {moved}"
+
+    checkpoint = run_sft(tiny_model_dir, tmp_path / "sft", [(prompt, traj.token_ids)], tokenizer,
+                         SFTConfig(steps=1, batch_size=1, lr=1e-6), 0, device="cpu", dtype="bfloat16")
+    from opd_sao.checkpoints import load_causal_lm
+    trained, start = load_causal_lm(checkpoint), load_causal_lm(tiny_model_dir)
+    assert {p.dtype for p in trained.parameters()} == {torch.float32}
+    assert any(0 < float((a - b).detach().abs().max()) < 1e-5 for a, b in zip(trained.parameters(), start.parameters()))
+    ids, mask = batch.input_ids, batch.attention_mask
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert sft_loss(start, ids, mask, batch.action_mask).dtype == torch.float32  # logprobs accumulate in fp32

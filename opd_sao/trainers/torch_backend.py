@@ -10,7 +10,7 @@ from opd_sao.checkpoints import load_causal_lm, save_checkpoint
 from opd_sao.runs.files import atomic_path
 
 from ..config import TrainerConfig
-from ..devices import resolve_device
+from ..devices import mixed_precision, resolve_device
 from ..modeling import sequence_logprobs
 from ..trajectory import Batch
 from .base import TrainerBackend, adamw
@@ -22,11 +22,11 @@ class TorchTrainer(TrainerBackend):
                  critic_from: str | Path | None = None):
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        self.policy = load_causal_lm(checkpoint, cfg.dtype, self.device).train()
+        self.policy = load_causal_lm(checkpoint, "float32", self.device).train()  # master weights: see precision()
         self.policy_opt = adamw(self.policy.parameters(), cfg.policy_lr, cfg)
         self.critic = None
         if with_critic:
-            self.critic = ValueModel.from_pretrained(str(critic_from or checkpoint), cfg.dtype).to(self.device).train()
+            self.critic = ValueModel.from_pretrained(str(critic_from or checkpoint)).to(self.device).train()
             if cfg.freeze_critic_attention:
                 self.critic.freeze_attention()
             trainable = [p for p in self.critic.parameters() if p.requires_grad]
@@ -37,15 +37,20 @@ class TorchTrainer(TrainerBackend):
     def policy_model(self) -> torch.nn.Module:
         return self.policy
 
+    def precision(self):
+        """Mixed precision: the weights and AdamW stay float32 and `trainer.dtype` is the forward's compute
+        dtype (as DeepSpeed's bf16 mode and FSDP's mixed precision do); checkpoints are written in float32."""
+        return mixed_precision(self.device, self.cfg.dtype)
+
     def policy_logprobs(self, batch: Batch, temperature: float, grad: bool) -> torch.Tensor:
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), self.precision():
             return sequence_logprobs(self.policy, batch.input_ids.to(self.device),
                                      batch.attention_mask.to(self.device), temperature, top_p=batch.top_p)
 
     def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("this trainer was built without a critic (the algorithm needs none)")
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), self.precision():
             return self.critic(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
 
     def _step(self, loss, model, opt) -> float:
