@@ -402,11 +402,12 @@ class RunConfig(Strict):
             for teacher in stage.opd.teachers:
                 _require_device(f"stage {stage.name!r}: teacher {teacher.name!r} device", teacher.device or self.device)
             divergent = [t.name for t in stage.opd.teachers if (t.granularity or stage.opd.granularity) != "sampled"]
-            if trainer.backend == "deepspeed" and divergent:
-                raise ValueError(f"stage {stage.name!r}: trainer.backend deepspeed trains OPD only at granularity "
-                                 f"sampled (the top_k / top_p / full losses read the policy module directly, which "
-                                 f"the DeepSpeed backend cannot step), but teachers {divergent} are not; use "
-                                 f"trainer.backend torch for this stage")
+            zero = ((trainer.deepspeed_config or {}).get("zero_optimization") or {}).get("stage")
+            if trainer.backend == "deepspeed" and zero == 3 and divergent:
+                raise ValueError(f"stage {stage.name!r}: DeepSpeed ZeRO-3 trains OPD only at granularity sampled "
+                                 f"(the top_k / top_p / full losses run the lm head one vocabulary chunk at a time, "
+                                 f"and ZeRO-3 holds its weight only inside the model's forward), but teachers "
+                                 f"{divergent} are not; use zero_optimization.stage 1 or 2 for this stage")
             grouped = ALGORITHMS[self.stage_algo(stage)].grouped
             if stage.rollout.group_size is None:
                 stage.rollout.group_size = 8 if grouped else 1

@@ -91,9 +91,16 @@ class Batch:
 
     def to(self, device: torch.device) -> "Batch":
         """The same batch with every tensor on `device` (the trainer's: its losses are computed there)."""
-        tensors = [getattr(self, name).to(device) for name in
-                   ("input_ids", "attention_mask", "action_mask", "rollout_logp", "rewards", "versions")]
-        return Batch(*tensors, self.trajectories)
+        return Batch(*(getattr(self, name).to(device) for name in _BATCH_TENSORS), self.trajectories)
+
+    def select(self, keep: torch.Tensor) -> "Batch":
+        """The trajectories where `keep` [B] bool is set, in order, as a batch of the same width."""
+        index = keep.nonzero().squeeze(1)
+        return Batch(*(getattr(self, name)[index.to(self.input_ids.device)] for name in _BATCH_TENSORS),
+                     [self.trajectories[i] for i in index.tolist()])
+
+
+_BATCH_TENSORS = ("input_ids", "attention_mask", "action_mask", "rollout_logp", "rewards", "versions")
 
 
 def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:

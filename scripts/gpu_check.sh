@@ -12,8 +12,7 @@
 #
 # torch-fp32      trainer and engine in float32: the gate holds its default thresholds (1e-3 / 1e-2)
 # torch-bf16      trainer.dtype and engine.dtype bfloat16 on the torch backend
-# deepspeed-bf16  the DeepSpeed backend (ZeRO-2, bf16) in a world of one, engine in bfloat16; its OPD stage
-#                 distils at granularity sampled (the backend cannot step the top_k / top_p losses)
+# deepspeed-bf16  the DeepSpeed backend (ZeRO-2, bf16) in a world of one, engine in bfloat16
 # bf16 rounding moves logprobs by up to ~1e-2, so the bf16 runs gate at 2e-2 (mean) / 2e-1 (p99) and
 # the report says so. Exit status: 0 when every run passed, 1 when one failed, 2 without a GPU.
 # Time: on 2 CPU cores (device=cpu, a 32-wide model) a run took 2-4 minutes; where one call is capped
@@ -65,8 +64,7 @@ overrides_for() {  # the config overrides of one run setting
     torch-fp32) echo "device=cuda trainer.backend=torch" ;;
     torch-bf16) echo "device=cuda trainer.backend=torch trainer.dtype=bfloat16 engine.dtype=bfloat16$gate" ;;
     deepspeed-bf16) echo "device=cuda trainer.backend=deepspeed trainer.dtype=bfloat16 engine.dtype=bfloat16" \
-                         "trainer.deepspeed_config.zero_optimization.stage=2 stages.opd.opd.granularity=sampled" \
-                         "stages.opd.opd.teachers.0.granularity=sampled$gate" ;;
+                         "trainer.deepspeed_config.zero_optimization.stage=2$gate" ;;
     *) echo "gpu_check: unknown run setting $1 (torch-fp32, torch-bf16, deepspeed-bf16)" >&2; return 1 ;;
   esac
 }

@@ -285,12 +285,14 @@ def test_config_checks_domains_and_teachers():
     bad["stages"][2]["opd"]["teachers"][0]["checkpoint"] = "later"
     with pytest.raises(ConfigError, match="neither a local directory nor an earlier stage"):
         parse_config(bad)
-    bad = _run_config()
-    bad["stages"][2]["trainer"] = {"backend": "deepspeed"}
-    with pytest.raises(ConfigError, match=r"deepspeed trains OPD only at granularity sampled.*\['t_rev', 't_sort'\]"):
-        parse_config(bad)
-    bad["stages"][2]["opd"]["granularity"] = "sampled"
-    parse_config(bad)  # the sampled loss goes through policy_logprobs, which the DeepSpeed backend steps
+    ds = _run_config()
+    ds["stages"][2]["trainer"] = {"backend": "deepspeed"}
+    parse_config(ds)  # top_k through policy_support_logprobs (tests/test_deepspeed_opd.py)
+    ds["stages"][2]["trainer"]["deepspeed_config"] = {"zero_optimization": {"stage": 3}}
+    with pytest.raises(ConfigError, match=r"ZeRO-3 trains OPD only at granularity sampled.*\['t_rev', 't_sort'\]"):
+        parse_config(ds)
+    ds["stages"][2]["opd"]["granularity"] = "sampled"
+    parse_config(ds)  # the sampled loss goes through policy_logprobs, which runs the model's own forward under ZeRO-3
 
 
 def test_opd_stage_end_to_end(tmp_path):

@@ -12,16 +12,16 @@ if missing, written to the logit cache, read back from it) and then, per the tea
   outside the support), forward KL, reverse KL or JSD (`opd.divergence`).
 * `full`: the same divergence over the whole vocabulary.
 
-The student's support log-probs come from its final hidden states and the lm head one vocabulary chunk
-at a time under activation checkpointing, so neither pass keeps an [N, V] logits tensor alive (`full`
-excepted: its target is [N, V] by definition). Divergence rows are at temperature 1 (the distributions
+The student's support log-probs come from the trainer backend (`policy_support_logprobs`, as the sampled
+path's come from `policy_logprobs`, so OPD trains the same under torch and DeepSpeed): its final hidden
+states and the lm head one vocabulary chunk at a time under activation checkpointing, so neither pass
+keeps an [N, V] logits tensor alive (`full` excepted: its target is [N, V] by definition). Divergence rows are at temperature 1 (the distributions
 being matched); the sampled path uses the rollout temperature, as the DIS ratio must.
 
 The loss is a token mean over every action token of the batch: sum of per-token terms / N.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,16 +31,8 @@ import torch
 from cache import nucleus_cut
 from opd_sao import algorithms as A
 from opd_sao.config import AlgoConfig, OPDConfig
-from opd_sao.modeling import hidden_states, lm_head, logit_chunks, support_logprobs
 from opd_sao.rl.learner import ResumableLearner
 from opd_sao.trajectory import Batch
-
-
-def student_action_hidden(model, batch: Batch) -> torch.Tensor:
-    """[N, H] final hidden state before every action token (rows: trajectory order, then position), with grad."""
-    hidden = hidden_states(model, batch.input_ids, batch.attention_mask)
-    b, t = batch.action_mask.bool().nonzero(as_tuple=True)
-    return hidden[b, t - 1]
 
 
 # ----------------------------------------------------------------------------
@@ -180,10 +172,7 @@ class OPDLearner(ResumableLearner):
     def _divergence(self, rows: Rows, stats: RowStats, metrics: dict) -> torch.Tensor:
         """The divergence between student and teacher on each row's stored support plus the tail bucket."""
         opd = self.opd
-        model = self.backend.policy_model
-        weight, bias = lm_head(model)
-        hidden = student_action_hidden(model, rows.batch)
-        dev = hidden.device
+        dev = rows.device
         total = torch.zeros((), device=dev)
         div_sum, div_rows = 0.0, 0
         for gran in ("top_k", "top_p", "full"):
@@ -191,23 +180,21 @@ class OPDLearner(ResumableLearner):
             if not bool(traj_sel.any()):
                 continue
             sel = traj_sel[rows.b]
-            h = hidden[sel]
+            sub = rows.batch.select(traj_sel)
             recs = [rows.records[i] for i in traj_sel.nonzero().squeeze(1).tolist()]
             if gran == "full":
-                s_logp = torch.cat([chunk for _, chunk in logit_chunks(h, weight, bias, opd.vocab_chunk)], dim=-1)
-                s_logp = torch.log_softmax(s_logp, dim=-1)
+                s_logp, s_tail, top_ids = self.backend.policy_support_logprobs(
+                    sub, None, None, vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k)
                 t_logp = torch.log_softmax(torch.from_numpy(np.concatenate([r.logp for r in recs])).float().to(dev),
                                            dim=-1)
-                ids = torch.arange(weight.shape[0], device=dev).expand(len(h), -1)
+                ids = torch.arange(s_logp.shape[1], device=dev).expand(len(s_logp), -1)
                 support = torch.ones(t_logp.shape, dtype=torch.bool, device=dev)
-                s_tail = torch.full((len(h),), math.log(torch.finfo(torch.float32).tiny), device=dev)
-                top_ids = s_logp.detach().topk(min(self.overlap_k, s_logp.shape[1]), dim=-1).indices
-                mass = torch.ones(len(h), device=dev)
+                mass = torch.ones(len(s_logp), device=dev)
             else:
                 ids, t_raw, support, tail = padded_support(recs, dev)
                 t_logp = A.renormalize_support(t_raw, support, tail)
-                s_logp, s_tail, top_ids = support_logprobs(h, weight, bias, ids, support,
-                                                           vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k)
+                s_logp, s_tail, top_ids = self.backend.policy_support_logprobs(
+                    sub, ids, support, vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k)
                 mass = 1.0 - tail
                 if gran == "top_p":  # the share of positions whose nucleus opd.max_support cut
                     cut = nucleus_cut(support.sum(1), tail, opd.top_p, opd.max_support)

@@ -5,18 +5,42 @@ run the models and apply a loss (plain torch here, DeepSpeed ZeRO in its own bac
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from ..config import TrainerConfig
+from ..modeling import hidden_states, lm_head, logit_chunks, support_logprobs
 from ..trajectory import Batch
+
+SupportLogprobs = tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
 
 def adamw(params, lr: float, cfg: TrainerConfig) -> torch.optim.AdamW:
     """The policy's and the critic's optimizer, with the config's betas and weight decay."""
     return torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
+
+
+def action_support_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor,
+                            support_ids: Optional[torch.Tensor], support_mask: Optional[torch.Tensor], *,
+                            vocab_chunk: int, top_k: int) -> SupportLogprobs:
+    """`TrainerBackend.policy_support_logprobs` on a model and the tensors of a batch (both backends' one path).
+
+    The final hidden state before every action token goes through the lm head one vocabulary chunk at a
+    time (`support_logprobs`); the whole vocabulary (`support_ids` None) is the [N, V] log-softmax."""
+    hidden = hidden_states(model, input_ids, attention_mask)
+    b, t = action_mask.bool().nonzero(as_tuple=True)
+    hidden = hidden[b, t - 1]
+    weight, bias = lm_head(model)
+    if support_ids is not None:
+        return support_logprobs(hidden, weight, bias, support_ids, support_mask, vocab_chunk=vocab_chunk, top_k=top_k)
+    logp = torch.log_softmax(torch.cat([chunk for _, chunk in logit_chunks(hidden, weight, bias, vocab_chunk)], -1), -1)
+    tail = torch.full((len(hidden),), math.log(torch.finfo(torch.float32).tiny), device=hidden.device)
+    top = logp.detach().topk(min(top_k, logp.shape[1]), dim=-1).indices if top_k else None
+    return logp, tail, top
 
 
 class TrainerBackend(ABC):
@@ -30,12 +54,22 @@ class TrainerBackend(ABC):
         each trajectory's sampling top_p (`batch.top_p`): the distribution the engine sampled from."""
 
     @abstractmethod
+    def policy_support_logprobs(self, batch: Batch, support_ids: Optional[torch.Tensor],
+                                support_mask: Optional[torch.Tensor], *, vocab_chunk: int, top_k: int) -> SupportLogprobs:
+        """The policy's temperature-1 distribution at every action token of `batch` (rows: trajectory order,
+        then position) on a support (OPD's divergences): (log-probs on `support_ids` [N, S] (0 where
+        `support_mask` is False), log of the exact mass outside the support [N], the top_k most probable ids
+        [N, top_k] (no grad; None when top_k is 0)), differentiable for the next `step_policy`.
+        `support_ids` None is the whole vocabulary: the [N, V] log-softmax and a tail of log(tiny)."""
+
+    @abstractmethod
     def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:
         """[B, T] V(s_t): the value of the prefix before token t."""
 
     @abstractmethod
     def step_policy(self, loss: torch.Tensor) -> float:
-        """Backward, clip, optimizer step; increments policy_version; returns the grad norm."""
+        """Backward, clip, optimizer step; increments policy_version; returns the grad norm. `loss` may read
+        every grad=True policy forward since the last step (e.g. OPD's sampled and divergence terms)."""
 
     @abstractmethod
     def step_critic(self, loss: torch.Tensor) -> float: ...

@@ -35,7 +35,7 @@ from opd_sao.checkpoints import load_causal_lm, save_checkpoint
 from ..config import TrainerConfig
 from ..devices import resolve_device
 from ..modeling import sequence_logprobs
-from .base import TrainerBackend, adamw
+from .base import SupportLogprobs, TrainerBackend, action_support_logprobs, adamw
 from .critic import ValueModel
 
 # Followers block in a broadcast while rank 0 runs SFT, evaluations or rollouts; those can take hours.
@@ -49,17 +49,23 @@ class Rows:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     top_p: Optional[torch.Tensor] = None  # [B] each row's sampling nucleus (policy forwards)
+    action_mask: Optional[torch.Tensor] = None  # [B, T] (support forwards: one output row per action token)
 
 
 @dataclass
 class _Pending:
-    """A grad=True forward waiting for its loss: this rank's rows (with graph) and rank 0's leaf."""
+    """A grad=True output waiting for its loss: this rank's rows lo:hi of it (with graph) and rank 0's leaf (the
+    whole output, `shape`)."""
 
     local: torch.Tensor
     lo: int
     hi: int
     shape: tuple
     leaf: Optional[torch.Tensor]
+
+    def grad_share(self, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the leaf's gradient, cut to `local`'s shape (a share may be narrower)."""
+        return grad[self.lo:self.hi][(slice(None),) + tuple(slice(0, n) for n in self.local.shape[1:])]
 
 
 def _free_port() -> int:
@@ -150,7 +156,7 @@ class DeepSpeedTrainer(TrainerBackend):
             # The head reads fp32 hidden states; under bf16 DeepSpeed casts the head too.
             critic.value_head.register_forward_pre_hook(lambda mod, args: (args[0].to(mod.weight.dtype),))
             self.critic, _ = self._engine(deepspeed, critic, deepspeed_config(cfg, cfg.critic_lr), cfg.critic_lr, cfg)
-        self._pending: dict[str, Optional[_Pending]] = {"policy": None, "critic": None}
+        self._pending: dict[str, list[_Pending]] = {"policy": [], "critic": []}
         self.policy_version = 0
         if self.rank == 0 and self.world > 1 and not _followers_waiting:
             _followers_waiting.append(True)
@@ -185,17 +191,30 @@ class DeepSpeedTrainer(TrainerBackend):
         self._announce("_forward", kind="critic", rows=rows, temperature=1.0, grad=grad)
         return self._forward("critic", rows, 1.0, grad)
 
+    def _shares(self, B: int) -> list[tuple[int, int]]:
+        """Each rank's contiguous share lo:hi of B batch rows (empty at the end when B < world)."""
+        chunk = -(-B // self.world)
+        return [(min(B, r * chunk), min(B, (r + 1) * chunk)) for r in range(self.world)]
+
+    def _local_rows(self, rows: Rows, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
+        """Rows lo:hi (input ids, attention mask, action mask if any) on this rank's device, cut at their longest
+        sequence (right padding: the columns past it are padding)."""
+        mask = rows.attention_mask[lo:hi]
+        width = max(1, int(mask.sum(-1).max()))
+        out = [rows.input_ids[lo:hi, :width], mask[:, :width]]
+        if rows.action_mask is not None:
+            out.append(rows.action_mask[lo:hi, :width])
+        return tuple(x.to(self.device) for x in out)
+
     def _forward(self, kind: str, rows: Rows, temperature: float, grad: bool) -> Optional[torch.Tensor]:
         """This rank's contiguous share of the rows, gathered into the full [B, T] tensor on rank 0."""
         B, T = rows.input_ids.shape
-        chunk = -(-B // self.world)
-        lo, hi = min(B, self.rank * chunk), min(B, (self.rank + 1) * chunk)
+        shares = self._shares(B)
+        lo, hi = shares[self.rank]
         active = hi > lo
         if not active:  # ZeRO-3 forwards are collective: every rank runs one, an empty share on a real row
             lo, hi = 0, 1
-        mask = rows.attention_mask[lo:hi]
-        width = max(1, int(mask.sum(-1).max()))  # right padding: columns past the longest row are padding
-        ids, mask = rows.input_ids[lo:hi, :width].to(self.device), mask[:, :width].to(self.device)
+        ids, mask = self._local_rows(rows, lo, hi)
         engine = self.policy if kind == "policy" else self.critic
         with torch.set_grad_enabled(grad):
             if kind == "policy":
@@ -205,21 +224,68 @@ class DeepSpeedTrainer(TrainerBackend):
                 local = engine(ids, mask).float()
             if not active:
                 local = local * 0
-        full = self._gather_rows(local.detach(), B, T, chunk, active)
-        leaf = full.clone().requires_grad_(grad) if self.rank == 0 else None  # rank 0's loss is computed here
+        return self._output(kind, local, lo, [h - l for l, h in shares], (T,), grad)
+
+    def _output(self, kind: str, local: torch.Tensor, lo: int, counts: list[int], trailing: tuple,
+                grad: bool) -> Optional[torch.Tensor]:
+        """Every rank's `local` rows (rank r's: counts[r] rows, starting at row `lo` of the whole) gathered on rank
+        0 as a leaf; with grad, `local` waits for the next step of `kind`."""
+        whole = self._gather(local.detach(), counts, trailing)
+        leaf = whole.clone().requires_grad_(grad) if self.rank == 0 else None  # rank 0's loss is computed here
         if grad:
-            self._pending[kind] = _Pending(local, lo, lo + local.shape[0], (B, T), leaf)
+            self._pending[kind].append(_Pending(local, lo, lo + local.shape[0], tuple(whole.shape), leaf))
         return leaf
 
-    def _gather_rows(self, local: torch.Tensor, B: int, T: int, chunk: int, active: bool) -> torch.Tensor:
-        padded = torch.zeros(chunk, T, dtype=torch.float32, device=self.device)
-        if active:
-            padded[: local.shape[0], : local.shape[1]] = local
-        if self.world == 1:
-            return padded[:B]
-        parts = [torch.empty_like(padded) for _ in range(self.world)]
-        dist.all_gather(parts, padded)
-        return torch.cat(parts)[:B]
+    def _gather(self, local: torch.Tensor, counts: list[int], trailing: tuple) -> torch.Tensor:
+        """[sum(counts), *trailing]: rank r's first counts[r] rows, in rank order (each share zero-padded to the
+        largest, and to `trailing` where it is narrower)."""
+        padded = torch.zeros((max(1, max(counts)), *trailing), dtype=local.dtype, device=self.device)
+        rows = min(counts[self.rank], local.shape[0])
+        padded[(slice(0, rows),) + tuple(slice(0, n) for n in local.shape[1:])] = local[:rows]
+        parts = [padded]
+        if self.world > 1:
+            parts = [torch.empty_like(padded) for _ in range(self.world)]
+            dist.all_gather(parts, padded)
+        return torch.cat([part[:n] for part, n in zip(parts, counts)])
+
+    def policy_support_logprobs(self, batch, support_ids, support_mask, *, vocab_chunk: int,
+                                top_k: int) -> SupportLogprobs:
+        """Each rank computes the action rows of its share of the trajectories (it receives only those rows of the
+        support); rank 0 gets the whole outputs, the log-probs and the tail as leaves for `step_policy`."""
+        if self.zero3:  # config refuses this: the chunked lm head reads a weight ZeRO-3 holds only inside forward
+            raise RuntimeError("under ZeRO-3 the policy's lm head weight is partitioned: support log-probs need "
+                               "ZeRO stage 1 or 2")
+        rows = Rows(batch.input_ids.cpu(), batch.attention_mask.cpu(), action_mask=batch.action_mask.cpu())
+        self._announce("_support_forward", rows=rows, whole_vocab=support_ids is None, vocab_chunk=vocab_chunk,
+                       top_k=top_k)
+        return self._support_forward(rows, support_ids is None, vocab_chunk, top_k, (support_ids, support_mask))
+
+    def _support_forward(self, rows: Rows, whole_vocab: bool, vocab_chunk: int, top_k: int,
+                         support: tuple = (None, None)) -> SupportLogprobs:
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), rows.action_mask.bool().sum(1).cumsum(0)])
+        shares = self._shares(rows.input_ids.shape[0])
+        row_shares = [(int(starts[lo]), int(starts[hi])) for lo, hi in shares]  # each share's action rows
+        ids, mask = support
+        if not whole_vocab and self.world > 1:  # each rank receives its rows of the support only
+            parts = [(ids[a:b].cpu(), mask[a:b].cpu()) for a, b in row_shares] if self.rank == 0 else None
+            box = [None]
+            dist.scatter_object_list(box, parts, src=0)
+            ids, mask = box[0]
+        if not whole_vocab:
+            ids, mask = ids.to(self.device), mask.to(self.device)
+        lo, hi = shares[self.rank]
+        active = hi > lo
+        input_ids, attention, action = self._local_rows(rows, *((lo, hi) if active else (0, 1)))
+        if not active:  # no rows, but a backward (of zeros) through every weight all the same, as ZeRO expects
+            action = torch.zeros_like(action)
+        with torch.enable_grad():
+            logp, tail, top = action_support_logprobs(self.policy.module, input_ids, attention, action, ids, mask,
+                                                      vocab_chunk=vocab_chunk, top_k=top_k)
+        r_lo, counts = row_shares[self.rank][0], [b - a for a, b in row_shares]
+        outputs = [self._output("policy", x, r_lo, counts, tuple(x.shape[1:]), grad=True) for x in (logp, tail)]
+        if top is not None:
+            top = self._gather(top, counts, tuple(top.shape[1:]))
+        return outputs[0], outputs[1], top
 
     # --- updates ---------------------------------------------------------------------------------------
 
@@ -232,22 +298,23 @@ class DeepSpeedTrainer(TrainerBackend):
         return self._step("critic", loss)
 
     def _step(self, kind: str, loss: Optional[torch.Tensor]) -> float:
-        """Back-propagate the loss of the latest grad=True forward of `kind`; one optimizer step."""
+        """Back-propagate the loss through every grad=True forward of `kind` since the last step; one optimizer
+        step."""
         self._announce(f"step_{kind}", loss=None)
-        pending, self._pending[kind] = self._pending[kind], None
-        if pending is None:
+        pending, self._pending[kind] = self._pending[kind], []
+        if not pending:
             raise RuntimeError(f"step_{kind} needs a {kind} forward with grad=True first")
         if self.rank == 0:
-            (grad,) = torch.autograd.grad(loss, pending.leaf, allow_unused=True)
-            grad = torch.zeros(pending.shape, device=self.device) if grad is None else grad
-            grad = grad.to(self.device, torch.float32).contiguous()
+            grads = torch.autograd.grad(loss, [p.leaf for p in pending], allow_unused=True)
+            grads = [torch.zeros(p.shape, device=self.device) if g is None
+                     else g.to(self.device, torch.float32).contiguous() for p, g in zip(pending, grads)]
         else:
-            grad = torch.empty(pending.shape, dtype=torch.float32, device=self.device)
+            grads = [torch.empty(p.shape, dtype=torch.float32, device=self.device) for p in pending]
         if self.world > 1:
-            dist.broadcast(grad, src=0)
-        rows = grad[pending.lo:pending.hi, : pending.local.shape[1]]
+            for grad in grads:
+                dist.broadcast(grad, src=0)
         # DeepSpeed averages gradients over ranks; the sum over ranks is the loss's gradient.
-        surrogate = (pending.local * rows).sum() * self.world
+        surrogate = sum((p.local * p.grad_share(g)).sum() for p, g in zip(pending, grads)) * self.world
         engine = self.policy if kind == "policy" else self.critic
         engine.backward(surrogate)
         engine.step()

@@ -13,7 +13,7 @@ from ..config import TrainerConfig
 from ..devices import mixed_precision, resolve_device
 from ..modeling import sequence_logprobs
 from ..trajectory import Batch
-from .base import TrainerBackend, adamw
+from .base import SupportLogprobs, TrainerBackend, action_support_logprobs, adamw
 from .critic import ValueModel
 
 
@@ -46,6 +46,13 @@ class TorchTrainer(TrainerBackend):
         with torch.set_grad_enabled(grad), self.precision():
             return sequence_logprobs(self.policy, batch.input_ids.to(self.device),
                                      batch.attention_mask.to(self.device), temperature, top_p=batch.top_p)
+
+    def policy_support_logprobs(self, batch: Batch, support_ids, support_mask, *, vocab_chunk: int,
+                                top_k: int) -> SupportLogprobs:
+        dev = self.device
+        return action_support_logprobs(self.policy, batch.input_ids.to(dev), batch.attention_mask.to(dev),
+                                       batch.action_mask.to(dev), support_ids, support_mask, vocab_chunk=vocab_chunk,
+                                       top_k=top_k)
 
     def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:
         if self.critic is None:

@@ -1,0 +1,178 @@
+"""OPD under DeepSpeed: 2 CPU processes (gloo, ZeRO-2) take the same OPD learner steps as the torch backend.
+
+One fixed batch of the student's own trajectories on two domains; the teacher is a real perturbed copy of
+the tiny model, scored through the real `TeacherTargets` path (teacher set, prefetcher, logit cache). The
+torch backend takes the steps in this process, the DeepSpeed backend in 2 processes under torchrun (this
+file is also the worker script), one learner step per setting, one after the other on the same weights:
+
+* top_k teachers with `reward_weight` 0.5: the divergence (`policy_support_logprobs`) and the reward's
+  policy gradient (`policy_logprobs`) both feed one optimizer step;
+* top_p teachers (reverse KL), divergence only: the path that crashed under DeepSpeed before;
+* one sampled and one full teacher: a sampled-token forward plus the whole-vocabulary support;
+* top_p with `reward_weight` 0.5 (JSD).
+
+Tolerance: 1e-5 relative on losses, divergences and gradient norms, 1e-5 absolute on the weights after each
+step (lr 1e-3); row-split forwards and the gradient all-reduce change float32 rounding only (the test
+prints the worst differences).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DOMAINS = ["digits_reverse", "digits_sort"]
+SETTINGS = [
+    {"granularity": "top_k", "reward_weight": 0.5},
+    {"granularity": "top_p", "divergence": "reverse_kl"},
+    {"granularity": "full", "teachers": {"digits_reverse": "sampled"}},
+    {"granularity": "top_p", "divergence": "jsd", "reward_weight": 0.5},
+]
+KEYS = ("policy_loss", "policy_grad_norm", "divergence", "kl", "support_mass")
+RTOL, WEIGHT_ATOL = 1e-5, 1e-5
+
+
+def _learner(backend, setting: dict, student: str, teacher: str, tokenizer, work: Path):
+    """An OPD learner on `backend` with one teacher per domain (the same checkpoint), scored into `work`."""
+    from opd_sao.config import AlgoConfig, OPDConfig
+    from opd_sao.rl.distill import OPDLearner
+    from teachers import Prefetcher, TeacherSet, TeacherTargets
+
+    setting = dict(setting)
+    per_teacher = setting.pop("teachers", {})
+    teachers = [{"name": f"t_{d}", "checkpoint": teacher, "domains": [d],
+                 **({"granularity": per_teacher[d]} if d in per_teacher else {})} for d in DOMAINS]
+    cfg = OPDConfig(teachers=teachers, top_k=8, top_p=0.6, vocab_chunk=100, **setting)
+    reg = TeacherSet.from_config(cfg, domains=DOMAINS, resolve=Path, student_checkpoint=student,
+                                 student_tokenizer=tokenizer)
+    prefetcher = Prefetcher(reg.build_all(), local_dir=work / "tier", max_resident=1)
+    return OPDLearner(backend, cfg, AlgoConfig(), TeacherTargets(reg, prefetcher, work / "cache")), prefetcher
+
+
+def _steps(backend, batch, student: str, teacher: str, tokenizer, work: Path) -> tuple[list[dict], list[dict]]:
+    """One learner step per setting on `backend`: (metrics, weights after each step)."""
+    history, weights = [], []
+    for i, setting in enumerate(SETTINGS):
+        learner, prefetcher = _learner(backend, setting, student, teacher, tokenizer, work / f"setting{i}")
+        metrics = learner.step(batch, 1.0)
+        prefetcher.close()
+        history.append({k: metrics[k] for k in KEYS if k in metrics})
+        weights.append(backend.policy_state_dict())
+    return history, weights
+
+
+def _trainer_cfg(**kw):
+    from opd_sao.config import TrainerConfig
+
+    return TrainerConfig(policy_lr=1e-3, **kw)
+
+
+def worker(args: dict) -> None:
+    """Rank 0: the OPD steps at ZeRO-2; the other rank follows."""
+    from opd_sao.checkpoints import load_tokenizer
+    from opd_sao.trainers.deepspeed_backend import DeepSpeedTrainer, follow, init_distributed
+    from opd_sao.trajectory import Trajectory, collate
+
+    init_distributed()
+    if int(os.environ["RANK"]) != 0:
+        follow()
+        return
+    tokenizer = load_tokenizer(args["student"])
+    batch = collate([Trajectory.from_json(line) for line in Path(args["batch"]).read_text().splitlines()],
+                    tokenizer.pad_token_id)
+    backend = DeepSpeedTrainer(args["student"], _trainer_cfg(
+        backend="deepspeed", deepspeed_config={"zero_optimization": {"stage": 2}}), with_critic=False)
+    history, weights = _steps(backend, batch, args["student"], args["teacher"], tokenizer, Path(args["out"]))
+    torch.save({"history": history, "weights": weights, "world": backend.world}, Path(args["out"]) / "results.pt")
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tiny_model_dir, tmp_path_factory):
+    """A real teacher: the tiny model with every weight perturbed."""
+    from opd_sao.checkpoints import load_causal_lm, load_tokenizer, save_checkpoint
+
+    torch.manual_seed(1)
+    model = load_causal_lm(tiny_model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return save_checkpoint(model, load_tokenizer(tiny_model_dir), tmp_path_factory.mktemp("teacher") / "ckpt")
+
+
+def _batch_file(student, tokenizer, path: Path) -> Path:
+    """The student's own trajectories (its logprobs as rollout logprobs), 7 of varied length over two domains:
+    the ranks' shares hold different numbers of action rows."""
+    from opd_sao.checkpoints import load_causal_lm
+    from opd_sao.modeling import sequence_logprobs
+    from opd_sao.trajectory import Trajectory
+
+    model, rng, lines = load_causal_lm(student), np.random.default_rng(0), []
+    for i in range(7):
+        domain = DOMAINS[i % 2]
+        prompt = [tokenizer.bos_token_id] + tokenizer.encode(f"{domain[:3]} {i}{i + 3}=", add_special_tokens=False)
+        tokens = rng.integers(5, 200, size=2 + i % 4).tolist()
+        seq = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            logp = sequence_logprobs(model, seq, torch.ones_like(seq))[0, len(prompt):].tolist()
+        lines.append(Trajectory(traj_id=f"t{i}", domain=domain, prompt_ids=prompt, token_ids=tokens,
+                                action_mask=[1] * len(tokens), rollout_logp=logp, versions=[0] * len(tokens),
+                                rewards=[0.0] * (len(tokens) - 1) + [0.3 * (i % 3)]).to_json())
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_two_process_zero2_opd_steps_match_torch_backend(tmp_path, tiny_model_dir, teacher_dir, tokenizer, free_port):
+    from opd_sao.trainers import TorchTrainer
+    from opd_sao.trajectory import Trajectory, collate
+
+    batch_file = _batch_file(tiny_model_dir, tokenizer, tmp_path / "batch.jsonl")
+    env = {**os.environ, "DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",  # gloo on CPU
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions"))
+    (tmp_path / "ds").mkdir()
+    args = {"out": str(tmp_path / "ds"), "student": str(tiny_model_dir), "teacher": str(teacher_dir),
+            "batch": str(batch_file)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           __file__, json.dumps(args)]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the reference trains while the workers start
+    reference = TorchTrainer(tiny_model_dir, _trainer_cfg(), with_critic=False)
+    batch = collate([Trajectory.from_json(line) for line in batch_file.read_text().splitlines()],
+                    tokenizer.pad_token_id)
+    start = reference.policy_state_dict()
+    ref_history, ref_weights = _steps(reference, batch, str(tiny_model_dir), str(teacher_dir), tokenizer,
+                                      tmp_path / "torch")
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-4000:]
+    res = torch.load(tmp_path / "ds" / "results.pt", weights_only=False)
+
+    assert res["world"] == 2
+    worst_rel = worst_weight = 0.0
+    for step, (ours, ref, w_ours, w_ref) in enumerate(zip(res["history"], ref_history, res["weights"], ref_weights)):
+        assert ours.keys() == ref.keys() and {"policy_loss", "divergence"} <= set(ref)
+        for key in ref:
+            rel = abs(ours[key] - ref[key]) / max(abs(ref[key]), 1e-6)
+            worst_rel = max(worst_rel, rel)
+            assert rel < RTOL, f"setting {SETTINGS[step]} {key}: deepspeed {ours[key]} vs torch {ref[key]}"
+        assert w_ours.keys() == w_ref.keys()
+        diff = max(float((w_ours[k] - w_ref[k]).abs().max()) for k in w_ref)
+        worst_weight = max(worst_weight, diff)
+        assert diff < WEIGHT_ATOL, f"setting {SETTINGS[step]}: weights differ by {diff}"
+    moved = max(float((ref_weights[0][k] - v).abs().max()) for k, v in start.items())
+    print(f"\nOPD ZeRO-2 vs torch over {len(SETTINGS)} steps: metrics rel {worst_rel:.2e}, weights {worst_weight:.2e} "
+          f"(the first step moved weights by up to {moved:.2e})")
+    assert moved > 100 * WEIGHT_ATOL  # the steps train: a matching no-op would not pass
+
+
+if __name__ == "__main__":
+    worker(json.loads(sys.argv[-1]))
+    from opd_sao.trainers.deepspeed_backend import shut_down
+
+    shut_down(0)  # without interpreter teardown (see tests/test_deepspeed.py)
