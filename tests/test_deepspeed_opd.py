@@ -8,12 +8,13 @@ file is also the worker script), one learner step per setting, one after the oth
 * top_k teachers with `reward_weight` 0.5: the divergence (`policy_support_logprobs`) and the reward's
   policy gradient (`policy_logprobs`) both feed one optimizer step;
 * top_p teachers (reverse KL), divergence only: the path that crashed under DeepSpeed before;
-* one sampled and one full teacher: a sampled-token forward plus the whole-vocabulary support;
+* one sampled and one full teacher: a sampled-token forward plus the whole-vocabulary support (of one
+  trajectory: rank 1 has no rows);
 * top_p with `reward_weight` 0.5 (JSD).
 
 Tolerance: 1e-5 relative on losses, divergences and gradient norms, 1e-5 absolute on the weights after each
 step (lr 1e-3); row-split forwards and the gradient all-reduce change float32 rounding only (the test
-prints the worst differences).
+prints the worst differences). A second test runs `opd-sao run` with an OPD stage on 2 DeepSpeed ranks.
 """
 from __future__ import annotations
 
@@ -107,15 +108,16 @@ def teacher_dir(tiny_model_dir, tmp_path_factory):
 
 
 def _batch_file(student, tokenizer, path: Path) -> Path:
-    """The student's own trajectories (its logprobs as rollout logprobs), 7 of varied length over two domains:
-    the ranks' shares hold different numbers of action rows."""
+    """The student's own trajectories (its logprobs as rollout logprobs), 7 of varied length, one of them on the
+    second domain: the ranks' shares hold different numbers of action rows, and a forward of that domain's
+    trajectory alone leaves rank 1 without rows."""
     from opd_sao.checkpoints import load_causal_lm
     from opd_sao.modeling import sequence_logprobs
     from opd_sao.trajectory import Trajectory
 
     model, rng, lines = load_causal_lm(student), np.random.default_rng(0), []
     for i in range(7):
-        domain = DOMAINS[i % 2]
+        domain = DOMAINS[int(i == 3)]
         prompt = [tokenizer.bos_token_id] + tokenizer.encode(f"{domain[:3]} {i}{i + 3}=", add_special_tokens=False)
         tokens = rng.integers(5, 200, size=2 + i % 4).tolist()
         seq = torch.tensor([prompt + tokens])
@@ -169,6 +171,41 @@ def test_two_process_zero2_opd_steps_match_torch_backend(tmp_path, tiny_model_di
     print(f"\nOPD ZeRO-2 vs torch over {len(SETTINGS)} steps: metrics rel {worst_rel:.2e}, weights {worst_weight:.2e} "
           f"(the first step moved weights by up to {moved:.2e})")
     assert moved > 100 * WEIGHT_ATOL  # the steps train: a matching no-op would not pass
+
+
+
+def test_opd_sao_run_distils_at_top_k_and_top_p_on_two_deepspeed_ranks(tmp_path, free_port):
+    """`opd-sao run` under torchrun: a teacher stage (torch backend), then an OPD stage at ZeRO-2 over 2 ranks with
+    a top_k and a top_p teacher and the task reward mixed in."""
+    import yaml
+
+    tiny = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
+    teachers = [{"name": "t_rev", "checkpoint": "rev", "domains": ["digits_reverse"]},
+                {"name": "t_sort", "checkpoint": "rev", "domains": ["digits_sort"], "granularity": "top_p"}]
+    config = {"seed": 2, "model": {"tiny": tiny}, "logging": {"wandb": False, "progress": False},
+              "trainer": {"train_batch_size": 4, "critic_warmup_steps": 0},
+              "stages": [{"name": "rev", "kind": "reasoning", "env": "digits_reverse", "init_from": "base", "steps": 1,
+                          "sft": {"steps": 3, "batch_size": 8}, "rollout": {"max_new_tokens": 4},
+                          "eval": {"num_tasks": 4}},
+                         {"name": "opd", "kind": "opd", "init_from": "base", "steps": 2, "domains": DOMAINS,
+                          "rollout": {"max_new_tokens": 4}, "eval": {"num_tasks": 4},
+                          "trainer": {"backend": "deepspeed"},
+                          "opd": {"granularity": "top_k", "top_k": 8, "reward_weight": 0.5, "max_resident": 1,
+                                  "vocab_chunk": 128, "teachers": teachers}}]}
+    (tmp_path / "opd.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "opd_sao.cli", "run", str(tmp_path / "opd.yaml"), "--run-dir", str(tmp_path / "run")]
+    result = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    metrics = tmp_path / "run" / "stages" / "opd" / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["support_size_top_k"] == 8.0 and m["support_size_top_p"] >= 1.0
+        assert m["divergence"] > 0 and np.isfinite(m["policy_grad_norm"]) and m["policy_grad_norm"] > 0
 
 
 if __name__ == "__main__":

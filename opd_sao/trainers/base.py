@@ -55,7 +55,8 @@ class TrainerBackend(ABC):
 
     @abstractmethod
     def policy_support_logprobs(self, batch: Batch, support_ids: Optional[torch.Tensor],
-                                support_mask: Optional[torch.Tensor], *, vocab_chunk: int, top_k: int) -> SupportLogprobs:
+                                support_mask: Optional[torch.Tensor], *, vocab_chunk: int,
+                                top_k: int) -> SupportLogprobs:
         """The policy's temperature-1 distribution at every action token of `batch` (rows: trajectory order,
         then position) on a support (OPD's divergences): (log-probs on `support_ids` [N, S] (0 where
         `support_mask` is False), log of the exact mass outside the support [N], the top_k most probable ids
