@@ -50,9 +50,10 @@ class TorchTrainer(TrainerBackend):
     def policy_support_logprobs(self, batch: Batch, support_ids, support_mask, *, vocab_chunk: int,
                                 top_k: int) -> SupportLogprobs:
         dev = self.device
-        return action_support_logprobs(self.policy, batch.input_ids.to(dev), batch.attention_mask.to(dev),
-                                       batch.action_mask.to(dev), support_ids, support_mask, vocab_chunk=vocab_chunk,
-                                       top_k=top_k)
+        with self.precision():
+            return action_support_logprobs(self.policy, batch.input_ids.to(dev), batch.attention_mask.to(dev),
+                                           batch.action_mask.to(dev), support_ids, support_mask,
+                                           vocab_chunk=vocab_chunk, top_k=top_k)
 
     def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:
         if self.critic is None:
