@@ -174,7 +174,9 @@ class EmbeddedEngine(RolloutEngine):
                 mask[i, width - len(prefix):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = DynamicCache(config=self.model.config)
-        self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), cache=cache, use_cache=True)
+        # only the cache is wanted: one position's logits, not [B, T, V] (gigabytes at a real vocabulary)
+        self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), cache=cache, use_cache=True,
+                   logits_to_keep=1)
         if self._cache is None:
             self._cache, self._mask = cache, mask
         else:
