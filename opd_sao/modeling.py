@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Iterator, Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 VOCAB_CHUNK = 8192  # vocabulary columns per lm-head chunk
 ROW_BLOCK = 1024  # rows per block: ROW_BLOCK x VOCAB_CHUNK fp32 logits = 32 MiB at a time
@@ -145,13 +144,27 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                 end = start + coef.shape[-1]
                 inside = (t >= start) & (t < end)
                 coef[inside, t[inside] - start] += g[inside, 0]  # + g at the target
-                coef = coef.to(weight.dtype)
-                if need_h:
-                    grad_h[rows] += (coef @ weight[start:end]).to(acc)
-                if need_w:
-                    grad_w[start:end] += (coef.T @ h).to(acc)
+                _add_chunk_grads(coef, h, weight, rows, start, end, grad_h, grad_w)
         return (grad_h.to(hidden.dtype) if need_h else None, grad_w.to(weight.dtype) if need_w else None,
                 None, None, None)
+
+
+def _add_chunk_grads(coef, h, weight, rows: slice, start: int, end: int, grad_h, grad_w) -> None:
+    """grad_h[rows] += coef @ W[start:end]; grad_w[start:end] += coef.T @ h (coef = dL/dlogits of one chunk)."""
+    coef = coef.to(weight.dtype)
+    if grad_h is not None:
+        grad_h[rows] += (coef @ weight[start:end]).to(grad_h.dtype)
+    if grad_w is not None:
+        grad_w[start:end] += (coef.T @ h).to(grad_w.dtype)
+
+
+def _fold_bias(hidden, weight, bias, column: torch.Tensor):
+    """[h, column] @ [W, b].T = h @ W.T + column * b: a bias as one more hidden column, so the chunked kernels
+    only ever see a plain linear map."""
+    if bias is None:
+        return hidden, weight
+    return (torch.cat([hidden, column.to(hidden.dtype).unsqueeze(-1)], dim=-1),
+            torch.cat([weight, bias.unsqueeze(-1)], dim=-1))
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
@@ -182,9 +195,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
             out = out.index_put((block,), logp.gather(-1, targets[block].unsqueeze(-1)).squeeze(-1))
         return out
     scaled = hidden if bool((temperature == 1).all()) else hidden / temperature.to(hidden.dtype).unsqueeze(-1)
-    if bias is not None:  # [h / T, 1 / T] @ [W, b].T = (h @ W.T + b) / T
-        scaled = torch.cat([scaled, (1 / temperature).to(hidden.dtype).unsqueeze(-1)], dim=-1)
-        weight = torch.cat([weight, bias.unsqueeze(-1)], dim=-1)
+    scaled, weight = _fold_bias(scaled, weight, bias, 1 / temperature)  # (h @ W.T + b) / T
     return _ChunkedTokenLogprob.apply(scaled, weight, targets, vocab_chunk, row_block)
 
 
@@ -244,57 +255,169 @@ def sft_loss(model, input_ids, attention_mask, loss_mask) -> torch.Tensor:
 # a distribution on a support (OPD's student side)
 # ----------------------------------------------------------------------------
 
-def _chunk_logits(h, weight, bias, start: int, end: int) -> torch.Tensor:
-    (_, logits), = logit_chunks(h, weight[start:end], None if bias is None else bias[start:end], end - start)
-    return logits
+class RunningTopK:
+    """The `k` largest logits of each row across vocabulary chunks, without a top-k over every chunk.
+
+    The first chunk gives each row k candidates and a threshold (the k-th largest so far); a later chunk
+    contributes only its entries above the threshold (a few percent of a chunk), found by one comparison.
+    Candidates pool up and are cut back to the top k (raising the threshold) when a row holds more than
+    `slack` x k of them. `add` returns which entries entered the pool, so a caller can sum the others
+    exactly; `evicted` is the logsumexp of pooled entries a cut dropped. Ties at the threshold may be
+    resolved differently from `torch.topk` (same values; ids among equal logits may differ).
+    """
+
+    def __init__(self, rows: int, k: int, like: torch.Tensor, slack: int = 4):
+        self.k, self.limit = k, slack * k
+        self.tau = torch.full((rows, 1), float("-inf"), dtype=like.dtype, device=like.device)
+        self.count = torch.zeros(rows, dtype=torch.long, device=like.device)
+        self.evicted = torch.full((rows,), float("-inf"), dtype=like.dtype, device=like.device)
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (row, value, id) since the last cut
+        self.top: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def add(self, logits: torch.Tensor, start: int) -> torch.Tensor:
+        """Pool this chunk's candidates (vocabulary ids start..); [rows, w] bool: the entries pooled."""
+        if not self.parts:  # the first chunk: its own top k
+            top = logits.topk(min(self.k, logits.shape[1]), dim=1)
+            take = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter_(1, top.indices, True)
+            if top.values.shape[1] == self.k:
+                self.tau = top.values[:, -1:].clone()
+        else:
+            take = logits > self.tau
+        r, c = take.nonzero(as_tuple=True)
+        self.parts.append((r, logits[r, c], c + start))
+        self.count += take.sum(1)
+        self.top = None
+        if int(self.count.max()) > self.limit:
+            self._cut()
+        return take
+
+    def _cut(self) -> None:
+        r, v, i = (torch.cat(x) for x in zip(*self.parts))
+        order = r.argsort(stable=True)
+        r, v, i = r[order], v[order], i[order]
+        col = torch.arange(len(r), device=r.device) - torch.repeat_interleave(self.count.cumsum(0) - self.count,
+                                                                             self.count)
+        width = int(self.count.max()) if len(r) else 0
+        vals = torch.full((len(self.count), width), float("-inf"), dtype=v.dtype, device=v.device)
+        ids = torch.zeros(vals.shape, dtype=torch.long, device=v.device)
+        vals[r, col], ids[r, col] = v, i
+        top = vals.topk(min(self.k, width), dim=1)
+        if width > self.k:
+            self.evicted = torch.logaddexp(self.evicted, torch.logsumexp(vals.scatter_(1, top.indices, float("-inf")),
+                                                                          dim=1))
+        self.top = (top.values, ids.gather(1, top.indices))
+        if top.values.shape[1] == self.k:
+            self.tau = torch.maximum(self.tau, top.values[:, -1:])
+        kept = top.values > float("-inf")
+        rr, cc = kept.nonzero(as_tuple=True)
+        self.parts = [(rr, top.values[rr, cc], self.top[1][rr, cc])]
+        self.count = kept.sum(1)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, ids) [rows, k], most probable first (-inf padding only where a row has fewer finite logits)."""
+        if self.top is None:
+            self._cut()
+        return self.top
 
 
-def _support_terms(h, weight, bias, local, inside, start: int, end: int, top_k: int):
-    logits = _chunk_logits(h, weight, bias, start, end)
-    lse = torch.logsumexp(logits, dim=-1)
-    member = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device).scatter_add_(1, local, inside.int()) > 0
-    rest = torch.logsumexp(logits.masked_fill(member, MASKED), dim=-1)
-    picked = logits.gather(1, local).masked_fill(~inside, 0.0)
-    top = logits.detach().topk(min(top_k, logits.shape[1]), dim=-1) if top_k else None
-    return lse, rest, picked, (top.values if top else logits.new_empty(0)), (top.indices if top else local.new_empty(0))
+def _support_entries(ids: torch.Tensor, mask: torch.Tensor, vocab: int, vocab_chunk: int):
+    """The valid support entries of a row block sorted by vocabulary chunk: (row, slot, id), `first` (False
+    for a repeated (row, id), which counts once) and bounds (chunk c's entries are bounds[c]:bounds[c + 1])."""
+    r, s = mask.nonzero(as_tuple=True)
+    v = ids[r, s]
+    key = r * vocab + v
+    order = key.argsort(stable=True)
+    repeat = torch.zeros(len(key), dtype=torch.bool, device=ids.device)
+    repeat[order[1:]] = key[order[1:]] == key[order[:-1]]
+    chunk = torch.div(v, vocab_chunk, rounding_mode="floor")
+    by_chunk = chunk.argsort(stable=True)
+    bounds = torch.searchsorted(chunk[by_chunk], torch.arange(-(-vocab // vocab_chunk) + 1, device=ids.device))
+    return r[by_chunk], s[by_chunk], v[by_chunk], ~repeat[by_chunk], bounds.tolist()
+
+
+class _ChunkedSupportLogprob(torch.autograd.Function):
+    """(log p on a support, log of the mass outside it, top-k ids) per row, chunk by chunk in both directions.
+
+    Forward keeps per row only lse and rest (the logsumexp of the logits outside the support, summed from
+    those logits, so a tiny tail keeps its relative precision) and the support's logits. Backward recomputes
+    each chunk: with G = sum_s g_s + g_t, d/dz_v = g_t exp(z_v - rest) - G p_v off the support and
+    g_s - G p_v on it, so its memory is one chunk buffer plus the support.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, mask, vocab_chunk, row_block, top_k):
+        n, acc, dev = hidden.shape[0], acc_dtype(weight), hidden.device
+        picked = torch.zeros(ids.shape, dtype=acc, device=dev)
+        lse = torch.empty(n, dtype=acc, device=dev)
+        rest = torch.empty(n, dtype=acc, device=dev)
+        top_ids = torch.zeros((n, min(top_k, weight.shape[0])), dtype=torch.long, device=dev)
+        for rows in _row_blocks(n, row_block):
+            r, s, v, first, bounds = _support_entries(ids[rows], mask[rows], weight.shape[0], vocab_chunk)
+            block_rest = torch.full((rows.stop - rows.start,), MASKED, dtype=acc, device=dev)
+            top = RunningTopK(rows.stop - rows.start, top_k, block_rest) if top_k else None
+            block_picked = picked[rows]
+            for c, (start, logits) in enumerate(logit_chunks(hidden[rows], weight, None, vocab_chunk)):
+                if top is not None:
+                    top.add(logits, start)
+                if bounds[c + 1] > bounds[c]:
+                    e = slice(bounds[c], bounds[c + 1])
+                    block_picked[r[e], s[e]] = logits[r[e], v[e] - start]
+                    logits[r[e], v[e] - start] = MASKED
+                block_rest = torch.logaddexp(block_rest, fused_logsumexp(logits))
+            on_support = torch.full(ids[rows].shape, float("-inf"), dtype=acc, device=dev)
+            on_support[r[first], s[first]] = block_picked[r[first], s[first]]
+            lse[rows] = torch.logaddexp(block_rest, torch.logsumexp(on_support, dim=1))
+            rest[rows] = block_rest
+            if top is not None:
+                top_ids[rows] = top.result()[1]
+        support_logp = torch.where(mask, picked - lse.unsqueeze(1), torch.zeros((), dtype=acc, device=dev))
+        ctx.save_for_backward(hidden, weight, ids, mask, picked, lse, rest)
+        ctx.vocab_chunk, ctx.row_block = vocab_chunk, row_block
+        ctx.mark_non_differentiable(top_ids)
+        return support_logp, rest - lse, top_ids
+
+    @staticmethod
+    def backward(ctx, grad_support, grad_tail, _):
+        hidden, weight, ids, mask, picked, lse_all, rest_all = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        acc, vc = acc_dtype(weight), ctx.vocab_chunk
+        grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        g_s = torch.zeros(ids.shape, dtype=acc, device=hidden.device) if grad_support is None else grad_support.to(acc)
+        g_s = g_s * mask
+        g_t = torch.zeros_like(lse_all) if grad_tail is None else grad_tail.to(acc)
+        total = g_s.sum(1) + g_t  # G
+        factor = g_t - total * (rest_all - lse_all).exp()  # off the support: exp(z - rest) * factor
+        p_support = (picked - lse_all.unsqueeze(1)).exp()
+        for rows in _row_blocks(hidden.shape[0], ctx.row_block):
+            r, s, v, _, bounds = _support_entries(ids[rows], mask[rows], weight.shape[0], vc)
+            h = hidden[rows].to(weight.dtype)
+            rest, f, G = rest_all[rows].unsqueeze(1), factor[rows].unsqueeze(1), total[rows]
+            for c, (start, coef) in enumerate(logit_chunks(h, weight, None, vc)):
+                coef.sub_(rest).exp_().mul_(f)  # inf only on support entries (z > rest + 88), overwritten below
+                if bounds[c + 1] > bounds[c]:
+                    e = slice(bounds[c], bounds[c + 1])
+                    rr, cc = r[e], v[e] - start
+                    coef[rr, cc] = -G[rr] * p_support[rows][rr, s[e]]
+                    coef.index_put_((rr, cc), g_s[rows][rr, s[e]], accumulate=True)
+                _add_chunk_grads(coef, h, weight, rows, start, start + coef.shape[1], grad_h, grad_w)
+        return (grad_h.to(hidden.dtype) if need_h else None, grad_w.to(weight.dtype) if need_w else None,
+                None, None, None, None, None)
 
 
 def support_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      support_ids: torch.Tensor, support_mask: torch.Tensor, *, vocab_chunk: int = VOCAB_CHUNK,
-                     top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                     top_k: int = 0, row_block: int = ROW_BLOCK) -> tuple[torch.Tensor, torch.Tensor,
+                                                                          Optional[torch.Tensor]]:
     """Log-probs on a support, the exact log tail mass outside it, and the top-k ids (no grad).
 
     hidden [N, H] (with grad), weight [V, H], support_ids / support_mask [N, S]. Returns
     (support_logp [N, S] (0 on padding), tail_logp [N], top-k ids [N, k] most probable first or None).
-    One vocabulary chunk at a time under activation checkpointing: the backward recomputes each chunk,
-    so memory is N x vocab_chunk, not N x V.
+    Differentiable in hidden, weight and bias through `_ChunkedSupportLogprob`: memory is one
+    row_block x vocab_chunk buffer in both directions, not N x V.
     """
-    vocab = weight.shape[0]
-    ids = support_ids.long().clamp(0, vocab - 1)
-    mask = support_mask.bool()
-    lse_parts, rest_parts, picked = [], [], None
-    top_vals, top_ids = None, None
-    for start in range(0, vocab, vocab_chunk):
-        end = min(start + vocab_chunk, vocab)
-        inside = mask & (ids >= start) & (ids < end)
-        local = (ids - start).clamp(0, end - start - 1)
-        if hidden.requires_grad:
-            lse, rest, part, vals, idx = checkpoint(_support_terms, hidden, weight, bias, local, inside, start, end,
-                                                    top_k, use_reentrant=False)
-        else:
-            lse, rest, part, vals, idx = _support_terms(hidden, weight, bias, local, inside, start, end, top_k)
-        lse_parts.append(lse)
-        rest_parts.append(rest)
-        picked = part if picked is None else picked + part
-        if top_k:
-            idx = idx + start
-            if top_vals is None:
-                top_vals, top_ids = vals, idx
-            else:
-                merged = torch.cat([top_vals, vals], dim=1).topk(min(top_k, top_vals.shape[1] + vals.shape[1]), dim=1)
-                top_ids = torch.cat([top_ids, idx], dim=1).gather(1, merged.indices)
-                top_vals = merged.values
-    lse = torch.logsumexp(torch.stack(lse_parts), dim=0)
-    rest = torch.logsumexp(torch.stack(rest_parts), dim=0)
-    support_logp = torch.where(mask, picked - lse.unsqueeze(1), torch.zeros_like(picked))
-    return support_logp, rest - lse, top_ids
+    ids = support_ids.long().clamp(0, weight.shape[0] - 1)
+    hidden, weight = _fold_bias(hidden, weight, bias, torch.ones(hidden.shape[0], device=hidden.device))
+    support_logp, tail_logp, top_ids = _ChunkedSupportLogprob.apply(hidden, weight, ids, support_mask.bool(),
+                                                                    vocab_chunk, row_block, top_k)
+    return support_logp, tail_logp, top_ids if top_k else None

@@ -5,11 +5,13 @@ then applied to the action rows only, `row_block` rows by `vocab_chunk` columns 
 is row_block x vocab_chunk floats however long the sequences and however large the vocabulary (the
 `full` granularity's output is [n, V] by definition; nothing else is).
 
-One pass over the chunks gives, per row: the logsumexp of all logits (a running `logaddexp`), the logit
-of the sampled token, and for truncated supports a running candidate set (top-k, or the top `max_support`
-tokens for top-p: the capped nucleus never reaches further, `cache.capped_nucleus_size`) plus the logsumexp
-of every logit evicted from it. The tail mass is therefore summed directly from the logits outside the
-support (exp(rest_lse - lse)), not computed as 1 - kept, so a tiny tail keeps its relative precision.
+One pass over the chunks gives, per row: the logit of the sampled token and, for truncated supports, a
+running candidate set (`modeling.RunningTopK`: the top-k, or the top `max_support` tokens for top-p: the
+capped nucleus never reaches further, `cache.capped_nucleus_size`) plus the logsumexp of every logit
+outside it (`rest`: each chunk's entries that did not enter the candidates, and the candidates a cut
+evicted). The logsumexp of all logits is rest + the candidates', so the tail mass is summed directly from
+the logits outside the support (exp(rest - lse)), not computed as 1 - kept, and a tiny tail keeps its
+relative precision.
 
 Output layout is the logit cache's `TeacherRecord`: support ids ascending within each position, offsets
 per position, logprobs, tail mass, and the sampled token's logprob at every granularity.
@@ -23,7 +25,7 @@ import numpy as np
 import torch
 
 from cache import TeacherRecord, capped_nucleus_size
-from opd_sao.modeling import logit_chunks
+from opd_sao.modeling import MASKED, RunningTopK, fused_logsumexp, logit_chunks
 
 VOCAB_CHUNK = 8192
 ROW_BLOCK = 256
@@ -63,17 +65,6 @@ class ScoredRows:
         return records
 
 
-def _merge(cand_vals, cand_ids, rest_lse, logits, start, keep: int):
-    """Keep the `keep` largest of (candidates, this chunk); add the evicted ones to rest_lse."""
-    chunk_ids = torch.arange(start, start + logits.shape[1], device=logits.device).expand(logits.shape[0], -1)
-    vals = torch.cat([cand_vals, logits], dim=1)
-    ids = torch.cat([cand_ids, chunk_ids], dim=1)
-    top = vals.topk(min(keep, vals.shape[1]), dim=1)
-    evicted = torch.ones_like(vals, dtype=torch.bool).scatter_(1, top.indices, False)
-    rest_lse = torch.logaddexp(rest_lse, torch.logsumexp(vals.masked_fill(~evicted, NEG_INF), dim=1))
-    return top.values, ids.gather(1, top.indices), rest_lse
-
-
 @torch.no_grad()
 def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, *,
                granularity: str, k: Optional[int] = None, p: Optional[float] = None, max_support: Optional[int] = None,
@@ -98,19 +89,23 @@ def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     for first in range(0, n, row_block):
         h, t = hidden[first:first + row_block], targets[first:first + row_block]
         rows = h.shape[0]
-        lse = torch.full((rows,), NEG_INF, device=dev)
         picked = torch.empty(rows, device=dev)
-        rest = torch.full((rows,), NEG_INF, device=dev)
-        cand_vals = torch.empty((rows, 0), device=dev)
-        cand_ids = torch.empty((rows, 0), dtype=torch.long, device=dev)
+        rest = torch.full((rows,), NEG_INF, device=dev)  # logsumexp of every logit outside the candidates
+        top = RunningTopK(rows, keep, rest) if keep else None
         for start, logits in logit_chunks(h, weight, bias, vocab_chunk):
-            lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=1))
             inside = (t >= start) & (t < start + logits.shape[1])
             picked[inside] = logits[inside, t[inside] - start]
             if full is not None:
                 full[first:first + rows, start:start + logits.shape[1]] = logits
-            elif keep:
-                cand_vals, cand_ids, rest = _merge(cand_vals, cand_ids, rest, logits, start, keep)
+            if top is not None:
+                logits.masked_fill_(top.add(logits, start), MASKED)
+            rest = torch.logaddexp(rest, fused_logsumexp(logits))
+        if top is not None:
+            cand_vals, cand_ids = top.result()
+            rest = torch.logaddexp(rest, top.evicted)
+            lse = torch.logaddexp(rest, torch.logsumexp(cand_vals, dim=1))
+        else:
+            lse = rest
         sampled[first:first + rows] = picked - lse
         if full is not None:
             full[first:first + rows] -= lse.unsqueeze(1)

@@ -31,32 +31,67 @@ TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads"
 # student side: chunked support log-probs == dense, values and gradients
 # ----------------------------------------------------------------------------
 
-def test_student_support_logprobs_match_dense():
+def _dense_support(hidden, weight, bias, ids, mask):
+    """The reference: (support logp, log tail) from the full softmax."""
+    dense = torch.log_softmax(hidden @ weight.T + (0 if bias is None else bias), dim=-1)
+    ref = torch.where(mask, dense.gather(1, ids), torch.zeros((), dtype=dense.dtype))
+    in_support = torch.zeros(dense.shape, dtype=torch.bool)
+    rows = torch.arange(len(ids)).unsqueeze(1).expand_as(ids)
+    in_support[rows[mask], ids[mask]] = True
+    return dense, ref, torch.logsumexp(dense.masked_fill(in_support, float("-inf")), dim=-1)
+
+
+@pytest.mark.parametrize("with_bias,row_block", [(False, 1024), (True, 4)])
+def test_student_support_logprobs_match_dense(with_bias, row_block):
     torch.manual_seed(0)
-    n, h, v = 9, 6, 301
+    n, h, v = 9, 6, 301  # vocab not a multiple of the chunk
     hidden = torch.randn(n, h, dtype=torch.float64, requires_grad=True)
     weight = (torch.randn(v, h, dtype=torch.float64) * 0.7).requires_grad_()
+    bias = (torch.randn(v, dtype=torch.float64) * 0.3).requires_grad_() if with_bias else None
     ids = torch.stack([torch.randperm(v)[:5] for _ in range(n)])
     mask = torch.ones(n, 5, dtype=torch.bool)
     mask[0, 3:] = False  # a padded row: its padding ids (0 here) must not count as support
     ids[0, 3:] = 0
+    mask[1] = False  # an empty support: everything is tail
+    ids[2, 4] = ids[2, 1]  # a repeated id counts once in the tail and the normaliser, and takes both gradients
     coef = torch.randn(n, 5, dtype=torch.float64)
+    params = [hidden, weight] + ([bias] if with_bias else [])
 
-    s_logp, tail, top = support_logprobs(hidden, weight, None, ids, mask, vocab_chunk=64, top_k=4)
+    s_logp, tail, top = support_logprobs(hidden, weight, bias, ids, mask, vocab_chunk=64, top_k=4, row_block=row_block)
     ((s_logp * coef).sum() + tail.exp().sum()).backward()
-    g_hidden, g_weight = hidden.grad.clone(), weight.grad.clone()
+    grads = [p.grad.clone() for p in params]
 
-    hidden.grad = weight.grad = None
-    dense = torch.log_softmax(hidden @ weight.T, dim=-1)
-    ref = torch.where(mask, dense.gather(1, ids), torch.zeros(()))
-    in_support = torch.zeros(n, v, dtype=torch.bool)
-    in_support[torch.arange(n).repeat_interleave(5)[mask.flatten()], ids[mask]] = True
-    ref_tail = torch.logsumexp(dense.masked_fill(in_support, float("-inf")), dim=-1)
+    for p in params:
+        p.grad = None
+    dense, ref, ref_tail = _dense_support(hidden, weight, bias, ids, mask)
     ((ref * coef).sum() + ref_tail.exp().sum()).backward()
 
     assert torch.allclose(s_logp, ref, atol=1e-10) and torch.allclose(tail, ref_tail, atol=1e-10)
-    assert torch.allclose(g_hidden, hidden.grad, atol=1e-9) and torch.allclose(g_weight, weight.grad, atol=1e-9)
+    for got, p in zip(grads, params):
+        assert torch.allclose(got, p.grad, atol=1e-9)
     assert torch.equal(top, dense.topk(4, dim=-1).indices)
+
+
+def test_student_support_covering_the_vocabulary_or_dominating_it_stays_finite():
+    """A support that is the whole vocabulary (no tail: -1e30 stands in for log 0) and one logit 200 nats above
+    the rest (exp(z - rest) overflows float32 on the support, which the backward overwrites) give finite values
+    and the dense gradients."""
+    v = 10
+    hidden = torch.tensor([[1.0], [1.0]], requires_grad=True)
+    weight = torch.cat([torch.arange(v, dtype=torch.float32).unsqueeze(1) * 0.1, torch.zeros(1, 1)])
+    weight[0, 0] = 200.0
+    weight.requires_grad_()
+    ids = torch.stack([torch.arange(v + 1), torch.tensor([0, 3] + [0] * (v - 1))])
+    mask = torch.stack([torch.ones(v + 1, dtype=torch.bool), torch.tensor([True, True] + [False] * (v - 1))])
+    s_logp, tail, _ = support_logprobs(hidden, weight, None, ids, mask, vocab_chunk=4)
+    assert float(tail[0].detach()) < -1e29 and torch.isfinite(s_logp).all()
+    (s_logp.sum() + tail[1].exp()).backward()
+    got = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    _, ref, ref_tail = _dense_support(hidden, weight, None, ids, mask)
+    (ref.sum() + ref_tail[1].exp()).backward()
+    assert torch.allclose(s_logp, ref, atol=1e-5) and torch.allclose(tail[1], ref_tail[1], rtol=1e-4)
+    assert torch.allclose(got[0], hidden.grad, atol=1e-4) and torch.allclose(got[1], weight.grad, atol=1e-4)
 
 
 def test_padded_support_layout():

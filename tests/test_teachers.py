@@ -78,6 +78,28 @@ def test_top_p_matches_dense_ragged(dense_case, cap):
     assert (kept[~full] >= 0.9 - 1e-5).all() and (cap == 997 or (kept[full] < 0.9).any())  # only the cap stops short
 
 
+@pytest.mark.parametrize("granularity", ["top_k", "top_p"])
+def test_tied_logits_give_the_dense_values(granularity):
+    """Whole chunks of equal logits (repeated weight rows), ties across the candidates' threshold: the kept
+    values, the tail and the sampled logprob are the dense ones (ids among equal logits may differ)."""
+    torch.manual_seed(1)
+    n, v = 13, 300
+    weight = torch.randn(5, 8)[torch.randint(0, 5, (v,))]  # 5 distinct logits per row, each ~60 times
+    hidden, targets = torch.randn(n, 8), torch.randint(0, v, (n,))
+    dense = torch.log_softmax(hidden @ weight.T, dim=-1)
+    rec = score_rows(hidden, weight, None, targets, granularity=granularity, k=70, p=0.5, max_support=70,
+                     vocab_chunk=32).split([n])[0]
+    for row in range(n):
+        got = np.sort(rec.logp[rec.offsets[row]:rec.offsets[row + 1]])
+        ids = rec.ids[rec.offsets[row]:rec.offsets[row + 1]]
+        assert len(set(ids)) == len(got)
+        np.testing.assert_allclose(rec.logp[rec.offsets[row]:rec.offsets[row + 1]], dense[row, ids].numpy(), atol=2e-5)
+        want = dense[row].sort(descending=True).values[:len(got)].numpy()
+        np.testing.assert_allclose(got, np.sort(want), atol=2e-5)
+        np.testing.assert_allclose(rec.tail_mass[row], 1 - np.exp(got).sum(), atol=1e-5)
+    np.testing.assert_allclose(rec.sampled_logp, dense.gather(1, targets[:, None])[:, 0].numpy(), atol=2e-5)
+
+
 def test_full_and_sampled_match_dense(dense_case):
     hidden, weight, bias, targets, dense = dense_case
     full = score_rows(hidden, weight, bias, targets, granularity="full", vocab_chunk=50).split([10, 19])
