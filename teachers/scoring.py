@@ -8,9 +8,9 @@ is row_block x vocab_chunk floats however long the sequences and however large t
 One pass over the chunks gives, per row: the logit of the sampled token and, for truncated supports, a
 running candidate set (`modeling.RunningTopK`: the top-k, or the top `max_support` tokens for top-p: the
 capped nucleus never reaches further, `cache.capped_nucleus_size`) plus the logsumexp of every logit
-outside it (`rest`: each chunk's entries that did not enter the candidates, and the candidates a cut
-evicted). The logsumexp of all logits is rest + the candidates', so the tail mass is summed directly from
-the logits outside the support (exp(rest - lse)), not computed as 1 - kept, and a tiny tail keeps its
+outside it (`rest`: each chunk's entries that did not enter the candidates (`_rest`), and the candidates a
+cut evicted). The logsumexp of all logits is rest + the candidates', so the tail mass is summed from the
+logits outside the support (exp(rest - lse)), never computed as 1 - kept, and a tiny tail keeps its
 relative precision.
 
 Output layout is the logit cache's `TeacherRecord`: support ids ascending within each position, offsets
@@ -65,6 +65,22 @@ class ScoredRows:
         return records
 
 
+def _rest(logits: torch.Tensor, r: torch.Tensor, c: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """logsumexp of each row's logits except the entries (r, c) of values v (the candidates), from those logits.
+
+    Where the candidates hold at most half of the chunk's mass, it is the chunk's logsumexp plus log(1 - their
+    share), which loses at most a bit (no full masked pass); elsewhere the other logits are summed directly."""
+    lse = fused_logsumexp(logits)
+    share = torch.bincount(r, weights=(v - lse[r]).double().exp(), minlength=len(lse))
+    rest = lse + torch.log1p(-share.clamp(max=0.5)).to(lse.dtype)
+    heavy = (share > 0.5).nonzero().squeeze(1)
+    if len(heavy):
+        masked = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        masked[r, c] = True
+        rest[heavy] = fused_logsumexp(logits[heavy].masked_fill_(masked[heavy], MASKED))
+    return rest
+
+
 @torch.no_grad()
 def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, *,
                granularity: str, k: Optional[int] = None, p: Optional[float] = None, max_support: Optional[int] = None,
@@ -97,9 +113,7 @@ def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
             picked[inside] = logits[inside, t[inside] - start]
             if full is not None:
                 full[first:first + rows, start:start + logits.shape[1]] = logits
-            if top is not None:
-                logits.masked_fill_(top.add(logits, start), MASKED)
-            rest = torch.logaddexp(rest, fused_logsumexp(logits))
+            rest = torch.logaddexp(rest, fused_logsumexp(logits) if top is None else _rest(logits, *top.add(logits, start)))
         if top is not None:
             cand_vals, cand_ids = top.result()
             rest = torch.logaddexp(rest, top.evicted)

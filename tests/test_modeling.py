@@ -86,6 +86,26 @@ def test_sequence_logprobs_match_the_models_own_logits_with_gradients(tiny_model
         assert (p.grad - q.grad).abs().max() <= 1e-6 * max(1.0, float(q.grad.abs().max())), name
 
 
+def test_sequence_logprobs_only_at_chosen_positions(tiny_model_dir):
+    """`only` scores just the chosen positions (an answer, the actions): the same values and gradients as the
+    full call there, 0 elsewhere (a padded position stays 0 even when chosen)."""
+    full, part = load_causal_lm(tiny_model_dir), load_causal_lm(tiny_model_dir)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, full.config.vocab_size, (2, 8), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    only = torch.zeros_like(ids)
+    only[0, 3:], only[1, 2:] = 1, 1
+    want = sequence_logprobs(full, ids, mask, 0.9) * only
+    got = sequence_logprobs(part, ids, mask, 0.9, only=only)
+    assert torch.equal(got != 0, (only * mask).bool()) and torch.allclose(got, want, atol=1e-6)
+    upstream = torch.randn(got.shape, generator=g)
+    (want * upstream).sum().backward()
+    (got * upstream).sum().backward()
+    for (name, p), q in zip(part.named_parameters(), full.parameters()):
+        assert (p.grad - q.grad).abs().max() <= 1e-6 * max(1.0, float(q.grad.abs().max())), name
+
+
 def test_sft_loss_is_the_token_mean_cross_entropy_on_the_answer(tiny_model_dir):
     model = load_causal_lm(tiny_model_dir)
     ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))

@@ -50,8 +50,10 @@ class TrainerBackend(ABC):
 
     @abstractmethod
     def policy_logprobs(self, batch: Batch, temperature: float, grad: bool) -> torch.Tensor:
-        """[B, T] logprob of each token under the current policy (0 at t=0 and padding), at `temperature` and
-        each trajectory's sampling top_p (`batch.top_p`): the distribution the engine sampled from."""
+        """[B, T] logprob of each action token under the current policy, at `temperature` and each trajectory's
+        sampling top_p (`batch.top_p`): the distribution the engine sampled from. Every caller reads action
+        positions only, so a backend may leave the others 0 (the torch backend does: no lm head for prompts
+        and observations; the DeepSpeed backend scores every real position)."""
 
     @abstractmethod
     def policy_support_logprobs(self, batch: Batch, support_ids: Optional[torch.Tensor],

@@ -45,7 +45,8 @@ class TorchTrainer(TrainerBackend):
     def policy_logprobs(self, batch: Batch, temperature: float, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad), self.precision():
             return sequence_logprobs(self.policy, batch.input_ids.to(self.device),
-                                     batch.attention_mask.to(self.device), temperature, top_p=batch.top_p)
+                                     batch.attention_mask.to(self.device), temperature, top_p=batch.top_p,
+                                     only=batch.action_mask.to(self.device))
 
     def policy_support_logprobs(self, batch: Batch, support_ids, support_mask, *, vocab_chunk: int,
                                 top_k: int) -> SupportLogprobs:
