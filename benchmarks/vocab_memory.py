@@ -40,6 +40,7 @@ VOCAB = 151_936
 HIDDEN = 64
 MAX_SUPPORT = 256
 LM_HEAD_MATMULS = {"sft": 4, "sao_policy": 4, "opd_top_p": 5}  # 2NHV-FLOP lm-head matmuls per step (see above)
+MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm")  # the aten ops that every matmul of the models comes down to
 
 
 def _peak_mb() -> float:
@@ -58,6 +59,44 @@ def matmul_gflops_per_cpu_s(rows: int, vocab: int) -> float:
     return n * 2 * rows * HIDDEN * vocab / (time.process_time() - c0) / 1e9
 
 
+def _matmul_flops(op: str, shapes: list) -> int:
+    """2 x multiply-adds of one recorded mm / addmm / bmm / baddbmm call (its last two operands' shapes)."""
+    a, b = shapes[-2], shapes[-1]
+    return 2 * (a[0] if op.endswith("bmm") else 1) * a[-2] * a[-1] * b[-1]
+
+
+def recorded_matmuls(step) -> tuple[list, float]:
+    """Run `step` once, recording every matmul aten call (op, operand shapes); return them and their GFLOP."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: list = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in MATMUL_OPS:
+                calls.append((name, [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        step()
+    return calls, sum(_matmul_flops(op, shapes) for op, shapes in calls) / 1e9
+
+
+def replayed_gflops_per_cpu_s(calls: list) -> float:
+    """The same matmuls alone, on fresh contiguous operands: the machine's rate for exactly this work."""
+    import torch
+
+    ops = [(getattr(torch.ops.aten, op).default, [torch.randn(shape) for shape in shapes]) for op, shapes in calls]
+    for func, args in ops:  # warm-up
+        func(*args)
+    c0 = time.process_time()
+    for func, args in ops:
+        func(*args)
+    return sum(_matmul_flops(op, shapes) for op, shapes in calls) / (time.process_time() - c0) / 1e9
+
+
 def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: int = VOCAB) -> dict:
     """In the child: build the model, run one warm-up and `repeats` timed steps; peak RSS growth and times."""
     import torch
@@ -72,9 +111,18 @@ def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: i
     config = Qwen2Config(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2 * seq,
                          tie_word_embeddings=True)
-    model = Qwen2ForCausalLM(config).train()
+    if kind == "critic":  # the trainer's critic: the backbone with eager attention, frozen attention, a value head
+        from transformers import Qwen2Model
+
+        from opd_sao.trainers.critic import ValueModel
+
+        config._attn_implementation = "eager"
+        model = ValueModel(Qwen2Model(config), HIDDEN).train()
+        model.freeze_attention()
+    else:
+        model = Qwen2ForCausalLM(config).train()
     teacher = Qwen2ForCausalLM(config).eval() if kind == "opd_top_p" else None
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     mask = torch.ones_like(ids)
@@ -107,6 +155,12 @@ def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: i
 
     def step() -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()
+        if kind == "critic":
+            loss, _ = A.value_loss(model(ids, mask), advantages, loss_mask)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            return time.perf_counter() - t0, time.process_time() - c0
         if kind == "opd_top_p":
             loss = opd_loss()
             opt.zero_grad(set_to_none=True)
@@ -128,7 +182,13 @@ def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: i
     times = [step() for _ in range(repeats)]
     out = {"peak_mb": round(_peak_mb() - base, 1), "step_s": round(statistics.median(s for s, _ in times), 3),
            "cpu_s": round(statistics.median(c for _, c in times), 3), **extra}
-    if method == "chunked":  # the lm head's achieved FLOP/s against a plain matmul of its shape
+    if kind == "critic":  # no lm head: the step's own matmuls (recorded) against the same matmuls alone
+        calls, gflop = recorded_matmuls(step)
+        out["matmul_gflop"] = round(gflop, 2)
+        out["model_gflops_per_cpu_s"] = round(gflop / out["cpu_s"], 2)
+        out["matmul_gflops_per_cpu_s"] = round(replayed_gflops_per_cpu_s(calls), 2)
+        out["share_of_matmul"] = round(out["model_gflops_per_cpu_s"] / out["matmul_gflops_per_cpu_s"], 3)
+    elif method == "chunked":  # the lm head's achieved FLOP/s against a plain matmul of its shape
         rows = int(loss_mask.sum()) if kind == "opd_top_p" else batch * (seq - 1)
         flops = LM_HEAD_MATMULS[kind] * 2 * rows * HIDDEN * vocab
         out["lm_head_gflops_per_cpu_s"] = round(flops / out["cpu_s"] / 1e9, 2)
@@ -152,7 +212,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per child (median)")
-    parser.add_argument("--kinds", default="sft,sao_policy,opd_top_p", help="comma-separated step kinds to measure")
+    parser.add_argument("--kinds", default="sft,sao_policy,opd_top_p,critic",
+                        help="comma-separated step kinds to measure")
     parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (384: the tiny model's)")
     parser.add_argument("--methods", default="naive,chunked", help="comma-separated: naive, chunked")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "METHOD"), help=argparse.SUPPRESS)
@@ -164,7 +225,7 @@ def main() -> None:
         return
     results: dict = {}
     for kind in args.kinds.split(","):
-        methods = ["chunked"] if kind == "opd_top_p" else args.methods.split(",")
+        methods = ["chunked"] if kind in ("opd_top_p", "critic") else args.methods.split(",")
         for method in methods:
             results.setdefault(kind, {})[method] = run_child(kind, method, args.batch, args.seq, args.repeats,
                                                              args.vocab)
