@@ -1,28 +1,36 @@
-"""Peak memory, step time and achieved FLOP/s of SFT, SAO policy and OPD top-p steps at a real vocabulary.
+"""Peak memory, step time and achieved FLOP/s of SFT, SAO policy, OPD top-p and critic steps at a real vocabulary.
 
 The model is a Qwen2-architecture causal LM at a tiny hidden size (64, 2 layers) with Qwen2.5's padded
 vocabulary (151,936), so the lm head is almost all of the work, as it is for small students at real
 vocabularies. "chunked" is the trainer's path (`opd_sao.modeling.sequence_logprobs`: hidden states,
-then the lm head a vocabulary chunk at a time, recomputed in the backward); "naive" is the model's own
+then the lm head a vocabulary chunk at a time, recomputed in the backward, and only at the positions
+the loss reads: the response, three quarters of each sequence here); "naive" is the model's own
 forward, which materialises [B, T, V] float32 logits (`full_logits=True`). Each (step, method) runs in
 its own child process, so its peak RSS growth is its own; the two methods alternate within one run.
 
 The `opd_top_p` kind is an OPD step at granularity top_p (p 0.95) from a random-init teacher (the
 nucleus would be most of the vocabulary) with the nucleus capped at `opd.max_support` (256): teacher
 scoring (`teachers.scoring.score_rows`), the cache's padded support, the student's support logprobs and
-the divergence's backward; chunked only (there is no naive OPD path). `--vocab 384` gives the tiny
-model's vocabulary for comparison. Every chunked step also reports the achieved FLOP/s of its lm-head
-matmuls (the work at this vocabulary) against a plain `torch.matmul` of the lm head's shape timed in the
-same child, in CPU time (robust to other load): the lm-head matmuls of a chunked SFT/policy step are
-4 x 2NHV (forward, and the backward's recomputation, grad-hidden and grad-weight), of an OPD step
-1 x 2NHV for the teacher plus 3 x 2NHV for the student (forward, backward's recomputation, two grads).
+the divergence's backward; chunked only (there is no naive OPD path). The `critic` kind is the trainer's
+critic step (`ValueModel`, frozen eager attention, value loss, backward, AdamW); it has no lm head.
+`--vocab 384` gives the tiny model's vocabulary for comparison.
+
+Every chunked step also reports its achieved FLOP/s against the machine's matmul rate measured in the
+same child, in CPU time (robust to other load). SFT, policy, OPD: the lm head's matmuls (the work at
+this vocabulary) against a plain `torch.matmul` of the lm head's shape; a chunked SFT/policy step does
+4 x 2NHV (forward, and the backward's recomputation, grad-hidden and grad-weight), an OPD step 1 x 2NHV
+for the teacher plus 4 x 2NHV for the student. Critic: every matmul the step ran (recorded at the aten
+level: decoder and value-head linears, attention scores, forward and backward) against the same matmuls
+replayed alone. `--threads 1` takes the measure without a second thread spinning at each barrier while
+the OS runs other jobs (on a loaded 2-core machine that spinning is CPU time, and a chunked step has
+many more barriers than one plain matmul).
 
     python benchmarks/vocab_memory.py            # batch 8 x sequence 512 (the issue's setting)
     python benchmarks/vocab_memory.py --quick    # batch 2 x sequence 128
 
 Prints one JSON object on its last line: per step kind and method, peak RSS growth (MB), the median
 step time (wall s) and CPU time (s, user + system of the process: steadier than wall time on a shared
-machine), the chunked/naive ratios, and the lm head's achieved GFLOP/s per CPU-second vs the plain matmul's.
+machine), the chunked/naive ratios, and the achieved GFLOP/s per CPU-second vs the matmul rate's.
 """
 from __future__ import annotations
 
@@ -97,7 +105,7 @@ def replayed_gflops_per_cpu_s(calls: list) -> float:
     return sum(_matmul_flops(op, shapes) for op, shapes in calls) / (time.process_time() - c0) / 1e9
 
 
-def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: int = VOCAB) -> dict:
+def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: int = VOCAB, threads: int = 2) -> dict:
     """In the child: build the model, run one warm-up and `repeats` timed steps; peak RSS growth and times."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -106,7 +114,7 @@ def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: i
     from opd_sao.modeling import hidden_states, lm_head, sequence_logprobs, support_logprobs
     from teachers.scoring import score_rows
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2 * seq,
@@ -167,7 +175,9 @@ def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: i
             loss.backward()
             opt.step()
             return time.perf_counter() - t0, time.process_time() - c0
-        logp = sequence_logprobs(model, ids, mask, 1.0, full_logits=full)
+        # chunked: the trainer's path, the lm head only at the answer's / actions' positions (`only`);
+        # naive: the model's full forward, [B, T, V] logits
+        logp = sequence_logprobs(model, ids, mask, 1.0, full_logits=full, only=None if full else loss_mask)
         if kind == "sft":
             loss = -(logp * loss_mask).sum() / loss_mask.sum()
         else:
@@ -189,7 +199,7 @@ def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: i
         out["matmul_gflops_per_cpu_s"] = round(replayed_gflops_per_cpu_s(calls), 2)
         out["share_of_matmul"] = round(out["model_gflops_per_cpu_s"] / out["matmul_gflops_per_cpu_s"], 3)
     elif method == "chunked":  # the lm head's achieved FLOP/s against a plain matmul of its shape
-        rows = int(loss_mask.sum()) if kind == "opd_top_p" else batch * (seq - 1)
+        rows = int(loss_mask.sum())  # the positions the lm head runs on
         flops = LM_HEAD_MATMULS[kind] * 2 * rows * HIDDEN * vocab
         out["lm_head_gflops_per_cpu_s"] = round(flops / out["cpu_s"] / 1e9, 2)
         out["matmul_gflops_per_cpu_s"] = round(matmul_gflops_per_cpu_s(rows, vocab), 2)
@@ -197,8 +207,9 @@ def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: i
     return out
 
 
-def run_child(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: int) -> dict:
+def run_child(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: int, threads: int) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", kind, method, "--batch", str(batch), "--seq", str(seq),
+                          "--threads", str(threads),
                           "--repeats", str(repeats), "--vocab", str(vocab)], capture_output=True, text=True,
                          env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)})
     if out.returncode:
@@ -216,19 +227,21 @@ def main() -> None:
                         help="comma-separated step kinds to measure")
     parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (384: the tiny model's)")
     parser.add_argument("--methods", default="naive,chunked", help="comma-separated: naive, chunked")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads per child (1: no idle threads spinning at barriers on a loaded machine)")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "METHOD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.batch, args.seq, args.repeats = 2, 128, 1
     if args.child:
-        print(json.dumps(measure(*args.child, args.batch, args.seq, args.repeats, args.vocab)))
+        print(json.dumps(measure(*args.child, args.batch, args.seq, args.repeats, args.vocab, args.threads)))
         return
     results: dict = {}
     for kind in args.kinds.split(","):
         methods = ["chunked"] if kind in ("opd_top_p", "critic") else args.methods.split(",")
         for method in methods:
             results.setdefault(kind, {})[method] = run_child(kind, method, args.batch, args.seq, args.repeats,
-                                                             args.vocab)
+                                                             args.vocab, args.threads)
             print(f"{kind:10s} {method:8s} {results[kind][method]}", flush=True)
         r = results[kind]
         if "naive" in r and "chunked" in r:
@@ -236,7 +249,7 @@ def main() -> None:
             r["time_ratio"] = round(r["chunked"]["step_s"] / max(r["naive"]["step_s"], 1e-9), 3)
             r["cpu_time_ratio"] = round(r["chunked"]["cpu_s"] / max(r["naive"]["cpu_s"], 1e-9), 3)
     print(json.dumps({"benchmark": "vocab_memory", "vocab": args.vocab, "hidden": HIDDEN, "batch": args.batch,
-                      "seq": args.seq, "repeats": args.repeats, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                      "seq": args.seq, "repeats": args.repeats, "threads": args.threads, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                       "results": results}))
 
 
