@@ -49,6 +49,7 @@ HIDDEN = 64
 MAX_SUPPORT = 256
 LM_HEAD_MATMULS = {"sft": 4, "sao_policy": 4, "opd_top_p": 5}  # 2NHV-FLOP lm-head matmuls per step (see above)
 MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm")  # the aten ops that every matmul of the models comes down to
+CRITIC_REPEATS = 5  # a critic step is ~0.1 CPU-s: one timed step is at the mercy of other jobs, so the median of 5
 
 
 def _peak_mb() -> float:
@@ -97,12 +98,13 @@ def replayed_gflops_per_cpu_s(calls: list) -> float:
     import torch
 
     ops = [(getattr(torch.ops.aten, op).default, [torch.randn(shape) for shape in shapes]) for op, shapes in calls]
-    for func, args in ops:  # warm-up
-        func(*args)
-    c0 = time.process_time()
-    for func, args in ops:
-        func(*args)
-    return sum(_matmul_flops(op, shapes) for op, shapes in calls) / (time.process_time() - c0) / 1e9
+    times = []
+    for _ in range(1 + CRITIC_REPEATS):  # a warm-up, then the median pass
+        c0 = time.process_time()
+        for func, args in ops:
+            func(*args)
+        times.append(time.process_time() - c0)
+    return sum(_matmul_flops(op, shapes) for op, shapes in calls) / statistics.median(times[1:]) / 1e9
 
 
 def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: int = VOCAB, threads: int = 2) -> dict:
@@ -188,6 +190,8 @@ def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: i
         return time.perf_counter() - t0, time.process_time() - c0
 
     base = _peak_mb()
+    if kind == "critic":
+        repeats = max(repeats, CRITIC_REPEATS)
     step()  # warm-up: optimizer state, allocator
     times = [step() for _ in range(repeats)]
     out = {"peak_mb": round(_peak_mb() - base, 1), "step_s": round(statistics.median(s for s, _ in times), 3),
