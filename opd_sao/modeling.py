@@ -378,12 +378,18 @@ class _ChunkedSupportLogprob(torch.autograd.Function):
                 top_ids[rows] = top.result()[1]
         support_logp = torch.where(mask, picked - lse.unsqueeze(1), torch.zeros((), dtype=acc, device=dev))
         ctx.save_for_backward(hidden, weight, ids, mask, picked, lse, rest)
-        ctx.vocab_chunk, ctx.row_block = vocab_chunk, row_block
+        ctx.vocab_chunk, ctx.row_block, ctx.autocast = vocab_chunk, row_block, autocast_state(hidden.device)
         ctx.mark_non_differentiable(top_ids)
         return support_logp, rest - lse, top_ids
 
     @staticmethod
     def backward(ctx, grad_support, grad_tail, _):
+        device_type, enabled, dtype = ctx.autocast
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            return _ChunkedSupportLogprob._backward(ctx, grad_support, grad_tail)
+
+    @staticmethod
+    def _backward(ctx, grad_support, grad_tail):
         hidden, weight, ids, mask, picked, lse_all, rest_all = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         acc, vc = acc_dtype(weight), ctx.vocab_chunk
