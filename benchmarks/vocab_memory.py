@@ -253,7 +253,8 @@ def main() -> None:
             r["time_ratio"] = round(r["chunked"]["step_s"] / max(r["naive"]["step_s"], 1e-9), 3)
             r["cpu_time_ratio"] = round(r["chunked"]["cpu_s"] / max(r["naive"]["cpu_s"], 1e-9), 3)
     print(json.dumps({"benchmark": "vocab_memory", "vocab": args.vocab, "hidden": HIDDEN, "batch": args.batch,
-                      "seq": args.seq, "repeats": args.repeats, "threads": args.threads, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                      "seq": args.seq, "repeats": args.repeats, "threads": args.threads,
+                      "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                       "results": results}))
 
 

@@ -113,7 +113,8 @@ def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
             picked[inside] = logits[inside, t[inside] - start]
             if full is not None:
                 full[first:first + rows, start:start + logits.shape[1]] = logits
-            rest = torch.logaddexp(rest, fused_logsumexp(logits) if top is None else _rest(logits, *top.add(logits, start)))
+            outside = fused_logsumexp(logits) if top is None else _rest(logits, *top.add(logits, start))
+            rest = torch.logaddexp(rest, outside)
         if top is not None:
             cand_vals, cand_ids = top.result()
             rest = torch.logaddexp(rest, top.evicted)

@@ -14,7 +14,7 @@ if missing, written to the logit cache, read back from it) and then, per the tea
 
 The student's support log-probs come from the trainer backend (`policy_support_logprobs`, as the sampled
 path's come from `policy_logprobs`, so OPD trains the same under torch and DeepSpeed): its final hidden
-states and the lm head one vocabulary chunk at a time under activation checkpointing, so neither pass
+states and the lm head one vocabulary chunk at a time, recomputed in the backward, so neither pass
 keeps an [N, V] logits tensor alive (`full` excepted: its target is [N, V] by definition). Divergence
 rows are at temperature 1 (the distributions being matched); the sampled path uses the rollout
 temperature, as the DIS ratio must.
