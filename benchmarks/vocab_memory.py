@@ -12,16 +12,18 @@ The `opd_top_p` kind is an OPD step at granularity top_p (p 0.95) from a random-
 nucleus would be most of the vocabulary) with the nucleus capped at `opd.max_support` (256): teacher
 scoring (`teachers.scoring.score_rows`), the cache's padded support, the student's support logprobs and
 the divergence's backward; chunked only (there is no naive OPD path). The `critic` kind is the trainer's
-critic step (`ValueModel`, frozen eager attention, value loss, backward, AdamW); it has no lm head.
+critic step (`ValueModel`, frozen fused (sdpa) attention, value loss, backward, AdamW); it has no lm head.
 `--vocab 384` gives the tiny model's vocabulary for comparison.
 
 Every chunked step also reports its achieved FLOP/s against the machine's matmul rate measured in the
 same child, in CPU time (robust to other load). SFT, policy, OPD: the lm head's matmuls (the work at
 this vocabulary) against a plain `torch.matmul` of the lm head's shape; a chunked SFT/policy step does
 4 x 2NHV (forward, and the backward's recomputation, grad-hidden and grad-weight), an OPD step 1 x 2NHV
-for the teacher plus 4 x 2NHV for the student. Critic: every matmul the step ran (recorded at the aten
-level: decoder and value-head linears, attention scores, forward and backward) against the same matmuls
-replayed alone. `--threads 1` takes the measure without a second thread spinning at each barrier while
+for the teacher plus 4 x 2NHV for the student. Critic: every matmul of the step (decoder and value-head
+linears, attention scores and values, forward and backward), recorded at the aten level from the same
+step with eager attention (the fused kernel does the same products inside one call; the full T x T
+score matrix is counted, as PaLM's model-FLOPs utilisation counts it), over the fused step's CPU time,
+against the same matmuls replayed alone. `--threads 1` takes the measure without a second thread spinning at each barrier while
 the OS runs other jobs (on a loaded 2-core machine that spinning is CPU time, and a chunked step has
 many more barriers than one plain matmul).
 
@@ -121,12 +123,12 @@ def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: i
     config = Qwen2Config(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2 * seq,
                          tie_word_embeddings=True)
-    if kind == "critic":  # the trainer's critic: the backbone with eager attention, frozen attention, a value head
+    if kind == "critic":  # the trainer's critic: the backbone with fused attention, frozen attention, a value head
         from transformers import Qwen2Model
 
         from opd_sao.trainers.critic import ValueModel
 
-        config._attn_implementation = "eager"
+        config._attn_implementation = "sdpa"
         model = ValueModel(Qwen2Model(config), HIDDEN).train()
         model.freeze_attention()
     else:
@@ -197,6 +199,7 @@ def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: i
     out = {"peak_mb": round(_peak_mb() - base, 1), "step_s": round(statistics.median(s for s, _ in times), 3),
            "cpu_s": round(statistics.median(c for _, c in times), 3), **extra}
     if kind == "critic":  # no lm head: the step's own matmuls (recorded) against the same matmuls alone
+        model.backbone.set_attn_implementation("eager")  # so the attention products are separate, recordable calls
         calls, gflop = recorded_matmuls(step)
         out["matmul_gflop"] = round(gflop, 2)
         out["model_gflops_per_cpu_s"] = round(gflop / out["cpu_s"], 2)

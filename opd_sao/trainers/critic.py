@@ -33,7 +33,10 @@ class ValueModel(nn.Module):
     def from_pretrained(cls, path: str, dtype: str = "float32") -> "ValueModel":
         """From a policy checkpoint (zero value head) or a saved critic (`save_pretrained`: its trained head)."""
         with MODEL_INIT_LOCK:  # the head's nn.init must not run while another thread loads a model
-            backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation="eager")
+            # fused attention: the critic is never compared with the engine (the policy keeps eager attention,
+            # as the engine does), and eager's separate passes over [B, heads, T, T] scores cost as much as
+            # its matmuls (benchmarks/vocab_memory.py --kinds critic: 1.8x the step time)
+            backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation="sdpa")
             model = cls(backbone, backbone.config.hidden_size)
         head = Path(path) / VALUE_HEAD_FILE
         if head.is_file():
