@@ -27,6 +27,19 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def perturbed_teacher(tiny_model_dir, tmp_path_factory):
+    """A real OPD teacher that disagrees with the student: the tiny model with every weight perturbed."""
+    from opd_sao.checkpoints import load_causal_lm, load_tokenizer, save_checkpoint
+
+    torch.manual_seed(1)
+    model = load_causal_lm(tiny_model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return save_checkpoint(model, load_tokenizer(tiny_model_dir), tmp_path_factory.mktemp("teacher") / "ckpt")
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model_dir):
     from opd_sao.checkpoints import load_tokenizer
 

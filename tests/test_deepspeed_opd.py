@@ -94,19 +94,6 @@ def worker(args: dict) -> None:
     torch.save({"history": history, "weights": weights, "world": backend.world}, Path(args["out"]) / "results.pt")
 
 
-@pytest.fixture(scope="module")
-def teacher_dir(tiny_model_dir, tmp_path_factory):
-    """A real teacher: the tiny model with every weight perturbed."""
-    from opd_sao.checkpoints import load_causal_lm, load_tokenizer, save_checkpoint
-
-    torch.manual_seed(1)
-    model = load_causal_lm(tiny_model_dir)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return save_checkpoint(model, load_tokenizer(tiny_model_dir), tmp_path_factory.mktemp("teacher") / "ckpt")
-
-
 def _batch_file(student, tokenizer, path: Path) -> Path:
     """The student's own trajectories (its logprobs as rollout logprobs), 7 of varied length, one of them on the
     second domain: the ranks' shares hold different numbers of action rows, and a forward of that domain's
@@ -130,7 +117,7 @@ def _batch_file(student, tokenizer, path: Path) -> Path:
     return path
 
 
-def test_two_process_zero2_opd_steps_match_torch_backend(tmp_path, tiny_model_dir, teacher_dir, tokenizer, free_port):
+def test_two_process_zero2_opd_steps_match_torch_backend(tmp_path, tiny_model_dir, perturbed_teacher, tokenizer, free_port):
     from opd_sao.trainers import TorchTrainer
     from opd_sao.trajectory import Trajectory, collate
 
@@ -139,7 +126,7 @@ def test_two_process_zero2_opd_steps_match_torch_backend(tmp_path, tiny_model_di
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions"))
     (tmp_path / "ds").mkdir()
-    args = {"out": str(tmp_path / "ds"), "student": str(tiny_model_dir), "teacher": str(teacher_dir),
+    args = {"out": str(tmp_path / "ds"), "student": str(tiny_model_dir), "teacher": str(perturbed_teacher),
             "batch": str(batch_file)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            __file__, json.dumps(args)]
@@ -149,7 +136,7 @@ def test_two_process_zero2_opd_steps_match_torch_backend(tmp_path, tiny_model_di
     batch = collate([Trajectory.from_json(line) for line in batch_file.read_text().splitlines()],
                     tokenizer.pad_token_id)
     start = reference.policy_state_dict()
-    ref_history, ref_weights = _steps(reference, batch, str(tiny_model_dir), str(teacher_dir), tokenizer,
+    ref_history, ref_weights = _steps(reference, batch, str(tiny_model_dir), str(perturbed_teacher), tokenizer,
                                       tmp_path / "torch")
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output[-4000:]

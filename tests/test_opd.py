@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cache import LogitCache
-from opd_sao.checkpoints import load_causal_lm, load_tokenizer, save_checkpoint
+from opd_sao.checkpoints import load_causal_lm
 from opd_sao.config import (
     AlgoConfig,
     ConfigError,
@@ -206,16 +206,6 @@ def _trajectories(model, tokenizer, domains, n_per=3, seed=0):
                                   action_mask=[1] * len(tokens), rollout_logp=logp, versions=[0] * len(tokens),
                                   rewards=[0.0] * (len(tokens) - 1) + [float(i % 2)]))
     return out
-
-
-@pytest.fixture(scope="module")
-def perturbed_teacher(tiny_model_dir, tmp_path_factory):
-    torch.manual_seed(1)
-    model = load_causal_lm(tiny_model_dir)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return save_checkpoint(model, load_tokenizer(tiny_model_dir), tmp_path_factory.mktemp("teacher") / "ckpt")
 
 
 def _learner(student, teacher_dirs, tokenizer, tmp_path, *, lr=1e-9, **opd):
