@@ -209,7 +209,7 @@ def test_validate_env_and_data_inspect_commands(tmp_path, capsys, tiny_model_dir
     assert json.loads(capsys.readouterr().out)["ok"]
     assert cli.main(["data", "inspect", str(DATA / "gsm8k.jsonl"), "--options", '{"prompt_key": "question"}']) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"{DATA / 'gsm8k.jsonl'}: 60 rows, 0 malformed") and "answer: str (60)" in out
+    assert out.startswith(f"{DATA / 'gsm8k.jsonl'}: 300 rows, 0 malformed") and "answer: str (300)" in out
     assert out.count("--- prompt of gsm8k-") == 3 and "#### " in out
     untemplated = without_chat_template(tiny_model_dir, tmp_path / "untemplated")
     assert cli.main(["data", "inspect", str(DATA / "chat_prefs.jsonl"), "--chat-template", str(untemplated)]) == 0
