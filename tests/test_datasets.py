@@ -244,7 +244,8 @@ def test_byo_pipeline_smoke(tmp_path):
                       f"stages.{stage}.gate.enabled=false"]
     for stage in ("reasoning", "agent", "chat"):
         overrides += [f"stages.{stage}.sft.steps=2"]
-    overrides += ["stages.agent.trainer.train_batch_size=8", "stages.agent.env_options.reward_options.allow_rlimit_only=true"]
+    overrides += ["stages.reasoning.trainer.train_batch_size=8", "stages.agent.trainer.train_batch_size=8",
+                  "stages.agent.env_options.reward_options.allow_rlimit_only=true"]
     cfg = load_config(ROOT / "configs" / "byo_data.yaml", overrides)
     cfg.stages[0].env_options["path"] = str(DATA / "gsm8k.jsonl")
     cfg.stages[1].env_options["path"] = str(DATA / "mbpp.jsonl")
