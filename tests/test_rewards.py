@@ -267,3 +267,36 @@ def test_judge_bad_options_are_one_line():
         JudgeReward("http://127.0.0.1:9/v1", "m", on_failure="ignore")
     with pytest.raises(KeyError, match="unknown reward 'regex'"):
         build_reward("regex")
+
+
+def test_a_reward_model_trained_from_a_file_is_retrained_when_the_file_changes(tmp_path):
+    """train_from: the model records what it was trained from; an unchanged file reuses it, an edited file (or
+    other training settings) trains it again, and a model it did not train is refused, never overwritten."""
+    import shutil
+
+    from stages.envs.dataset.files import DatasetError
+    from stages.envs.dataset.preferences import train_from_file
+
+    rows = [{"prompt": f"tell me about topic {i}", "chosen": f"topic {i} is a fine thing to learn about.",
+             "rejected": "no."} for i in range(30)]
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "rm"
+    recorded = lambda: json.loads((out / "config.json").read_text())["reward_model"]["trained_from"]  # noqa: E731
+    assert train_from_file(prefs, out, steps=2)["train_pairs"] > 0
+    first = recorded()
+    assert train_from_file(prefs, out, steps=2) == {} and recorded() == first  # current: reused as it is
+    prefs.write_text(prefs.read_text() + json.dumps({"prompt": "one more", "chosen": "yes, one more.",
+                                                      "rejected": "no."}) + "\n")
+    assert train_from_file(prefs, out, steps=2)["train_pairs"] > 0  # the file changed: trained again
+    assert recorded()["sha256"] != first["sha256"]
+    assert train_from_file(prefs, out, steps=3)["steps"] == 3 and recorded()["steps"] == 3  # settings changed too
+
+    own = tmp_path / "own"
+    shutil.copytree(out, own)
+    config = json.loads((own / "config.json").read_text())
+    del config["reward_model"]["trained_from"]
+    (own / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DatasetError, match="not trained from"):
+        train_from_file(prefs, own, steps=3)
+    assert "trained_from" not in json.loads((own / "config.json").read_text())["reward_model"]

@@ -79,9 +79,10 @@ class RewardModel:
 
 def train_reward_model(init: str | Path, out: str | Path, pairs: list[Pair], heldout: list[Pair], *,
                        steps: int = 300, lr: float = 2e-3, batch_size: int = 32, seed: int = 0,
-                       device: Optional[str] = None) -> dict:
+                       device: Optional[str] = None, trained_from: Optional[dict] = None) -> dict:
     """Train from `init` (an HF causal-LM directory) on `device`, save to `out`; returns the held-out pair
-    accuracy etc."""
+    accuracy etc. (also saved in the model's config as `reward_model`, with `trained_from`: what the pairs
+    came from, so a later run can tell whether the model is still current)."""
     if not pairs or not heldout:
         raise ValueError("training a reward model needs training and held-out preference pairs")
     torch.manual_seed(seed)
@@ -105,6 +106,8 @@ def train_reward_model(init: str | Path, out: str | Path, pairs: list[Pair], hel
             "heldout_good_rate": float((chosen > threshold).float().mean()),
             "heldout_bad_rate": float((rejected > threshold).float().mean()),
             "train_pairs": len(pairs), "heldout_pairs": len(heldout), "steps": steps, "final_loss": float(loss.detach())}
+    if trained_from is not None:
+        info["trained_from"] = trained_from
     model.config.reward_model = info
     save_checkpoint(model, tokenizer, Path(out))
     return info

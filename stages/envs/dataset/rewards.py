@@ -346,9 +346,10 @@ class _Batcher:
 class RewardModelReward(Reward):
     """A local HF `AutoModelForSequenceClassification` directory scores (prompt, response), batched, on
     `device`. The score is sigmoid(raw - threshold) (the threshold the project's reward-model training
-    calibrated, else 0), or with `binary` 1/0 for above/below it. When `path` holds no model and
-    `train_from` names a preference file (rows with `prompt`, `chosen`, `rejected`: the keys are options),
-    one is trained there first (`stages/envs/chat/reward_model.py`, on a tiny backbone built from the file).
+    calibrated, else 0), or with `binary` 1/0 for above/below it. With `train_from`, a preference file (rows
+    with `prompt`, `chosen`, `rejected`: the keys are options), the model at `path` is trained from it first
+    unless it already was, from the same contents and settings (`stages/envs/chat/reward_model.py`, on a
+    tiny backbone built from the file).
     Concurrent scores (episodes step on worker threads) wait up to `batch_wait_s` to share a forward pass.
     """
 
@@ -360,13 +361,13 @@ class RewardModelReward(Reward):
                  batch_wait_s: float = 0.005):
         from stages.envs.chat.reward_model import RewardModel
 
-        if not (Path(path) / "config.json").is_file():
-            if not train_from:
-                raise ValueError(f"reward_model reward: no model at {path!r} and no `train_from` preference file")
+        if train_from:
             from .preferences import train_from_file
 
             train_from_file(Path(train_from), Path(path), prompt_key=prompt_key, chosen_key=chosen_key,
                             rejected_key=rejected_key, steps=train_steps, seed=seed)
+        elif not (Path(path) / "config.json").is_file():
+            raise ValueError(f"reward_model reward: no model at {path!r} and no `train_from` preference file")
         self.model = RewardModel(path, device=device)
         self.binary = binary
         self.threshold = self.model.threshold if threshold is None else float(threshold)
