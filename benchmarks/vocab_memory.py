@@ -17,15 +17,19 @@ critic step (`ValueModel`, frozen fused (sdpa) attention, value loss, backward, 
 
 Every chunked step also reports its achieved FLOP/s against the machine's matmul rate measured in the
 same child, in CPU time (robust to other load). SFT, policy, OPD: the lm head's matmuls (the work at
-this vocabulary) against a plain `torch.matmul` of the lm head's shape; a chunked SFT/policy step does
+this vocabulary) against a plain `torch.matmul` of the lm head's shape, both as written (`h @ w.T`, which
+faults in a fresh [N, V] result each call: `share_of_matmul`) and into a preallocated output (the
+arithmetic rate, the stricter reference: `share_of_matmul_out`); a chunked SFT/policy step does
 4 x 2NHV (forward, and the backward's recomputation, grad-hidden and grad-weight), an OPD step 1 x 2NHV
 for the teacher plus 4 x 2NHV for the student. Critic: every matmul of the step (decoder and value-head
 linears, attention scores and values, forward and backward), recorded at the aten level from the same
 step with eager attention (the fused kernel does the same products inside one call; the full T x T
 score matrix is counted, as PaLM's model-FLOPs utilisation counts it), over the fused step's CPU time,
-against the same matmuls replayed alone. `--threads 1` takes the measure without a second thread spinning at each barrier while
-the OS runs other jobs (on a loaded 2-core machine that spinning is CPU time, and a chunked step has
-many more barriers than one plain matmul).
+against the same matmuls replayed alone. `--threads 1` takes the measure without a second thread
+spinning at each barrier while the OS runs other jobs (on a loaded 2-core machine that spinning is CPU
+time, and a chunked step has many more barriers than one plain matmul). Speed runs (`--methods
+chunked`) use the default allocator, as `opd-sao run` does; a naive-vs-chunked memory comparison runs
+with a 128 KiB malloc mmap threshold (`child_env`).
 
     python benchmarks/vocab_memory.py            # batch 8 x sequence 512 (the issue's setting)
     python benchmarks/vocab_memory.py --quick    # batch 2 x sequence 128
@@ -58,16 +62,22 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def matmul_gflops_per_cpu_s(rows: int, vocab: int) -> float:
-    """A plain torch.matmul of the lm head's shape ([rows, H] @ [H, V]), in GFLOP per CPU-second."""
+def matmul_gflops_per_cpu_s(rows: int, vocab: int) -> tuple[float, float]:
+    """A plain matmul of the lm head's shape ([rows, H] @ [H, V]) in GFLOP per CPU-second, two ways: `h @ w.T`
+    as written (each call faults in a fresh [rows, V] result: gigabytes), and into one preallocated output
+    (the arithmetic rate: the stricter reference)."""
     import torch
 
     h, w = torch.randn(rows, HIDDEN), torch.randn(vocab, HIDDEN)
-    h @ w.T  # warm-up
-    c0, n = time.process_time(), 3
+    out, n, flop = h @ w.T, 3, 2 * rows * HIDDEN * vocab  # warm-up, and the output the second way reuses
+    c0 = time.process_time()
     for _ in range(n):
         h @ w.T
-    return n * 2 * rows * HIDDEN * vocab / (time.process_time() - c0) / 1e9
+    plain = n * flop / (time.process_time() - c0) / 1e9
+    c0 = time.process_time()
+    for _ in range(n):
+        torch.matmul(h, w.T, out=out)
+    return plain, n * flop / (time.process_time() - c0) / 1e9
 
 
 def _matmul_flops(op: str, shapes: list) -> int:
@@ -209,16 +219,28 @@ def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: i
         rows = int(loss_mask.sum())  # the positions the lm head runs on
         flops = LM_HEAD_MATMULS[kind] * 2 * rows * HIDDEN * vocab
         out["lm_head_gflops_per_cpu_s"] = round(flops / out["cpu_s"] / 1e9, 2)
-        out["matmul_gflops_per_cpu_s"] = round(matmul_gflops_per_cpu_s(rows, vocab), 2)
-        out["share_of_matmul"] = round(out["lm_head_gflops_per_cpu_s"] / out["matmul_gflops_per_cpu_s"], 3)
+        plain, arithmetic = matmul_gflops_per_cpu_s(rows, vocab)
+        out["matmul_gflops_per_cpu_s"] = round(plain, 2)
+        out["share_of_matmul"] = round(out["lm_head_gflops_per_cpu_s"] / plain, 3)
+        out["matmul_out_gflops_per_cpu_s"] = round(arithmetic, 2)
+        out["share_of_matmul_out"] = round(out["lm_head_gflops_per_cpu_s"] / arithmetic, 3)
     return out
 
 
-def run_child(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: int, threads: int) -> dict:
+def child_env(compare_memory: bool) -> dict:
+    """The naive-vs-chunked memory comparison runs with a 128 KiB malloc mmap threshold, so freed blocks go back
+    to the OS and peak RSS is what the step needs, not what glibc kept; the speed figures (--methods chunked)
+    run with the default allocator, as `opd-sao run` does (the threshold page-faults every chunk buffer)."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    return {**env, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)} if compare_memory else env
+
+
+def run_child(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: int, threads: int,
+              compare_memory: bool) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", kind, method, "--batch", str(batch), "--seq", str(seq),
                           "--threads", str(threads),
                           "--repeats", str(repeats), "--vocab", str(vocab)], capture_output=True, text=True,
-                         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)})
+                         env=child_env(compare_memory))
     if out.returncode:
         raise SystemExit(f"{kind}/{method} child failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -248,7 +270,8 @@ def main() -> None:
         methods = ["chunked"] if kind in ("opd_top_p", "critic") else args.methods.split(",")
         for method in methods:
             results.setdefault(kind, {})[method] = run_child(kind, method, args.batch, args.seq, args.repeats,
-                                                             args.vocab, args.threads)
+                                                             args.vocab, args.threads,
+                                                             compare_memory="naive" in args.methods)
             print(f"{kind:10s} {method:8s} {results[kind][method]}", flush=True)
         r = results[kind]
         if "naive" in r and "chunked" in r:
