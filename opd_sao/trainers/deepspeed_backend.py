@@ -49,7 +49,8 @@ class Rows:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     top_p: Optional[torch.Tensor] = None  # [B] each row's sampling nucleus (policy forwards)
-    action_mask: Optional[torch.Tensor] = None  # [B, T] (support forwards: one output row per action token)
+    action_mask: Optional[torch.Tensor] = None  # [B, T] policy forwards score these tokens only; support forwards
+    # give one output row per action token
 
 
 @dataclass
@@ -180,7 +181,7 @@ class DeepSpeedTrainer(TrainerBackend):
     # --- forward passes --------------------------------------------------------------------------------
 
     def policy_logprobs(self, batch, temperature: float, grad: bool) -> torch.Tensor:
-        rows = Rows(batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.top_p)
+        rows = Rows(batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.top_p, batch.action_mask.cpu())
         self._announce("_forward", kind="policy", rows=rows, temperature=temperature, grad=grad)
         return self._forward("policy", rows, temperature, grad)
 
@@ -214,12 +215,13 @@ class DeepSpeedTrainer(TrainerBackend):
         active = hi > lo
         if not active:  # ZeRO-3 forwards are collective: every rank runs one, an empty share on a real row
             lo, hi = 0, 1
-        ids, mask = self._local_rows(rows, lo, hi)
+        ids, mask, *acted = self._local_rows(rows, lo, hi)
         engine = self.policy if kind == "policy" else self.critic
         with torch.set_grad_enabled(grad):
-            if kind == "policy":
+            if kind == "policy":  # scored at the action tokens only, the ones every caller reads
                 top_p = rows.top_p[lo:hi] if rows.top_p is not None else None
-                local = sequence_logprobs(engine, ids, mask, temperature, top_p=top_p, full_logits=self.zero3)
+                local = sequence_logprobs(engine, ids, mask, temperature, top_p=top_p, full_logits=self.zero3,
+                                          only=acted[0] if acted else None)
             else:
                 local = engine(ids, mask).float()
             if not active:
