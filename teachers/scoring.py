@@ -25,10 +25,7 @@ import numpy as np
 import torch
 
 from cache import TeacherRecord, capped_nucleus_size
-from opd_sao.modeling import MASKED, RunningTopK, fused_logsumexp, logit_chunks
-
-VOCAB_CHUNK = 8192
-ROW_BLOCK = 256
+from opd_sao.modeling import MASKED, ROW_BLOCK, VOCAB_CHUNK, RunningTopK, fused_logsumexp, logit_chunks
 
 NEG_INF = float("-inf")
 
