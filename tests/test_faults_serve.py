@@ -103,11 +103,18 @@ def test_weight_update_requests_are_checked_and_bounded(server, prompt):
                                             "world_size": 2}, "master_port"),
             ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0,
                                             "world_size": 2}, "rank_offset"),
-            ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}, "group"),
-            ("/update_weights_from_tensor", {"serialized_named_tensors": ["not base64!"],
-                                             "load_format": "safetensors"}, "serialized_named_tensors")]:
+            ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}, "session"),
+            ("/update_weights_from_tensor", {"serialized_named_tensors": ["not base64!"]}, "session"),
+            ("/begin_weight_update", {}, "Success"),
+            ("/update_weights_from_tensor", {"serialized_named_tensors": ["not base64!"]}, "serialized_named_tensors"),
+            ("/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="], "load_format": "safetensors"},
+             "load_format")]:
         bad = requests.post(server + path, json=body, timeout=30)
+        if named == "Success":  # a weight-update session is open (SGLang loads tensors only inside one)
+            assert bad.json()["success"], bad.text
+            continue
         assert bad.status_code == 400 and not bad.json()["success"] and named in bad.json()["message"], bad.text
+    assert requests.post(server + "/end_weight_update", json={}, timeout=30).json()["success"]
     head = ("POST /update_weights_from_tensor HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: {MAX_BODY_BYTES + 1}\r\n")
     assert _raw_request(server, head) == 413

@@ -166,19 +166,19 @@ class DistributedSync(WeightSyncMode):
 
     def serve_init(self, body: dict, target) -> dict:
         name = _group_name(body)
-        backend = body.get("backend", "nccl")
-        if backend not in BACKENDS:
-            raise WeightSyncRefused(f"backend {backend!r}: use gloo or nccl")
-        if backend == "nccl" and not torch.cuda.is_available():
-            raise WeightSyncRefused("backend nccl needs CUDA, which this server does not have: use gloo")
-        if name in self.groups:
-            raise WeightSyncRefused(f"weight update group {name!r} already exists on this server")
         address = body.get("master_address")
         if not isinstance(address, str) or not address or len(address) > 255:
             raise WeightSyncRefused(f"master_address must be a host name or address, got {address!r}")
         port = _integer(body, "master_port", 1, 65535)
         world = _integer(body, "world_size", 2, 1 << 16)
         rank = _integer(body, "rank_offset", 1, world - 1)  # rank 0 is the trainer; this server is TP 1
+        backend = body.get("backend", "nccl")  # SGLang's default
+        if backend not in BACKENDS:
+            raise WeightSyncRefused(f"backend {backend!r}: use gloo or nccl")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise WeightSyncRefused("backend nccl needs CUDA, which this server does not have: use gloo")
+        if name in self.groups:
+            raise WeightSyncRefused(f"weight update group {name!r} already exists on this server")
         try:
             group = self.init_group(backend=backend, init_method=f"tcp://{address}:{port}",
                                     timeout=datetime.timedelta(seconds=self.settings.group_timeout_s),
@@ -191,8 +191,8 @@ class DistributedSync(WeightSyncMode):
 
     def serve_update(self, body: dict, target) -> dict:
         if not target.session_open():
-            raise WeightSyncRefused("update_weights_from_distributed must run between begin_weight_update() and "
-                                    "end_weight_update()")
+            raise WeightSyncRefused("update_weights_from_distributed must run in a weight-update session, between "
+                                    "begin_weight_update() and end_weight_update()")
         name = _group_name(body)
         if name not in self.groups:
             raise WeightSyncRefused(f"no weight update group {name!r}: call /init_weights_update_group first")

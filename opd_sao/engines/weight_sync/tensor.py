@@ -123,8 +123,8 @@ class TensorSync(WeightSyncMode):
 
     def serve_update(self, body: dict, target) -> dict:
         if not target.session_open():
-            raise WeightSyncRefused("update_weights_from_tensor must run between begin_weight_update() and "
-                                    "end_weight_update()")
+            raise WeightSyncRefused("update_weights_from_tensor must run in a weight-update session, between "
+                                    "begin_weight_update() and end_weight_update()")
         load_format = body.get("load_format")
         if load_format not in LOAD_FORMATS:
             raise WeightSyncRefused(f"load_format {load_format!r}: use null or 'flattened_bucket'")
