@@ -2,7 +2,7 @@
 opd-sao's router against sglang-router's policies over 3 servers.
 
 Starts the servers once (one torch thread each, so a server is one core's worth of work), then drives
-the same workload through a Router over the first 1, 2 and 4 of them: prompts of the arithmetic domain,
+the same workload through a Fleet over the first 1, 2 and 4 of them: prompts of the arithmetic domain,
 a mix of long and short responses with fixed lengths (ignore_eos). Reports generated tokens/s and
 samples/s per fleet size. Servers scale only as far as free cores do: the JSON says how many the
 machine has and its load when the benchmark started.
@@ -26,7 +26,7 @@ import json
 import multiprocessing
 import os
 import random
-import socket
+import sys
 import tempfile
 import threading
 import time
@@ -37,18 +37,14 @@ import requests
 from opd_sao.checkpoints import build_tiny_model, encode_text, load_tokenizer
 from opd_sao.config import TinyModelConfig
 from opd_sao.engines.base import GenerationRequest, SamplingParams
-from opd_sao.engines.http import HTTPEngine, start_sglang_router, wait_until_healthy
-from opd_sao.engines.router import Router
+from opd_sao.engines.fleet import Fleet
 from opd_sao.engines.server import MAX_BODY_BYTES, MAX_NEW_TOKENS, serve
 from stages.envs import ENVIRONMENTS
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from launchers import free_port, start_sglang_router, wait_until_healthy  # noqa: E402 (tests/ helpers)
+
 SERVER_BATCH = 16  # sequences each server decodes together; also the router's slots per server
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fork_servers(n: int) -> list[tuple[str, multiprocessing.Process, object]]:
@@ -58,7 +54,7 @@ def fork_servers(n: int) -> list[tuple[str, multiprocessing.Process, object]]:
     ctx = multiprocessing.get_context("fork")
     servers = []
     for i in range(n):
-        port = _free_port()
+        port = free_port()
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_serve_when_told, args=(child, port, i), daemon=True)
         proc.start()
@@ -70,7 +66,8 @@ def _serve_when_told(conn, port: int, seed: int) -> None:
     checkpoint = conn.recv()
     serve(argparse.Namespace(checkpoint=checkpoint, port=port, host="127.0.0.1", max_batch=SERVER_BATCH,
                              dtype="float32", seed=seed, threads=1, weight_version="default",
-                             max_new_tokens=MAX_NEW_TOKENS, max_body_mb=MAX_BODY_BYTES >> 20, device="cpu"))
+                             max_new_tokens=MAX_NEW_TOKENS, max_body_mb=MAX_BODY_BYTES >> 20, device="cpu",
+                             group_timeout_s=60.0))
 
 
 def workload(tokenizer, n: int, long: int, short: int) -> list[GenerationRequest]:
@@ -137,10 +134,10 @@ def compare_routers(urls: list[str], model: Path, workload_: list[GenerationRequ
     for name in names:
         proc = None
         if name == "opd-sao":
-            engine = Router(urls, checkpoint=model, max_inflight=SERVER_BATCH)
+            engine = Fleet(urls, checkpoint=model, max_inflight=SERVER_BATCH)
         else:
             router_url, proc = start_sglang_router(urls, "--policy", name)
-            engine = HTTPEngine(router_url, checkpoint=model, max_inflight=SERVER_BATCH * len(urls))
+            engine = Fleet(router_url, checkpoint=model, max_inflight=SERVER_BATCH * len(urls))
         try:
             engine.generate_all(workload_[:SERVER_BATCH])  # warm-up
             with WorkerMeter(urls) as meter:
@@ -158,7 +155,7 @@ def compare_routers(urls: list[str], model: Path, workload_: list[GenerationRequ
     return rows
 
 
-def measure(router: Router, requests_: list[GenerationRequest]) -> dict:
+def measure(router: Fleet, requests_: list[GenerationRequest]) -> dict:
     router.generate_all(requests_[:SERVER_BATCH])  # warm-up: first-batch allocations on every server
     before = [s["requests"] for s in router.stats.values()]
     t0 = time.perf_counter()
@@ -196,7 +193,7 @@ def main(argv=None) -> dict:
                 wait_until_healthy(url, proc.is_alive)
             rows = []
             for n in sizes:
-                router = Router([url for url, _, _ in servers[:n]], checkpoint=model, max_inflight=SERVER_BATCH)
+                router = Fleet([url for url, _, _ in servers[:n]], checkpoint=model, max_inflight=SERVER_BATCH)
                 rows.append({"servers": n, **measure(router, workload(tokenizer, n_requests, long, short))})
                 router.close()
             comparison = compare_routers([url for url, _, _ in servers[:3]], model,

@@ -32,9 +32,10 @@ from urllib.parse import urlsplit
 
 import requests
 
-from opd_sao.engines.http import wait_until_healthy
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from launchers import free_port, wait_until_healthy  # noqa: E402 (tests/ helpers)
+
 SERVER_CAP = 64  # --max-new-tokens of the server this script starts
 
 
@@ -219,9 +220,7 @@ def main(argv=None) -> dict:
 
             model = build_tiny_model(Path(tmp) / "tiny", ENVIRONMENTS.get("arithmetic")().corpus(500),
                                      TinyModelConfig(), seed=0)
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             url = f"http://127.0.0.1:{port}"
             server = subprocess.Popen([sys.executable, "-m", "opd_sao.cli", "serve", str(model), "--port", str(port),
                                        "--max-batch", str(args.max_batch), "--max-new-tokens", str(cap)],

@@ -1,7 +1,7 @@
 """Weight sync time vs model size: disk, tensor (in the HTTP request) and distributed (gloo broadcast).
 
 For each model size, 2 `opd-sao serve` workers (forked, one torch thread each; the same code as the
-CLI) hold the model; an HTTPEngine over both syncs the same perturbed state dict with each method a
+CLI) hold the model; a Fleet over both syncs the same perturbed state dict with each method a
 few times and reports the median wall time of `update_weights` (the write or serialization, the
 transfer, the swap on both workers and the weight_version check). The distributed path's weight
 update group is made once, at the engine's first sync, and not counted.
@@ -46,8 +46,9 @@ def main(argv=None) -> dict:
     rows = []
     try:
         from opd_sao.checkpoints import build_tiny_model, load_causal_lm
-        from opd_sao.engines.http import HTTPEngine, wait_until_healthy
-        from opd_sao.engines.router import Router
+        from launchers import wait_until_healthy
+
+        from opd_sao.engines.fleet import Fleet
         from stages.envs import ENVIRONMENTS
 
         texts = ENVIRONMENTS.get("arithmetic")().corpus(300)
@@ -66,7 +67,7 @@ def main(argv=None) -> dict:
                 row = {"model": name, "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
                        "float32_mb": round(sum(p.numel() for p in model.parameters()) * 4 / 2**20, 1)}
                 for method in METHODS:
-                    engine: HTTPEngine = Router([url for url, _, _ in fleets[name]], checkpoint=model_dir,
+                    engine: Fleet = Fleet([url for url, _, _ in fleets[name]], checkpoint=model_dir,
                                                 weight_sync=method, weights_dir=str(Path(tmp) / f"w-{name}-{method}"))
                     times = []
                     for version in range(1, repeats + 1):

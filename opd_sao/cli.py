@@ -181,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-mb", type=int, default=256,
                        help="the largest request body accepted (more: HTTP 413); /update_weights_from_tensor carries "
                             "the weights in it, as base64 (4/3 of their bytes)")
+    serve.add_argument("--group-timeout-s", type=float, default=60.0,
+                       help="seconds /init_weights_update_group waits for the weight update group to form")
     serve.set_defaults(func=_cmd_serve)
     config = sub.add_parser("config", help="every config setting: dotted path, type, default and what it does")
     config.add_argument("prefix", nargs="?", default="", help="only settings under this path, e.g. stages[].opd")

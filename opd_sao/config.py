@@ -91,14 +91,26 @@ class EngineConfig(Strict):
         "kind=http: the rollout servers behind a router named in urls (e.g. sglang-router). Generation goes "
         "through the urls; weight syncs, weight_version checks and health checks go to these. Default: asked "
         "from each router (GET /workers)", [])
-    weight_sync: Literal["disk", "tensor", "distributed"] = describe(
-        "kind=http: how weights reach the servers. disk: an HF checkpoint under weights_dir, loaded by "
-        "/update_weights_from_disk (servers read weights_dir); tensor: the tensors inside the HTTP request "
-        "(/update_weights_from_tensor, small models); distributed: a broadcast from this process over a "
-        "weight update group (/init_weights_update_group, /update_weights_from_distributed; gloo)", "disk")
+    weight_sync: str = describe(
+        "kind=http: how weights reach the workers (a registered weight-sync mode, opd_sao/engines/weight_sync/). "
+        "disk: an HF checkpoint under weights_dir, loaded by /update_weights_from_disk (workers read weights_dir); "
+        "tensor: the tensors inside HTTP requests in SGLang's pickled format (/update_weights_from_tensor, "
+        "buckets of weight_sync_bucket_mb); distributed: broadcasts from this process over a weight update "
+        "group (/init_weights_update_group, /update_weights_from_distributed; NCCL on CUDA, gloo on CPU)", "disk")
     weight_sync_address: str = describe(
-        "weight_sync distributed: this process's address as the servers reach it (they join the group's "
+        "weight_sync distributed: this process's address as the workers reach it (they join the group's "
         "store there, on a free port)", "127.0.0.1")
+    weight_sync_bucket_mb: float = describe(
+        "weight_sync tensor and distributed: the most megabytes (MiB) one request or broadcast carries (a larger "
+        "tensor goes alone)", 256.0, gt=0)
+    weight_sync_timeout_s: float = describe(
+        "weight_sync distributed: seconds to form the weight update group before the sync fails", 60.0, gt=0)
+    api_key: Optional[str] = describe(
+        "kind=http: the servers' API key (SGLang's --api-key), sent as Authorization: Bearer; default: the "
+        "environment's OPD_SAO_API_KEY", None)
+    admin_api_key: Optional[str] = describe(
+        "kind=http: the key weight updates are sent with (SGLang's --admin-api-key); default: the environment's "
+        "OPD_SAO_ADMIN_API_KEY, else api_key", None)
     max_batch: int = describe("concurrent sequences in the continuous batch", 32, ge=1)
     dtype: Dtype = describe("embedded engine weights' dtype", "float32")
     deterministic: bool = describe("score every sequence alone with the trainer's kernels (bitwise agreement; slow)",
@@ -106,6 +118,14 @@ class EngineConfig(Strict):
     device: Optional[str] = describe_device("where the embedded engine's model and batches live (auto | cpu | cuda | "
                                             "cuda:N); default: the run's `device`")
 
+
+    @model_validator(mode="after")
+    def _check_weight_sync(self) -> "EngineConfig":
+        from opd_sao.engines.weight_sync import WEIGHT_SYNCS
+
+        if self.weight_sync not in WEIGHT_SYNCS:
+            raise ValueError(f"engine.weight_sync {self.weight_sync!r}: use one of {', '.join(WEIGHT_SYNCS.names())}")
+        return self
 
 class TrainerConfig(Strict):
     """The trainer: backend, optimizers, batch size."""

@@ -52,7 +52,8 @@ def check_before_work(cfg: RunConfig) -> None:
                 raise ValueError(f"stage {stage.name!r}: env_options of {stage.env!r}: {err.args[0]}") from None
     if cfg.model.path != "tiny" and not (Path(cfg.model.path) / "config.json").is_file():
         raise ValueError(f"model.path {cfg.model.path!r} is not an HF-format model directory (no config.json)")
-    check_engine(cfg.engine)  # a rollout fleet that cannot take weights fails now, not after an SFT warm start
+    # a rollout fleet that cannot take weights (or sample at a stage's top_p) fails now, not after an SFT warm start
+    check_engine(cfg.engine, nucleus=any(stage.rollout.top_p < 1 for stage in cfg.stages))
 
 
 def create_run_dir(run_dir: Path) -> set[str] | None:

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
+import launchers
 import pytest
 import torch
 
@@ -46,27 +46,21 @@ def tokenizer(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
 
 
-def _unused_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def free_port():
     """free_port() -> a loopback port nothing listens on (yet)."""
-    return _unused_port
+    return launchers.free_port
 
 
 @pytest.fixture(scope="session")
 def start_server(tmp_path_factory):
     """start_server(checkpoint, *cli_args, port=None) -> (url, process): a real `opd-sao serve` on loopback,
-    one torch thread, not yet healthy (see engines.http.wait_until_healthy); its output goes to a log file in
+    one torch thread, not yet healthy (see launchers.wait_until_healthy); its output goes to a log file in
     the session's temporary directory (a pipe nobody reads would block it). Killed at the session's end."""
     processes, logs = [], tmp_path_factory.mktemp("serve-logs")
 
     def start(checkpoint, *args, port=None):
-        port = port or _unused_port()
+        port = port or launchers.free_port()
         cmd = [sys.executable, "-m", "opd_sao.cli", "serve", str(checkpoint), "--port", str(port), "--threads", "1",
                *map(str, args)]
         with open(logs / f"serve-{port}.log", "w") as log:

@@ -171,11 +171,12 @@ def test_top_p_ratios_are_one_at_equal_versions_on_the_embedded_engine(peaked_di
 
 
 def test_top_p_ratios_are_one_at_equal_versions_behind_opd_sao_serve(peaked_dir, tokenizer, start_server):
-    from opd_sao.engines.http import HTTPEngine, wait_until_healthy
+    from launchers import wait_until_healthy
+    from opd_sao.engines.fleet import Fleet
 
     url, proc = start_server(peaked_dir)
     wait_until_healthy(url, lambda: proc.poll() is None)
-    engine = HTTPEngine(url, checkpoint=peaked_dir)
+    engine = Fleet(url, checkpoint=peaked_dir)
     try:
         trajs = _top_p_rollouts(engine, tokenizer)
     finally:

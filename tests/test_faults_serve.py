@@ -18,7 +18,7 @@ import requests
 import torch
 
 from opd_sao.engines.base import GenerationRequest, SamplingParams
-from opd_sao.engines.http import wait_until_healthy
+from launchers import wait_until_healthy
 
 MAX_NEW_TOKENS = 1000  # the server's cap in these tests (the tiny model has 1024 positions)
 
@@ -103,11 +103,18 @@ def test_weight_update_requests_are_checked_and_bounded(server, prompt):
                                             "world_size": 2}, "master_port"),
             ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0,
                                             "world_size": 2}, "rank_offset"),
-            ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}, "group"),
-            ("/update_weights_from_tensor", {"serialized_named_tensors": ["not base64!"],
-                                             "load_format": "safetensors"}, "serialized_named_tensors")]:
+            ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}, "session"),
+            ("/update_weights_from_tensor", {"serialized_named_tensors": ["not base64!"]}, "session"),
+            ("/begin_weight_update", {}, "Success"),
+            ("/update_weights_from_tensor", {"serialized_named_tensors": ["not base64!"]}, "serialized_named_tensors"),
+            ("/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="], "load_format": "safetensors"},
+             "load_format")]:
         bad = requests.post(server + path, json=body, timeout=30)
+        if named == "Success":  # a weight-update session is open (SGLang loads tensors only inside one)
+            assert bad.json()["success"], bad.text
+            continue
         assert bad.status_code == 400 and not bad.json()["success"] and named in bad.json()["message"], bad.text
+    assert requests.post(server + "/end_weight_update", json={}, timeout=30).json()["success"]
     head = ("POST /update_weights_from_tensor HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: {MAX_BODY_BYTES + 1}\r\n")
     assert _raw_request(server, head) == 413
@@ -325,10 +332,10 @@ class FaultyProxy:
 
 
 def test_a_one_server_run_survives_a_transient_reset(server, tiny_model_dir, prompt):
-    from opd_sao.engines.http import HTTPEngine
+    from opd_sao.engines.fleet import Fleet
 
     proxy = FaultyProxy(server)
-    engine = HTTPEngine(proxy.url, checkpoint=tiny_model_dir, max_inflight=4)
+    engine = Fleet(proxy.url, checkpoint=tiny_model_dir, max_inflight=4)
     proxy.reset_next, proxy.unavailable_next = 2, 2
     results = engine.generate_all([GenerationRequest(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))
                                    for _ in range(6)])
@@ -343,10 +350,10 @@ def test_a_one_server_run_survives_a_transient_reset(server, tiny_model_dir, pro
 @pytest.mark.parametrize("sync", ["disk", "tensor", "distributed"])
 def test_a_dead_server_is_brought_back_when_its_health_recovers(server, tiny_model_dir, prompt, sync):
     """It gets the current weights back the way the engine syncs them (distributed: a new group with it)."""
-    from opd_sao.engines.http import HTTPEngine
+    from opd_sao.engines.fleet import Fleet
 
     proxy = FaultyProxy(server)
-    engine = HTTPEngine(proxy.url, checkpoint=tiny_model_dir, max_inflight=4, weight_sync=sync)
+    engine = Fleet(proxy.url, checkpoint=tiny_model_dir, max_inflight=4, weight_sync=sync)
     engine.update_weights(engine_state(tiny_model_dir), 3)
     proxy.down = True
     # while it is unreachable it "restarts": back at the start checkpoint, version 0
@@ -368,12 +375,12 @@ def test_the_gate_checks_again_after_a_server_rejoins(server, tiny_model_dir, to
     periodic checks off, and only once per rejoin."""
     from opd_sao.config import GateConfig, RolloutConfig, TrainerConfig
     from opd_sao.consistency.gate import ConsistencyGate, probe_episodes
-    from opd_sao.engines.http import HTTPEngine
+    from opd_sao.engines.fleet import Fleet
     from opd_sao.trainers.torch_backend import TorchTrainer
     from stages.envs import ENVIRONMENTS
 
     proxy = FaultyProxy(server)
-    engine = HTTPEngine(proxy.url, checkpoint=tiny_model_dir, max_inflight=4)
+    engine = Fleet(proxy.url, checkpoint=tiny_model_dir, max_inflight=4)
     trainer = TorchTrainer(tiny_model_dir, TrainerConfig(), with_critic=False)
     probe = lambda: probe_episodes(ENVIRONMENTS.get("arithmetic"), tokenizer,  # noqa: E731
                                    RolloutConfig(max_new_tokens=4), domain="arithmetic", n=2, seed=0)
@@ -397,9 +404,9 @@ def test_the_gate_checks_again_after_a_server_rejoins(server, tiny_model_dir, to
 def test_a_timed_out_request_is_sent_again_and_its_healthy_server_kept(server, prompt):
     """A read timeout is not retried in place; the server answers /health, so it stays in the fleet and the
     request is sent again, until it has failed MAX_SENDS times: then the run stops with the error."""
-    from opd_sao.engines.http import MAX_SENDS, HTTPEngine
+    from opd_sao.engines.fleet import MAX_SENDS, Fleet
 
-    engine = HTTPEngine(server, max_inflight=1, timeout=0.3)
+    engine = Fleet(server, max_inflight=1, timeout=0.3)
     with pytest.raises(RuntimeError, match=f"failed on {MAX_SENDS} sends"):
         engine.generate_all([GenerationRequest(prompt, SamplingParams(max_new_tokens=1000, ignore_eos=True))])
     stats = engine.stats[server]

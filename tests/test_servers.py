@@ -16,7 +16,7 @@ import requests
 import torch
 
 from opd_sao.engines.base import GenerationRequest, SamplingParams
-from opd_sao.engines.http import wait_until_healthy
+from launchers import wait_until_healthy
 
 N_SERVERS = 3
 
@@ -35,11 +35,12 @@ def fleet(tiny_model_dir, start_server):
 
 def test_api_logprobs_match_the_trainer_and_prompts_are_scored(fleet, tiny_model_dir, tokenizer):
     from opd_sao.checkpoints import load_causal_lm
-    from opd_sao.engines.http import HTTPEngine, SGLangClient
+    from opd_sao.engines.fleet import Fleet
+    from opd_sao.engines.http import SGLangClient
     from opd_sao.modeling import sequence_logprobs
 
     url = fleet[0][0]
-    engine = HTTPEngine(url, checkpoint=tiny_model_dir, max_inflight=4)
+    engine = Fleet(url, checkpoint=tiny_model_dir, max_inflight=4)
     prompts = [[tokenizer.bos_token_id] + tokenizer.encode(f"{a}+{a}=", add_special_tokens=False) for a in range(6)]
     results = engine.generate_all([GenerationRequest(p, SamplingParams(0.8, 1.0, 6, ignore_eos=True)) for p in prompts])
     model = load_causal_lm(tiny_model_dir)
@@ -69,9 +70,9 @@ def test_api_logprobs_match_the_trainer_and_prompts_are_scored(fleet, tiny_model
 
 
 def test_an_unclosed_engine_leaves_no_weights_directory(fleet, tiny_model_dir):
-    from opd_sao.engines.http import HTTPEngine
+    from opd_sao.engines.fleet import Fleet
 
-    engine = HTTPEngine(fleet[0][0], checkpoint=tiny_model_dir)
+    engine = Fleet(fleet[0][0], checkpoint=tiny_model_dir)
     weights = engine.weights_dir
     assert weights.is_dir()
     del engine
@@ -80,18 +81,18 @@ def test_an_unclosed_engine_leaves_no_weights_directory(fleet, tiny_model_dir):
 
 
 def test_a_dead_url_is_reported_at_start(fleet, free_port):
-    from opd_sao.engines.router import Router
+    from opd_sao.engines.fleet import Fleet
 
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ValueError, match=f"rollout server {dead} is not answering /health"):
-        Router([fleet[0][0], dead])
+        Fleet([fleet[0][0], dead])
 
 
 def test_router_sends_requests_to_the_server_with_fewest_tokens_in_flight(fleet, tiny_model_dir, tokenizer):
-    from opd_sao.engines.router import Router
+    from opd_sao.engines.fleet import Fleet
 
     a, b = fleet[0][0], fleet[1][0]
-    router = Router([a, b], checkpoint=tiny_model_dir, max_inflight=8)
+    router = Fleet([a, b], checkpoint=tiny_model_dir, max_inflight=8)
     prompt = [tokenizer.bos_token_id, 5, 6]
     long = GenerationRequest(prompt, SamplingParams(max_new_tokens=64, ignore_eos=True), est_tokens=64)
     shorts = [GenerationRequest(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True), est_tokens=4)

@@ -19,7 +19,7 @@ import requests
 import torch
 
 from opd_sao.engines.base import GenerationRequest, SamplingParams
-from opd_sao.engines.http import start_sglang_router, wait_until_healthy
+from launchers import start_sglang_router, wait_until_healthy
 
 pytest.importorskip("sglang_router", reason="sglang-router is a test extra: pip install -e .[test]")
 
@@ -67,10 +67,10 @@ def _perturbed(tiny_model_dir, scale: float):
 @pytest.mark.parametrize("sync", ["tensor", "distributed"])
 def test_weight_syncs_without_the_filesystem_reach_every_worker_behind_the_router(
         sync, router, workers, tiny_model_dir, tokenizer):
-    from opd_sao.engines.http import HTTPEngine
+    from opd_sao.engines.fleet import Fleet
     from opd_sao.modeling import sequence_logprobs
 
-    engine = HTTPEngine(router, checkpoint=tiny_model_dir, weight_sync=sync, max_inflight=4)
+    engine = Fleet(router, checkpoint=tiny_model_dir, weight_sync=sync, max_inflight=4)
     assert sorted(engine.workers) == sorted(u for u, _ in workers)  # discovered from the router's /workers
     assert not any(engine.weights_dir.iterdir())  # nothing written to disk, not even the start weights
     state, model = _perturbed(tiny_model_dir, 1.1)
@@ -204,7 +204,7 @@ def test_reasoning_stage_trains_through_sglang_router_and_a_killed_worker_loses_
     killer = threading.Thread(target=kill_mid_stage, daemon=True)
     killer.start()
     try:
-        with caplog.at_level(logging.INFO, logger="opd_sao.engines.http"):
+        with caplog.at_level(logging.INFO, logger="opd_sao.engines.fleet"):
             summary = run_pipeline(cfg, tmp_path, log=lambda m: None)
         killer.join(5)
         deadline = time.monotonic() + 15  # the router's health check marks the dead worker

@@ -4,14 +4,22 @@ from .embedded import EmbeddedEngine
 __all__ = ["GenerationRequest", "GenerationResult", "RolloutEngine", "SamplingParams", "EmbeddedEngine"]
 
 
-def check_engine(cfg) -> None:
-    """Before any work: an http fleet answers, and every router in it has workers (no weights move)."""
+def _client_options(cfg) -> dict:
+    return {"api_key": cfg.api_key, "admin_api_key": cfg.admin_api_key}
+
+
+def check_engine(cfg, nucleus: bool = False) -> None:
+    """Before any work: an http fleet answers, every router in it has workers (no weights move), and with
+    `nucleus` (a stage samples with top_p < 1) the servers return the renormalised sampling logprobs."""
     if cfg.kind == "http":
-        from .http import discover_fleet
+        from .fleet import discover_fleet
 
         if not cfg.urls:
             raise ValueError("engine.kind http needs engine.urls (the rollout servers, e.g. opd-sao serve or SGLang)")
-        discover_fleet(cfg.urls, cfg.workers, timeout=30.0)
+        targets, _ = discover_fleet(cfg.urls, cfg.workers, timeout=30.0, **_client_options(cfg))
+        if nucleus:
+            for client, _ in targets:
+                client.check_sampling_mask()
 
 
 def build_engine(cfg, checkpoint, tokenizer, seed: int, device=None) -> RolloutEngine:
@@ -28,10 +36,13 @@ def build_engine(cfg, checkpoint, tokenizer, seed: int, device=None) -> RolloutE
                               pad_id=tokenizer.pad_token_id, max_batch=cfg.max_batch, seed=seed,
                               deterministic=cfg.deterministic)
     if cfg.kind == "http":
-        from .router import Router
+        from .fleet import Fleet
+        from .weight_sync import SyncSettings
 
         if not cfg.urls:
             raise ValueError("engine.kind http needs engine.urls (the rollout servers, e.g. opd-sao serve or SGLang)")
-        return Router(cfg.urls, checkpoint=checkpoint, weights_dir=cfg.weights_dir, max_inflight=cfg.max_batch,
-                      workers=cfg.workers, weight_sync=cfg.weight_sync, sync_address=cfg.weight_sync_address)
+        sync = SyncSettings(address=cfg.weight_sync_address, bucket_bytes=int(cfg.weight_sync_bucket_mb * (1 << 20)),
+                            group_timeout_s=cfg.weight_sync_timeout_s)
+        return Fleet(cfg.urls, checkpoint=checkpoint, weights_dir=cfg.weights_dir, max_inflight=cfg.max_batch,
+                     workers=cfg.workers, weight_sync=cfg.weight_sync, sync=sync, **_client_options(cfg))
     raise NotImplementedError(f"engine kind {cfg.kind!r} is not available yet")

@@ -38,8 +38,7 @@ from opd_sao.checkpoints import load_causal_lm, load_tokenizer
 from opd_sao.devices import resolve_device
 from opd_sao.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from opd_sao.engines.embedded import EmbeddedEngine
-from opd_sao.engines.weight_transfer import (DTYPES, TENSOR_FORMAT, broadcast, connect_store, join_group,
-                                             unpack_tensors, untied)
+from opd_sao.engines.weight_sync import WEIGHT_SYNCS, SyncSettings, WeightSyncRefused, untied
 from opd_sao.modeling import forward_logits
 
 # sampling_params keys accepted only at these (SGLang default) values: text-only or unimplemented options
@@ -61,8 +60,8 @@ DEFAULT_ONLY_FIELDS = {"stream": (False, None), "return_hidden_states": (False, 
                        "lora_id": (None,), "session_params": (None,), "custom_logit_processor": (None,),
                        "token_ids_logprob": (None,), "data_parallel_rank": (None,), "bootstrap_host": (None,),
                        "bootstrap_port": (None,), "bootstrap_room": (None,)}
-WEIGHT_PATHS = {"/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
-                "/update_weights_from_distributed", "/destroy_weights_update_group"}
+WEIGHT_PATHS = {"/begin_weight_update", "/end_weight_update"} | {
+    path for name in WEIGHT_SYNCS.names() for path in WEIGHT_SYNCS.get(name).routes}
 MIN_TEMPERATURE = 1e-4  # below it logits / T overflows float32 for large logits (SGLang treats it as greedy)
 MAX_NEW_TOKENS = 8192  # the default of `--max-new-tokens`
 # the default of `--max-body-mb`: a 1M-token prompt as JSON is about 8 MB; /update_weights_from_tensor
@@ -132,7 +131,7 @@ class RolloutServer:
 
     def __init__(self, checkpoint: str | Path, *, max_batch: int = 32, seed: int = 0, dtype: str = "float32",
                  weight_version: str = "default", max_new_tokens: int = MAX_NEW_TOKENS,
-                 device: Optional[str] = None):
+                 device: Optional[str] = None, group_timeout_s: float = 60.0):
         self.checkpoint, self.dtype = str(checkpoint), dtype
         self.tokenizer = load_tokenizer(checkpoint)
         self.engine = EmbeddedEngine(load_causal_lm(checkpoint, dtype, resolve_device(device)),
@@ -146,7 +145,9 @@ class RolloutServer:
         self._cond = threading.Condition()
         self._inflight = 0
         self._tokens_inflight = 0  # prompt + max_new_tokens of the requests in flight (/get_load)
-        self._groups: dict[str, tuple] = {}  # weight update groups joined: name -> (process group, store)
+        self._session = False  # a weight-update session is open
+        settings = SyncSettings(group_timeout_s=group_timeout_s)
+        self.weight_syncs = {name: WEIGHT_SYNCS.get(name)(settings) for name in WEIGHT_SYNCS.names()}
         self._updating = False
         self._update_lock = threading.Lock()
         self._ids = itertools.count()
@@ -249,101 +250,39 @@ class RolloutServer:
                 self._add_token_texts(meta)
         return {"text": self.tokenizer.decode(output), "output_ids": output, "meta_info": meta}
 
-    def update_weights_from_disk(self, body: dict) -> dict:
-        path = body.get("model_path")
-        if not isinstance(path, str) or not path or not (Path(path) / "config.json").is_file():
-            raise BadRequest(f"model_path {path!r} is not an HF model directory")
-        _check_update_fields(body)
+    # --- weights: the weight-sync modes' server sides (opd_sao/engines/weight_sync/) load into this --------
+
+    def expected_weights(self) -> dict:
+        return {k: (tuple(v.shape), v.dtype) for k, v in untied(self.engine.model.state_dict()).items()}
+
+    def load_checkpoint(self, path: str) -> dict[str, torch.Tensor]:
+        if not (Path(path) / "config.json").is_file():
+            raise WeightSyncRefused(f"model_path {path!r} is not an HF model directory")
         try:
-            state = load_causal_lm(path, self.dtype).state_dict()
+            return load_causal_lm(path, self.dtype).state_dict()
         except Exception as err:  # noqa: BLE001 (a broken checkpoint is the request's fault)
-            raise BadRequest(f"{path} could not be loaded: {type(err).__name__}: {err}") from None
-        self._check_weight_shapes({k: v.shape for k, v in state.items()}, path)
-        return self._install_weights(state, body)
+            raise WeightSyncRefused(f"{path} could not be loaded: {type(err).__name__}: {err}") from None
 
-    def update_weights_from_tensor(self, body: dict) -> dict:
-        """The weights in the request: one entry of base64 safetensors bytes (one tensor-parallel rank). The
-        body is bounded by --max-body-mb like any other."""
-        _check_update_fields(body)
-        if body.get("load_format") != TENSOR_FORMAT:
-            raise BadRequest(f"load_format {body.get('load_format')!r}: opd-sao serve takes serialized_named_tensors "
-                             f"as base64 safetensors (load_format {TENSOR_FORMAT!r}), not pickled tensors")
-        shards = body.get("serialized_named_tensors")
-        if not isinstance(shards, list) or len(shards) != 1 or not isinstance(shards[0], str):
-            raise BadRequest("serialized_named_tensors must be a list of one string (one tensor-parallel rank)")
-        try:
-            state = unpack_tensors(shards[0])
-        except Exception as err:  # noqa: BLE001 (whatever the parser says, the request is bad)
-            raise BadRequest(f"serialized_named_tensors[0] is not base64 safetensors: {err}") from None
-        self._check_weight_shapes({k: v.shape for k, v in state.items()}, "serialized_named_tensors")
-        return self._install_weights(state, body)
+    def session_open(self) -> bool:
+        return self._session
 
-    def init_weights_update_group(self, body: dict) -> dict:
-        """Join the trainer's weight broadcast group at rank `rank_offset` (blocks until every rank joined)."""
-        name = _group_name(body)
-        if body.get("backend", "gloo") != "gloo":
-            raise BadRequest(f"backend {body.get('backend')!r}: opd-sao serve runs on CPU, use gloo")
-        if name in self._groups:
-            raise BadRequest(f"weight update group {name!r} already exists on this server")
-        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
-        if missing:
-            raise BadRequest(f"init_weights_update_group needs {missing[0]}")
-        address = body["master_address"]
-        if not isinstance(address, str) or not address:
-            raise BadRequest(f"master_address must be a host name or address, got {address!r}")
-        port = _integer("master_port", body["master_port"], 1, 65535)
-        world = _integer("world_size", body["world_size"], 2)
-        rank = _integer("rank_offset", body["rank_offset"], 1, world - 1)  # rank 0 is the trainer
-        store = connect_store(address, port, world)
-        self._groups[name] = (join_group(store, rank, world, name), store)
-        return {"success": True, "message": f"joined weight update group {name!r} as rank {rank} of {world}"}
+    def begin_weight_update(self, body: dict) -> dict:
+        with self._update_lock:
+            if self._session:
+                raise WeightSyncRefused("a weight-update session is already open; call end_weight_update() first")
+            self._session = True
+        return {"success": True, "message": "Success"}
 
-    def update_weights_from_distributed(self, body: dict) -> dict:
-        """Receive every named tensor by broadcast from rank 0 (validated first: a refused request must not
-        leave the trainer waiting in a collective), then swap them in like a disk update."""
-        _check_update_fields(body)
-        name = _group_name(body)
-        if name not in self._groups:
-            raise BadRequest(f"no weight update group {name!r}: call /init_weights_update_group first")
-        if body.get("load_format") is not None:
-            raise BadRequest(f"load_format {body['load_format']!r} is not supported by opd-sao serve")
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        if not all(isinstance(v, list) for v in (names, dtypes, shapes)) or not names \
-                or not len(names) == len(dtypes) == len(shapes):
-            raise BadRequest("names, dtypes and shapes must be non-empty lists of one length")
-        if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
-            raise BadRequest("names must be distinct parameter names")
-        unknown = [d for d in dtypes if not isinstance(d, str) or d not in DTYPES]
-        if unknown:
-            raise BadRequest(f"dtype {unknown[0]!r} is not one of {sorted(DTYPES)}")
-        if not all(isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s)
-                   for s in shapes):
-            raise BadRequest("each shape must be a list of non-negative integers")
-        self._check_weight_shapes(dict(zip(names, shapes)), "names and shapes")
-        group = self._groups[name][0]
-        state = {}
-        for tensor_name, dtype, shape in zip(names, dtypes, shapes):
-            state[tensor_name] = torch.empty(shape, dtype=DTYPES[dtype])
-            broadcast(group, state[tensor_name])
-        return self._install_weights(state, body)
+    def end_weight_update(self, body: dict) -> dict:
+        with self._update_lock:
+            if not self._session:
+                raise WeightSyncRefused("no weight-update session is open; call begin_weight_update() first")
+            self._session = False
+        return {"success": True, "message": "Success"}
 
-    def destroy_weights_update_group(self, body: dict) -> dict:
-        name = _group_name(body)
-        if self._groups.pop(name, None) is None:
-            raise BadRequest(f"no weight update group {name!r}")
-        return {"success": True, "message": f"left weight update group {name!r}"}
-
-    def _check_weight_shapes(self, shapes: dict, source: str) -> None:
-        """Every parameter of the served model (tied ones once) with its shape, and nothing else."""
-        current = self.engine.model.state_dict()
-        wrong = [k for k in untied(current) if k not in shapes or tuple(shapes[k]) != tuple(current[k].shape)]
-        wrong += sorted(k for k in shapes if k not in current)
-        if wrong:
-            raise BadRequest(f"{source} does not match the served model's parameters (first mismatch: {wrong[0]})")
-
-    def _install_weights(self, state: dict[str, torch.Tensor], body: dict) -> dict:
+    def install(self, state: dict[str, torch.Tensor], version) -> None:
         """Swap weights in once the requests in flight have finished (new ones wait meanwhile)."""
-        version = str(body["weight_version"]) if body.get("weight_version") is not None else self.weight_version
+        version = self.weight_version if version is None else version
         with self._update_lock:
             with self._cond:
                 self._updating = True
@@ -355,7 +294,6 @@ class RolloutServer:
                 with self._cond:
                     self._updating = False
                     self._cond.notify_all()
-        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
     # --- helpers ---------------------------------------------------------------------------------------
 
@@ -501,13 +439,6 @@ def _check_update_fields(body: dict) -> None:
         raise BadRequest("abort_all_requests is not supported by opd-sao serve (updates wait for requests)")
 
 
-def _group_name(body: dict) -> str:
-    name = body.get("group_name") or "weight_update_group"
-    if not isinstance(name, str):
-        raise BadRequest(f"group_name must be a string, got {name!r}")
-    return name
-
-
 def _routes(app: RolloutServer) -> dict:
     """(method, path) -> handler(body) for every endpoint but /generate (which watches its client)."""
     return {("GET", "/get_model_info"): lambda _: app.model_info(),
@@ -515,11 +446,19 @@ def _routes(app: RolloutServer) -> dict:
             ("GET", "/get_server_info"): lambda _: app.server_info(),
             ("GET", "/server_info"): lambda _: app.server_info(),
             ("GET", "/get_load"): lambda _: app.load(),
-            ("POST", "/update_weights_from_disk"): app.update_weights_from_disk,
-            ("POST", "/update_weights_from_tensor"): app.update_weights_from_tensor,
-            ("POST", "/init_weights_update_group"): app.init_weights_update_group,
-            ("POST", "/update_weights_from_distributed"): app.update_weights_from_distributed,
-            ("POST", "/destroy_weights_update_group"): app.destroy_weights_update_group}
+            ("POST", "/begin_weight_update"): app.begin_weight_update,
+            ("POST", "/end_weight_update"): app.end_weight_update,
+            **{("POST", path): _weight_route(app, mode, handler) for mode in app.weight_syncs.values()
+               for path, handler in mode.routes.items()}}
+
+
+def _weight_route(app: RolloutServer, mode, handler: str):
+    """A weight-sync mode's server-side handler, bound to this server as its WeightTarget."""
+    def route(body: dict) -> dict:
+        _check_update_fields(body)
+        return getattr(mode, handler)(body, app)
+
+    return route
 
 
 def _handler(app: RolloutServer, max_body_bytes: int = MAX_BODY_BYTES):
@@ -604,7 +543,7 @@ def _handler(app: RolloutServer, max_body_bytes: int = MAX_BODY_BYTES):
             except HTTPError as err:
                 self.close_connection = True  # the stream's framing is lost: nothing more can be read from it
                 return err.status, {"error": {"message": str(err)}}
-            except BadRequest as err:
+            except (BadRequest, WeightSyncRefused) as err:
                 failed = path in WEIGHT_PATHS
                 return 400, {"success": False, "message": str(err)} if failed else {"error": {"message": str(err)}}
             except ClientGone:
@@ -634,7 +573,8 @@ def serve(args) -> int:
     if args.max_new_tokens < 1 or args.max_body_mb < 1:
         raise ValueError("--max-new-tokens and --max-body-mb must be at least 1")
     app = RolloutServer(args.checkpoint, max_batch=args.max_batch, seed=args.seed, dtype=args.dtype,
-                        weight_version=args.weight_version, max_new_tokens=args.max_new_tokens, device=args.device)
+                        weight_version=args.weight_version, max_new_tokens=args.max_new_tokens, device=args.device,
+                        group_timeout_s=args.group_timeout_s)
     httpd = _HTTPServer((args.host, args.port), _handler(app, args.max_body_mb << 20))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"opd-sao serve: {args.checkpoint} on http://{args.host}:{httpd.server_port} "

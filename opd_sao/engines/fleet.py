@@ -1,0 +1,457 @@
+"""A fleet of SGLang-API rollout workers as one RolloutEngine: routing, failover, discovery, rejoin.
+
+Generation: each request goes to a live server picked by the routing policy (`ROUTING`; by default the one
+with the fewest estimated tokens in flight, `est_tokens` else `max_new_tokens`, so long and short
+trajectories spread evenly instead of piling up round-robin). Policy versions travel as SGLang's
+`weight_version` string: every result's tokens carry the version its server reported, so the staleness
+bound holds per worker. Weights: the mode `engine.weight_sync` names (`weight_sync/`) loads them on every
+live worker, and each confirms the new `weight_version` (`/model_info`).
+
+Generation and control are separate: a URL may be an external router (sglang-router), which generation
+goes through, while weight syncs, version checks and health checks go to the workers behind it (listed,
+or asked from the router's `/workers`).
+
+Faults: the client retries transient errors (`retry.py`); a request that still fails is sent again (at
+most MAX_SENDS times), and its server is declared dead only if its `/health` fails too. A router that
+answers with an error is alive: its workers are health-checked instead, and the dead ones taken out. A dead
+server's or worker's `/health` is probed in the background; once it answers, a worker is given the current
+weights back (`RolloutEngine.rejoins` counts it), and either rejoins. A run fails only when every server,
+or every worker, has been down for `down_timeout` seconds.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from .base import GenerationRequest, ResultCallback, RolloutEngine
+from .http import Aborted, PromptLogprobs, ServerDown, ServerError, SGLangClient
+from .retry import ROUTER_TRANSIENT_STATUS
+from .weight_sync import WEIGHT_SYNCS, SyncSettings
+
+log = logging.getLogger(__name__)
+
+MAX_SENDS = 5  # a request that fails this many sends (timeouts, aborts, dying servers) fails the run
+
+
+def least_loaded(servers: list["_Server"], order: list["_Server"]) -> "_Server":
+    """The server with the fewest estimated tokens in flight (then fewest requests, then fleet order)."""
+    return min(servers, key=lambda s: (s.load, s.inflight, order.index(s)))
+
+
+ROUTING: dict[str, Callable[[list, list], object]] = {"least_loaded": least_loaded}
+
+
+def discover_fleet(urls: Iterable[str], workers: Iterable[str] = (), timeout: float = 600.0, **client_options):
+    """Check a fleet before any work: every URL answers /health, and each router (a URL that answers
+    /workers) has workers, `workers` if listed, else those it reports. Returns ([(client, is_router)] per
+    URL, the worker URLs weight syncs go to: the URLs that are servers, then the routers' workers)."""
+    targets, listed, discovered = [], [SGLangClient(u, timeout, **client_options).url for u in workers], []
+    for url in urls:
+        client = SGLangClient(url, timeout, **client_options)
+        if not client.health():
+            raise ValueError(f"rollout server {client.url} is not answering /health")
+        behind = client.router_workers()
+        if behind is not None and not (listed or behind):
+            raise ValueError(f"engine.urls: {client.url} is a router with no workers registered and engine.workers "
+                             "is empty: weight syncs need the workers' URLs")
+        if behind is not None:
+            client.transient = ROUTER_TRANSIENT_STATUS
+        discovered += behind or []
+        targets.append((client, behind is not None))
+    servers = [client.url for client, is_router in targets if not is_router]
+    for url in listed or discovered:
+        if url not in servers and not SGLangClient(url, timeout, **client_options).health():
+            raise ValueError(f"rollout worker {url} is not answering /health")
+    return targets, list(dict.fromkeys(servers + (listed or discovered)))
+
+
+@dataclass
+class _Server:
+    client: SGLangClient
+    slots: int = 0  # generation slots (0: a worker behind a router, used for control only)
+    pool: Optional[ThreadPoolExecutor] = None
+    is_router: bool = False  # generation goes through it, weight syncs to the workers behind it
+    alive: bool = True
+    down_since: float = 0.0  # time.monotonic() when it was declared dead
+    inflight: int = 0  # requests sent, not answered
+    load: int = 0  # their estimated tokens
+    requests: int = 0
+    tokens: int = 0
+    requeued: int = 0
+    revived: int = 0  # times it came back after being declared dead
+
+
+@dataclass
+class _Call:
+    """One generate() call's bookkeeping (several calls may share the engine: rollouts and gate probes)."""
+
+    on_result: ResultCallback
+    retry: deque = field(default_factory=deque)
+    outstanding: int = 0
+    error: Optional[BaseException] = None
+    callback_lock: threading.Lock = field(default_factory=threading.Lock)
+    failed_sends: dict = field(default_factory=dict)  # id(request) -> failed sends, while it waits to be sent again
+
+
+
+class Fleet(RolloutEngine):
+    """Continuous batching over SGLang-API servers: up to `max_inflight` requests in flight on each.
+
+    `checkpoint` is what the workers must hold at policy version 0 (loaded at start, as every later sync);
+    its config and tokenizer files are the template of disk syncs, written under `weights_dir` (a directory
+    the workers can read; default a temporary one). `weight_sync` names the mode (`weight_sync/`), with
+    `sync` its settings; `workers` the URLs behind a router in `urls` (default: asked from it). With every
+    server (or worker) dead, generation waits up to `down_timeout` seconds for one to come back, probing
+    each `probe_s`. `client_options` go to each SGLangClient (api_key, admin_api_key, retries, ...).
+    """
+
+    def __init__(self, urls: list[str] | str, *, checkpoint: Optional[str | Path] = None,
+                 weights_dir: Optional[str] = None, max_inflight: int = 32, timeout: float = 600.0,
+                 down_timeout: float = 60.0, probe_s: float = 1.0, workers: Iterable[str] = (),
+                 weight_sync: str = "disk", sync: Optional[SyncSettings] = None, routing: str = "least_loaded",
+                 **client_options):
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls:
+            raise ValueError("the fleet needs at least one rollout server URL (engine.urls)")
+        if routing not in ROUTING:
+            raise ValueError(f"routing {routing!r}: use one of {sorted(ROUTING)}")
+        mode_cls = WEIGHT_SYNCS.get(weight_sync)
+        self.down_timeout, self.probe_s, self._route = down_timeout, probe_s, ROUTING[routing]
+        self._servers = []
+        targets, worker_urls = discover_fleet(urls, workers, timeout, **client_options)
+        for client, is_router in targets:
+            pool = ThreadPoolExecutor(max_inflight, thread_name_prefix=f"rollout-{client.url}")
+            self._servers.append(_Server(client, max_inflight, pool, is_router=is_router))
+        by_url = {s.client.url: s for s in self._servers}
+        self._workers = [by_url.get(url) or _Server(SGLangClient(url, timeout, **client_options))
+                         for url in worker_urls]
+        self._restore = None  # restore(clients, each): the current weights to these workers (a revival)
+        self._weights_lock = threading.RLock()  # a weight sync and a revival never interleave
+        self._prober: Optional[threading.Thread] = None
+        self._closed = False
+        self._cond = threading.Condition()
+        self._version = 0
+        self.tokens_generated = 0
+        self.template = Path(checkpoint) if checkpoint is not None else None
+        self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="opd-sao-weights-"))
+        # a directory of our own goes at close(), or when the engine is collected or the process exits unclosed
+        self._remove_weights_dir = weakref.finalize(self, shutil.rmtree, self.weights_dir, True) \
+            if weights_dir is None else None
+        settings = sync or SyncSettings()
+        settings.template, settings.weights_dir = self.template, self.weights_dir
+        self._mode = mode_cls(settings)
+        if checkpoint is not None and weight_sync == "disk":
+            self.load_weights(checkpoint, 0)
+        elif checkpoint is not None:  # the start weights travel like every sync: no shared filesystem needed
+            from opd_sao.checkpoints import load_causal_lm
+
+            self.update_weights(load_causal_lm(checkpoint).state_dict(), 0)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.client.url for s in self._servers]
+
+    @property
+    def stats(self) -> dict[str, dict]:
+        """Per server: alive, requests and tokens served, requests sent again after a failure, revivals."""
+        with self._cond:
+            return {s.client.url: {"alive": s.alive, "requests": s.requests, "tokens": s.tokens,
+                                   "requeued": s.requeued, "revived": s.revived, "inflight": s.inflight,
+                                   "load": s.load}
+                    for s in self._servers}
+
+    @property
+    def rejoins(self) -> int:
+        with self._cond:
+            return sum(s.revived for s in self._servers) + sum(
+                w.revived for w in self._workers if all(w is not s for s in self._servers))
+
+    @property
+    def workers(self) -> list[str]:
+        """The servers that hold weights (the URLs themselves unless they are routers)."""
+        return [s.client.url for s in self._workers]
+
+    def _pick(self, servers: list[_Server]) -> _Server:
+        return self._route(servers, self._servers)
+
+    def _alive(self) -> list[_Server]:
+        """The live servers (a router only while a worker is alive); none while all are down (they may come
+        back). RuntimeError once every server, or every worker, has been down for down_timeout seconds."""
+        now = time.monotonic()
+        for fleet, what in ((self._servers, "rollout server"), (self._workers, "rollout worker")):
+            if fleet and not any(s.alive for s in fleet) and now - max(s.down_since for s in fleet) > self.down_timeout:
+                raise RuntimeError(f"every {what} is down (for {self.down_timeout:.0f} s): "
+                                   f"{', '.join(s.client.url for s in fleet)}")
+        workers_alive = any(w.alive for w in self._workers)
+        return [s for s in self._servers if s.alive and (workers_alive or not s.is_router)]
+
+    def _failed(self, server: _Server, err: ServerDown) -> None:
+        """A call failed after its retries: the server is dead only if its /health fails too."""
+        if not server.client.health():
+            self._mark_down(server, err)
+
+    def _mark_down(self, server: _Server, err: BaseException) -> None:
+        with self._cond:
+            if server.alive:
+                server.alive, server.down_since = False, time.monotonic()
+                log.warning("taking %s out of the fleet: %s", server.client.url, err)
+                if self._prober is None:
+                    self._prober = threading.Thread(target=self._probe_dead, daemon=True, name="rollout-prober")
+                    self._prober.start()
+            self._cond.notify_all()
+
+    def _probe_dead(self) -> None:
+        """While a server or worker is dead: probe its /health every probe_s; one that answers gets the
+        current weights (a worker) and rejoins."""
+        while True:
+            with self._cond:
+                dead = [s for s in self._servers if not s.alive]
+                dead += [w for w in self._workers if not w.alive and all(w is not s for s in self._servers)]
+                if not dead or self._closed:
+                    self._prober = None
+                    return
+            for server in dead:
+                if server.client.health():
+                    self._revive(server)
+            time.sleep(self.probe_s)
+
+    def _revive(self, server: _Server) -> None:
+        with self._weights_lock:
+            if any(server is w for w in self._workers) and self._restore is not None:
+                # a collective mode sends to a whole group: the live workers get the same weights again
+                members = self._live_workers() + [server] if self._mode.collective else [server]
+                try:
+                    if all(server is not w for w in self._restore(members)):
+                        return
+                except (ServerDown, ServerError, RuntimeError) as err:
+                    log.warning("%s answers /health but could not be given the weights: %s", server.client.url, err)
+                    return
+            with self._cond:
+                server.alive = True
+                server.revived += 1
+                self._cond.notify_all()
+        log.warning("%s is back in the fleet (weight_version %s)", server.client.url, self._version)
+
+    # --- generation ------------------------------------------------------------------------------------
+
+    def generate(self, requests: Iterable[Optional[GenerationRequest]], on_result: ResultCallback) -> None:
+        call = _Call(on_result)
+        pending = iter(requests)
+        exhausted = False
+        while True:
+            request = None
+            with self._cond:
+                while True:
+                    if call.error is not None:
+                        raise call.error
+                    if exhausted and not call.retry and not call.outstanding:
+                        return
+                    free = [s for s in self._alive() if s.inflight < s.slots]
+                    if free and call.retry:
+                        request = call.retry.popleft()
+                        break
+                    if free and not exhausted:
+                        break
+                    self._cond.wait(0.05)
+            if request is None:
+                try:
+                    request = next(pending)
+                except StopIteration:
+                    exhausted = True
+                    continue
+                if request is None:
+                    time.sleep(0.002)
+                    continue
+            self._dispatch(request, call)
+
+    def _dispatch(self, request: GenerationRequest, call: _Call) -> None:
+        est = request.est_tokens or request.params.max_new_tokens
+        with self._cond:
+            alive = self._alive()
+            if not alive:  # it died since generate() saw it free: wait for one in the retry queue
+                call.retry.appendleft(request)
+                return
+            server = self._pick([s for s in alive if s.inflight < s.slots] or alive)
+            server.inflight += 1
+            server.load += est
+            call.outstanding += 1
+        future = server.pool.submit(server.client.generate, request)
+        future.add_done_callback(lambda f: self._finished(f, server, request, est, call))
+
+    def _finished(self, future: Future, server: _Server, request: GenerationRequest, est: int, call: _Call) -> None:
+        err = future.exception()
+        if self._worker_lost(server, err):
+            err = Aborted(str(err))  # the router is alive; a worker behind it failed the request
+        elif isinstance(err, ServerDown):
+            self._failed(server, err)
+        with self._cond:
+            server.inflight -= 1
+            server.load -= est
+            failed_sends = call.failed_sends.pop(id(request), 0) + (err is not None)
+            if isinstance(err, (ServerDown, Aborted)) and failed_sends < MAX_SENDS:  # not lost: sent again
+                log.info("%s did not complete a request, sent again: %s", server.client.url, err)
+                server.requeued += 1
+                call.failed_sends[id(request)] = failed_sends
+                call.retry.appendleft(request)
+            elif isinstance(err, (ServerDown, Aborted)):
+                call.error = call.error or RuntimeError(f"a request failed on {failed_sends} sends; the last: {err}")
+            elif err is not None:
+                call.error = call.error or err
+            else:
+                result = future.result()
+                server.requests += 1
+                server.tokens += len(result.token_ids)
+                self.tokens_generated += len(result.token_ids)
+            if err is not None:
+                call.outstanding -= 1
+                self._cond.notify_all()
+                return
+        try:
+            with call.callback_lock:  # the caller's callback never runs twice at once
+                call.on_result(result)
+        except BaseException as cb_err:  # surfaced by generate() in the caller's thread
+            with self._cond:
+                call.error = call.error or cb_err
+        finally:
+            with self._cond:
+                call.outstanding -= 1
+                self._cond.notify_all()
+
+    def _worker_lost(self, server: _Server, err: Optional[BaseException]) -> bool:
+        """A router answered with a 5xx even after the client's retries (sglang-router's 500, its own retries
+        disabled or spent, for a request whose worker died): the router is alive, so it is not
+        health-checked and never declared dead for it; its workers are, and the dead ones are taken out (the
+        prober brings them back). The request is sent again like any failed send (MAX_SENDS)."""
+        if not (server.is_router and isinstance(err, (ServerDown, ServerError)) and err.status >= 500):
+            return False
+        for worker in self._live_workers():
+            if not worker.client.health():
+                self._mark_down(worker, err)
+        return True
+
+    # --- weights ---------------------------------------------------------------------------------------
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Every live worker gets the weights (as the weight-sync mode sends them) and confirms `version`; one
+        that cannot be reached is taken out, and gets them when it comes back."""
+        with self._weights_lock:
+            self._sync(lambda workers: self._push(lambda clients, each: self._mode.push(
+                state_dict, version, clients, each), version, workers))
+            self._version = version
+
+    def load_weights(self, path: str | Path, version: int) -> None:
+        """Every live worker loads the HF checkpoint at `path` (a directory it can read) as `version`."""
+        from .weight_sync.disk import DiskSync
+
+        with self._weights_lock:
+            self._sync(lambda workers: self._push(lambda clients, each: DiskSync.load(path, version, clients, each),
+                                                  version, workers))
+            self._version = version
+
+    def _sync(self, restore) -> None:
+        """`restore(workers)` gives workers the new weights: now to the live ones, later to one that comes
+        back. With none live the weights wait for a revival (an error once down for down_timeout)."""
+        self._restore = restore
+        workers = self._live_workers()
+        if workers:
+            restore(workers)
+        with self._cond:
+            self._alive()
+
+    def _live_workers(self) -> list[_Server]:
+        with self._cond:
+            return [w for w in self._workers if w.alive]
+
+    def _push(self, send, version: int, workers: list[_Server]) -> list[_Server]:
+        """`send(clients, each)` loads the weights on `workers`; each one that did must then report `version`.
+        Returns those workers. A failed collective (a worker died mid-sync) is tried once more with the
+        workers that still answer /health."""
+        by_client = {id(w.client): w for w in workers}
+        try:
+            done = send([w.client for w in workers], self._each)
+        except RuntimeError as err:
+            if isinstance(err, ServerError):
+                raise
+            survivors = [w for w in workers if w.client.health()]
+            for worker in workers:
+                if worker not in survivors:
+                    self._mark_down(worker, ServerDown(f"{worker.client.url} died during a weight sync: {err}"))
+            if survivors == workers or not survivors:
+                raise
+            self._mode.forget()
+            return self._push(send, version, survivors)
+        confirmed = []
+        for client in done:
+            reported = client.weight_version()
+            if reported != str(version):
+                raise ServerError(f"rollout server {client.url} reports weight_version {reported!r} "
+                                  f"after loading version {version}")
+            confirmed.append(by_client[id(client)])
+        return confirmed
+
+    def _each(self, update, clients: list[SGLangClient], during=None) -> list[SGLangClient]:
+        """`update(client)` on `clients` in parallel (while `during()` runs here); returns the clients that
+        completed it (one that stopped answering is taken out of the fleet)."""
+        servers = {id(s.client): s for s in self._workers}
+
+        def run(client: SGLangClient) -> bool:
+            try:
+                update(client)
+            except ServerDown as err:
+                self._mark_down(servers[id(client)], err)
+                return False
+            return True
+
+        with ThreadPoolExecutor(max(1, len(clients))) as pool:
+            futures = [pool.submit(run, c) for c in clients]
+            if during is not None:
+                during()
+            return [c for c, future in zip(clients, futures) if future.result()]
+
+    # --- teacher scoring -------------------------------------------------------------------------------
+
+    def score(self, input_ids: list[int], start: int, top_k: int = 0) -> PromptLogprobs:
+        """Prompt logprobs from the least-loaded live server (another one if it is down), sent at most
+        MAX_SENDS times like a generation request."""
+        sends = 0
+        while True:
+            with self._cond:
+                alive = self._alive()
+                if not alive:
+                    self._cond.wait(0.05)
+                    continue
+                server = self._pick(alive)
+            try:
+                return server.client.score(input_ids, start, top_k)
+            except (ServerDown, ServerError) as err:
+                if not self._worker_lost(server, err):
+                    if isinstance(err, ServerError):
+                        raise
+                    self._failed(server, err)
+                sends += 1
+                if sends >= MAX_SENDS:
+                    raise RuntimeError(f"a scoring request failed on {sends} sends; the last: {err}") from err
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+        self._mode.close([w.client for w in self._live_workers()])
+        for server in self._servers:
+            server.pool.shutdown(wait=False)
+        if self._remove_weights_dir is not None:
+            self._remove_weights_dir()

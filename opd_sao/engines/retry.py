@@ -1,0 +1,34 @@
+"""The one retry policy of opd-sao's HTTP calls: urllib3's `Retry`, mounted on a `requests.Session`.
+
+Transient failures are tried again with exponential backoff: a connection refused or reset, a connect
+timeout, and the statuses a proxy or an overloaded server answers with (502/503/504; from a router also
+500, which sglang-router answers when the worker it chose failed). A read timeout is not: another one would
+be spent the same way. Every method is retried (POST included): SGLang's weight calls and /generate are
+safe to send again once the server did not take them; callers whose request must not be repeated (a
+broadcast's receive) pass `retries=0`.
+"""
+from __future__ import annotations
+
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
+
+TRANSIENT_STATUS = frozenset({502, 503, 504})
+ROUTER_TRANSIENT_STATUS = TRANSIENT_STATUS | {500}
+
+
+def retry_policy(retries: int, backoff_s: float, statuses=TRANSIENT_STATUS) -> Retry:
+    """`retries` more tries after the first, waiting about backoff_s, 2x, 4x, ... between them."""
+    return Retry(total=retries, connect=retries, read=False, status=retries, other=0, redirect=0,
+                 backoff_factor=backoff_s, status_forcelist=sorted(statuses), allowed_methods=None,
+                 raise_on_status=False, respect_retry_after_header=False)
+
+
+def retrying_session(retries: int, backoff_s: float, statuses=TRANSIENT_STATUS, pool: int = 64) -> requests.Session:
+    """A keep-alive session whose every request follows `retry_policy` (`pool`: connections kept per host)."""
+    session = requests.Session()
+    adapter = HTTPAdapter(max_retries=retry_policy(retries, backoff_s, statuses), pool_connections=4,
+                          pool_maxsize=pool)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session

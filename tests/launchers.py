@@ -1,0 +1,47 @@
+"""Starting servers for tests and benchmarks: a free loopback port, waiting for /health, sglang-router."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+from opd_sao.engines.http import SGLangClient
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (yet)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(url: str, is_alive, timeout_s: float = 180.0, poll_s: float = 0.2) -> None:
+    """Block until the server at `url` answers /health; RuntimeError if `is_alive()` turns False (the process
+    died) or `timeout_s` passes first."""
+    client, deadline = SGLangClient(url, timeout=1.0), time.monotonic() + timeout_s
+    while not client.health():
+        if not is_alive():
+            raise RuntimeError(f"rollout server {url} exited before answering /health")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rollout server {url} did not answer /health within {timeout_s:.0f} s")
+        time.sleep(poll_s)
+
+
+def start_sglang_router(worker_urls: list[str], *args: str, timeout_s: float = 60.0):
+    """sglang-router (`pip install sglang-router`) on a free loopback port in front of `worker_urls`, with
+    extra CLI `args`; returns (url, process) once it has registered every worker."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "error", "--prometheus-port", str(free_port()),  # two routers: two metrics ports
+           "--worker-urls", *worker_urls, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=timeout_s)
+    client, deadline = SGLangClient(url, timeout=10.0), time.monotonic() + timeout_s
+    while len(client.router_workers() or []) < len(worker_urls):
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"sglang-router at {url} did not register {worker_urls} within {timeout_s:.0f} s")
+        time.sleep(0.2)
+    return url, proc

@@ -1,0 +1,159 @@
+"""SGLang 0.5.23's own server-side Python, loaded from the installed `sglang` wheel (scripts/setup.sh installs it
+with --no-deps) without importing its package, whose imports pull CUDA-only modules: the functions and classes
+named here are parsed out of their modules' source with `ast` and run in a namespace of their own.
+
+- `MultiprocessingSerializer`, `SafeUnpickler`: how a worker reads /update_weights_from_tensor's payload.
+- `init_custom_process_group`: how a worker joins a weight update group.
+- `FlattenedTensorBucket`: how a worker rebuilds a flattened bucket.
+- `receive_weights_from_distributed`: how a worker's model runner receives one broadcast.
+- `SchedulerLogprobResultProcessor._process_input_token_logprobs`: where prompt logprobs get their positions.
+- the HTTP request models (`request_model(name)`): SGLang's msgspec structs, validated as its FastAPI app
+  validates bodies (pydantic, through sglang.srt.utils.msgspec_utils); `GenerateReqInput` (a dataclass).
+"""
+from __future__ import annotations
+
+import ast
+import base64
+import binascii
+import dataclasses
+import importlib.util
+import io
+import pickle
+import sys
+import types
+import typing
+from functools import lru_cache
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+import torch
+
+
+def installed() -> bool:
+    return importlib.util.find_spec("sglang") is not None
+
+
+@lru_cache(None)
+def _root() -> Path:
+    return Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
+
+
+def _definitions(relative: str, names: set[str]) -> str:
+    """The source of the top-level functions and classes `names` of sglang/`relative` (decorators included),
+    in the file's order."""
+    source = (_root() / relative).read_text()
+    lines = source.splitlines()
+    found = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names:
+            first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+            found[node.name] = "\n".join(lines[first - 1:node.end_lineno])
+    missing = names - set(found)
+    if missing:
+        raise LookupError(f"sglang/{relative} has no {sorted(missing)} (not SGLang 0.5.23?)")
+    return "\n\n".join(found.values())
+
+
+def _load(relative: str, names: set[str], namespace: dict) -> dict:
+    """A module of its own (dataclasses look their module up) holding `namespace` and the definitions."""
+    module = types.ModuleType("sglang_code." + relative.replace("/", ".").removesuffix(".py"))
+    module.__dict__.update(namespace)
+    sys.modules[module.__name__] = module
+    exec(compile(_definitions(relative, names), f"sglang/{relative}", "exec"), module.__dict__)  # noqa: S102
+    return module.__dict__
+
+
+@lru_cache(None)
+def common() -> dict:
+    """sglang/srt/utils/common.py: MultiprocessingSerializer, SafeUnpickler, init_custom_process_group."""
+    torch_release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return _load("srt/utils/common.py",
+                 {"MultiprocessingSerializer", "SafeUnpickler", "_safe_load_torch_storage",
+                  "init_custom_process_group"},
+                 {"io": io, "pickle": pickle, "torch": torch, "ForkingPickler": ForkingPickler,
+                  "pybase64": _pybase64(), "binascii": binascii, "torch_release": torch_release})
+
+
+def _pybase64():
+    try:
+        import pybase64
+
+        return pybase64
+    except ImportError:  # the same calls, slower
+        return base64
+
+
+@lru_cache(None)
+def tensor_bucket() -> dict:
+    return _load("srt/weight_sync/tensor_bucket.py", {"FlattenedTensorMetadata", "FlattenedTensorBucket"},
+                 {"dataclass": dataclasses.dataclass, "List": typing.List, "Tuple": typing.Tuple, "torch": torch})
+
+
+def receive_weights_from_distributed(group, names, dtypes, shapes, load_format, device: str = "cpu"):
+    """SGLang's model runner receiving one /update_weights_from_distributed broadcast (its WeightUpdater
+    methods, run on a namespace holding the joined group)."""
+    ns = _load("srt/model_executor/model_runner_components/weight_updater.py", {"WeightUpdater"},
+               {"torch": torch, "FlattenedTensorBucket": tensor_bucket()["FlattenedTensorBucket"],
+                "dataclass": dataclasses.dataclass, "field": dataclasses.field, **_typing()})
+    cls = ns["WeightUpdater"]
+    runner = types.SimpleNamespace(_model_update_group={"g": group}, device=device)
+    runner._receive_bucketed_weights_from_distributed = types.MethodType(
+        cls._receive_bucketed_weights_from_distributed, runner)
+    return cls.receive_weights_from_distributed(runner, names=names, dtypes=dtypes, shapes=shapes, group_name="g",
+                                                load_format=load_format)
+
+
+def process_input_token_logprobs(raw_logprobs: list[float], input_ids: list[int], start: int, vocab_size: int):
+    """SGLang's positions for prompt logprobs: `raw_logprobs[i]` is what its logits processor computes at
+    position start+i (the logprob of token start+i+1 given the tokens up to start+i; the last one the
+    first sampled token's); returns (input_token_logprobs_val, input_token_logprobs_idx) as the scheduler
+    hands them to the tokenizer manager."""
+    ns = _load("srt/managers/scheduler_components/logprob_result_processor.py",
+               {"SchedulerLogprobResultProcessor"},
+               {"dataclass": dataclasses.dataclass, "MIS_DELIMITER_TOKEN_ID": -1, **_typing()})
+    # its self: the model config it reads, and a request that is not a multi-item scoring one
+    processor = types.SimpleNamespace(model_config=types.SimpleNamespace(vocab_size=vocab_size),
+                                      _uses_scoring_positions=lambda req: False)
+    req = types.SimpleNamespace(logprob=types.SimpleNamespace(), origin_input_ids=input_ids, logprob_start_len=start)
+    ns["SchedulerLogprobResultProcessor"]._process_input_token_logprobs(processor, req, list(raw_logprobs))
+    return req.logprob.input_token_logprobs_val, req.logprob.input_token_logprobs_idx
+
+
+def _typing() -> dict:
+    return {name: getattr(typing, name) for name in ("Any", "Callable", "Dict", "List", "Literal", "Optional",
+                                                     "Tuple", "Union", "TYPE_CHECKING")} | {
+        "Annotated": typing.Annotated}
+
+
+@lru_cache(None)
+def _msgspec_utils():
+    spec = importlib.util.spec_from_file_location("sglang_code_msgspec_utils", _root() / "srt/utils/msgspec_utils.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+WEIGHT_REQUESTS = {"UpdateWeightFromDiskReqInput", "UpdateWeightsFromTensorReqInput",
+                   "UpdateWeightsFromDistributedReqInput", "InitWeightsUpdateGroupReqInput",
+                   "DestroyWeightsUpdateGroupReqInput", "BeginWeightUpdateReqInput", "EndWeightUpdateReqInput"}
+
+
+@lru_cache(None)
+def _io_struct() -> dict:
+    import msgspec
+
+    utils = _msgspec_utils()
+    return _load("srt/managers/io_struct.py", {"BaseReq"} | WEIGHT_REQUESTS | {"GenerateReqInput"},
+                 {"msgspec": msgspec, "Base64Bytes": utils.Base64Bytes, "dataclass": dataclasses.dataclass,
+                  "field": dataclasses.field, "msgspec_struct_pydantic_core_schema":
+                      utils.msgspec_struct_pydantic_core_schema, **_typing()})
+
+
+def validate_request(name: str, body: dict):
+    """`body` as SGLang's FastAPI app parses it into request model `name` (pydantic; ValueError if refused)."""
+    import pydantic
+
+    cls = _io_struct()[name]
+    if name == "GenerateReqInput":  # a dataclass: unknown fields are refused by its constructor
+        return cls(**body)
+    return pydantic.TypeAdapter(cls).validate_python(body)
