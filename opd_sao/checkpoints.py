@@ -46,7 +46,7 @@ PROMPT_FORMATS = ("raw", "chat")
 # the patches in place: later models come out on the meta device or uninitialised. Every model
 # construction in the project goes through `pretrained` or holds this lock.
 MODEL_INIT_LOCK = threading.RLock()
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -182,10 +182,11 @@ def pretrained(auto_class, path: str | Path, **kwargs) -> torch.nn.Module:
         return auto_class.from_pretrained(str(path), **kwargs)
 
 
-def load_causal_lm(path: str | Path, dtype: str = "float32", device: Optional[torch.device | str] = None
-                   ) -> torch.nn.Module:
-    """The model in `dtype` (float32 or bfloat16, on any device), moved to `device` (None: where it loads)."""
-    model = pretrained(AutoModelForCausalLM, path, dtype=DTYPES[dtype], attn_implementation="eager")
+def load_causal_lm(path: str | Path, dtype: str = "float32", device: Optional[torch.device | str] = None,
+                   attn_implementation: str = "eager") -> torch.nn.Module:
+    """The model in `dtype` (float32, bfloat16 or float64, on any device), moved to `device` (None: where it
+    loads), with transformers' `attn_implementation` (`model.attn_implementation`)."""
+    model = pretrained(AutoModelForCausalLM, path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
     model.config.use_cache = False
     return model if device is None else model.to(device)
 

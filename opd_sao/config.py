@@ -20,6 +20,7 @@ from opd_sao.devices import DEVICE_PATTERN, resolve_device
 Granularity = Literal["sampled", "top_k", "top_p", "full"]
 Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
 Dtype = Literal["float32", "bfloat16"]
+TrainerDtype = Literal["float32", "bfloat16", "float64"]
 
 
 def algo_name(value: str) -> str:
@@ -142,9 +143,19 @@ class TrainerConfig(Strict):
                                                "names an optimizer)", (0.9, 0.999))
     weight_decay: float = describe("AdamW weight decay", 0.0, ge=0)
     train_batch_size: int = describe("trajectories per policy step", 16, ge=1)
-    dtype: Dtype = describe("the trainer's compute dtype; bfloat16 is mixed precision: weights, gradients and "
-                            "optimizer stay float32 (torch: autocast; deepspeed: its bf16 mode), checkpoints are "
-                            "written float32 (torch) or bfloat16 (deepspeed)", "float32")
+    dtype: TrainerDtype = describe("the trainer's compute dtype; bfloat16 is mixed precision: weights, gradients and "
+                                   "optimizer stay float32 (torch: autocast; deepspeed: its bf16 mode), checkpoints "
+                                   "are written float32 (torch) or bfloat16 (deepspeed); float64: weights, optimizer "
+                                   "and compute in float64 (exactness checks)", "float32")
+    micro_batch_size: Optional[int] = describe(
+        "trajectories per forward/backward pass (per rank under DeepSpeed); a step's gradients are accumulated over "
+        "its micro-batches and its update is the whole batch's (null: the whole batch at once)", None, ge=1)
+    max_tokens_per_micro_batch: Optional[int] = describe(
+        "token budget of a forward/backward pass: rows x longest sequence (padding included); trajectories are "
+        "packed by length to minimise padding, a longer one goes alone (null: no budget; with micro_batch_size "
+        "both limits hold)", None, ge=1)
+    gradient_checkpointing: bool = describe("recompute each decoder layer's activations in the backward instead of "
+                                            "keeping them (policy and critic; non-reentrant)", False)
     deepspeed_config: Optional[dict[str, Any]] = describe("backend=deepspeed: a DeepSpeed config dict (defaults to "
                                                           "ZeRO-2)", None)
     slowdown_s: float = describe("artificial delay per step, to force staleness in experiments", 0.0, ge=0)

@@ -35,7 +35,7 @@ def resolve_device(spec: Optional[str]) -> torch.device:
 def mixed_precision(device: torch.device, dtype: str) -> ContextManager:
     """The trainers' compute precision: float32 master weights (AdamW's small updates are not rounded away,
     as they are on bfloat16 weights), with `dtype: bfloat16` the forward's matmuls in bfloat16 under
-    `torch.autocast`; float32: nothing to do."""
-    if dtype == "float32":
+    `torch.autocast`; float32 (and float64, whose weights are float64 too): nothing to do."""
+    if dtype != "bfloat16":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=getattr(torch, dtype))

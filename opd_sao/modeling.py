@@ -224,7 +224,7 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0
     weight, bias = lm_head(model)
     hidden = hidden_states(model, input_ids, attention_mask)
     logp = token_logprobs(hidden[b, t], weight, bias, input_ids[b, t + 1], temps, nucleus)
-    return out.index_put((b, t + 1), logp.float())
+    return out.to(acc_dtype(weight)).index_put((b, t + 1), logp)  # float32 (float64 for exactness tests)
 
 
 def nucleus_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -164,7 +164,7 @@ class OPDLearner(ResumableLearner):
         pg_loss, pg_metrics = A.sao_policy_loss(logp, batch.rollout_logp, advantages, pg_mask,
                                                 self.sao.eps_low, self.sao.eps_high)
         on_sampled = sampled_mask[rows.b, rows.t]
-        stats.kl[on_sampled] = (logp.detach() - teacher_sampled)[rows.b, rows.t][on_sampled]  # k1 estimator
+        stats.kl[on_sampled] = (logp.detach() - teacher_sampled)[rows.b, rows.t][on_sampled].float()  # k1 estimator
         metrics.update(mask_fraction=pg_metrics["mask_fraction"], ratio_mean=pg_metrics["ratio_mean"],
                        adv_mean=float(advantages[pg_mask].mean()) if pg_mask.any() else 0.0,
                        adv_std=float(advantages[pg_mask].std()) if pg_mask.sum() > 1 else 0.0)

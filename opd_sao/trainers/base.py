@@ -15,6 +15,7 @@ import torch
 from ..config import TrainerConfig
 from ..modeling import hidden_states, lm_head, logit_chunks, support_logprobs
 from ..trajectory import Batch
+from .micro_batches import Rows, micro_batches
 
 SupportLogprobs = tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
@@ -22,6 +23,33 @@ SupportLogprobs = tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 def adamw(params, lr: float, cfg: TrainerConfig) -> torch.optim.AdamW:
     """The policy's and the critic's optimizer, with the config's betas and weight decay."""
     return torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
+
+
+def weights_dtype(cfg: TrainerConfig) -> str:
+    """The dtype the trained weights are kept in: float32 master weights (bfloat16 only computes), or float64."""
+    return "float64" if cfg.dtype == "float64" else "float32"
+
+
+def prepare(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
+    """Train mode, and `trainer.gradient_checkpointing` (transformers' activation checkpointing, formerly
+    gradient_checkpointing_enable: each decoder layer, in train mode only; non-reentrant, so the chunked lm head
+    and DeepSpeed's hooks see ordinary autograd)."""
+    model.train()
+    if cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def split(rows: Rows, cfg: TrainerConfig) -> list[torch.Tensor]:
+    """The micro-batches of these rows under `trainer.micro_batch_size` / `max_tokens_per_micro_batch`."""
+    return micro_batches(rows.lengths(), cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+
+
+def action_rows_of(rows: Rows, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each micro-batch's rows of a support output (one row per action token, trajectory order)."""
+    starts = rows.action_rows()
+    return [torch.cat([torch.zeros(0, dtype=torch.long)] + [torch.arange(int(starts[i]), int(starts[i + 1]))
+                                                            for i in part.tolist()]) for part in parts]
 
 
 def action_support_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor,

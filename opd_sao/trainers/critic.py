@@ -21,22 +21,28 @@ from ..modeling import position_ids_for
 VALUE_HEAD_FILE = "value_head.safetensors"
 
 
+def critic_attention(policy_attention: str) -> str:
+    """The critic's attention: flash_attention_2 when the policy's is, else sdpa (fused; the critic is never
+    compared with the engine, so it need not match the policy's eager)."""
+    return "flash_attention_2" if policy_attention == "flash_attention_2" else "sdpa"
+
+
 class ValueModel(nn.Module):
     def __init__(self, backbone: nn.Module, hidden_size: int):
         super().__init__()
         self.backbone = backbone
-        self.value_head = nn.Linear(hidden_size, 1)
+        self.value_head = nn.Linear(hidden_size, 1, dtype=backbone.dtype)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: str = "float32") -> "ValueModel":
+    def from_pretrained(cls, path: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> "ValueModel":
         """From a policy checkpoint (zero value head) or a saved critic (`save_pretrained`: its trained head)."""
         with MODEL_INIT_LOCK:  # the head's nn.init must not run while another thread loads a model
-            # fused attention: the critic is never compared with the engine (the policy keeps eager attention,
-            # as the engine does), and eager's separate passes over [B, heads, T, T] scores cost as much as
-            # its matmuls (benchmarks/vocab_memory.py --kinds critic: 1.8x the step time)
-            backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], attn_implementation="sdpa")
+            # fused attention: eager's separate passes over [B, heads, T, T] scores cost as much as its matmuls
+            # (benchmarks/vocab_memory.py --kinds critic: 1.8x the step time)
+            backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype],
+                                                 attn_implementation=critic_attention(attn_implementation))
             model = cls(backbone, backbone.config.hidden_size)
         head = Path(path) / VALUE_HEAD_FILE
         if head.is_file():
@@ -55,6 +61,10 @@ class ValueModel(nn.Module):
         os.replace(tmp, out_dir)
         return out_dir
 
+    def activation_checkpointing_enable(self, **kwargs) -> None:
+        """The backbone's (transformers') activation checkpointing, as a causal LM's."""
+        self.backbone.activation_checkpointing_enable(**kwargs)
+
     def freeze_attention(self) -> None:
         for name, param in self.backbone.named_parameters():
             param.requires_grad_(".mlp." in name)
@@ -63,7 +73,8 @@ class ValueModel(nn.Module):
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask)
         ).last_hidden_state
-        state_values = self.value_head(hidden.float()).squeeze(-1)  # value after reading token t
+        # the head's dtype: float32 master weights (bf16 compute: float32 hidden states), DeepSpeed's bf16, float64
+        state_values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # after reading token t
         values = torch.zeros_like(state_values)
         values[:, 1:] = state_values[:, :-1]  # V(s_t): state before token t
         return values * attention_mask

@@ -35,7 +35,9 @@ from opd_sao.checkpoints import load_causal_lm, save_checkpoint
 from ..config import TrainerConfig
 from ..devices import resolve_device
 from ..modeling import sequence_logprobs
-from .base import SupportLogprobs, TrainerBackend, action_support_logprobs, adamw
+from .micro_batches import Deferred, Outputs, Rows, micro_forward, widen
+from .base import (SupportLogprobs, TrainerBackend, action_rows_of, action_support_logprobs, adamw, prepare, split,
+                   weights_dtype)
 from .critic import ValueModel
 
 # Followers block in a broadcast while rank 0 runs SFT, evaluations or rollouts; those can take hours.
@@ -43,30 +45,20 @@ COLLECTIVE_TIMEOUT = timedelta(hours=6)
 
 
 @dataclass
-class Rows:
-    """The part of a batch the trainer's forward passes need; what rank 0 sends to the other ranks."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    top_p: Optional[torch.Tensor] = None  # [B] each row's sampling nucleus (policy forwards)
-    action_mask: Optional[torch.Tensor] = None  # [B, T] policy forwards score these tokens only; support forwards
-    # give one output row per action token
-
-
-@dataclass
 class _Pending:
-    """A grad=True output waiting for its loss: this rank's rows lo:hi of it (with graph) and rank 0's leaf (the
-    whole output, `shape`)."""
+    """A grad=True forward waiting for its loss: this rank's rows lo:lo + n of its outputs (with their graph, or
+    no-graph leaves that `deferred` re-runs in micro-batches) and rank 0's leaves (the whole outputs, `shapes`)."""
 
-    local: torch.Tensor
+    local: tuple[torch.Tensor, ...]
     lo: int
-    hi: int
-    shape: tuple
-    leaf: Optional[torch.Tensor]
+    shapes: list[tuple]
+    leaves: list[Optional[torch.Tensor]]
+    deferred: Optional[Deferred]
 
-    def grad_share(self, grad: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the leaf's gradient, cut to `local`'s shape (a share may be narrower)."""
-        return grad[self.lo:self.hi][(slice(None),) + tuple(slice(0, n) for n in self.local.shape[1:])]
+    def grad_shares(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's part of each leaf's gradient, cut to its local output's shape (a share may be narrower)."""
+        return [grad[self.lo:self.lo + x.shape[0]][(slice(None),) + tuple(slice(0, n) for n in x.shape[1:])]
+                for x, grad in zip(self.local, grads)]
 
 
 def _free_port() -> int:
@@ -127,7 +119,7 @@ def deepspeed_config(cfg: TrainerConfig, lr: float) -> dict:
 
 class DeepSpeedTrainer(TrainerBackend):
     def __init__(self, checkpoint: str | Path, cfg: TrainerConfig, *, with_critic: bool = True,
-                 critic_from: str | Path | None = None):
+                 critic_from: str | Path | None = None, attn_implementation: str = "eager"):
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
@@ -142,20 +134,20 @@ class DeepSpeedTrainer(TrainerBackend):
             raise ValueError(f"trainer.device {cfg.device!r} is {wanted}, but DeepSpeed's accelerator runs on "
                              f"{self.device} (DS_ACCELERATOR={wanted.type} chooses it)")
         self._announce("init", checkpoint=self.checkpoint, cfg=cfg.model_dump(), with_critic=with_critic,
-                       critic_from=critic_from)
+                       critic_from=critic_from, attn_implementation=attn_implementation)
+        self.attn_implementation = attn_implementation
         policy_ds = deepspeed_config(cfg, cfg.policy_lr)
         # Under ZeRO-3 every rank loads the full model, then DeepSpeed partitions it (partitioning while
         # loading needs transformers' DeepSpeed integration, hence `accelerate`, which is no dependency).
         self.zero3 = policy_ds["zero_optimization"]["stage"] == 3
-        policy = load_causal_lm(checkpoint, "float32")
+        policy = prepare(load_causal_lm(checkpoint, weights_dtype(cfg), attn_implementation=attn_implementation), cfg)
         self.policy, _ = self._engine(deepspeed, policy, policy_ds, cfg.policy_lr, cfg)
         self.critic = None
         if with_critic:
-            critic = ValueModel.from_pretrained(self.critic_source, "float32")
+            critic = prepare(ValueModel.from_pretrained(self.critic_source, weights_dtype(cfg), attn_implementation),
+                             cfg)
             if cfg.freeze_critic_attention:
                 critic.freeze_attention()
-            # The head reads fp32 hidden states; under bf16 DeepSpeed casts the head too.
-            critic.value_head.register_forward_pre_hook(lambda mod, args: (args[0].to(mod.weight.dtype),))
             self.critic, _ = self._engine(deepspeed, critic, deepspeed_config(cfg, cfg.critic_lr), cfg.critic_lr, cfg)
         self._pending: dict[str, list[_Pending]] = {"policy": [], "critic": []}
         self.policy_version = 0
@@ -181,14 +173,14 @@ class DeepSpeedTrainer(TrainerBackend):
     # --- forward passes --------------------------------------------------------------------------------
 
     def policy_logprobs(self, batch, temperature: float, grad: bool) -> torch.Tensor:
-        rows = Rows(batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.top_p, batch.action_mask.cpu())
+        rows = Rows.of(batch, top_p=True, actions=True)
         self._announce("_forward", kind="policy", rows=rows, temperature=temperature, grad=grad)
         return self._forward("policy", rows, temperature, grad)
 
     def critic_values(self, batch, grad: bool) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("this trainer was built without a critic (the algorithm needs none)")
-        rows = Rows(batch.input_ids.cpu(), batch.attention_mask.cpu())
+        rows = Rows.of(batch)
         self._announce("_forward", kind="critic", rows=rows, temperature=1.0, grad=grad)
         return self._forward("critic", rows, 1.0, grad)
 
@@ -197,46 +189,48 @@ class DeepSpeedTrainer(TrainerBackend):
         chunk = -(-B // self.world)
         return [(min(B, r * chunk), min(B, (r + 1) * chunk)) for r in range(self.world)]
 
-    def _local_rows(self, rows: Rows, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
-        """Rows lo:hi (input ids, attention mask, action mask if any) on this rank's device, cut at their longest
-        sequence (right padding: the columns past it are padding)."""
-        mask = rows.attention_mask[lo:hi]
-        width = max(1, int(mask.sum(-1).max()))
-        out = [rows.input_ids[lo:hi, :width], mask[:, :width]]
-        if rows.action_mask is not None:
-            out.append(rows.action_mask[lo:hi, :width])
-        return tuple(x.to(self.device) for x in out)
+    def _parts(self, rows: Rows, shares: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """This rank's micro-batches (rows of the whole batch), as many as the rank with the most has: forwards and
+        backwards are collective (ZeRO-3's gathers, ZeRO-2's reductions), so a rank with fewer adds empty ones."""
+        counts, mine = [], []
+        for r, (lo, hi) in enumerate(shares):
+            parts = [lo + part for part in split(Rows(rows.input_ids[lo:hi], rows.attention_mask[lo:hi]), self.cfg)
+                     ] if hi > lo else []
+            counts.append(len(parts))
+            mine = parts if r == self.rank else mine
+        return mine + [torch.zeros(0, dtype=torch.long)] * (max(counts) - len(mine))
 
     def _forward(self, kind: str, rows: Rows, temperature: float, grad: bool) -> Optional[torch.Tensor]:
-        """This rank's contiguous share of the rows, gathered into the full [B, T] tensor on rank 0."""
+        """This rank's contiguous share of the rows, in micro-batches, gathered into the full [B, T] tensor on rank
+        0."""
         B, T = rows.input_ids.shape
         shares = self._shares(B)
         lo, hi = shares[self.rank]
-        active = hi > lo
-        if not active:  # ZeRO-3 forwards are collective: every rank runs one, an empty share on a real row
-            lo, hi = 0, 1
-        ids, mask, *acted = self._local_rows(rows, lo, hi)
         engine = self.policy if kind == "policy" else self.critic
-        with torch.set_grad_enabled(grad):
-            if kind == "policy":  # scored at the action tokens only, the ones every caller reads
-                top_p = rows.top_p[lo:hi] if rows.top_p is not None else None
-                local = sequence_logprobs(engine, ids, mask, temperature, top_p=top_p, full_logits=self.zero3,
-                                          only=acted[0] if acted else None)
-            else:
-                local = engine(ids, mask).float()
-            if not active:
-                local = local * 0
-        return self._output(kind, local, lo, [h - l for l, h in shares], (T,), grad)
 
-    def _output(self, kind: str, local: torch.Tensor, lo: int, counts: list[int], trailing: tuple,
-                grad: bool) -> Optional[torch.Tensor]:
+        def forward(part, _):
+            r = rows.take(part if len(part) else torch.zeros(1, dtype=torch.long), self.device)  # an empty part
+            if kind == "policy":  # scored at the action tokens only, the ones every caller reads  # runs on a row
+                out = sequence_logprobs(engine, r.input_ids, r.attention_mask, temperature, top_p=r.top_p,
+                                        full_logits=self.zero3, only=r.action_mask)
+            else:
+                out = engine(r.input_ids, r.attention_mask)
+            return (widen(out, T)[:len(part)],)
+
+        parts = self._parts(rows, shares)
+        local, deferred = micro_forward(forward, parts, [part - lo for part in parts], hi - lo, grad,
+                                 keep_graph=len(parts) == 1)
+        return self._output(kind, local, lo, [h - l for l, h in shares], deferred, grad)[0]
+
+    def _output(self, kind: str, local: Outputs, lo: int, counts: list[int], deferred: Optional[Deferred],
+                grad: bool) -> list[Optional[torch.Tensor]]:
         """Every rank's `local` rows (rank r's: counts[r] rows, starting at row `lo` of the whole) gathered on rank
-        0 as a leaf; with grad, `local` waits for the next step of `kind`."""
-        whole = self._gather(local.detach(), counts, trailing)
-        leaf = whole.clone().requires_grad_(grad) if self.rank == 0 else None  # rank 0's loss is computed here
+        0 as leaves; with grad, the outputs wait for the next step of `kind`."""
+        wholes = [self._gather(x.detach(), counts, tuple(x.shape[1:])) for x in local]
+        leaves = [w.clone().requires_grad_(grad) if self.rank == 0 else None for w in wholes]  # rank 0's loss
         if grad:
-            self._pending[kind].append(_Pending(local, lo, lo + local.shape[0], tuple(whole.shape), leaf))
-        return leaf
+            self._pending[kind].append(_Pending(local, lo, [tuple(w.shape) for w in wholes], leaves, deferred))
+        return leaves
 
     def _gather(self, local: torch.Tensor, counts: list[int], trailing: tuple) -> torch.Tensor:
         """[sum(counts), *trailing]: rank r's first counts[r] rows, in rank order (each share zero-padded to the
@@ -257,15 +251,15 @@ class DeepSpeedTrainer(TrainerBackend):
         if self.zero3:  # config refuses this: the chunked lm head reads a weight ZeRO-3 holds only inside forward
             raise RuntimeError("under ZeRO-3 the policy's lm head weight is partitioned: support log-probs need "
                                "ZeRO stage 1 or 2")
-        rows = Rows(batch.input_ids.cpu(), batch.attention_mask.cpu(), action_mask=batch.action_mask.cpu())
+        rows = Rows.of(batch, actions=True)
         self._announce("_support_forward", rows=rows, whole_vocab=support_ids is None, vocab_chunk=vocab_chunk,
                        top_k=top_k)
         return self._support_forward(rows, support_ids is None, vocab_chunk, top_k, (support_ids, support_mask))
 
     def _support_forward(self, rows: Rows, whole_vocab: bool, vocab_chunk: int, top_k: int,
                          support: tuple = (None, None)) -> SupportLogprobs:
-        starts = torch.cat([torch.zeros(1, dtype=torch.long), rows.action_mask.bool().sum(1).cumsum(0)])
-        shares = self._shares(rows.input_ids.shape[0])
+        starts = rows.action_rows()
+        shares = self._shares(len(rows))
         row_shares = [(int(starts[lo]), int(starts[hi])) for lo, hi in shares]  # each share's action rows
         ids, mask = support
         if not whole_vocab and self.world > 1:  # each rank receives its rows of the support only
@@ -275,19 +269,26 @@ class DeepSpeedTrainer(TrainerBackend):
             ids, mask = box[0]
         if not whole_vocab:
             ids, mask = ids.to(self.device), mask.to(self.device)
-        lo, hi = shares[self.rank]
-        active = hi > lo
-        input_ids, attention, action = self._local_rows(rows, *((lo, hi) if active else (0, 1)))
-        if not active:  # no rows, but a backward (of zeros) through every weight all the same, as ZeRO expects
-            action = torch.zeros_like(action)
-        with torch.enable_grad():
-            logp, tail, top = action_support_logprobs(self.policy.module, input_ids, attention, action, ids, mask,
-                                                      vocab_chunk=vocab_chunk, top_k=top_k)
-        r_lo, counts = row_shares[self.rank][0], [b - a for a, b in row_shares]
-        outputs = [self._output("policy", x, r_lo, counts, tuple(x.shape[1:]), grad=True) for x in (logp, tail)]
-        if top is not None:
-            top = self._gather(top, counts, tuple(top.shape[1:]))
-        return outputs[0], outputs[1], top
+        r_lo = row_shares[self.rank][0]
+
+        def forward(part, where):
+            r = rows.take(part if len(part) else torch.zeros(1, dtype=torch.long), self.device)
+            action = r.action_mask if len(part) else torch.zeros_like(r.action_mask)  # an empty part: no rows, but
+            # a backward (of zeros) through every weight all the same, as ZeRO expects
+            sub = (None, None) if whole_vocab else (ids[where.to(ids.device)], mask[where.to(mask.device)])
+            with torch.enable_grad():
+                logp, tail, top = action_support_logprobs(self.policy.module, r.input_ids, r.attention_mask, action,
+                                                          *sub, vocab_chunk=vocab_chunk, top_k=top_k)
+            return (logp, tail) if top is None else (logp, tail, top)
+
+        parts = self._parts(rows, shares)
+        out_rows = [rows_ - r_lo for rows_ in action_rows_of(rows, parts)]
+        local, deferred = micro_forward(forward, parts, out_rows, row_shares[self.rank][1] - r_lo, True,
+                                 keep_graph=len(parts) == 1)
+        counts = [b - a for a, b in row_shares]
+        logp, tail = self._output("policy", local[:2], r_lo, counts, deferred, grad=True)
+        top = self._gather(local[2], counts, tuple(local[2].shape[1:])) if len(local) > 2 else None
+        return logp, tail, top
 
     # --- updates ---------------------------------------------------------------------------------------
 
@@ -300,25 +301,43 @@ class DeepSpeedTrainer(TrainerBackend):
         return self._step("critic", loss)
 
     def _step(self, kind: str, loss: Optional[torch.Tensor]) -> float:
-        """Back-propagate the loss through every grad=True forward of `kind` since the last step; one optimizer
-        step."""
+        """Back-propagate the loss through every grad=True forward of `kind` since the last step (those that ran in
+        micro-batches: one backward per micro-batch, gradients accumulated); one optimizer step."""
         self._announce(f"step_{kind}", loss=None)
         pending, self._pending[kind] = self._pending[kind], []
         if not pending:
             raise RuntimeError(f"step_{kind} needs a {kind} forward with grad=True first")
+        shapes = [shape for p in pending for shape in p.shapes]
         if self.rank == 0:
-            grads = torch.autograd.grad(loss, [p.leaf for p in pending], allow_unused=True)
-            grads = [torch.zeros(p.shape, device=self.device) if g is None
-                     else g.to(self.device, torch.float32).contiguous() for p, g in zip(pending, grads)]
+            grads = torch.autograd.grad(loss, [leaf for p in pending for leaf in p.leaves], allow_unused=True)
+            grads = [torch.zeros(shape, device=self.device) if g is None
+                     else g.to(self.device, torch.float32 if g.dtype != torch.float64 else g.dtype).contiguous()
+                     for shape, g in zip(shapes, grads)]
         else:
-            grads = [torch.empty(p.shape, dtype=torch.float32, device=self.device) for p in pending]
+            dtypes = [x.dtype if x.dtype == torch.float64 else torch.float32 for p in pending for x in p.local]
+            grads = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in zip(shapes, dtypes)]
         if self.world > 1:
             for grad in grads:
                 dist.broadcast(grad, src=0)
-        # DeepSpeed averages gradients over ranks; the sum over ranks is the loss's gradient.
-        surrogate = sum((p.local * p.grad_share(g)).sum() for p, g in zip(pending, grads)) * self.world
+        shares, first = [], 0
+        for p in pending:
+            shares.append(p.grad_shares(grads[first:first + len(p.shapes)]))
+            first += len(p.shapes)
+        # DeepSpeed averages gradients over ranks; the sum over ranks is the loss's gradient. Every rank runs the
+        # same number of backwards (the kept graphs' together, then one per micro-batch), the last one the
+        # accumulation boundary, where ZeRO reduces.
+        live = [sum((x * g).sum() for x, g in zip(p.local, share)) for p, share in zip(pending, shares)
+                if p.deferred is None]
+        backwards = [iter([sum(live)])] if live else []
+        backwards += [p.deferred.surrogates(share) for p, share in zip(pending, shares) if p.deferred is not None]
+        count = (1 if live else 0) + sum(len(p.deferred.rows) for p in pending if p.deferred is not None)
         engine = self.policy if kind == "policy" else self.critic
-        engine.backward(surrogate)
+        done = 0
+        for surrogates in backwards:
+            for surrogate in surrogates:
+                done += 1
+                engine.set_gradient_accumulation_boundary(done == count)
+                engine.backward(surrogate * self.world)
         engine.step()
         norm = engine.get_global_grad_norm()
         return float("nan") if norm is None else float(norm)
@@ -374,7 +393,7 @@ class DeepSpeedTrainer(TrainerBackend):
         self._announce("export_critic", out_dir=str(out_dir))
         state = self._full_state_dict(self.critic)
         if self.rank == 0:
-            critic = ValueModel.from_pretrained(self.critic_source, "float32")
+            critic = ValueModel.from_pretrained(self.critic_source, weights_dtype(self.cfg))
             critic.load_state_dict(state)
             critic.save_pretrained(Path(out_dir))
         if self.world > 1:
@@ -454,6 +473,7 @@ def follow(run_cfg=None) -> int:
             trainer = None  # a new stage: free the previous engines first
             gc.collect()
             trainer = DeepSpeedTrainer(kwargs["checkpoint"], TrainerConfig(**kwargs["cfg"]),
-                                       with_critic=kwargs["with_critic"], critic_from=kwargs["critic_from"])
+                                       with_critic=kwargs["with_critic"], critic_from=kwargs["critic_from"],
+                                       attn_implementation=kwargs["attn_implementation"])
         else:
             getattr(trainer, op)(**kwargs)

@@ -13,24 +13,30 @@ from ..config import TrainerConfig
 from ..devices import mixed_precision, resolve_device
 from ..modeling import sequence_logprobs
 from ..trajectory import Batch
-from .base import SupportLogprobs, TrainerBackend, action_support_logprobs, adamw
+from .micro_batches import Deferred, Outputs, Rows, micro_forward, widen
+from .base import (SupportLogprobs, TrainerBackend, action_rows_of, action_support_logprobs, adamw, prepare, split,
+                   weights_dtype)
 from .critic import ValueModel
 
 
 class TorchTrainer(TrainerBackend):
     def __init__(self, checkpoint: str | Path, cfg: TrainerConfig, *, with_critic: bool = True,
-                 critic_from: str | Path | None = None):
+                 critic_from: str | Path | None = None, attn_implementation: str = "eager"):
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        self.policy = load_causal_lm(checkpoint, "float32", self.device).train()  # master weights: see precision()
+        # master weights: see precision()
+        self.policy = prepare(load_causal_lm(checkpoint, weights_dtype(cfg), self.device, attn_implementation), cfg)
         self.policy_opt = adamw(self.policy.parameters(), cfg.policy_lr, cfg)
         self.critic = None
         if with_critic:
-            self.critic = ValueModel.from_pretrained(str(critic_from or checkpoint)).to(self.device).train()
+            self.critic = ValueModel.from_pretrained(str(critic_from or checkpoint), weights_dtype(cfg),
+                                                     attn_implementation)
+            self.critic = prepare(self.critic.to(self.device), cfg)
             if cfg.freeze_critic_attention:
                 self.critic.freeze_attention()
             trainable = [p for p in self.critic.parameters() if p.requires_grad]
             self.critic_opt = adamw(trainable, cfg.critic_lr, cfg)
+        self._deferred: dict[str, list[Deferred]] = {"policy": [], "critic": []}
         self.policy_version = 0
 
     @property
@@ -42,41 +48,75 @@ class TorchTrainer(TrainerBackend):
         dtype (as DeepSpeed's bf16 mode and FSDP's mixed precision do); checkpoints are written in float32."""
         return mixed_precision(self.device, self.cfg.dtype)
 
+    def _run(self, kind: str, forward, rows: Rows, grad: bool, support: bool = False) -> Outputs:
+        """`forward(rows of the batch, output rows)` over the batch's micro-batches (see micro_batches)."""
+        parts = split(rows, self.cfg)
+        out_rows = action_rows_of(rows, parts) if support else parts
+        total = int(rows.action_rows()[-1]) if support else len(rows)
+        outputs, deferred = micro_forward(forward, parts, out_rows, total, grad)
+        if deferred is not None:
+            self._deferred[kind].append(deferred)
+        return outputs
+
     def policy_logprobs(self, batch: Batch, temperature: float, grad: bool) -> torch.Tensor:
-        with torch.set_grad_enabled(grad), self.precision():
-            return sequence_logprobs(self.policy, batch.input_ids.to(self.device),
-                                     batch.attention_mask.to(self.device), temperature, top_p=batch.top_p,
-                                     only=batch.action_mask.to(self.device))
+        rows, width = Rows.of(batch, top_p=True, actions=True), batch.input_ids.shape[1]
+
+        def forward(part, _):
+            r = rows.take(part, self.device)
+            with self.precision():
+                return (widen(sequence_logprobs(self.policy, r.input_ids, r.attention_mask, temperature,
+                                                   top_p=r.top_p, only=r.action_mask), width),)
+
+        return self._run("policy", forward, rows, grad)[0]
 
     def policy_support_logprobs(self, batch: Batch, support_ids, support_mask, *, vocab_chunk: int,
                                 top_k: int) -> SupportLogprobs:
-        dev = self.device
-        with self.precision():
-            return action_support_logprobs(self.policy, batch.input_ids.to(dev), batch.attention_mask.to(dev),
-                                           batch.action_mask.to(dev), support_ids, support_mask,
-                                           vocab_chunk=vocab_chunk, top_k=top_k)
+        rows = Rows.of(batch, actions=True)
+
+        def forward(part, where):
+            r = rows.take(part, self.device)
+            ids, mask = (None, None) if support_ids is None else (support_ids[where.to(support_ids.device)],
+                                                                  support_mask[where.to(support_mask.device)])
+            with self.precision():
+                logp, tail, top = action_support_logprobs(self.policy, r.input_ids, r.attention_mask, r.action_mask,
+                                                          ids, mask, vocab_chunk=vocab_chunk, top_k=top_k)
+            return (logp, tail) if top is None else (logp, tail, top)
+
+        outputs = self._run("policy", forward, rows, True, support=True)
+        return outputs[0], outputs[1], outputs[2] if len(outputs) > 2 else None
 
     def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("this trainer was built without a critic (the algorithm needs none)")
-        with torch.set_grad_enabled(grad), self.precision():
-            return self.critic(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
+        rows, width = Rows.of(batch), batch.input_ids.shape[1]
 
-    def _step(self, loss, model, opt) -> float:
+        def forward(part, _):
+            r = rows.take(part, self.device)
+            with self.precision():
+                return (widen(self.critic(r.input_ids, r.attention_mask), width),)
+
+        return self._run("critic", forward, rows, grad)[0]
+
+    def _step(self, kind: str, loss, model, opt) -> float:
+        """The loss's backward; each micro-batched forward's share re-run and accumulated; clip; one step."""
         opt.zero_grad(set_to_none=True)
+        deferred, self._deferred[kind] = self._deferred[kind], []
         loss.backward()
+        for forward in deferred:
+            for surrogate in forward.surrogates([leaf.grad for leaf in forward.leaves]):
+                surrogate.backward()
         params = [p for p in model.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         opt.step()
         return float(norm)
 
     def step_policy(self, loss: torch.Tensor) -> float:
-        norm = self._step(loss, self.policy, self.policy_opt)
+        norm = self._step("policy", loss, self.policy, self.policy_opt)
         self.policy_version += 1
         return norm
 
     def step_critic(self, loss: torch.Tensor) -> float:
-        return self._step(loss, self.critic, self.critic_opt)
+        return self._step("critic", loss, self.critic, self.critic_opt)
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}

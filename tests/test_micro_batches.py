@@ -1,0 +1,201 @@
+"""Micro-batches and token budgets: a step's update is the whole batch's, on both trainer backends.
+
+One fixed batch of 16 trajectories of varied length (the tiny student's own tokens and logprobs, groups of 4,
+two domains) and one learner step per algorithm in float64 (`trainer.dtype: float64`): SAO (critic and
+policy), GRPO (group-normalised advantages) and OPD at top_k with the task reward mixed in (the support
+forward and the sampled-token forward in one update). Each step runs on the whole batch, in 4 micro-batches
+of 4 trajectories, and under a token budget that packs them into several micro-batches; the weights after
+the step must agree within 1e-6 of the update's size (measured: about 1e-13, the test prints it). The
+DeepSpeed backend does the same on 2 gloo ranks (this file is also its worker script).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DOMAINS = ["digits_reverse", "digits_sort"]
+ALGOS = ["sao", "grpo", "opd_top_k"]
+BUDGET = 60  # padded tokens per micro-batch: the 16 rows (11-19 tokens) go in 5 micro-batches
+SPLITS = {"micro_batch_size": {"micro_batch_size": 4}, "token_budget": {"max_tokens_per_micro_batch": BUDGET},
+          "checkpointed": {"micro_batch_size": 4, "gradient_checkpointing": True}}
+RTOL = 1e-6
+DS_RTOL = 1e-2  # the DeepSpeed-vs-torch tolerance of test_deepspeed.py (1e-5 on an lr-1e-3 update)
+
+
+def test_micro_batches_pack_by_length_within_the_limits():
+    from opd_sao.trainers.micro_batches import micro_batches
+
+    lengths = torch.tensor([5, 9, 3, 9, 7, 2])
+    assert [p.tolist() for p in micro_batches(lengths, None, None)] == [[0, 1, 2, 3, 4, 5]]
+    # longest first: 9, 9 | 7, 5 | 3, 2
+    assert [p.tolist() for p in micro_batches(lengths, 2, None)] == [[1, 3], [0, 4], [2, 5]]
+    # 2 x 9 = 18 fits 20, a third 9-wide row would not; 7 + 5 + ... : 3 x 7 = 21 > 20; a 12-token budget puts
+    # each long row alone
+    assert [p.tolist() for p in micro_batches(lengths, None, 20)] == [[1, 3], [0, 4], [2, 5]]
+    assert [p.tolist() for p in micro_batches(lengths, None, 21)] == [[1, 3], [0, 2, 4], [5]]
+    assert [p.tolist() for p in micro_batches(lengths, None, 8)] == [[1], [3], [4], [0], [2, 5]]
+    assert [p.tolist() for p in micro_batches(lengths, 1, 100)] == [[1], [3], [4], [0], [2], [5]]
+
+
+def batch_file(student, tokenizer, path: Path) -> Path:
+    """16 trajectories of the student's own tokens (its float32 logprobs as rollout logprobs), 4 groups of 4,
+    varied lengths and rewards, the last group on the second domain."""
+    from opd_sao.checkpoints import load_causal_lm
+    from opd_sao.modeling import sequence_logprobs
+    from opd_sao.trajectory import Trajectory
+
+    model, rng, lines = load_causal_lm(student), np.random.default_rng(0), []
+    for i in range(16):
+        domain = DOMAINS[int(i >= 12)]
+        prompt = [tokenizer.bos_token_id] + rng.integers(5, 200, size=6 + i % 5).tolist()
+        tokens = rng.integers(5, 200, size=2 + (5 * i) % 7).tolist()
+        seq = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            logp = sequence_logprobs(model, seq, torch.ones_like(seq))[0, len(prompt):].tolist()
+        lines.append(Trajectory(traj_id=f"t{i}", domain=domain, prompt_ids=prompt, token_ids=tokens,
+                                action_mask=[1] * len(tokens), rollout_logp=logp, versions=[0] * len(tokens),
+                                rewards=[0.0] * (len(tokens) - 1) + [0.1 + 0.3 * (i % 3) + 0.05 * i],
+                                meta={"group": i // 4}).to_json())
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def learner(backend, algo: str, student: str, teacher: str, tokenizer, work: Path):
+    from opd_sao.config import AlgoConfig, OPDConfig
+    from opd_sao.rl.learner import Learner
+
+    if algo != "opd_top_k":
+        return Learner(backend, algo, AlgoConfig(), critic_steps=2, critic_warmup_steps=0), None
+    from opd_sao.rl.distill import OPDLearner
+    from teachers import Prefetcher, TeacherSet, TeacherTargets
+
+    teachers = [{"name": f"t_{d}", "checkpoint": teacher, "domains": [d]} for d in DOMAINS]
+    cfg = OPDConfig(teachers=teachers, granularity="top_k", top_k=8, vocab_chunk=100, reward_weight=0.5)
+    reg = TeacherSet.from_config(cfg, domains=DOMAINS, resolve=Path, student_checkpoint=student,
+                                 student_tokenizer=tokenizer)
+    prefetcher = Prefetcher(reg.build_all(), local_dir=work / "tier", max_resident=1)
+    return OPDLearner(backend, cfg, AlgoConfig(), TeacherTargets(reg, prefetcher, work / "cache")), prefetcher
+
+
+def trainer_cfg(dtype="float64", **kw):
+    from opd_sao.config import TrainerConfig
+
+    return TrainerConfig(policy_lr=1e-3, critic_lr=1e-3, critic_steps=2, critic_warmup_steps=0, dtype=dtype, **kw)
+
+
+def all_steps(make_backend, batch, student, teacher, tokenizer, work: Path, algos=ALGOS, dtype="float64") -> dict:
+    """{(algo, split): the policy's weights before and after a step of `algo`, its metrics}: one backend per
+    split (the whole batch, then each of SPLITS) takes one step of each algorithm in turn."""
+    results = {}
+    for name, split in {"whole": {}, **SPLITS}.items():
+        backend = make_backend(trainer_cfg(dtype, **split))
+        for algo in algos:
+            before = backend.policy_state_dict()
+            step, prefetcher = learner(backend, algo, student, teacher, tokenizer, work / name / algo)
+            metrics = step.step(batch, 1.0)
+            if prefetcher is not None:
+                prefetcher.close()
+            results[(algo, name)] = {"before": before, "after": backend.policy_state_dict(), "metrics": metrics}
+    return results
+
+
+def compare(results: dict, rtol: float = RTOL, algos=ALGOS) -> float:
+    """The worst difference between a split step's update and the whole batch's, relative to the update's size;
+    the losses and gradient norms within RTOL."""
+    worst = 0.0
+    for algo in algos:
+        whole = results[(algo, "whole")]
+        update = {k: whole["after"][k] - whole["before"][k] for k in whole["after"]}
+        size = max(float(u.abs().max()) for u in update.values())
+        assert size > 1e-5, f"{algo}: the step did not train"
+        for name in SPLITS:
+            ours = results[(algo, name)]
+            diff = max(float((ours["after"][k] - ours["before"][k] - update[k]).abs().max()) for k in update)
+            worst = max(worst, diff / size)
+            assert diff < rtol * size, f"{algo} {name}: the update differs by {diff:.3e} (update size {size:.3e})"
+            for key in ("policy_loss", "policy_grad_norm", "critic_grad_norm", "value_loss", "divergence"):
+                if key in whole["metrics"]:
+                    assert ours["metrics"][key] == pytest.approx(whole["metrics"][key], rel=RTOL), key
+    return worst
+
+
+def test_split_steps_match_the_whole_batch_torch(tmp_path, tiny_model_dir, perturbed_teacher, tokenizer):
+    from opd_sao.trainers import TorchTrainer
+    from opd_sao.trainers.base import split
+    from opd_sao.trainers.micro_batches import Rows
+    from opd_sao.trajectory import Trajectory, collate
+
+    path = batch_file(tiny_model_dir, tokenizer, tmp_path / "batch.jsonl")
+    batch = collate([Trajectory.from_json(line) for line in path.read_text().splitlines()], tokenizer.pad_token_id)
+    assert len(split(Rows.of(batch), trainer_cfg(**SPLITS["micro_batch_size"]))) == 4
+    assert len(split(Rows.of(batch), trainer_cfg(**SPLITS["token_budget"]))) >= 4
+
+    def make(cfg):
+        backend = TorchTrainer(tiny_model_dir, cfg, attn_implementation="sdpa")
+        assert backend.policy.is_gradient_checkpointing == backend.critic.backbone.is_gradient_checkpointing \
+            == cfg.gradient_checkpointing
+        return backend
+
+    worst = compare(all_steps(make, batch, str(tiny_model_dir), str(perturbed_teacher), tokenizer, tmp_path))
+    print(f"\ntorch: split updates vs whole batch, worst relative difference {worst:.2e}")
+
+
+def worker(args: dict) -> None:
+    """Rank 0: every step at ZeRO-2 over 2 ranks; the other rank follows."""
+    from opd_sao.checkpoints import load_tokenizer
+    from opd_sao.trainers.deepspeed_backend import DeepSpeedTrainer, follow, init_distributed
+    from opd_sao.trajectory import Trajectory, collate
+
+    init_distributed()
+    if int(os.environ["RANK"]) != 0:
+        follow()
+        return
+    tokenizer = load_tokenizer(args["student"])
+    batch = collate([Trajectory.from_json(line) for line in Path(args["batch"]).read_text().splitlines()],
+                    tokenizer.pad_token_id)
+
+    def make(cfg):
+        ds = cfg.model_copy(update={"backend": "deepspeed",
+                                    "deepspeed_config": {"zero_optimization": {"stage": args["stage"]}}})
+        return DeepSpeedTrainer(args["student"], ds, attn_implementation="sdpa")
+
+    results = all_steps(make, batch, args["student"], args["teacher"], tokenizer, Path(args["out"]), args["algos"],
+                        args["dtype"])
+    torch.save({"results": results}, Path(args["out"]) / "results.pt")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_split_steps_match_the_whole_batch_deepspeed(stage, tmp_path, tiny_model_dir, perturbed_teacher, tokenizer,
+                                                     free_port):
+    # ZeRO-3 refuses OPD's support log-probs, and float64 parameters
+    algos, dtype = (ALGOS, "float64") if stage < 3 else (["sao", "grpo"], "float32")
+    path = batch_file(tiny_model_dir, tokenizer, tmp_path / "batch.jsonl")
+    env = {**os.environ, "DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",  # gloo on CPU
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions"))
+    args = {"out": str(tmp_path), "student": str(tiny_model_dir), "teacher": str(perturbed_teacher),
+            "batch": str(path), "stage": stage, "algos": algos, "dtype": dtype}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           __file__, json.dumps(args)]
+    result = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    # ZeRO accumulates gradients in float32 and keeps float32 master weights whatever the model's dtype
+    # (DeepSpeed's grad_accum_dtype has no fp64): Adam's first steps turn float32 rounding of a gradient that
+    # nearly cancels into an update difference of up to its size, so the weights are held to DS_RTOL here
+    worst = compare(torch.load(tmp_path / "results.pt", weights_only=False)["results"], DS_RTOL, algos)
+    print(f"\ndeepspeed (2 ranks, ZeRO-{stage}, {dtype}): split updates vs whole batch, worst relative difference {worst:.2e}")
+
+
+if __name__ == "__main__":
+    worker(json.loads(sys.argv[-1]))
+    from opd_sao.trainers.deepspeed_backend import shut_down
+
+    shut_down(0)
