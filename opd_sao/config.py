@@ -279,6 +279,9 @@ class TeacherConfig(Strict):
     kind: str = describe("a Teacher implementation registered in teachers/ (TEACHER_KINDS)", "in_process")
     device: Optional[str] = describe_device("where this teacher scores (auto | cpu | cuda | cuda:N); default: the "
                                             "run's `device`")
+    url: Optional[str] = describe("kind sglang: the address of the SGLang-API server (SGLang, or `opd-sao serve`) "
+                                  "that serves this teacher; `checkpoint` is then a local directory with its config "
+                                  "and tokenizer (for the vocabulary checks; no weights needed)", None)
 
 
 class OPDConfig(Strict):
