@@ -3,8 +3,8 @@
 A teacher is bound to the domains it teaches; the OPD stage sends each student trajectory to its domain's
 teacher. Implementations are registered by kind (`TeacherConfig.kind`, default `in_process`) so a new way
 to score (another runtime, a remote scorer) is one registered class; the prefetcher, the logit cache and
-the OPD stage do not change. No implementation keeps a server: a teacher is loaded from its local-tier
-copy when the prefetcher says so and dropped when evicted.
+the OPD stage do not change. A teacher is loaded from its local-tier copy when the prefetcher says so and
+dropped when evicted; a served one (`served.py`) only connects to its server, which stays up.
 """
 from __future__ import annotations
 
