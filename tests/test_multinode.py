@@ -74,6 +74,8 @@ def test_two_torchrun_nodes_run_sft_sao_and_served_teacher_opd_at_zero3(tmp_path
     assert sum(m["reward_mean"] for m in sao) > 0 and max(m["policy_grad_norm"] for m in sao) > 0  # it learnt
     opd = [json.loads(line) for line in (run_dir / "stages" / "opd" / "metrics.jsonl").read_text().splitlines()]
     assert len(opd) == 2 and all(np.isfinite(m["policy_grad_norm"]) and m["policy_grad_norm"] > 0 for m in opd)
+    print(f"\nSFT loss {warm[0]['loss']} -> {warm[-1]['loss']}; SAO rewards {[m['reward_mean'] for m in sao]}, "
+          f"policy grad norms {[round(m['policy_grad_norm'], 4) for m in sao]}; OPD kl {[round(m['kl'], 3) for m in opd]}")
     teacher = summary["opd"]["teachers"]["served"]
     assert teacher["kind"] == "sglang" and teacher["url"] == url
     stored = inspect(run_dir / "stages" / "opd" / "logit_cache")["teachers"]["served"]  # fed the same cache
