@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 
 from cache.cli import inspect
-from opd_sao.engines.http import wait_until_healthy
+from launchers import wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 ZERO3 = {"backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 3}}}

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from launchers import wait_until_healthy
 from opd_sao.config import OPDConfig
-from opd_sao.engines.http import SGLangClient, wait_until_healthy
+from opd_sao.engines.http import SGLangClient
 from opd_sao.trajectory import Trajectory
 from teachers import TeacherSet
 
@@ -88,7 +89,8 @@ def test_served_teacher_identity_is_the_servers_model_and_weight_version(served,
     assert before != reg.specs["local"].checkpoint_hash  # not the checkpoint's hash: the server's report
     again, _, _ = _teachers(served, perturbed_teacher, tiny_model_dir, tokenizer, "top_k")
     assert again.specs["served"].checkpoint_hash == before  # stable, so a resumed stage reuses its records
-    SGLangClient(served).update_weights_from_disk(perturbed_teacher, "teacher-v2")
+    SGLangClient(served).weight_call("/update_weights_from_disk", {"model_path": str(perturbed_teacher),
+                                                                   "weight_version": "teacher-v2"})
     after, _, _ = _teachers(served, perturbed_teacher, tiny_model_dir, tokenizer, "top_k")
     assert after.specs["served"].checkpoint_hash != before  # new weights on the server: a new teacher to the cache
 
