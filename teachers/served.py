@@ -15,7 +15,7 @@ know where a teacher runs:
 
 The teacher's `checkpoint` is a local directory with its config.json and tokenizer (the weights need not be
 there): the vocabulary checks read it and nothing is copied to the disk tier. Its cache identity is what the
-server reports (`/get_model_info`: model path and weight version), so new weights on the server are a new
+server reports (`/model_info`: model path and weight version), so new weights on the server are a new
 teacher to the cache, and a record is never served from another model's scores.
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ class ServedTeacher(Teacher):
 
     @classmethod
     def identity(cls, teacher, checkpoint: Path, granularity: str) -> str:
-        """The server's model path and weight version (GET /get_model_info), hashed; ValueError for a granularity
+        """The server's model path and weight version (GET /model_info), hashed; ValueError for a granularity
         the API cannot return or a server that does not answer."""
         if granularity == "full":
             raise ValueError(f"teacher {teacher.name!r} (kind sglang): granularity full needs the whole distribution "
