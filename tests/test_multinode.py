@@ -1,10 +1,11 @@
 """A two-node launch as a user starts one: two `torchrun --nnodes 2` launchers on loopback, one rank each.
 
 Node 0 runs the pipeline, node 1 follows its DeepSpeed calls (docs/scale_out.md's multi-node recipe, with
-127.0.0.1 for the head node's address and one directory as the shared filesystem). Every stage trains at
+127.0.0.1 for the head node's address and one directory as the shared filesystem). Three stages train at
 ZeRO-3 (gloo on CPU): an SFT stage, a SAO reasoning stage warm-started by SFT, and an OPD stage whose
 teacher is served by an `opd-sao serve` (kind sglang, scored with SGLang's input-logprob semantics) and
-feeds the logit cache.
+feeds the logit cache; then an OPD stage on the same server's top-k lists, at ZeRO-2 (ZeRO-3 trains OPD at
+granularity sampled only).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from launchers import wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 ZERO3 = {"backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 3}}}
+ZERO2 = {"backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 2}}}
 
 
 def _config(student: Path, teacher: Path, url: str) -> dict:
@@ -36,7 +38,11 @@ def _config(student: Path, teacher: Path, url: str) -> dict:
                        {"name": "add", "kind": "reasoning", "env": "arithmetic", "env_options": {"max_operand": 3},
                         "algo": "sao", "steps": 3, "sft": {"steps": 2, "batch_size": 8}, **short},
                        {"name": "opd", "kind": "opd", "domains": ["arithmetic"], "steps": 2,
-                        "opd": {"granularity": "sampled", "teachers": [served]}, **short}]}
+                        "opd": {"granularity": "sampled", "teachers": [served]}, **short},
+                       # the served teacher's top-k lists: a divergence loss, which ZeRO-3 refuses, so ZeRO-2
+                       {"name": "opd_k", "kind": "opd", "domains": ["arithmetic"], "steps": 1,
+                        "opd": {"granularity": "top_k", "top_k": 8, "teachers": [served]},
+                        **short, "trainer": ZERO2}]}
 
 
 def test_two_torchrun_nodes_run_sft_sao_and_served_teacher_opd_at_zero3(tmp_path, tiny_model_dir, perturbed_teacher,
@@ -63,7 +69,7 @@ def test_two_torchrun_nodes_run_sft_sao_and_served_teacher_opd_at_zero3(tmp_path
     assert [proc.returncode for proc, _ in nodes] == [0, 0], logs[0][-3000:] + "\n--- node 1 ---\n" + logs[1][-3000:]
 
     summary = {s["name"]: s for s in json.loads((run_dir / "summary.json").read_text())["stages"]}
-    assert list(summary) == ["warm", "add", "opd"]
+    assert list(summary) == ["warm", "add", "opd", "opd_k"]
     for stage in ("warm", "add"):  # SFT through the backend: its per-step log, and its loss falls
         sft = [json.loads(line) for line in (run_dir / "stages" / stage / "sft.jsonl").read_text().splitlines()]
         assert [r["step"] for r in sft] == list(range(len(sft))) and len(sft) in (2, 10)
@@ -80,4 +86,8 @@ def test_two_torchrun_nodes_run_sft_sao_and_served_teacher_opd_at_zero3(tmp_path
     assert teacher["kind"] == "sglang" and teacher["url"] == url
     stored = inspect(run_dir / "stages" / "opd" / "logit_cache")["teachers"]["served"]  # fed the same cache
     assert stored["checkpoint_hash"] == teacher["checkpoint_hash"] and stored["granularity"] == "sampled"
-    assert stored["records"] >= 8 and stored["tokens"] > 0  # 2 steps x 4 trajectories, at least
+    assert stored["records"] >= 16 and stored["tokens"] > 0  # 2 steps x 8 trajectories, at least
+    top_k = [json.loads(line) for line in (run_dir / "stages" / "opd_k" / "metrics.jsonl").read_text().splitlines()]
+    assert len(top_k) == 1 and top_k[0]["support_size_top_k"] == 8.0 and top_k[0]["divergence"] > 0
+    stored = inspect(run_dir / "stages" / "opd_k" / "logit_cache")["teachers"]["served"]
+    assert stored["granularity"] == "top_k" and stored["k"] == 8 and stored["records"] >= 8
