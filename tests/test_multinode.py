@@ -33,7 +33,7 @@ def _config(student: Path, teacher: Path, url: str) -> dict:
     return {"seed": 4, "model": {"path": str(student)}, "logging": {"wandb": False, "progress": False},
             "trainer": {"train_batch_size": 8, "critic_warmup_steps": 0},
             "stages": [{"name": "warm", "kind": "sft", "domains": ["arithmetic"],
-                        "sft": {"steps": 10, "lr": 1e-2, "batch_size": 16}, **short},
+                        "sft": {"steps": 30, "lr": 1e-2, "batch_size": 16}, **short},
                        # sums up to 3 + 3: a warm-started tiny model answers some, so SAO's advantages are not all 0
                        {"name": "add", "kind": "reasoning", "env": "arithmetic", "env_options": {"max_operand": 3},
                         "algo": "sao", "steps": 3, "sft": {"steps": 2, "batch_size": 8}, **short},
@@ -72,7 +72,7 @@ def test_two_torchrun_nodes_run_sft_sao_and_served_teacher_opd_at_zero3(tmp_path
     assert list(summary) == ["warm", "add", "opd", "opd_k"]
     for stage in ("warm", "add"):  # SFT through the backend: its per-step log, and its loss falls
         sft = [json.loads(line) for line in (run_dir / "stages" / stage / "sft.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in sft] == list(range(len(sft))) and len(sft) in (2, 10)
+        assert [r["step"] for r in sft] == list(range(len(sft))) and len(sft) in (2, 30)
     warm = [json.loads(line) for line in (run_dir / "stages" / "warm" / "sft.jsonl").read_text().splitlines()]
     assert warm[-1]["loss"] < warm[0]["loss"]
     sao = [json.loads(line) for line in (run_dir / "stages" / "add" / "metrics.jsonl").read_text().splitlines()]
@@ -86,8 +86,9 @@ def test_two_torchrun_nodes_run_sft_sao_and_served_teacher_opd_at_zero3(tmp_path
     assert teacher["kind"] == "sglang" and teacher["url"] == url
     stored = inspect(run_dir / "stages" / "opd" / "logit_cache")["teachers"]["served"]  # fed the same cache
     assert stored["checkpoint_hash"] == teacher["checkpoint_hash"] and stored["granularity"] == "sampled"
-    assert stored["records"] >= 16 and stored["tokens"] > 0  # 2 steps x 8 trajectories, at least
+    assert stored["records"] >= 1 and stored["tokens"] > 0  # (equal trajectories share a record)
+    assert sum(m["cache_misses"] for m in opd) >= stored["records"]  # each record was scored by the server
     top_k = [json.loads(line) for line in (run_dir / "stages" / "opd_k" / "metrics.jsonl").read_text().splitlines()]
     assert len(top_k) == 1 and top_k[0]["support_size_top_k"] == 8.0 and top_k[0]["divergence"] > 0
     stored = inspect(run_dir / "stages" / "opd_k" / "logit_cache")["teachers"]["served"]
-    assert stored["granularity"] == "top_k" and stored["k"] == 8 and stored["records"] >= 8
+    assert stored["granularity"] == "top_k" and stored["k"] == 8 and stored["records"] >= 1
