@@ -4,7 +4,8 @@ Node 0 runs the pipeline, node 1 follows its DeepSpeed calls (docs/scale_out.md'
 127.0.0.1 for the head node's address and one directory as the shared filesystem). Three stages train at
 ZeRO-3 (gloo on CPU): an SFT stage, a SAO reasoning stage warm-started by SFT, and an OPD stage whose
 teacher is served by an `opd-sao serve` (kind sglang, scored with SGLang's input-logprob semantics) and
-feeds the logit cache; then an OPD stage on the same server's top-k lists, at ZeRO-2 (ZeRO-3 trains OPD at
+feeds the logit cache, beside a second domain's teacher partitioned over both ranks (kind zero3); then an
+OPD stage on the same server's top-k lists, at ZeRO-2 (ZeRO-3 trains OPD at
 granularity sampled only).
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ def _config(student: Path, teacher: Path, url: str) -> dict:
     # the consistency gate reads the policy on one rank, which ZeRO-3 partitions: off (docs/scale_out.md, limits)
     short = {"rollout": {"max_new_tokens": 3}, "eval": {"num_tasks": 4}, "trainer": ZERO3, "gate": {"enabled": False}}
     served = {"name": "served", "kind": "sglang", "url": url, "checkpoint": str(teacher), "domains": ["arithmetic"]}
+    sharded = {"name": "sharded", "kind": "zero3", "checkpoint": str(teacher), "domains": ["digits_reverse"]}
     return {"seed": 4, "model": {"path": str(student)}, "logging": {"wandb": False, "progress": False},
             "trainer": {"train_batch_size": 8, "critic_warmup_steps": 0},
             "stages": [{"name": "warm", "kind": "sft", "domains": ["arithmetic"],
@@ -37,8 +39,8 @@ def _config(student: Path, teacher: Path, url: str) -> dict:
                        # sums up to 3 + 3: a warm-started tiny model answers some, so SAO's advantages are not all 0
                        {"name": "add", "kind": "reasoning", "env": "arithmetic", "env_options": {"max_operand": 3},
                         "algo": "sao", "steps": 3, "sft": {"steps": 2, "batch_size": 8}, **short},
-                       {"name": "opd", "kind": "opd", "domains": ["arithmetic"], "steps": 2,
-                        "opd": {"granularity": "sampled", "teachers": [served]}, **short},
+                       {"name": "opd", "kind": "opd", "domains": ["arithmetic", "digits_reverse"], "steps": 2,
+                        "opd": {"granularity": "sampled", "teachers": [served, sharded]}, **short},
                        # the served teacher's top-k lists: a divergence loss, which ZeRO-3 refuses, so ZeRO-2
                        {"name": "opd_k", "kind": "opd", "domains": ["arithmetic"], "steps": 1,
                         "opd": {"granularity": "top_k", "top_k": 8, "teachers": [served]},
@@ -82,12 +84,15 @@ def test_two_torchrun_nodes_run_sft_sao_and_served_teacher_opd_at_zero3(tmp_path
     assert len(opd) == 2 and all(np.isfinite(m["policy_grad_norm"]) and m["policy_grad_norm"] > 0 for m in opd)
     print(f"\nSFT loss {warm[0]['loss']} -> {warm[-1]['loss']}; SAO rewards {[m['reward_mean'] for m in sao]}, "
           f"policy grad norms {[round(m['policy_grad_norm'], 4) for m in sao]}; OPD kl {[round(m['kl'], 3) for m in opd]}")
+    scored = inspect(run_dir / "stages" / "opd" / "logit_cache")["teachers"]["sharded"]  # partitioned on 2 ranks
+    assert scored["checkpoint_hash"] == summary["opd"]["teachers"]["sharded"]["checkpoint_hash"]
+    assert scored["records"] >= 1 and scored["tokens"] > 0
     teacher = summary["opd"]["teachers"]["served"]
     assert teacher["kind"] == "sglang" and teacher["url"] == url
     stored = inspect(run_dir / "stages" / "opd" / "logit_cache")["teachers"]["served"]  # fed the same cache
     assert stored["checkpoint_hash"] == teacher["checkpoint_hash"] and stored["granularity"] == "sampled"
     assert stored["records"] >= 1 and stored["tokens"] > 0  # (equal trajectories share a record)
-    assert sum(m["cache_misses"] for m in opd) >= stored["records"]  # each record was scored by the server
+    assert sum(m["cache_misses"] for m in opd) >= stored["records"] + scored["records"]  # each scored once
     top_k = [json.loads(line) for line in (run_dir / "stages" / "opd_k" / "metrics.jsonl").read_text().splitlines()]
     assert len(top_k) == 1 and top_k[0]["support_size_top_k"] == 8.0 and top_k[0]["divergence"] > 0
     stored = inspect(run_dir / "stages" / "opd_k" / "logit_cache")["teachers"]["served"]
