@@ -72,6 +72,12 @@ def masked_token_mean(x: torch.Tensor, action_mask: torch.Tensor) -> torch.Tenso
     return total / mask.sum().clamp(min=1)
 
 
+def sft_loss(logp: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Supervised fine-tuning: the token-mean negative log-likelihood of the answer tokens (`loss_mask`) over the
+    whole batch, from the trainer's per-token logprobs [B, T]."""
+    return -masked_token_mean(logp, loss_mask)
+
+
 def _masked_values(x: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
     """1-D detached tensor of ``x`` on action tokens (for metrics)."""
     return x.detach()[_as_bool(action_mask)]

@@ -287,9 +287,14 @@ class TeacherConfig(Strict):
         "and recorded in its summary")
     domains: list[str] = describe("the domains (environments) this teacher teaches", min_length=1)
     granularity: Optional[Granularity] = describe("what the teacher stores per token (default: the stage's)", None)
-    kind: str = describe("a Teacher implementation registered in teachers/ (TEACHER_KINDS)", "in_process")
+    kind: str = describe("a Teacher implementation registered in teachers/ (TEACHER_KINDS): in_process (loaded in "
+                         "this process), sglang (scored by the SGLang-API server at `url`), zero3 (partitioned over "
+                         "the run's DeepSpeed ranks, ZeRO-3 inference)", "in_process")
     device: Optional[str] = describe_device("where this teacher scores (auto | cpu | cuda | cuda:N); default: the "
                                             "run's `device`")
+    url: Optional[str] = describe("kind sglang: the address of the SGLang-API server (SGLang, or `opd-sao serve`) "
+                                  "that serves this teacher; `checkpoint` is then a local directory with its config "
+                                  "and tokenizer (for the vocabulary checks; no weights needed)", None)
 
 
 class OPDConfig(Strict):

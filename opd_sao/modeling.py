@@ -7,7 +7,7 @@ batch the model itself handles in megabytes. On top of the chunks:
 
 - `token_logprobs`: log p(target) per row, differentiable through a custom autograd function that
   recomputes each chunk in the backward pass (memory: row_block x vocab_chunk, not N x V);
-- `sequence_logprobs` / `sft_loss`: the trainer's and the supervised loss's view of a batch;
+- `sequence_logprobs`: the trainer's view of a batch (RL, and SFT's loss: `algorithms.sft_loss`);
 - `support_logprobs`: the OPD student's logprobs on a teacher's support plus the exact tail mass;
 - teachers read the same chunks for their top-k / top-p supports (`teachers/scoring.py`).
 
@@ -248,12 +248,6 @@ def sample_tokens(logits, temperature, top_p, generator=None) -> tuple[torch.Ten
     logp = nucleus_logprobs(logits, temperature, top_p)
     ids = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
     return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-
-
-def sft_loss(model, input_ids, attention_mask, loss_mask) -> torch.Tensor:
-    """Token-mean cross-entropy on positions where loss_mask is 1 (the answer, not the prompt)."""
-    logp = sequence_logprobs(model, input_ids, attention_mask, only=loss_mask)
-    return -(logp * loss_mask).sum() / loss_mask.sum().clamp(min=1)
 
 
 # ----------------------------------------------------------------------------

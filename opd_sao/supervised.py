@@ -5,17 +5,15 @@ import random
 from pathlib import Path
 from typing import Optional
 
-import torch
-
-from opd_sao.checkpoints import PromptFormat, load_causal_lm, save_checkpoint
-from opd_sao.config import SFTConfig
-from opd_sao.devices import mixed_precision, resolve_device
-from opd_sao.modeling import sft_loss
-from opd_sao.runs.checkpointing import truncate_step_log
-from opd_sao.runs.files import atomic_path
+from opd_sao.algorithms import sft_loss
+from opd_sao.checkpoints import PromptFormat
+from opd_sao.config import SFTConfig, TrainerConfig
+from opd_sao.runs.checkpointing import StageState, truncate_step_log
 from opd_sao.runs.tracking import MetricsLogger
+from opd_sao.trainers import build_backend
+from opd_sao.trajectory import Batch, Trajectory, collate
 
-STATE, LOG = "sft_state.pt", "sft.jsonl"  # in run_sft's work_dir
+STATE, LOG = "sft_state", "sft.jsonl"  # in run_sft's work_dir
 
 
 def sft_examples(env_factory, tokenizer, n: int, seed: int,
@@ -34,73 +32,72 @@ def sft_examples(env_factory, tokenizer, n: int, seed: int,
     return examples
 
 
-def load_sft_state(work_dir: Path) -> Optional[dict]:
-    """The state an interrupted run_sft saved in `work_dir` (None when there is none): pass it to run_sft."""
-    path = Path(work_dir) / STATE
-    return torch.load(path, weights_only=True) if path.is_file() else None
+def sft_resume_step(work_dir: Path) -> int:
+    """The step an interrupted run_sft saved in `work_dir` (0 when there is none): where `resume=True` continues."""
+    return StageState(work_dir, STATE).step() or 0
 
 
 def discard_sft_state(work_dir: Path) -> None:
     """Before a fresh start: an earlier run's state and step log must not be continued."""
-    for name in (STATE, LOG):
-        (Path(work_dir) / name).unlink(missing_ok=True)
+    StageState(work_dir, STATE).discard()
+    (Path(work_dir) / LOG).unlink(missing_ok=True)
+
+
+def sft_batch(chosen: list[tuple[list[int], list[int]]], pad_id: int) -> Batch:
+    """(prompt, answer) pairs as a trainer batch: the answer tokens are the actions, sampled at temperature 1."""
+    trajectories = []
+    for i, (prompt, answer) in enumerate(chosen):
+        traj = Trajectory(f"sft{i}", "sft", list(prompt))
+        traj.append(answer, action=True, logp=[0.0] * len(answer), versions=[0] * len(answer))
+        trajectories.append(traj)
+    return collate(trajectories, pad_id)
 
 
 def run_sft(checkpoint: Path, out_dir: Path, examples, tokenizer, cfg: SFTConfig, seed: int, progress=None, *,
-            work_dir: Optional[Path] = None, save_every: int = 0, state: Optional[dict] = None,
-            device: Optional[str] = None, dtype: str = "float32") -> Path:
-    """SFT from `checkpoint`; returns the HF-format `out_dir`, written atomically.
+            trainer: Optional[TrainerConfig] = None, work_dir: Optional[Path] = None, save_every: int = 0,
+            resume: bool = False) -> Path:
+    """SFT from `checkpoint` on the `trainer` backend (default: torch on the run's device); returns the HF-format
+    `out_dir`, written atomically.
+
+    The backend is the RL stages' (`trainer.backend`: torch, or DeepSpeed ZeRO 1-3 over the launched ranks) at
+    `sft.lr`, so a model that needs ZeRO to train needs no other path to its warm start; its precision is
+    `trainer.dtype` (float32 weights, bfloat16 compute under autocast). The loss is the token-mean negative
+    log-likelihood of the answers (the prompt is context only).
 
     With `work_dir` it is resumable, like an RL stage: work_dir/sft.jsonl gets one line per step (loss and the
-    indices of the examples trained on), and every `save_every` steps the weights, optimizer and sampler go to
-    work_dir/sft_state.pt (atomically). Given that `state` (load_sft_state), it continues from the saved step with
-    the log cut back to it: a step counts as trained only if the weights that learnt from it were saved, and the
-    examples drawn are the ones an uninterrupted run draws. The state is removed once `out_dir` is written.
-    Runs on `device` in the trainer's precision (`dtype`: float32 weights, bfloat16 compute under autocast).
+    indices of the examples trained on), and every `save_every` steps the backend's state and the sampler go to
+    work_dir/sft_state/ (swapped in whole, runs.checkpointing.StageState). With `resume` it continues from the
+    saved step with the log cut back to it: a step counts as trained only if the weights that learnt from it were
+    saved, and the examples drawn are the ones an uninterrupted run draws. The state is removed once `out_dir` is
+    written.
     """
-    device = resolve_device(device)
-    model = load_causal_lm(checkpoint, device=device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    rng, start = random.Random(seed), 0
-    if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
-        start = state["step"]
-    logger = None
+    trainer = (trainer or TrainerConfig()).model_copy(update={"policy_lr": cfg.lr})
+    backend = build_backend(trainer, checkpoint, with_critic=False)
+    rng, start, state = random.Random(seed), 0, None
     if work_dir is not None:
+        state = StageState(work_dir, STATE)
+        if resume and state.step() is not None:
+            saved = state.load(backend)
+            rng.setstate((saved["rng"][0], tuple(saved["rng"][1]), saved["rng"][2]))
+            start = saved["step"]
         truncate_step_log(Path(work_dir) / LOG, start)
-        logger = MetricsLogger(Path(work_dir) / LOG, stage="sft")
+    logger = MetricsLogger(Path(work_dir) / LOG, stage="sft") if work_dir is not None else None
     if progress is not None:
         progress.update(start)
     for step in range(start, cfg.steps):
         picks = [rng.randrange(len(examples)) for _ in range(cfg.batch_size)]
-        chosen = [examples[i] for i in picks]
-        width = max(len(p) + len(a) for p, a in chosen)
-        ids = torch.full((len(chosen), width), tokenizer.pad_token_id, dtype=torch.long)
-        attention = torch.zeros_like(ids)
-        loss_mask = torch.zeros(ids.shape)
-        for i, (prompt, answer) in enumerate(chosen):
-            seq = prompt + answer
-            ids[i, : len(seq)] = torch.tensor(seq)
-            attention[i, : len(seq)] = 1
-            loss_mask[i, len(prompt): len(seq)] = 1
-        with mixed_precision(device, dtype):
-            loss = sft_loss(model, ids.to(device), attention.to(device), loss_mask.to(device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        batch = sft_batch([examples[i] for i in picks], tokenizer.pad_token_id)
+        logp = backend.policy_logprobs(batch, 1.0, grad=True)
+        loss = sft_loss(logp, batch.action_mask.to(logp.device))
+        backend.step_policy(loss)
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{loss.item():.3f}")
         if logger is not None:
             logger.log({"loss": round(loss.item(), 5), "examples": picks}, step)
             if save_every and (step + 1) % save_every == 0 and step + 1 < cfg.steps:
-                with atomic_path(Path(work_dir) / STATE) as tmp:
-                    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng.getstate(),
-                                "step": step + 1}, tmp)
-    checkpoint = save_checkpoint(model, tokenizer, out_dir)
-    if work_dir is not None:
-        (Path(work_dir) / STATE).unlink(missing_ok=True)
+                state.save(backend, step + 1, {"rng": rng.getstate()})
+    checkpoint = backend.export_policy(out_dir, tokenizer)
+    if state is not None:
+        state.discard()
     return checkpoint

@@ -16,7 +16,7 @@ from opd_sao.rl.buffer import TrajectoryBuffer, recover
 from opd_sao.rl.loop import RLLoop
 from opd_sao.runs.checkpointing import StageState, truncate_step_log
 from opd_sao.runs.tracking import MetricsLogger
-from opd_sao.supervised import discard_sft_state, load_sft_state, run_sft
+from opd_sao.supervised import discard_sft_state, run_sft, sft_resume_step
 
 STAGES: Registry[type["Stage"]] = Registry("stage kind")
 register_stage = STAGES.register
@@ -106,15 +106,14 @@ class Stage(ABC):
     def sft(self, start: Path, examples, out: Path) -> tuple[Path, dict]:
         """Supervised training on `examples` into `out`, resumable like the RL loop (opd_sao.supervised.run_sft,
         state saved every `checkpoint_every` steps). Returns (checkpoint, resume report: {} on a fresh start)."""
-        state = load_sft_state(self.dir) if self.ctx.resume else None
+        from_step = sft_resume_step(self.dir) if self.ctx.resume else 0
         if not self.ctx.resume:
             discard_sft_state(self.dir)
-        trainer = self.ctx.cfg.stage_trainer(self.cfg)
         with self.progress(self.cfg.sft.steps, "sft") as bar:
             checkpoint = run_sft(start, out, examples, self.ctx.tokenizer, self.cfg.sft, self.ctx.cfg.seed, bar,
-                                 work_dir=self.dir, save_every=self.cfg.checkpoint_every, state=state,
-                                 device=trainer.device, dtype=trainer.dtype)
-        return checkpoint, ({"sft_from_step": state["step"] if state else 0} if self.ctx.resume else {})
+                                 trainer=self.ctx.cfg.stage_trainer(self.cfg), work_dir=self.dir,
+                                 save_every=self.cfg.checkpoint_every, resume=self.ctx.resume)
+        return checkpoint, ({"sft_from_step": from_step} if self.ctx.resume else {})
 
     def train(self, *, engine, backend, learner, make_episodes, make_probe, trainer_cfg: TrainerConfig,
               what: str, before_loop: Optional[Callable[[], None]] = None) -> tuple[ConsistencyGate, dict]:

@@ -3,8 +3,8 @@
 A teacher is bound to the domains it teaches; the OPD stage sends each student trajectory to its domain's
 teacher. Implementations are registered by kind (`TeacherConfig.kind`, default `in_process`) so a new way
 to score (another runtime, a remote scorer) is one registered class; the prefetcher, the logit cache and
-the OPD stage do not change. No implementation keeps a server: a teacher is loaded from its local-tier
-copy when the prefetcher says so and dropped when evicted.
+the OPD stage do not change. A teacher is loaded from its local-tier copy when the prefetcher says so and
+dropped when evicted; a served one (`served.py`) only connects to its server, which stays up.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from cache import CacheMeta, TeacherRecord
+from opd_sao.checkpoints import checkpoint_hash
 from opd_sao.registry import Registry
 from opd_sao.trajectory import Trajectory
 
@@ -39,6 +40,7 @@ class TeacherSpec:
     tokenizer_hash: str  # fingerprint of the vocabulary (token -> id) and special tokens
     max_support: Optional[int] = None  # top_p only: the nucleus cap
     device: Optional[str] = None  # where it scores (auto | cpu | cuda | cuda:N; None: auto); not part of the cache key
+    url: Optional[str] = None  # a served teacher's server (kind sglang); not part of the cache key
 
     @property
     def cache_meta(self) -> CacheMeta:
@@ -49,6 +51,15 @@ class TeacherSpec:
 
 class Teacher(ABC):
     """One teacher model. `load` puts it in host memory from a local directory, `unload` frees it."""
+
+    copies_checkpoint = True  # the prefetcher copies `spec.checkpoint` to the disk tier before `load`
+
+    @classmethod
+    def identity(cls, teacher, checkpoint: Path, granularity: str) -> str:
+        """The teacher's identity in the logit cache (`TeacherSpec.checkpoint_hash`), from its config entry
+        (`TeacherConfig`) and resolved checkpoint; ValueError for a setting this kind cannot score.
+        Default: the hash of the checkpoint's weights."""
+        return checkpoint_hash(checkpoint)
 
     def __init__(self, spec: TeacherSpec, *, score_batch_size: int = 32, vocab_chunk: int = 8192):
         self.spec = spec

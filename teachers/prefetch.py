@@ -89,7 +89,10 @@ class Prefetcher:
         self.events.append({"t": round(time.perf_counter() - self._t0, 4), "event": what, "teacher": name, **extra})
 
     def ensure_local(self, name: str) -> Path:
-        """The teacher's local-tier copy, copying it first if absent."""
+        """The teacher's local-tier copy, copying it first if absent (a teacher that holds no weights of its own, a
+        served one, loads from its checkpoint directory as it is)."""
+        if not self.teachers[name].copies_checkpoint:
+            return self.teachers[name].spec.checkpoint
         path = self.local_path(name)
         with self._copy_locks[name]:
             if (path / "config.json").is_file():

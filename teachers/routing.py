@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Callable, Optional
 
-from opd_sao.checkpoints import checkpoint_hash, file_hash, load_tokenizer
+from opd_sao.checkpoints import file_hash, load_tokenizer
 from opd_sao.config import BEST_CHECKPOINT, OPDConfig
 from teachers.base import TEACHER_KINDS, Teacher, TeacherIncompatibleError, TeacherSpec
 
@@ -130,12 +130,14 @@ class TeacherSet:
                 raise TeacherIncompatibleError(f"{where}: {_tokenizer_difference(student_tokenizer, tokenizer)} "
                                                f"(OPD needs a shared tokenizer and vocabulary)")
             granularity = teacher.granularity or opd.granularity
+            identity = TEACHER_KINDS.get(teacher.kind).identity(teacher, checkpoint, granularity)
             specs.append(TeacherSpec(
                 name=teacher.name, kind=teacher.kind, checkpoint=checkpoint, domains=tuple(teacher.domains),
                 granularity=granularity, k=opd.top_k if granularity == "top_k" else None,
-                p=opd.top_p if granularity == "top_p" else None, checkpoint_hash=checkpoint_hash(checkpoint),
+                p=opd.top_p if granularity == "top_p" else None, checkpoint_hash=identity,
                 vocab_size=vocab, tokenizer_hash=fingerprint,
-                max_support=opd.max_support if granularity == "top_p" else None, device=teacher.device or device))
+                max_support=opd.max_support if granularity == "top_p" else None, device=teacher.device or device,
+                url=teacher.url))
         return cls(specs, score_batch_size=opd.score_batch_size, vocab_chunk=opd.vocab_chunk, chosen=chosen)
 
     def teacher_for(self, domain: str) -> TeacherSpec:
@@ -161,5 +163,6 @@ def describe(registry: TeacherSet, order: Optional[list[str]] = None) -> dict:
     return {name: {"checkpoint": str(spec.checkpoint), "domains": list(spec.domains), "granularity": spec.granularity,
                    "k": spec.k, "p": spec.p, "max_support": spec.max_support, "device": spec.device,
                    "checkpoint_hash": spec.checkpoint_hash, "kind": spec.kind,
+                   **({"url": spec.url} if spec.url else {}),
                    **({"best": registry.chosen[name]} if name in registry.chosen else {})}
             for name, spec in registry.specs.items() if order is None or name in order}

@@ -128,7 +128,7 @@ def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
             len_out.append(torch.full((rows,), k, dtype=torch.long, device=dev))
             tail_out.append((rest - lse).exp())
         elif granularity == "top_p":
-            parts = _nuclei(lse, cand_vals, cand_ids, rest, p, max_support)
+            parts = nucleus_rows(lse, cand_vals, cand_ids, rest, p, max_support)
             for out, part in zip((ids_out, logp_out, len_out, tail_out), parts):
                 out.append(part)
     sampled = sampled.cpu()
@@ -141,7 +141,7 @@ def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                       row_len=cat(len_out, torch.long), tail_mass=cat(tail_out, torch.float32))
 
 
-def _nuclei(lse, cand_vals, cand_ids, rest, p, max_support):
+def nucleus_rows(lse, cand_vals, cand_ids, rest, p, max_support):
     """(ids ascending, logp, row_len, tail) of each row's capped nucleus, from its top-max_support candidates
     (descending, as topk leaves them); the candidates past the nucleus join the tail."""
     logp_desc = cand_vals - lse.unsqueeze(1)

@@ -140,7 +140,8 @@ def _teacher(path, tok, tmp):
 def _sft(path, tok, tmp):
     from opd_sao.supervised import run_sft
 
-    run_sft(path, tmp / "out", [([1, 5], [6, 2])], tok, SFTConfig(steps=1, batch_size=1), 0, device="cuda")
+    run_sft(path, tmp / "out", [([1, 5], [6, 2])], tok, SFTConfig(steps=1, batch_size=1), 0,
+            trainer=TrainerConfig(device="cuda"))
 
 
 def _evaluate(path, tok, tmp):
@@ -233,7 +234,8 @@ def test_bfloat16_trains_in_mixed_precision(tiny_model_dir, tokenizer, tmp_path)
     """trainer.dtype bfloat16 computes in bfloat16 and keeps float32 weights and AdamW state: a step of lr 1e-6
     moves every trained weight (on bfloat16 weights, 8 mantissa bits, such an update is rounded away), and the
     logprobs, values and SFT loss differ from float32's by bfloat16 rounding, not by nothing."""
-    from opd_sao.modeling import sft_loss
+    from opd_sao.algorithms import sft_loss
+    from opd_sao.modeling import sequence_logprobs
     from opd_sao.supervised import run_sft
     from opd_sao.trainers import TorchTrainer
     from opd_sao.trajectory import Trajectory, collate
@@ -269,11 +271,13 @@ def test_bfloat16_trains_in_mixed_precision(tiny_model_dir, tokenizer, tmp_path)
         assert moved and all(0 < m < 1e-5 for m in moved.values()), f"{name}: {moved}"
 
     checkpoint = run_sft(tiny_model_dir, tmp_path / "sft", [(prompt, traj.token_ids)], tokenizer,
-                         SFTConfig(steps=1, batch_size=1, lr=1e-6), 0, device="cpu", dtype="bfloat16")
+                         SFTConfig(steps=1, batch_size=1, lr=1e-6), 0,
+                         trainer=TrainerConfig(device="cpu", dtype="bfloat16"))
     from opd_sao.checkpoints import load_causal_lm
     trained, start = load_causal_lm(checkpoint), load_causal_lm(tiny_model_dir)
     assert {p.dtype for p in trained.parameters()} == {torch.float32}
     assert any(0 < float((a - b).detach().abs().max()) < 1e-5 for a, b in zip(trained.parameters(), start.parameters()))
     ids, mask = batch.input_ids, batch.attention_mask
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert sft_loss(start, ids, mask, batch.action_mask).dtype == torch.float32  # logprobs accumulate in fp32
+        logp = sequence_logprobs(start, ids, mask, only=batch.action_mask)
+        assert sft_loss(logp, batch.action_mask).dtype == torch.float32  # logprobs accumulate in fp32

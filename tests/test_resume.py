@@ -50,7 +50,7 @@ def _records(run_dir, stage, name="trained.jsonl"):
 def _mid_stage(run_dir, stage: str, kind: str) -> bool:
     """Resumable state saved and training past it: a kill now loses steps that must not count as trained."""
     if kind == "sft":
-        return (run_dir / "stages" / stage / "sft_state.pt").is_file()
+        return (run_dir / "stages" / stage / "sft_state" / "loop.json").is_file()
     return (run_dir / "stages" / stage / "state" / "loop.json").is_file() and len(_records(run_dir, stage)) > EVERY
 
 
@@ -124,7 +124,7 @@ def test_sigkill_mid_stage_of_every_kind_then_resume(tmp_path, capsys):
     assert [r["step"] for r in sft_log] == list(range(SFT_STEPS))
     rng, pool = random.Random(config["seed"]), warm["examples_per_domain"]
     assert [i for r in sft_log for i in r["examples"]] == [rng.randrange(pool) for _ in range(SFT_STEPS * 16)]
-    assert not (run_dir / "stages" / "warm" / "sft_state.pt").exists()
+    assert not (run_dir / "stages" / "warm" / "sft_state").exists()
     for stage, _ in kinds[1:]:  # RL and OPD: every step once, every trajectory trained on once
         assert summary[stage]["resume"]["from_step"] >= EVERY, stage
         resume = summary[stage]["resume"]

@@ -10,25 +10,27 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Optional
 
 from opd_sao.runs.tracking import read_jsonl
 from opd_sao.runs.files import atomic_write
 
 
 class StageState:
-    def __init__(self, stage_dir: Path):
-        self.path = Path(stage_dir) / "state"
+    def __init__(self, stage_dir: Path, name: str = "state"):
+        """`name`: the state's folder in the stage directory (an RL stage's SFT warm start keeps its own)."""
+        self.path = Path(stage_dir) / name
 
     def exists(self) -> bool:
         return (self.path / "loop.json").is_file()
 
     def save(self, backend, step: int, extra: dict) -> None:
         """Write to a fresh directory, then swap it in: a crash leaves the old or the new state, whole."""
-        tmp = self.path.with_name("state.tmp")
+        tmp = self.path.with_name(self.path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         backend.save_state(tmp)
         (tmp / "loop.json").write_text(json.dumps({"step": step, "policy_version": backend.policy_version, **extra}))
-        old = self.path.with_name("state.old")
+        old = self.path.with_name(self.path.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         if self.path.exists():
             os.replace(self.path, old)
@@ -37,13 +39,24 @@ class StageState:
 
     def load(self, backend) -> dict:
         if not self.exists():
-            old = self.path.with_name("state.old")  # a crash between the two renames
+            old = self.path.with_name(self.path.name + ".old")  # a crash between the two renames
             if (old / "loop.json").is_file():
                 os.replace(old, self.path)
             else:
                 raise FileNotFoundError(f"no saved state in {self.path}")
         backend.load_state(self.path)
         return json.loads((self.path / "loop.json").read_text())
+
+    def step(self) -> Optional[int]:
+        """The step the saved state continues from (None when there is none)."""
+        for path in (self.path, self.path.with_name(self.path.name + ".old")):
+            if (path / "loop.json").is_file():
+                return json.loads((path / "loop.json").read_text())["step"]
+        return None
+
+    def discard(self) -> None:
+        for suffix in ("", ".tmp", ".old"):
+            shutil.rmtree(self.path.with_name(self.path.name + suffix), ignore_errors=True)
 
 
 def truncate_step_log(path: Path, before_step: int) -> list[dict]:

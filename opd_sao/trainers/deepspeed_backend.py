@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import copy
 import gc
+import importlib
 import json
 import logging
 import os
@@ -450,6 +451,21 @@ def shut_down(code: int) -> None:
     os._exit(code)
 
 
+def on_every_rank(target: str, **kwargs):
+    """Rank 0: run the function `module:name`(**kwargs) on every rank of the launch, the followers too, and return
+    rank 0's result. For work outside the trainer that every rank must join (a ZeRO-3 sharded teacher's load
+    and forward: `teachers/sharded.py`); call it from the thread that drives the trainer, as every announced
+    call, so the ranks see the same order of collectives. Without followers (one process) it is a plain call."""
+    if dist.is_initialized() and dist.get_rank() == 0 and dist.get_world_size() > 1:
+        dist.broadcast_object_list([("call", {"target": target, "kwargs": kwargs})], src=0)
+    return _resolve(target)(**kwargs)
+
+
+def _resolve(target: str):
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def follow(run_cfg=None) -> int:
     """A non-zero rank: mirror rank 0's backend calls until rank 0 exits.
 
@@ -469,7 +485,9 @@ def follow(run_cfg=None) -> int:
         if op == "exit":
             dist.destroy_process_group()
             return 0
-        if op == "init":
+        if op == "call":
+            _resolve(kwargs["target"])(**kwargs["kwargs"])
+        elif op == "init":
             trainer = None  # a new stage: free the previous engines first
             gc.collect()
             trainer = DeepSpeedTrainer(kwargs["checkpoint"], TrainerConfig(**kwargs["cfg"]),

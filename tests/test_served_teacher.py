@@ -1,0 +1,112 @@
+"""A teacher served by an SGLang-API server (`opd-sao serve` on loopback) scores as the in-process teacher does.
+
+The same teacher checkpoint, in this process and behind the server; the records the served teacher builds
+from `/generate`'s input logprobs (return_logprob, logprob_start_len, top_logprobs_num) must equal the
+in-process teacher's chunked lm-head records: the sampled token's logprob at every granularity, the same
+top-k ids, the same capped top-p nuclei, the tails to float32 rounding of a sum (1 - kept mass, where the
+in-process teacher sums the logits outside). Multi-turn trajectories (an observation span between actions)
+are scored at their action tokens only.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from launchers import wait_until_healthy
+from opd_sao.config import OPDConfig
+from opd_sao.engines.http import SGLangClient
+from opd_sao.trajectory import Trajectory
+from teachers import TeacherSet
+
+LOGP_ATOL, TAIL_ATOL = 1e-5, 1e-5
+
+
+@pytest.fixture(scope="module")
+def served(start_server, perturbed_teacher):
+    url, proc = start_server(perturbed_teacher)
+    wait_until_healthy(url, lambda: proc.poll() is None)
+    return url
+
+
+def _trajectories(tokenizer) -> list[Trajectory]:
+    rng, out = np.random.default_rng(0), []
+    for i in range(5):
+        prompt = [tokenizer.bos_token_id] + tokenizer.encode(f"{i}{i + 1} reverse", add_special_tokens=False)
+        length = 3 + i
+        mask = [1] * length
+        if length >= 5:  # a multi-turn trajectory: an observation span between two actions, not scored
+            mask[2] = mask[3] = 0
+        if i == 4:
+            mask[0] = 0  # starts with an observation
+        tokens = rng.integers(5, 200, size=length).tolist()
+        out.append(Trajectory(traj_id=f"t{i}", domain="digits_reverse", prompt_ids=prompt, token_ids=tokens,
+                              action_mask=mask, rollout_logp=[0.0] * length, versions=[0] * length,
+                              rewards=[0.0] * length))
+    return out
+
+
+def _teachers(server, teacher_dir, student_dir, tokenizer, stage_granularity, **teacher):
+    """(served, in-process) teachers of the same checkpoint, loaded."""
+    opd = OPDConfig(teachers=[{"name": "served", "kind": "sglang", "url": server, "checkpoint": str(teacher_dir),
+                               "domains": ["digits_reverse"], **teacher},
+                              {"name": "local", "checkpoint": str(teacher_dir), "domains": ["digits_sort"]}],
+                    granularity=stage_granularity, top_k=8, top_p=0.6, max_support=12, vocab_chunk=100)
+    reg = TeacherSet.from_config(opd, domains=["digits_reverse", "digits_sort"], resolve=Path,
+                                 student_checkpoint=student_dir, student_tokenizer=tokenizer)
+    teachers = reg.build_all()
+    for teacher in teachers.values():
+        teacher.load(teacher.spec.checkpoint)
+    return reg, teachers["served"], teachers["local"]
+
+
+@pytest.mark.parametrize("granularity", ["sampled", "top_k", "top_p"])
+def test_served_teacher_records_equal_the_in_process_teachers(served, perturbed_teacher, tiny_model_dir, tokenizer,
+                                                              granularity):
+    _, remote, local = _teachers(served, perturbed_teacher, tiny_model_dir, tokenizer, granularity)
+    trajs = _trajectories(tokenizer)
+    worst = 0.0
+    for traj, got, want in zip(trajs, remote.score(trajs), local.score(trajs)):
+        assert got.n_positions == want.n_positions == traj.num_action_tokens
+        np.testing.assert_allclose(got.sampled_logp, want.sampled_logp, atol=LOGP_ATOL)
+        worst = max(worst, float(np.abs(got.sampled_logp - want.sampled_logp).max()))
+        if granularity == "sampled":
+            assert got.ids is None and got.logp is None
+            continue
+        assert (got.offsets == want.offsets).all() and (got.ids == want.ids).all()
+        np.testing.assert_allclose(got.logp, want.logp, atol=LOGP_ATOL)
+        np.testing.assert_allclose(got.tail_mass, want.tail_mass, atol=TAIL_ATOL)
+        worst = max(worst, float(np.abs(got.logp - want.logp).max()))
+    print(f"\nserved vs in-process teacher ({granularity}): logprobs differ by at most {worst:.1e}")
+
+
+def test_served_teacher_identity_is_the_servers_model_and_weight_version(served, perturbed_teacher, tiny_model_dir,
+                                                                         tokenizer):
+    reg, _, _ = _teachers(served, perturbed_teacher, tiny_model_dir, tokenizer, "top_k")
+    before = reg.specs["served"].checkpoint_hash
+    assert before != reg.specs["local"].checkpoint_hash  # not the checkpoint's hash: the server's report
+    again, _, _ = _teachers(served, perturbed_teacher, tiny_model_dir, tokenizer, "top_k")
+    assert again.specs["served"].checkpoint_hash == before  # stable, so a resumed stage reuses its records
+    SGLangClient(served).weight_call("/update_weights_from_disk", {"model_path": str(perturbed_teacher),
+                                                                   "weight_version": "teacher-v2"})
+    after, _, _ = _teachers(served, perturbed_teacher, tiny_model_dir, tokenizer, "top_k")
+    assert after.specs["served"].checkpoint_hash != before  # new weights on the server: a new teacher to the cache
+
+
+@pytest.mark.parametrize("teacher, message", [
+    ({"granularity": "full"}, "granularity full needs the whole distribution per token"),
+    ({"url": ""}, "needs `url:`"),
+])
+def test_served_teacher_refuses_in_one_line(served, perturbed_teacher, tiny_model_dir, tokenizer, teacher, message):
+    with pytest.raises(ValueError) as err:
+        _teachers(served, perturbed_teacher, tiny_model_dir, tokenizer, "top_k", **teacher)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_served_teacher_that_does_not_answer_is_refused_before_any_work(free_port, perturbed_teacher,
+                                                                         tiny_model_dir, tokenizer):
+    with pytest.raises(ValueError) as err:
+        _teachers(f"http://127.0.0.1:{free_port()}", perturbed_teacher, tiny_model_dir, tokenizer, "top_k")
+    assert "teacher 'served'" in str(err.value) and "did not answer" in str(err.value)
