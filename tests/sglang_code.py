@@ -157,3 +157,16 @@ def validate_request(name: str, body: dict):
     if name == "GenerateReqInput":  # a dataclass: unknown fields are refused by its constructor
         return cls(**body)
     return pydantic.TypeAdapter(cls).validate_python(body)
+
+
+def join_and_receive(port: int, world: int, rank: int, names, dtypes, shapes, out: Path) -> None:
+    """A worker's tensor-parallel rank in its own process: joins the group "opd-sao-test" at 127.0.0.1:`port`
+    with SGLang's init_custom_process_group, receives one flattened bucket as SGLang's model runner does,
+    and saves what it got to `out`/rank{rank}.pt."""
+    import datetime
+
+    group = common()["init_custom_process_group"](
+        backend="gloo", init_method=f"tcp://127.0.0.1:{port}", timeout=datetime.timedelta(seconds=120),
+        world_size=world, rank=rank, group_name="opd-sao-test")
+    got = receive_weights_from_distributed(group, names, dtypes, shapes, "flattened_bucket")
+    torch.save({n: t.clone() for n, t in got}, out / f"rank{rank}.pt")

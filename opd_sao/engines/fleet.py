@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -405,8 +405,9 @@ class Fleet(RolloutEngine):
         return confirmed
 
     def _each(self, update, clients: list[SGLangClient], during=None) -> list[SGLangClient]:
-        """`update(client)` on `clients` in parallel (while `during()` runs here); returns the clients that
-        completed it (one that stopped answering is taken out of the fleet)."""
+        """`update(client)` on `clients` in parallel (while `during()` runs: a broadcast they receive); returns
+        the clients that completed it (one that stopped answering is taken out of the fleet). A worker that
+        refuses the call raises at once: `during` would otherwise wait for it until the group's timeout."""
         servers = {id(s.client): s for s in self._workers}
 
         def run(client: SGLangClient) -> bool:
@@ -417,11 +418,17 @@ class Fleet(RolloutEngine):
                 return False
             return True
 
-        with ThreadPoolExecutor(max(1, len(clients))) as pool:
+        pool = ThreadPoolExecutor(max(1, len(clients)) + 1)
+        try:
             futures = [pool.submit(run, c) for c in clients]
-            if during is not None:
-                during()
+            side = [pool.submit(during)] if during is not None else []
+            wait(futures + side, return_when=FIRST_EXCEPTION)
+            for future in futures + side:
+                if future.done() and future.exception() is not None:
+                    raise future.exception()
             return [c for c, future in zip(clients, futures) if future.result()]
+        finally:
+            pool.shutdown(wait=False)
 
     # --- teacher scoring -------------------------------------------------------------------------------
 

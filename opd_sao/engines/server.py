@@ -38,7 +38,7 @@ from opd_sao.checkpoints import load_causal_lm, load_tokenizer
 from opd_sao.devices import resolve_device
 from opd_sao.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from opd_sao.engines.embedded import EmbeddedEngine
-from opd_sao.engines.weight_sync import WEIGHT_SYNCS, SyncSettings, WeightSyncRefused, untied
+from opd_sao.engines.weight_sync import WEIGHT_SYNCS, SyncSettings, WeightSyncRefused
 from opd_sao.modeling import forward_logits
 
 # sampling_params keys accepted only at these (SGLang default) values: text-only or unimplemented options
@@ -253,7 +253,7 @@ class RolloutServer:
     # --- weights: the weight-sync modes' server sides (opd_sao/engines/weight_sync/) load into this --------
 
     def expected_weights(self) -> dict:
-        return {k: (tuple(v.shape), v.dtype) for k, v in untied(self.engine.model.state_dict()).items()}
+        return {k: (tuple(v.shape), v.dtype) for k, v in self.engine.model.state_dict().items()}
 
     def load_checkpoint(self, path: str) -> dict[str, torch.Tensor]:
         if not (Path(path) / "config.json").is_file():

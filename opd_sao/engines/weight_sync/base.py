@@ -44,7 +44,7 @@ class WeightTarget(Protocol):
     """What a server offers a mode's server side (`opd_sao.engines.server.RolloutServer`)."""
 
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Every parameter the served model loads (tied ones once): its shape and dtype."""
+        """Every weight of the served model's state dict (tied ones under each name): its shape and dtype."""
 
     def install(self, state: dict[str, torch.Tensor], weight_version: Optional[str]) -> None:
         """Swap these weights in once the requests in flight have finished."""
@@ -120,10 +120,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_incoming(target: WeightTarget, shapes: dict[str, tuple], dtypes: dict[str, torch.dtype], source: str,
-                   partial: bool = False) -> None:
+def check_incoming(target: WeightTarget, shapes: dict[str, tuple], dtypes: dict[str, torch.dtype], source: str) -> None:
     """Server side, before anything is received or loaded: every name is a parameter of the served model
-    with its shape (every parameter present unless `partial`: buckets), and every dtype a float one."""
+    with its shape, and every dtype a float one. A sync may carry any subset (buckets; tied weights once)."""
     expected = target.expected_weights()
     unknown = [k for k in shapes if k not in expected]
     if unknown:
@@ -132,9 +131,6 @@ def check_incoming(target: WeightTarget, shapes: dict[str, tuple], dtypes: dict[
     if wrong:
         raise WeightSyncRefused(f"{source}: {wrong[0]!r} has shape {list(shapes[wrong[0]])}, the served model's is "
                                 f"{list(expected[wrong[0]][0])}")
-    missing = [k for k in expected if k not in shapes]
-    if missing and not partial:
-        raise WeightSyncRefused(f"{source}: parameter {missing[0]!r} of the served model is missing")
     bad = [k for k in dtypes if dtypes[k] not in DTYPES.values()]
     if bad:
         raise WeightSyncRefused(f"{source}: {bad[0]!r} is {dtype_name(dtypes[bad[0]])}; weights travel as one of "

@@ -214,7 +214,7 @@ class DistributedSync(WeightSyncMode):
             raise WeightSyncRefused("each shape must be a list of non-negative integers")
         # checked before receiving: a refused request must not consume the broadcast
         check_incoming(target, dict(zip(names, shapes)), {n: DTYPES[d] for n, d in zip(names, dtypes)},
-                       "names, dtypes and shapes", partial=True)
+                       "names, dtypes and shapes")
         try:
             state = dict(self.receive(self.groups[name], names, dtypes, shapes, load_format))
         except Exception as err:  # noqa: BLE001 (a failed collective: the trainer or the group is gone)

@@ -141,7 +141,7 @@ class TensorSync(WeightSyncMode):
                                     f"{type(err).__name__}: {str(err)[:200]}") from None
         state = dict(named_tensors(obj, load_format))
         check_incoming(target, {k: v.shape for k, v in state.items()}, {k: v.dtype for k, v in state.items()},
-                       "serialized_named_tensors", partial=True)
+                       "serialized_named_tensors")
         check_finite(state, "serialized_named_tensors")
         target.install(state, version)
         return {"success": True, "message": "Success"}

@@ -1,0 +1,157 @@
+"""Training through `engine.kind: http` against workers that behave as SGLang 0.5.23 does: `opd-sao serve`
+with SGLang's own server-side code plugged in (tests/sglang_worker.py: its tensor deserialiser, its
+process-group helper and broadcast receive, its request models), in every weight-sync mode and at top_p 0.9.
+Also the client's calls checked against SGLang's code directly: the tensor payload SGLang reads, the
+process group SGLang forms, the positions SGLang gives prompt logprobs.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sglang_code
+import torch
+
+from launchers import free_port, wait_until_healthy
+
+pytestmark = pytest.mark.skipif(not sglang_code.installed(),
+                                reason="sglang 0.5.23 (pip install --no-deps sglang==0.5.23; scripts/setup.sh)")
+WORKER = Path(__file__).resolve().parent / "sglang_worker.py"
+
+
+@pytest.fixture(scope="module")
+def sglang_workers(tiny_model_dir, tmp_path_factory):
+    """[url, url]: two SGLang-semantics workers (seeds 0 and 1), one torch thread each."""
+    logs, procs = tmp_path_factory.mktemp("sglang-worker-logs"), []
+    for seed in range(2):
+        port = free_port()
+        with open(logs / f"worker-{port}.log", "w") as log:
+            procs.append((f"http://127.0.0.1:{port}", subprocess.Popen(
+                [sys.executable, str(WORKER), str(tiny_model_dir), "--port", str(port), "--threads", "1", "--seed",
+                 str(seed), "--max-batch", "8", "--group-timeout-s", "30"], stdout=log, stderr=subprocess.STDOUT)))
+    for url, proc in procs:
+        wait_until_healthy(url, lambda proc=proc: proc.poll() is None, timeout_s=180)
+    yield [url for url, _ in procs]
+    for _, proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def _scores(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return torch.tensor([float(logp[t - 1, ids[t]]) for t in range(1, len(ids))])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync,top_p", [("disk", 1.0), ("tensor", 1.0), ("distributed", 1.0), ("tensor", 0.9)],
+                         ids=["disk", "tensor", "distributed", "tensor-top_p-0.9"])
+def test_a_reasoning_stage_trains_through_sglang_semantics_workers(sync, top_p, sglang_workers, tmp_path,
+                                                                   tiny_model_dir, tokenizer):
+    """The workers end with the stage's checkpoint (their prompt scores equal it and differ from the start's),
+    confirm its version, and the consistency gate passes at its default thresholds; tensor and distributed
+    syncs travel in several buckets (a 64 KiB bound)."""
+    from opd_sao.checkpoints import load_causal_lm
+    from opd_sao.config import parse_config
+    from opd_sao.engines.http import SGLangClient
+    from opd_sao.pipeline import run_pipeline
+
+    steps = 3
+    stage = {"name": "reasoning", "kind": "reasoning", "env": "arithmetic", "env_options": {"max_operand": 9},
+             "steps": steps, "sft": {"steps": 2, "batch_size": 8}, "eval": {"num_tasks": 4},
+             "rollout": {"max_new_tokens": 8, "top_p": top_p}}
+    cfg = parse_config({"seed": 1, "model": {"path": str(tiny_model_dir)},
+                        "logging": {"wandb": False, "progress": False},
+                        "engine": {"kind": "http", "urls": sglang_workers, "max_batch": 8, "weight_sync": sync,
+                                   "weight_sync_bucket_mb": 1 / 16},
+                        "trainer": {"train_batch_size": 4, "critic_warmup_steps": 0}, "stages": [stage]})
+    summary = run_pipeline(cfg, tmp_path, log=lambda m: None)
+    gate = summary["stages"][0]["gate"]
+    assert gate["passed"] is True and gate["evaluations"] >= 2, gate
+    clients = [SGLangClient(url) for url in sglang_workers]
+    assert [c.weight_version() for c in clients] == [str(steps)] * 2
+    trained = load_causal_lm(tmp_path / "stages" / "reasoning" / "checkpoint")
+    ids = [tokenizer.bos_token_id] + tokenizer.encode("7+8=15 and 3+4=7", add_special_tokens=False)
+    expected, before = _scores(trained, ids), _scores(load_causal_lm(tiny_model_dir), ids)
+    assert not torch.allclose(expected, before, atol=1e-3)  # training moved the weights
+    for client in clients:
+        got = torch.tensor(client.score(ids, 1).token_logprobs)
+        assert torch.allclose(got, expected, atol=1e-5), (client.url, (got - expected).abs().max())
+
+
+def test_tensor_payloads_are_read_by_sglangs_deserialiser_and_request_model():
+    """Both load formats: SGLang's MultiprocessingSerializer (SafeUnpickler) reads each bucket back exactly,
+    as its model runner rebuilds it (FlattenedTensorBucket), and its request model takes the body."""
+    from opd_sao.engines.weight_sync.base import buckets
+    from opd_sao.engines.weight_sync.tensor import serialize
+
+    tensors = {"a": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16), "c": torch.randn(7, 2)}
+    parts = buckets(tensors, 60)
+    assert [[n for n, _ in b] for b in parts] == [["a"], ["b"], ["c"]]  # one dtype per bucket, 60 bytes at most
+    deserialize = sglang_code.common()["MultiprocessingSerializer"].deserialize
+    bucket_cls, meta_cls = (sglang_code.tensor_bucket()[n] for n in ("FlattenedTensorBucket", "FlattenedTensorMetadata"))
+    for load_format in (None, "flattened_bucket"):
+        for part in parts:
+            data = serialize(part, load_format)
+            body = {"serialized_named_tensors": [data, data], "load_format": load_format, "weight_version": "3"}
+            request = sglang_code.validate_request("UpdateWeightsFromTensorReqInput", body)
+            obj = deserialize(request.serialized_named_tensors[1])  # tensor-parallel rank 1 reads its own entry
+            if load_format is None:
+                got = obj
+            else:
+                metadata = [meta_cls(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                                     end_idx=m.end_idx, numel=m.numel) for m in obj["metadata"]]
+                got = bucket_cls(flattened_tensor=obj["flattened_tensor"], metadata=metadata).reconstruct_tensors()
+            assert [n for n, _ in got] == [n for n, _ in part]
+            assert all(t.dtype == tensors[n].dtype and torch.equal(t, tensors[n]) for n, t in got)
+
+
+def test_the_trainers_group_is_the_one_sglang_forms_with_several_ranks(tmp_path):
+    """The trainer (rank 0, opd-sao's new_group on the store it hosts) and three SGLang ranks (two workers, one
+    of them tensor-parallel 2: rank_offset + tp_rank) form one group; a flattened bucket reaches every rank."""
+    import torch.distributed as dist
+
+    from opd_sao.engines.weight_sync.distributed import _bucket, new_group
+
+    tensors = [("w", torch.randn(4, 3)), ("v", torch.randn(6))]
+    meta, flat = _bucket(tensors)
+    store = dist.TCPStore("127.0.0.1", 0, 4, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    ctx = multiprocessing.get_context("spawn")
+    ranks = [ctx.Process(target=sglang_code.join_and_receive, args=(store.port, 4, rank, meta["names"], meta["dtypes"],
+                                                     meta["shapes"], tmp_path)) for rank in (1, 2, 3)]
+    for proc in ranks:
+        proc.start()
+    group = new_group(store, 0, 4, "opd-sao-test", "gloo", datetime.timedelta(seconds=120))
+    dist.broadcast(flat, src=0, group=group)
+    for proc in ranks:
+        proc.join(120)
+    dist.destroy_process_group(group)
+    assert [proc.exitcode for proc in ranks] == [0, 0, 0]
+    for rank in (1, 2, 3):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert all(torch.equal(got[n], t) for n, t in tensors)
+
+
+def test_score_reads_sglangs_prompt_logprob_positions(tiny_model_dir, tokenizer):
+    """SGLang's scheduler shifts its logits processor's values (entry i: the logprob of token start+i+1) by
+    one and puts None first, so entry j pairs input_ids[start+j] with its logprob and the first is None
+    wherever it starts. The client asks from start-1: its answer is each token's logprob given the prefix."""
+    from opd_sao.checkpoints import load_causal_lm
+
+    model = load_causal_lm(tiny_model_dir)
+    ids = [tokenizer.bos_token_id] + tokenizer.encode("12+30=42", add_special_tokens=False)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    for start in (1, 3):
+        asked = start - 1  # what the client sends as logprob_start_len
+        raw = [float(logp[p, ids[p + 1]]) for p in range(asked, len(ids) - 1)] + [-0.5]  # last: a sampled token's
+        values, token_ids = sglang_code.process_input_token_logprobs(raw, ids, asked, logp.shape[-1])
+        assert values[0] is None and token_ids == ids[asked:]
+        answer = [[v, t, None] for v, t in zip(values, token_ids)]
+        scored = [entry[0] for entry in answer[1:]]  # the client drops SGLang's first entry
+        assert scored == pytest.approx([float(logp[t - 1, ids[t]]) for t in range(start, len(ids))], abs=1e-6)
