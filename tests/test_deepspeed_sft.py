@@ -1,7 +1,8 @@
 """SFT on the trainer backend: 2 CPU processes (gloo) run `run_sft` at DeepSpeed ZeRO-3 and match the torch backend.
 
-The same examples and seed; the torch backend trains in this process, the DeepSpeed backend in 2 processes
-under torchrun (this file is also the worker script). On rank 0 the DeepSpeed run is interrupted after
+The same examples and seed; the torch backend trains in this process on whole batches, the DeepSpeed backend
+in 2 processes under torchrun (this file is also the worker script) in micro-batches of 2 rows with gradient
+accumulation (`trainer.micro_batch_size`): SFT inherits the backend's step. On rank 0 the DeepSpeed run is interrupted after
 INTERRUPT_AFTER steps (an exception from the progress bar, as a crash), then resumed from the state saved at
 SAVE_EVERY: the resumed run must draw the examples an uninterrupted run draws and end at its weights.
 
@@ -65,7 +66,8 @@ def worker(args: dict) -> None:
         return
     out, model = Path(args["out"]), args["model"]
     tokenizer, examples = load_tokenizer(model), _examples(Path(args["examples"]))
-    trainer = TrainerConfig(backend="deepspeed", deepspeed_config={"zero_optimization": {"stage": 3}})
+    trainer = TrainerConfig(backend="deepspeed", deepspeed_config={"zero_optimization": {"stage": 3}},
+                            micro_batch_size=2)  # each rank's 3 rows in micro-batches, accumulated
     try:
         run_sft(model, out / "checkpoint", examples, tokenizer, _sft_cfg(), 0, CrashingProgress(INTERRUPT_AFTER),
                 trainer=trainer, work_dir=out, save_every=SAVE_EVERY)
