@@ -26,6 +26,9 @@ setup(
         "datasets",  # dataset environments: save_to_disk directories
         "math-verify",  # the math reward (LaTeX parsing through latex2sympy2-extended, which brings antlr4)
         "openai",  # the LLM-judge reward's client
+        "fastapi",  # opd-sao serve: the stack SGLang serves on
+        "uvicorn",
+        "orjson",  # serve's JSON: non-finite floats as null, as SGLang
     ],
     extras_require={
         "deepspeed": ["deepspeed==0.19.8"],

@@ -67,7 +67,7 @@ def _serve_when_told(conn, port: int, seed: int) -> None:
     serve(argparse.Namespace(checkpoint=checkpoint, port=port, host="127.0.0.1", max_batch=SERVER_BATCH,
                              dtype="float32", seed=seed, threads=1, weight_version="default",
                              max_new_tokens=MAX_NEW_TOKENS, max_body_mb=MAX_BODY_BYTES >> 20, device="cpu",
-                             group_timeout_s=60.0))
+                             group_timeout_s=60.0, api_key=None, admin_api_key=None, weights_root=None))
 
 
 def workload(tokenizer, n: int, long: int, short: int) -> list[GenerationRequest]:

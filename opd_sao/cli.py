@@ -183,6 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "the weights in it, as base64 (4/3 of their bytes)")
     serve.add_argument("--group-timeout-s", type=float, default=60.0,
                        help="seconds /init_weights_update_group waits for the weight update group to form")
+    serve.add_argument("--api-key", default=None, help="every route but /health needs `Authorization: Bearer KEY` "
+                                                       "(SGLang's --api-key; also unlocks weight routes without "
+                                                       "--admin-api-key)")
+    serve.add_argument("--admin-api-key", default=None,
+                       help="weight routes need `Authorization: Bearer KEY` (SGLang's). Without it (or --api-key) "
+                            "they are refused (403) to clients not on loopback")
+    serve.add_argument("--weights-root", action="append", default=None,
+                       help="/update_weights_from_disk loads only under this directory, symlinks resolved "
+                            "(repeatable; default: the checkpoint's parent and the system temporary directory)")
     serve.set_defaults(func=_cmd_serve)
     config = sub.add_parser("config", help="every config setting: dotted path, type, default and what it does")
     config.add_argument("prefix", nargs="?", default="", help="only settings under this path, e.g. stages[].opd")

@@ -227,27 +227,36 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0
     return out.to(acc_dtype(weight)).index_put((b, t + 1), logp)  # float32 (float64 for exactness tests)
 
 
-def nucleus_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Logprobs of the distribution actually sampled from: softmax(logits/T) renormalised on the top-p nucleus.
+def nucleus_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                     top_k: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Logprobs of the distribution actually sampled from: softmax(logits/T) renormalised on the top-p nucleus
+    (and, with top_k, on its k most likely tokens too; both cut from the whole distribution, as SGLang does).
 
-    logits [N, V]; temperature, top_p [N]. Tokens outside the nucleus get -inf.
+    logits [N, V]; temperature, top_p, top_k [N] (top_k < 1: no cut). Tokens outside the support get -inf.
     """
     logp = torch.log_softmax(logits.float() / temperature.unsqueeze(-1), dim=-1)
-    if bool((top_p >= 1.0).all()):
+    no_k = top_k is None or bool((top_k < 1).all())
+    if bool((top_p >= 1.0).all()) and no_k:
         return logp
     sorted_logp, order = logp.sort(dim=-1, descending=True)
     mass_before = sorted_logp.exp().cumsum(-1) - sorted_logp.exp()
     drop_sorted = mass_before >= top_p.unsqueeze(-1)
+    if not no_k:
+        rank = torch.arange(logp.shape[-1], device=logp.device)
+        drop_sorted |= (rank >= top_k.unsqueeze(-1)) & (top_k.unsqueeze(-1) >= 1)
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     logp = logp.masked_fill(drop, float("-inf"))
     return logp - torch.logsumexp(logp, dim=-1, keepdim=True)
 
 
-def sample_tokens(logits, temperature, top_p, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return (ids [N], logprob of each id under the sampled distribution [N])."""
-    logp = nucleus_logprobs(logits, temperature, top_p)
+def sample_tokens(logits, temperature, top_p, generator=None, top_k=None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                  torch.Tensor]:
+    """Sample one token per row; return (ids [N], logprob of each id under the sampled distribution [N], its
+    logprob under softmax(logits/T) over the whole vocabulary [N], which SGLang reports as output_token_logprobs)."""
+    logp = nucleus_logprobs(logits, temperature, top_p, top_k)
     ids = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-    return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    vocab = torch.log_softmax(logits.float() / temperature.unsqueeze(-1), dim=-1)
+    return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1), vocab.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
 # ----------------------------------------------------------------------------

@@ -49,10 +49,11 @@ def _assert_still_serving(url, prompt):
     assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 4
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": math.nan}, {"temperature": 1e-45}, {"temperature": math.inf},
-                                      {"top_p": math.nan}, {"top_p": 0.0}, {"temperature": "hot"}],
-                         ids=["temperature-nan", "temperature-1e-45", "temperature-inf", "top_p-nan", "top_p-0",
-                              "temperature-str"])
+@pytest.mark.parametrize("sampling", [{"temperature": math.nan}, {"temperature": -0.5}, {"temperature": math.inf},
+                                      {"top_p": math.nan}, {"top_p": 0.0}, {"temperature": "hot"}, {"top_k": 0},
+                                      {"stop_token_ids": [10 ** 9]}, {"stop": [""]}, {"min_p": 0.1}],
+                         ids=["temperature-nan", "temperature-negative", "temperature-inf", "top_p-nan", "top_p-0",
+                              "temperature-str", "top_k-0", "stop_token_ids-out-of-vocab", "stop-empty", "min_p"])
 def test_a_bad_sampling_parameter_is_a_400_and_poisons_nothing(server, prompt, sampling):
     bad = _generate(server, prompt, **sampling)
     assert bad.status_code == 400, bad.text

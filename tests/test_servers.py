@@ -61,8 +61,8 @@ def test_api_logprobs_match_the_trainer_and_prompts_are_scored(fleet, tiny_model
     assert len(scores.top_logprobs) == len(ids) - 2
 
     # the API's own answers: unsupported options are refused by name, not ignored
-    bad = requests.post(url + "/generate", json={"input_ids": prompts[0], "sampling_params": {"top_k": 5}})
-    assert bad.status_code == 400 and "top_k" in bad.json()["error"]["message"]
+    bad = requests.post(url + "/generate", json={"input_ids": prompts[0], "sampling_params": {"min_p": 0.05}})
+    assert bad.status_code == 400 and "min_p" in bad.json()["error"]["message"]
     SGLangClient(url).flush_cache()
     weights = engine.weights_dir
     engine.close()

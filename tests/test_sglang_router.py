@@ -153,8 +153,8 @@ def test_runtime_endpoint_text_generation_and_the_router_request_shape(router, w
         {"max_new_tokens": 1, "ignore_eos": True}, {"max_new_tokens": 2, "ignore_eos": True}]}).json()
     assert [len(r["output_ids"]) for r in batch] == [1, 2]
     refused = requests.post(url + "/generate", json={"input_ids": [ids, ids], "sampling_params": [
-        {"max_new_tokens": 1}, {"top_k": 3}]})
-    assert refused.status_code == 400 and "top_k" in refused.text
+        {"max_new_tokens": 1}, {"min_p": 0.5}]})
+    assert refused.status_code == 400 and "min_p" in refused.text
 
     # what sglang-router reads when it registers a worker, and its loads
     server_info = requests.get(url + "/get_server_info").json()

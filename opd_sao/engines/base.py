@@ -13,7 +13,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
-    ignore_eos: bool = False  # benchmarks force response lengths with it
+    ignore_eos: bool = False  # benchmarks force response lengths with it (stop_token_ids are ignored too, as SGLang)
+    top_k: int = -1  # sample among the k most likely tokens only (-1: all); 1 is greedy
+    stop_token_ids: tuple[int, ...] = ()  # end the sequence like eos does (finish "stop")
 
 
 @dataclass
@@ -23,6 +25,8 @@ class GenerationRequest:
     tag: Any = None  # handed back untouched with the result (the caller's episode)
     est_tokens: int = 0  # a length estimate, for load-aware routing
     cancelled: bool = False  # set when nobody waits for the result any more: the engine drops it at its next step
+    # called with the tokens so far after each token, True ends the sequence (finish "stop"): serve's stop strings
+    stop_check: Optional[Callable[[list[int]], bool]] = None
 
 
 @dataclass
@@ -32,6 +36,8 @@ class GenerationResult:
     logprobs: list[float]  # of the distribution actually sampled from (temperature, top-p)
     versions: list[int]  # the policy version that sampled each token
     finish_reason: str  # "stop" (eos) or "length"
+    # under softmax(logits/T) over the whole vocabulary, not renormalised to top-p (SGLang's output_token_logprobs)
+    vocab_logprobs: list[float] = field(default_factory=list)
 
 
 ResultCallback = Callable[[GenerationResult], None]

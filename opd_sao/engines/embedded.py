@@ -27,6 +27,7 @@ class _Sequence:
     request: GenerationRequest
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    vocab_logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str = ""
 
@@ -122,14 +123,17 @@ class EmbeddedEngine(RolloutEngine):
             logits, version = out.logits[:, -1], self._version
         temperature = torch.tensor([s.request.params.temperature for s in active], device=self.device)
         top_p = torch.tensor([s.request.params.top_p for s in active], device=self.device)
-        ids, logps = sample_tokens(logits, temperature, top_p, self.generator)
+        top_k = torch.tensor([s.request.params.top_k for s in active], device=self.device)
+        ids, logps, vocab_logps = sample_tokens(logits, temperature, top_p, self.generator, top_k)
         self.tokens_generated += len(active)
-        for seq, token, logp in zip(active, ids.tolist(), logps.tolist()):
+        for seq, token, logp, vocab_logp in zip(active, ids.tolist(), logps.tolist(), vocab_logps.tolist()):
             params = seq.request.params
             seq.token_ids.append(token)
             seq.logprobs.append(logp)
+            seq.vocab_logprobs.append(vocab_logp)
             seq.versions.append(version)
-            if token in self.stop_ids and not params.ignore_eos:
+            stops = not params.ignore_eos and (token in self.stop_ids or token in params.stop_token_ids)
+            if stops or (seq.request.stop_check is not None and seq.request.stop_check(seq.token_ids)):
                 seq.finish_reason = "stop"
             elif len(seq.token_ids) >= params.max_new_tokens:
                 seq.finish_reason = "length"
@@ -198,11 +202,12 @@ class EmbeddedEngine(RolloutEngine):
                 config=self.model.config)
 
     def _finish(self, seq: _Sequence) -> GenerationResult:
-        logprobs = seq.logprobs
+        logprobs, vocab_logprobs = seq.logprobs, seq.vocab_logprobs
         same_version = len(set(seq.versions)) == 1
-        if self.deterministic and same_version and seq.request.params.top_p >= 1.0:
-            logprobs = self._rescore_alone(seq)
-        return GenerationResult(seq.request, seq.token_ids, logprobs, seq.versions, seq.finish_reason)
+        uncut = seq.request.params.top_p >= 1.0 and seq.request.params.top_k < 1
+        if self.deterministic and same_version and uncut:
+            logprobs = vocab_logprobs = self._rescore_alone(seq)  # no nucleus: the two are one distribution
+        return GenerationResult(seq.request, seq.token_ids, logprobs, seq.versions, seq.finish_reason, vocab_logprobs)
 
     @torch.no_grad()
     def _rescore_alone(self, seq: _Sequence) -> list[float]:
