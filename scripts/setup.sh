@@ -7,6 +7,9 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 DS_BUILD_OPS=0 .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[test,deepspeed]"
+# SGLang's own server-side Python for the fleet tests (tests/sglang_code.py loads pieces of it): its wheel pins a
+# CUDA torch, so without its dependencies (pip skips it once installed)
+.venv/bin/pip install -q --disable-pip-version-check --no-deps "sglang==0.5.23"
 if ! command -v bwrap >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     (apt-get install -y -q bubblewrap >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1)) \
