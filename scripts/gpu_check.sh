@@ -5,7 +5,9 @@
 #
 #   scripts/gpu_check.sh [OUT]          # OUT: the report (default docs/gpu_check.txt)
 #
-#   RUNS="torch-fp32 torch-bf16 deepspeed-bf16"   the settings to run (default: all three)
+#   RUNS="torch-fp32 torch-bf16 deepspeed-bf16 fleet-disk fleet-tensor fleet-distributed"
+#                                                  the settings to run (default: all; the fleet ones only
+#                                                  where `sglang` is importable)
 #   STEP_TIMEOUT=600                               seconds each run may take before it is stopped
 #   PYTHON=/path/to/python                         the interpreter (default: .venv, then python3, if its
 #                                                  torch sees CUDA; else build/venv-gpu is built from PyPI)
@@ -13,8 +15,13 @@
 # torch-fp32      trainer and engine in float32: the gate holds its default thresholds (1e-3 / 1e-2)
 # torch-bf16      trainer.dtype and engine.dtype bfloat16 on the torch backend
 # deepspeed-bf16  the DeepSpeed backend (ZeRO-2, bf16) in a world of one, engine in bfloat16
+# fleet-MODE      a real SGLang server (`python -m sglang.launch_server`, on the tiny model of the check,
+#                 float32, torch_native attention) is the rollout engine (`engine.kind: http`) of one short
+#                 reasoning stage, with engine.weight_sync MODE (disk, tensor, distributed); the trainer on
+#                 the GPU, except distributed on a one-GPU machine: NCCL refuses two ranks on one device, so
+#                 that trainer runs on the CPU and the group is gloo (SGLang receives into its CUDA tensors)
 # bf16 rounding moves logprobs by up to ~1e-2, so the bf16 runs gate at 2e-2 (mean) / 2e-1 (p99) and
-# the report says so. Exit status: 0 when every run passed, 1 when one failed, 2 without a GPU.
+# the report says so; the fleet runs too (SGLang's kernels are not the trainer's). Exit status: 0 when every run passed, 1 when one failed, 2 without a GPU.
 # Time: on 2 CPU cores (device=cpu, a 32-wide model) a run took 2-4 minutes; where one call is capped
 # (e.g. 10 minutes), run the settings in separate calls: RUNS=torch-fp32, then RUNS="torch-bf16 ...".
 # OUT holds the runs of one call; APPEND=1 adds a call's report to OUT instead of replacing it.
@@ -23,7 +30,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/gpu_check.txt}
 WORK=build/gpu_check
-RUNS=${RUNS:-torch-fp32 torch-bf16 deepspeed-bf16}
+RUNS=${RUNS:-torch-fp32 torch-bf16 deepspeed-bf16 fleet-disk fleet-tensor fleet-distributed}
 STEP_TIMEOUT=${STEP_TIMEOUT:-600}
 CONFIG=configs/gpu_check.yaml
 STAGES="reasoning agent chat opd"
@@ -65,8 +72,65 @@ overrides_for() {  # the config overrides of one run setting
     torch-bf16) echo "device=cuda trainer.backend=torch trainer.dtype=bfloat16 engine.dtype=bfloat16$gate" ;;
     deepspeed-bf16) echo "device=cuda trainer.backend=deepspeed trainer.dtype=bfloat16 engine.dtype=bfloat16" \
                          "trainer.deepspeed_config.zero_optimization.stage=2$gate" ;;
-    *) echo "gpu_check: unknown run setting $1 (torch-fp32, torch-bf16, deepspeed-bf16)" >&2; return 1 ;;
+    fleet-distributed) if [ "$(nvidia-smi -L | wc -l)" -gt 1 ]; then echo "device=cuda engine.weight_sync=distributed";
+                       else echo "device=cuda trainer.device=cpu engine.weight_sync=distributed"; fi ;;
+    fleet-*) echo "device=cuda engine.weight_sync=${1#fleet-}" ;;
+    *) echo "gpu_check: unknown run setting $1 (torch-fp32, torch-bf16, deepspeed-bf16, fleet-disk, fleet-tensor," \
+            "fleet-distributed)" >&2; return 1 ;;
   esac
+}
+
+SGLANG_PID=""
+stop_sglang() { if [ -n "$SGLANG_PID" ]; then kill "$SGLANG_PID" 2>/dev/null || true; wait "$SGLANG_PID" 2>/dev/null || true; SGLANG_PID=""; fi; }
+trap stop_sglang EXIT
+start_sglang() {  # a real SGLang server on the fleet stage's tiny model, and $WORK/fleet.yaml pointing at it
+  local port model="$WORK/fleet-model"
+  timeout 600 "$PY" - "$model" <<'PYEOF' || return 1
+import sys
+from pathlib import Path
+
+from opd_sao.checkpoints import build_tiny_model
+from opd_sao.config import TinyModelConfig
+from stages.envs import ENVIRONMENTS
+
+corpus = [t for name in ENVIRONMENTS.names() for t in ENVIRONMENTS.get(name)().corpus(300)]
+build_tiny_model(Path(sys.argv[1]), corpus, TinyModelConfig(hidden_size=256, intermediate_size=768, num_layers=4,
+                                                            num_heads=8, num_kv_heads=4), seed=0)
+PYEOF
+  port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  "$PY" -m sglang.launch_server --model-path "$model" --host 127.0.0.1 --port "$port" --skip-tokenizer-init \
+    --dtype float32 --attention-backend torch_native --disable-cuda-graph --mem-fraction-static 0.3 \
+    > "$WORK/sglang-server.log" 2>&1 &
+  SGLANG_PID=$!
+  for _ in $(seq 1 300); do
+    if curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1; then
+      cat > "$WORK/fleet.yaml" <<YAMLEOF
+# written by scripts/gpu_check.sh: one short reasoning stage with a real SGLang server as the rollout engine
+seed: 0
+model: {path: $PWD/$model}
+engine: {kind: http, urls: ["http://127.0.0.1:$port"], max_batch: 32, weights_dir: $PWD/$WORK/fleet-weights}
+trainer: {train_batch_size: 16, critic_warmup_steps: 0}
+logging: {wandb: false, progress: false}
+stages:
+  - name: reasoning
+    kind: reasoning
+    env: arithmetic
+    env_options: {max_operand: 9}
+    steps: 4
+    sft: {steps: 30, batch_size: 32}
+    rollout: {max_new_tokens: 6, max_staleness: 2}
+    eval: {num_tasks: 16}
+    gate: {mean_abs_diff: 2.0e-2, p99_abs_diff: 2.0e-1}
+YAMLEOF
+      return 0
+    fi
+    kill -0 "$SGLANG_PID" 2>/dev/null || break
+    sleep 2
+  done
+  echo "gpu_check: the SGLang server did not come up; the last lines of $WORK/sglang-server.log:" >&2
+  tail -15 "$WORK/sglang-server.log" >&2
+  stop_sglang
+  return 1
 }
 
 STAMP=$(date +%Y%m%d-%H%M%S)
@@ -77,17 +141,33 @@ for run in $RUNS; do
   run_dir="$WORK/run-$STAMP-$run"
   log="$WORK/$run.log"
   status=ok
+  config=$CONFIG
   if [[ $run == deepspeed-* ]] && ! timeout 300 "$PY" -c 'import deepspeed' >/dev/null 2>&1; then
     echo "gpu_check: $run skipped: deepspeed is not importable by $PY" | tee "$log"
     printf '%s\tskipped\t0\t0\t%s\n' "$run" "$run_dir" >> "$RESULTS"
     continue
   fi
+  if [[ $run == fleet-* ]]; then
+    if ! timeout 300 "$PY" -c 'import sglang.srt.entrypoints.http_server' >/dev/null 2>&1; then
+      echo "gpu_check: $run skipped: sglang is not importable by $PY" | tee "$log"
+      printf '%s\tskipped\t0\t0\t%s\n' "$run" "$run_dir" >> "$RESULTS"
+      continue
+    fi
+    # a server per mode: each run starts from the checkpoint (the engine loads it as version 0 anyway)
+    stop_sglang
+    if ! start_sglang; then
+      printf '%s\t%s\t0\t0\t%s\n' "$run" "failed (no SGLang server)" "$run_dir" >> "$RESULTS"
+      continue
+    fi
+    config=$WORK/fleet.yaml
+  fi
   echo "gpu_check: $run (log: $log, at most ${STEP_TIMEOUT}s)"
   start=$(date +%s)
   # shellcheck disable=SC2086  # the overrides are separate words
-  timeout --kill-after=30 "$STEP_TIMEOUT" "$PY" -m opd_sao.cli run "$CONFIG" $overrides --run-dir "$run_dir" \
+  timeout --kill-after=30 "$STEP_TIMEOUT" "$PY" -m opd_sao.cli run "$config" $overrides --run-dir "$run_dir" \
     > "$log" 2>&1 || status="failed (exit $?)"
   end=$(date +%s)
+  [[ $run == fleet-* ]] && stop_sglang
   [ "$status" = ok ] || { echo "gpu_check: $run $status; the last lines of $log:" >&2; tail -15 "$log" >&2; }
   printf '%s\t%s\t%s\t%s\t%s\n' "$run" "$status" "$start" "$end" "$run_dir" >> "$RESULTS"
 done
@@ -130,7 +210,8 @@ for line in results.read_text().splitlines():
               f"{'-' if speed is None else f'{speed:.1f}':>9} {verdict:>5} {fmt(gate.get('mean_abs_diff')):>11} "
               f"{fmt(gate.get('p99_abs_diff')):>10} {gate.get('evaluations', '-'):>6}  "
               + " ".join(f"{d}={v}" for d, v in stage["eval_after"].items()))
-print("\nbf16 runs gate at mean 2e-2 / p99 2e-1 (bf16 rounding); torch-fp32 at the defaults 1e-3 / 1e-2.")
+print("\nbf16 and fleet runs gate at mean 2e-2 / p99 2e-1 (bf16 rounding; SGLang's kernels); torch-fp32 at the "
+      "defaults 1e-3 / 1e-2. fleet-*: one reasoning stage through a real SGLang server, per weight-sync mode.")
 print(f"summary: {'all runs passed' if not failed else f'{failed} run(s) failed'}")
 EOF
 if [ "${APPEND:-0}" = 1 ] && [ -f "$OUT" ]; then
