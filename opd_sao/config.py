@@ -110,8 +110,8 @@ class EngineConfig(Strict):
         "kind=http: the servers' API key (SGLang's --api-key), sent as Authorization: Bearer; default: the "
         "environment's OPD_SAO_API_KEY", None)
     admin_api_key: Optional[str] = describe(
-        "kind=http: the key weight updates are sent with (SGLang's --admin-api-key); default: the environment's "
-        "OPD_SAO_ADMIN_API_KEY, else api_key", None)
+        "kind=http: the key SGLang's admin endpoints (weight updates, /flush_cache) are sent with (its "
+        "--admin-api-key); default: the environment's OPD_SAO_ADMIN_API_KEY, else api_key", None)
     max_batch: int = describe("concurrent sequences in the continuous batch", 32, ge=1)
     dtype: Dtype = describe("embedded engine weights' dtype", "float32")
     deterministic: bool = describe("score every sequence alone with the trainer's kernels (bitwise agreement; slow)",

@@ -170,3 +170,27 @@ def join_and_receive(port: int, world: int, rank: int, names, dtypes, shapes, ou
         world_size=world, rank=rank, group_name="opd-sao-test")
     got = receive_weights_from_distributed(group, names, dtypes, shapes, "flattened_bucket")
     torch.save({n: t.clone() for n, t in got}, out / f"rank{rank}.pt")
+
+
+@lru_cache(None)
+def auth() -> dict:
+    """sglang/srt/utils/auth.py's pure decision (`decide_request_auth`, `AuthLevel`) and, read from
+    entrypoints/http_server.py's route decorators, each path's auth level (NORMAL unless decorated)."""
+    import enum
+    import secrets
+
+    ns = _load("srt/utils/auth.py", {"AuthDecision", "AuthLevel", "decide_request_auth"},
+               {"secrets": secrets, "dataclass": dataclasses.dataclass, "Enum": enum.Enum, **_typing()})
+    levels = {}
+    for node in ast.walk(ast.parse((_root() / "srt/entrypoints/http_server.py").read_text())):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        paths = [d.args[0].value for d in node.decorator_list if isinstance(d, ast.Call)
+                 and isinstance(d.func, ast.Attribute) and d.func.attr in ("get", "post", "api_route")
+                 and d.args and isinstance(d.args[0], ast.Constant)]
+        level = [d.args[0].attr for d in node.decorator_list if isinstance(d, ast.Call)
+                 and getattr(d.func, "id", None) == "auth_level" and isinstance(d.args[0], ast.Attribute)]
+        for path in paths:
+            levels[path] = level[0] if level else "NORMAL"
+    ns["levels"] = levels
+    return ns

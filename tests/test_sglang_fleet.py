@@ -155,3 +155,62 @@ def test_score_reads_sglangs_prompt_logprob_positions(tiny_model_dir, tokenizer)
         answer = [[v, t, None] for v, t in zip(values, token_ids)]
         scored = [entry[0] for entry in answer[1:]]  # the client drops SGLang's first entry
         assert scored == pytest.approx([float(logp[t - 1, ids[t]]) for t in range(start, len(ids))], abs=1e-6)
+
+
+@pytest.mark.parametrize("api_key,admin_api_key", [("k", None), (None, "admin"), ("k", "admin")])
+def test_the_client_passes_sglangs_auth_on_every_endpoint_it_calls(api_key, admin_api_key):
+    """A loopback server that decides every request as SGLang's API-key middleware does (its
+    `decide_request_auth`, each path's auth level read from its http_server.py) with the server's keys
+    `api_key` / `admin_api_key`; the client, given the same keys, passes on every call it makes, and without
+    them it is refused (401)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from opd_sao.engines.http import ServerError, SGLangClient
+
+    sglang_auth = sglang_code.auth()
+    levels, level_cls = sglang_auth["levels"], sglang_auth["AuthLevel"]
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def _answer(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            decision = sglang_auth["decide_request_auth"](
+                method=self.command, path=self.path, authorization_header=self.headers.get("Authorization"),
+                api_key=api_key, admin_api_key=admin_api_key, auth_level=level_cls[levels.get(self.path, "NORMAL")])
+            status = 200 if decision.allowed else decision.error_status_code
+            body = json.dumps({"success": True, "weight_version": "1", "tp_size": 1}).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    weight_paths = ["/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
+                    "/update_weights_from_distributed", "/destroy_weights_update_group"]
+    assert all(levels[p] == "ADMIN_OPTIONAL" for p in weight_paths + ["/begin_weight_update"])
+    try:
+        def calls(client):
+            return [client.model_info, client.server_info, client.flush_cache, client.begin_weight_update,
+                    client.end_weight_update] + [lambda p=p: client.weight_call(p, {}) for p in weight_paths]
+
+        keyed = SGLangClient(url, api_key=api_key, admin_api_key=admin_api_key, retries=0)
+        for call in calls(keyed):
+            call()
+        refused = 0
+        for call in calls(SGLangClient(url, retries=0)):
+            try:
+                call()
+            except ServerError as err:
+                assert err.status == 401
+                refused += 1
+        assert refused == (10 if api_key else 8)  # an admin key alone guards only the admin endpoints
+    finally:
+        server.shutdown()

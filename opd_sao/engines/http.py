@@ -7,7 +7,8 @@ logs a warning per call) for `weight_version`; `/server_info` for `tp_size`; `/h
 weight-update session (`/begin_weight_update` ... `/end_weight_update`) and the weight calls of each
 weight-sync mode (`weight_sync/`). An API key (`--api-key` / `--admin-api-key` on SGLang, the config's
 `engine.api_key` / `engine.admin_api_key` or the environment's OPD_SAO_API_KEY / OPD_SAO_ADMIN_API_KEY
-here) goes as `Authorization: Bearer`; weight calls send the admin key when one is set.
+here) goes as `Authorization: Bearer`; weight calls and `/flush_cache` (SGLang's admin endpoints) send
+the admin key when one is set.
 
 Semantics the trainer depends on, as SGLang's source has them:
 - `output_token_logprobs` are log softmax(logits / T) over the whole vocabulary, not renormalised to the
@@ -143,7 +144,7 @@ class SGLangClient:
         return str(self.model_info().get("weight_version"))
 
     def flush_cache(self) -> None:
-        self._call("POST", "/flush_cache")
+        self._call("POST", "/flush_cache", admin=True)  # an admin endpoint in SGLang 0.5.23
 
     def router_workers(self) -> Optional[list[str]]:
         """The worker URLs if this is a router (sglang-router's `/workers`, older ones' `/list_workers`),
