@@ -218,7 +218,8 @@ class SGLangClient:
                                   "logprobs; use top_p 1 or a newer server")
             logprobs = [float(v) for v in sampled]
         version = self._parse_version(meta.get("weight_version"))
-        return GenerationResult(request, [int(p[1]) for p in pairs], logprobs, [version] * len(pairs), finish)
+        return GenerationResult(request, [int(p[1]) for p in pairs], logprobs, [version] * len(pairs), finish,
+                                [float(p[0]) for p in pairs])
 
     def score(self, input_ids: list[int], start: int, top_k: int = 0) -> PromptLogprobs:
         """Prompt logprobs of input_ids[start:] and, with `top_k`, each position's top-k alternatives

@@ -9,17 +9,32 @@ broadcast's receive) pass `retries=0`.
 """
 from __future__ import annotations
 
+import logging
+
 import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
+
+log = logging.getLogger(__name__)
 
 TRANSIENT_STATUS = frozenset({502, 503, 504})
 ROUTER_TRANSIENT_STATUS = TRANSIENT_STATUS | {500}
 
 
+class _LoggedRetry(Retry):
+    """urllib3's Retry, saying at INFO level what it sends again (urllib3 itself logs status retries at DEBUG)."""
+
+    def increment(self, method=None, url=None, response=None, error=None, _pool=None, _stacktrace=None):
+        retry = super().increment(method, url, response, error, _pool, _stacktrace)
+        why = f"HTTP {response.status}" if response is not None and error is None else type(error).__name__
+        where = f"{_pool.host}:{_pool.port}" if _pool is not None else ""
+        log.info("%s %s%s failed (%s), sent again in %.1f s", method, where, url, why, retry.get_backoff_time())
+        return retry
+
+
 def retry_policy(retries: int, backoff_s: float, statuses=TRANSIENT_STATUS) -> Retry:
     """`retries` more tries after the first, waiting about backoff_s, 2x, 4x, ... between them."""
-    return Retry(total=retries, connect=retries, read=False, status=retries, other=0, redirect=0,
+    return _LoggedRetry(total=retries, connect=retries, read=False, status=retries, other=0, redirect=0,
                  backoff_factor=backoff_s, status_forcelist=sorted(statuses), allowed_methods=None,
                  raise_on_status=False, respect_retry_after_header=False)
 
