@@ -45,9 +45,9 @@ def main(argv=None) -> dict:
     fleets = {name: fork_servers(WORKERS) for name in sizes}  # forked before this process runs any torch op
     rows = []
     try:
-        from opd_sao.checkpoints import build_tiny_model, load_causal_lm
-        from launchers import wait_until_healthy
+        from launchers import wait_until_healthy  # tests/ helpers, on the path through rollout_scaling
 
+        from opd_sao.checkpoints import build_tiny_model, load_causal_lm
         from opd_sao.engines.fleet import Fleet
         from stages.envs import ENVIRONMENTS
 
@@ -67,8 +67,8 @@ def main(argv=None) -> dict:
                 row = {"model": name, "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
                        "float32_mb": round(sum(p.numel() for p in model.parameters()) * 4 / 2**20, 1)}
                 for method in METHODS:
-                    engine: Fleet = Fleet([url for url, _, _ in fleets[name]], checkpoint=model_dir,
-                                                weight_sync=method, weights_dir=str(Path(tmp) / f"w-{name}-{method}"))
+                    engine = Fleet([url for url, _, _ in fleets[name]], checkpoint=model_dir, weight_sync=method,
+                                   weights_dir=str(Path(tmp) / f"w-{name}-{method}"))
                     times = []
                     for version in range(1, repeats + 1):
                         t0 = time.perf_counter()
