@@ -437,13 +437,6 @@ class RunConfig(Strict):
             _require_device(f"stage {stage.name!r}: trainer.device", trainer.device)
             for teacher in stage.opd.teachers:
                 _require_device(f"stage {stage.name!r}: teacher {teacher.name!r} device", teacher.device or self.device)
-            divergent = [t.name for t in stage.opd.teachers if (t.granularity or stage.opd.granularity) != "sampled"]
-            zero = ((trainer.deepspeed_config or {}).get("zero_optimization") or {}).get("stage")
-            if trainer.backend == "deepspeed" and zero == 3 and divergent:
-                raise ValueError(f"stage {stage.name!r}: DeepSpeed ZeRO-3 trains OPD only at granularity sampled "
-                                 f"(the top_k / top_p / full losses run the lm head one vocabulary chunk at a time, "
-                                 f"and ZeRO-3 holds its weight only inside the model's forward), but teachers "
-                                 f"{divergent} are not; use zero_optimization.stage 1 or 2 for this stage")
             grouped = ALGORITHMS[self.stage_algo(stage)].grouped
             if stage.rollout.group_size is None:
                 stage.rollout.group_size = 8 if grouped else 1

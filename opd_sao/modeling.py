@@ -436,3 +436,21 @@ def support_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     support_logp, tail_logp, top_ids = _ChunkedSupportLogprob.apply(hidden, weight, ids, support_mask.bool(),
                                                                     vocab_chunk, row_block, top_k)
     return support_logp, tail_logp, top_ids if top_k else None
+
+
+def dense_support_logprobs(logits: torch.Tensor, support_ids: torch.Tensor, support_mask: torch.Tensor, *,
+                           top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """`support_logprobs` from whole logits [N, V]: where the lm head weight exists only inside the model's own
+    forward (DeepSpeed ZeRO-3), so the logits come from that forward (memory N x V), not by chunks.
+
+    Log-probs on the support (0 on padding), the log of the exact mass outside it (summed from the logits
+    outside, as the chunked kernel), the top-k ids (no grad; None when top_k is 0); in `logits`' dtype."""
+    logp = torch.log_softmax(logits, dim=-1)
+    ids, mask = support_ids.long().clamp(0, logp.shape[1] - 1), support_mask.bool()
+    support = torch.where(mask, logp.gather(1, ids), torch.zeros((), device=logp.device))
+    inside = torch.zeros(logp.shape, dtype=torch.bool, device=logp.device)
+    rows = torch.arange(len(ids), device=ids.device).unsqueeze(1).expand_as(ids)
+    inside[rows[mask], ids[mask]] = True
+    tail = torch.logsumexp(logp.masked_fill(inside, MASKED), dim=-1)
+    top = logp.detach().topk(min(top_k, logp.shape[1]), dim=-1).indices if top_k else None
+    return support, tail, top

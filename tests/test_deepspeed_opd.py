@@ -1,4 +1,5 @@
-"""OPD under DeepSpeed: 2 CPU processes (gloo, ZeRO-2) take the same OPD learner steps as the torch backend.
+"""OPD under DeepSpeed: 2 CPU processes (gloo) take the same OPD learner steps as the torch backend, at ZeRO-2 and
+at ZeRO-3 (where the student's support log-probs come from the model's own forward's logits).
 
 One fixed batch of the student's own trajectories on two domains; the teacher is a real perturbed copy of
 the tiny model, scored through the real `TeacherTargets` path (teacher set, prefetcher, logit cache). The
@@ -38,6 +39,7 @@ SETTINGS = [
 ]
 KEYS = ("policy_loss", "policy_grad_norm", "divergence", "kl", "support_mass")
 RTOL, WEIGHT_ATOL = 1e-5, 1e-5
+ZERO_STAGES = (2, 3)  # ZeRO-3's support log-probs come from the model's own forward (dense_support_logprobs)
 
 
 def _learner(backend, setting: dict, student: str, teacher: str, tokenizer, work: Path):
@@ -76,7 +78,7 @@ def _trainer_cfg(**kw):
 
 
 def worker(args: dict) -> None:
-    """Rank 0: the OPD steps at ZeRO-2; the other rank follows."""
+    """Rank 0: the OPD steps at ZeRO-2, then again at ZeRO-3; the other rank follows."""
     from opd_sao.checkpoints import load_tokenizer
     from opd_sao.trainers.deepspeed_backend import DeepSpeedTrainer, follow, init_distributed
     from opd_sao.trajectory import Trajectory, collate
@@ -88,10 +90,14 @@ def worker(args: dict) -> None:
     tokenizer = load_tokenizer(args["student"])
     batch = collate([Trajectory.from_json(line) for line in Path(args["batch"]).read_text().splitlines()],
                     tokenizer.pad_token_id)
-    backend = DeepSpeedTrainer(args["student"], _trainer_cfg(
-        backend="deepspeed", deepspeed_config={"zero_optimization": {"stage": 2}}), with_critic=False)
-    history, weights = _steps(backend, batch, args["student"], args["teacher"], tokenizer, Path(args["out"]))
-    torch.save({"history": history, "weights": weights, "world": backend.world}, Path(args["out"]) / "results.pt")
+    results = {}
+    for zero in ZERO_STAGES:  # each from the student's weights
+        backend = DeepSpeedTrainer(args["student"], _trainer_cfg(
+            backend="deepspeed", deepspeed_config={"zero_optimization": {"stage": zero}}), with_critic=False)
+        history, weights = _steps(backend, batch, args["student"], args["teacher"], tokenizer,
+                                  Path(args["out"]) / f"zero{zero}")
+        results[zero] = {"history": history, "weights": weights, "world": backend.world}
+    torch.save(results, Path(args["out"]) / "results.pt")
 
 
 def _batch_file(student, tokenizer, path: Path) -> Path:
@@ -117,7 +123,8 @@ def _batch_file(student, tokenizer, path: Path) -> Path:
     return path
 
 
-def test_two_process_zero2_opd_steps_match_torch_backend(tmp_path, tiny_model_dir, perturbed_teacher, tokenizer, free_port):
+def test_two_process_zero2_and_zero3_opd_steps_match_torch_backend(tmp_path, tiny_model_dir, perturbed_teacher,
+                                                                    tokenizer, free_port):
     from opd_sao.trainers import TorchTrainer
     from opd_sao.trajectory import Trajectory, collate
 
@@ -140,23 +147,24 @@ def test_two_process_zero2_opd_steps_match_torch_backend(tmp_path, tiny_model_di
                                       tmp_path / "torch")
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output[-4000:]
-    res = torch.load(tmp_path / "ds" / "results.pt", weights_only=False)
-
-    assert res["world"] == 2
-    worst_rel = worst_weight = 0.0
-    for step, (ours, ref, w_ours, w_ref) in enumerate(zip(res["history"], ref_history, res["weights"], ref_weights)):
-        assert ours.keys() == ref.keys() and {"policy_loss", "divergence"} <= set(ref)
-        for key in ref:
-            rel = abs(ours[key] - ref[key]) / max(abs(ref[key]), 1e-6)
-            worst_rel = max(worst_rel, rel)
-            assert rel < RTOL, f"setting {SETTINGS[step]} {key}: deepspeed {ours[key]} vs torch {ref[key]}"
-        assert w_ours.keys() == w_ref.keys()
-        diff = max(float((w_ours[k] - w_ref[k]).abs().max()) for k in w_ref)
-        worst_weight = max(worst_weight, diff)
-        assert diff < WEIGHT_ATOL, f"setting {SETTINGS[step]}: weights differ by {diff}"
+    results = torch.load(tmp_path / "ds" / "results.pt", weights_only=False)
     moved = max(float((ref_weights[0][k] - v).abs().max()) for k, v in start.items())
-    print(f"\nOPD ZeRO-2 vs torch over {len(SETTINGS)} steps: metrics rel {worst_rel:.2e}, weights {worst_weight:.2e} "
-          f"(the first step moved weights by up to {moved:.2e})")
+    for zero, res in results.items():
+        assert res["world"] == 2
+        worst_rel = worst_weight = 0.0
+        for step, (ours, ref, w_ours, w_ref) in enumerate(zip(res["history"], ref_history, res["weights"],
+                                                              ref_weights)):
+            assert ours.keys() == ref.keys() and {"policy_loss", "divergence"} <= set(ref)
+            for key in ref:
+                rel = abs(ours[key] - ref[key]) / max(abs(ref[key]), 1e-6)
+                worst_rel = max(worst_rel, rel)
+                assert rel < RTOL, f"ZeRO-{zero} {SETTINGS[step]} {key}: deepspeed {ours[key]} vs torch {ref[key]}"
+            assert w_ours.keys() == w_ref.keys()
+            diff = max(float((w_ours[k] - w_ref[k]).abs().max()) for k in w_ref)
+            worst_weight = max(worst_weight, diff)
+            assert diff < WEIGHT_ATOL, f"ZeRO-{zero} setting {SETTINGS[step]}: weights differ by {diff}"
+        print(f"\nOPD ZeRO-{zero} vs torch over {len(SETTINGS)} steps: metrics rel {worst_rel:.2e}, weights "
+              f"{worst_weight:.2e} (the first step moved weights by up to {moved:.2e})")
     assert moved > 100 * WEIGHT_ATOL  # the steps train: a matching no-op would not pass
 
 

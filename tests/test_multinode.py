@@ -1,12 +1,11 @@
 """A two-node launch as a user starts one: two `torchrun --nnodes 2` launchers on loopback, one rank each.
 
 Node 0 runs the pipeline, node 1 follows its DeepSpeed calls (docs/scale_out.md's multi-node recipe, with
-127.0.0.1 for the head node's address and one directory as the shared filesystem). Three stages train at
-ZeRO-3 (gloo on CPU): an SFT stage, a SAO reasoning stage warm-started by SFT, and an OPD stage whose
-teacher is served by an `opd-sao serve` (kind sglang, scored with SGLang's input-logprob semantics) and
-feeds the logit cache, beside a second domain's teacher partitioned over both ranks (kind zero3); then an
-OPD stage on the same server's top-k lists, at ZeRO-2 (ZeRO-3 trains OPD at
-granularity sampled only).
+127.0.0.1 for the head node's address and one directory as the shared filesystem). Every stage trains at
+ZeRO-3 (gloo on CPU): an SFT stage, a SAO reasoning stage warm-started by SFT, an OPD stage whose teacher
+is served by an `opd-sao serve` (kind sglang, scored with SGLang's input-logprob semantics) and feeds the
+logit cache, beside a second domain's teacher partitioned over both ranks (kind zero3), and an OPD stage on
+the same server's top-k lists.
 """
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ from launchers import wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 ZERO3 = {"backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 3}}}
-ZERO2 = {"backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 2}}}
 
 
 def _config(student: Path, teacher: Path, url: str) -> dict:
@@ -41,10 +39,9 @@ def _config(student: Path, teacher: Path, url: str) -> dict:
                         "algo": "sao", "steps": 3, "sft": {"steps": 2, "batch_size": 8}, **short},
                        {"name": "opd", "kind": "opd", "domains": ["arithmetic", "digits_reverse"], "steps": 2,
                         "opd": {"granularity": "sampled", "teachers": [served, sharded]}, **short},
-                       # the served teacher's top-k lists: a divergence loss, which ZeRO-3 refuses, so ZeRO-2
+                       # the served teacher's top-k lists: a divergence loss (the student's support log-probs)
                        {"name": "opd_k", "kind": "opd", "domains": ["arithmetic"], "steps": 1,
-                        "opd": {"granularity": "top_k", "top_k": 8, "teachers": [served]},
-                        **short, "trainer": ZERO2}]}
+                        "opd": {"granularity": "top_k", "top_k": 8, "teachers": [served]}, **short}]}
 
 
 def test_two_torchrun_nodes_run_sft_sao_and_served_teacher_opd_at_zero3(tmp_path, tiny_model_dir, perturbed_teacher,

@@ -17,7 +17,7 @@ from opd_sao.config import (
     TrainerConfig,
     parse_config,
 )
-from opd_sao.modeling import sequence_logprobs, support_logprobs
+from opd_sao.modeling import dense_support_logprobs, sequence_logprobs, support_logprobs
 from opd_sao.pipeline import run_pipeline
 from opd_sao.rl.distill import OPDLearner, padded_support
 from opd_sao.trainers import TorchTrainer
@@ -70,6 +70,36 @@ def test_student_support_logprobs_match_dense(with_bias, row_block):
     for got, p in zip(grads, params):
         assert torch.allclose(got, p.grad, atol=1e-9)
     assert torch.equal(top, dense.topk(4, dim=-1).indices)
+
+
+def test_dense_support_logprobs_equal_the_chunked_kernel():
+    """ZeRO-3's path (the model's own logits, then `dense_support_logprobs`) gives the chunked kernel's values,
+    gradients and top-k, padding, an empty support, a repeated id and a support covering the vocabulary included."""
+    torch.manual_seed(1)
+    n, h, v = 7, 5, 40
+    hidden = torch.randn(n, h, dtype=torch.float64, requires_grad=True)
+    weight = (torch.randn(v, h, dtype=torch.float64) * 0.7).requires_grad_()
+    ids = torch.stack([torch.randperm(v)[:v] for _ in range(n)])
+    mask = torch.zeros(n, v, dtype=torch.bool)
+    mask[:, :6] = True
+    mask[0, 3:] = False  # padded
+    mask[1] = False  # empty: everything is tail
+    mask[2] = True  # the whole vocabulary: no tail
+    ids[3, 5] = ids[3, 2]  # repeated
+    coef = torch.randn(n, v, dtype=torch.float64)
+    outputs = []
+    for dense in (True, False):
+        hidden.grad = weight.grad = None
+        if dense:
+            s_logp, tail, top = dense_support_logprobs(hidden @ weight.T, ids, mask, top_k=4)
+        else:
+            s_logp, tail, top = support_logprobs(hidden, weight, None, ids, mask, vocab_chunk=16, top_k=4)
+        ((s_logp * coef).sum() + tail.exp().sum()).backward()
+        outputs.append((s_logp.detach(), tail.detach(), top, hidden.grad.clone(), weight.grad.clone()))
+    (d_logp, d_tail, d_top, d_gh, d_gw), (c_logp, c_tail, c_top, c_gh, c_gw) = outputs
+    assert torch.allclose(d_logp, c_logp, atol=1e-10) and torch.equal(d_top, c_top)
+    assert torch.allclose(d_tail.exp(), c_tail.exp(), atol=1e-12) and float(d_tail[2]) < -1e29
+    assert torch.allclose(d_gh, c_gh, atol=1e-9) and torch.allclose(d_gw, c_gw, atol=1e-9)
 
 
 def test_student_support_covering_the_vocabulary_or_dominating_it_stays_finite():
@@ -314,10 +344,7 @@ def test_config_checks_domains_and_teachers():
     ds["stages"][2]["trainer"] = {"backend": "deepspeed"}
     parse_config(ds)  # top_k through policy_support_logprobs (tests/test_deepspeed_opd.py)
     ds["stages"][2]["trainer"]["deepspeed_config"] = {"zero_optimization": {"stage": 3}}
-    with pytest.raises(ConfigError, match=r"ZeRO-3 trains OPD only at granularity sampled.*\['t_rev', 't_sort'\]"):
-        parse_config(ds)
-    ds["stages"][2]["opd"]["granularity"] = "sampled"
-    parse_config(ds)  # the sampled loss goes through policy_logprobs, which runs the model's own forward under ZeRO-3
+    parse_config(ds)  # under ZeRO-3 the support log-probs read the model's own forward's logits (test_deepspeed_opd)
 
 
 def test_opd_stage_end_to_end(tmp_path):

@@ -110,3 +110,18 @@ def test_served_teacher_that_does_not_answer_is_refused_before_any_work(free_por
     with pytest.raises(ValueError) as err:
         _teachers(f"http://127.0.0.1:{free_port()}", perturbed_teacher, tiny_model_dir, tokenizer, "top_k")
     assert "teacher 'served'" in str(err.value) and "did not answer" in str(err.value)
+
+
+def test_the_server_answers_with_sglangs_input_logprob_positions(served, tokenizer):
+    """What the served teacher reads: entry 0 of input_token_logprobs is None whatever logprob_start_len (SGLang
+    0.5.23), entry j the token at logprob_start_len + j; the teacher asks one position early and drops it."""
+    import requests
+
+    ids = [tokenizer.bos_token_id] + tokenizer.encode("12 reverse 21", add_special_tokens=False)
+    meta = requests.post(served + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
+                                                     "return_logprob": True, "logprob_start_len": 2,
+                                                     "top_logprobs_num": 3}, timeout=60).json()["meta_info"]
+    entries, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+    assert entries[0][0] is None and tops[0] is None
+    assert [e[1] for e in entries] == ids[2:] and all(e[0] is not None for e in entries[1:])
+    assert all(len(top) == 3 for top in tops[1:])

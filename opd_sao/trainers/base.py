@@ -13,7 +13,14 @@ from typing import Optional
 import torch
 
 from ..config import TrainerConfig
-from ..modeling import hidden_states, lm_head, logit_chunks, support_logprobs
+from ..modeling import (
+    dense_support_logprobs,
+    forward_logits,
+    hidden_states,
+    lm_head,
+    logit_chunks,
+    support_logprobs,
+)
 from ..trajectory import Batch
 from .micro_batches import Rows, micro_batches
 
@@ -54,19 +61,27 @@ def action_rows_of(rows: Rows, parts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def action_support_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor,
                             support_ids: Optional[torch.Tensor], support_mask: Optional[torch.Tensor], *,
-                            vocab_chunk: int, top_k: int) -> SupportLogprobs:
+                            vocab_chunk: int, top_k: int, full_logits: bool = False) -> SupportLogprobs:
     """`TrainerBackend.policy_support_logprobs` on a model and the tensors of a batch (both backends' one path).
 
     The final hidden state before every action token goes through the lm head one vocabulary chunk at a
-    time (`support_logprobs`); the whole vocabulary (`support_ids` None) is the [N, V] log-softmax."""
-    hidden = hidden_states(model, input_ids, attention_mask)
+    time (`support_logprobs`); the whole vocabulary (`support_ids` None) is the [N, V] log-softmax.
+    `full_logits=True` runs the model's own forward instead (ZeRO-3, whose lm head weight is only gathered
+    inside it) and reads the action rows of its logits (`dense_support_logprobs`)."""
     b, t = action_mask.bool().nonzero(as_tuple=True)
-    hidden = hidden[b, t - 1]
-    weight, bias = lm_head(model)
-    if support_ids is not None:
-        return support_logprobs(hidden, weight, bias, support_ids, support_mask, vocab_chunk=vocab_chunk, top_k=top_k)
-    logp = torch.log_softmax(torch.cat([chunk for _, chunk in logit_chunks(hidden, weight, bias, vocab_chunk)], -1), -1)
-    tail = torch.full((len(hidden),), math.log(torch.finfo(torch.float32).tiny), device=hidden.device)
+    if full_logits:
+        logits = forward_logits(model, input_ids, attention_mask)[b, t - 1].float()
+        if support_ids is not None:
+            return dense_support_logprobs(logits, support_ids, support_mask, top_k=top_k)
+    else:
+        hidden = hidden_states(model, input_ids, attention_mask)[b, t - 1]
+        weight, bias = lm_head(model)
+        if support_ids is not None:
+            return support_logprobs(hidden, weight, bias, support_ids, support_mask, vocab_chunk=vocab_chunk,
+                                    top_k=top_k)
+        logits = torch.cat([chunk for _, chunk in logit_chunks(hidden, weight, bias, vocab_chunk)], -1)
+    logp = torch.log_softmax(logits, -1)
+    tail = torch.full((len(logp),), math.log(torch.finfo(torch.float32).tiny), device=logp.device)
     top = logp.detach().topk(min(top_k, logp.shape[1]), dim=-1).indices if top_k else None
     return logp, tail, top
 

@@ -248,10 +248,8 @@ class DeepSpeedTrainer(TrainerBackend):
     def policy_support_logprobs(self, batch, support_ids, support_mask, *, vocab_chunk: int,
                                 top_k: int) -> SupportLogprobs:
         """Each rank computes the action rows of its share of the trajectories (it receives only those rows of the
-        support); rank 0 gets the whole outputs, the log-probs and the tail as leaves for `step_policy`."""
-        if self.zero3:  # config refuses this: the chunked lm head reads a weight ZeRO-3 holds only inside forward
-            raise RuntimeError("under ZeRO-3 the policy's lm head weight is partitioned: support log-probs need "
-                               "ZeRO stage 1 or 2")
+        support); rank 0 gets the whole outputs, the log-probs and the tail as leaves for `step_policy`. Under ZeRO-3
+        they come from the model's own forward's logits (its lm head weight exists only inside that forward)."""
         rows = Rows.of(batch, actions=True)
         self._announce("_support_forward", rows=rows, whole_vocab=support_ids is None, vocab_chunk=vocab_chunk,
                        top_k=top_k)
@@ -279,7 +277,8 @@ class DeepSpeedTrainer(TrainerBackend):
             sub = (None, None) if whole_vocab else (ids[where.to(ids.device)], mask[where.to(mask.device)])
             with torch.enable_grad():
                 logp, tail, top = action_support_logprobs(self.policy.module, r.input_ids, r.attention_mask, action,
-                                                          *sub, vocab_chunk=vocab_chunk, top_k=top_k)
+                                                          *sub, vocab_chunk=vocab_chunk, top_k=top_k,
+                                                          full_logits=self.zero3)
             return (logp, tail) if top is None else (logp, tail, top)
 
         parts = self._parts(rows, shares)
