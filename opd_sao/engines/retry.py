@@ -13,6 +13,7 @@ import logging
 
 import requests
 from requests.adapters import HTTPAdapter
+from urllib3.exceptions import ReadTimeoutError
 from urllib3.util.retry import Retry
 
 log = logging.getLogger(__name__)
@@ -22,9 +23,12 @@ ROUTER_TRANSIENT_STATUS = TRANSIENT_STATUS | {500}
 
 
 class _LoggedRetry(Retry):
-    """urllib3's Retry, saying at INFO level what it sends again (urllib3 itself logs status retries at DEBUG)."""
+    """urllib3's Retry, saying at INFO level what it sends again (urllib3 itself logs status retries at DEBUG),
+    and never retrying a read timeout (a reset connection is a read error it does retry)."""
 
     def increment(self, method=None, url=None, response=None, error=None, _pool=None, _stacktrace=None):
+        if isinstance(error, ReadTimeoutError):  # another try would wait as long again
+            raise error
         retry = super().increment(method, url, response, error, _pool, _stacktrace)
         why = f"HTTP {response.status}" if response is not None and error is None else type(error).__name__
         where = f"{_pool.host}:{_pool.port}" if _pool is not None else ""
@@ -34,7 +38,7 @@ class _LoggedRetry(Retry):
 
 def retry_policy(retries: int, backoff_s: float, statuses=TRANSIENT_STATUS) -> Retry:
     """`retries` more tries after the first, waiting about backoff_s, 2x, 4x, ... between them."""
-    return _LoggedRetry(total=retries, connect=retries, read=False, status=retries, other=0, redirect=0,
+    return _LoggedRetry(total=retries, connect=retries, read=retries, status=retries, other=0, redirect=0,
                  backoff_factor=backoff_s, status_forcelist=sorted(statuses), allowed_methods=None,
                  raise_on_status=False, respect_retry_after_header=False)
 
