@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launchers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, SAVE_AFTER, ZERO3_STEPS = 5, 3, 2
@@ -117,12 +117,6 @@ def fixed_batch(tmp_path_factory, tiny_model_dir, tokenizer):
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
@@ -147,7 +141,7 @@ def test_two_process_zero2_matches_torch_backend_and_resumes(tmp_path, fixed_bat
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions"))
     args = {"out": str(tmp_path), "model": str(tiny_model_dir), "batch": str(fixed_batch),
             "pad_id": tokenizer.pad_token_id}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            __file__, json.dumps(args)]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # the reference trains while the workers start

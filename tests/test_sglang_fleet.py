@@ -214,3 +214,60 @@ def test_the_client_passes_sglangs_auth_on_every_endpoint_it_calls(api_key, admi
         assert refused == (10 if api_key else 8)  # an admin key alone guards only the admin endpoints
     finally:
         server.shutdown()
+
+
+def test_serves_side_of_each_mode_refuses_bad_weights_before_loading_any(tiny_model_dir, start_server):
+    """Serve's handlers (the modes' server sides): float64 / integer tensors, NaN or inf values, an unknown
+    name, a wrong shape, a load outside a session, a distributed update naming a float64 dtype, and a pickle
+    that would run code are each a 400 in one line, and the served weights stay as they were."""
+    import base64
+    import math
+    import pickle
+
+    import requests
+
+    from opd_sao.checkpoints import load_causal_lm
+    from opd_sao.engines.http import SGLangClient
+    from opd_sao.engines.weight_sync.tensor import serialize
+
+    url, proc = start_server(tiny_model_dir)
+    wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=120)
+    client = SGLangClient(url)
+    state = load_causal_lm(tiny_model_dir).state_dict()
+    name = next(k for k in state if k.endswith("q_proj.weight"))
+    weight = state[name]
+    ids = [1, 5, 6, 7, 8]
+    before = client.score(ids, 1).token_logprobs
+
+    def tensor_update(named, load_format="flattened_bucket"):
+        return requests.post(url + "/update_weights_from_tensor", timeout=60, json={
+            "serialized_named_tensors": [serialize(named, load_format)], "load_format": load_format,
+            "weight_version": "9"})
+
+    outside = tensor_update([(name, weight)])
+    assert outside.status_code == 400 and "weight-update session" in outside.json()["message"]
+
+    class Gadget:  # a pickle that would call os.system when loaded
+        def __reduce__(self):
+            import os
+            return os.system, ("echo pwned",)
+
+    assert client.begin_weight_update()
+    for named, load_format, said in [
+            ([(name, weight.double())], "flattened_bucket", "float64"),
+            ([(name, weight.to(torch.int32))], None, "int32"),
+            ([(name, torch.full_like(weight, math.nan))], "flattened_bucket", "non-finite"),
+            ([(name, weight.clone().index_fill_(0, torch.tensor([0]), math.inf))], None, "non-finite"),
+            ([("model.not_a_layer.weight", weight)], None, "not a parameter"),
+            ([(name, weight[:2])], None, "shape")]:
+        answer = tensor_update(named, load_format)
+        assert answer.status_code == 400 and said in answer.json()["message"], answer.text
+    evil = base64.b64encode(pickle.dumps([(name, Gadget())])).decode()
+    answer = requests.post(url + "/update_weights_from_tensor", timeout=60,
+                           json={"serialized_named_tensors": [evil], "load_format": None})
+    assert answer.status_code == 400 and "system is not allowed" in answer.json()["message"], answer.text
+    answer = requests.post(url + "/update_weights_from_distributed", timeout=60, json={
+        "names": [name], "dtypes": ["float64"], "shapes": [list(weight.shape)], "group_name": "none"})
+    assert answer.status_code == 400, answer.text  # no group joined: refused before any receive
+    client.end_weight_update()
+    assert client.weight_version() != "9" and client.score(ids, 1).token_logprobs == before
