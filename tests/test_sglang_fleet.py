@@ -93,7 +93,8 @@ def test_tensor_payloads_are_read_by_sglangs_deserialiser_and_request_model():
     parts = buckets(tensors, 60)
     assert [[n for n, _ in b] for b in parts] == [["a"], ["b"], ["c"]]  # one dtype per bucket, 60 bytes at most
     deserialize = sglang_code.common()["MultiprocessingSerializer"].deserialize
-    bucket_cls, meta_cls = (sglang_code.tensor_bucket()[n] for n in ("FlattenedTensorBucket", "FlattenedTensorMetadata"))
+    bucket = sglang_code.tensor_bucket()
+    bucket_cls, meta_cls = bucket["FlattenedTensorBucket"], bucket["FlattenedTensorMetadata"]
     for load_format in (None, "flattened_bucket"):
         for part in parts:
             data = serialize(part, load_format)
