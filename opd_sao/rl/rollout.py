@@ -8,6 +8,7 @@ several trajectory segments (see opd_sao.compaction), each exactly what the engi
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -77,6 +78,9 @@ class Episode:
         # the environment reads the text without the stop token and without control tokens (<|im_end|>, ...)
         action_ids = result.token_ids[:-1] if stopped_on is not None else result.token_ids
         observation, reward, done = self.env.step(self.tokenizer.decode(action_ids, skip_special_tokens=True))
+        if not math.isfinite(reward):  # NaN passes every comparison: it would train on, and poison the weights
+            raise ValueError(f"{traj.domain}: task {self.task['id']!r}: the environment's reward is {reward}; "
+                             f"rewards must be finite numbers")
         traj.add_reward(reward)
         traj.finish_reason = "done" if done else result.finish_reason
         if done:

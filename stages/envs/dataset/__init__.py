@@ -217,7 +217,7 @@ class DatasetEnv(Environment):
 
     def step(self, action: str) -> tuple[str, float, bool]:
         reward = self.reward
-        verdict = reward.score(self.task, action)
+        verdict = reward.checked(self.task, action)
         delta, self.score = verdict.score - self.score, verdict.score
         done = not reward.multi_turn or verdict.score >= 1.0
         return ("" if done else verdict.feedback), delta, done

@@ -1,8 +1,10 @@
 """Reward functions for dataset environments, registered by name and chosen in YAML (`reward: math`).
 
 A reward scores one response to one task (the task dict of `DatasetEnv`: "prompt" text, "answer",
-"tests", "metadata") and returns a `Verdict`: a score in [0, 1] (a `python:` reward may use any float),
-plus the observation for another turn when the reward allows retries (`multi_turn`: code tests). Rewards are
+"tests", "metadata") and returns a `Verdict`: a score in [0, 1] (a `python:` reward declares its range),
+plus the observation for another turn when the reward allows retries (`multi_turn`: code tests). Every score
+must be a finite number in the reward's `reward_range` ([0, 1]; a python reward declares its own), or the task
+fails loudly, naming it (`Reward.checked`, BadScore). Rewards are
 built once per process per (name, options) by `build_reward`, as judges are: an environment is created per
 episode and must stay cheap, while a reward model is a network and a math checker a worker process.
 
@@ -16,6 +18,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import math
 import re
 import select
 import subprocess
@@ -39,6 +42,10 @@ class RewardFailure(RuntimeError):
     """A reward that could not be computed (an LLM judge that kept failing) and was told to stop the run."""
 
 
+class BadScore(ValueError):
+    """A score that is not a finite number in the reward's declared range: the task fails loudly, never trains."""
+
+
 @dataclass
 class Verdict:
     score: float
@@ -51,6 +58,7 @@ class Reward(ABC):
     multi_turn = False  # a partial score may be followed by another attempt, with `feedback` as the observation
     slow = False  # a step takes real time (a sandbox run, a network call): rollouts step it on a worker thread
     needs: tuple[str, ...] = ()  # task fields every row must have ("answer", "tests")
+    reward_range: tuple[float, float] = (0.0, 1.0)  # every score must be a finite number in it (`checked`)
 
     @abstractmethod
     def score(self, task: dict, response: str) -> Verdict: ...
@@ -67,6 +75,16 @@ class Reward(ABC):
     def stats(self) -> dict:
         """Counters for the stage summary (failures, timeouts); {} when there is nothing to report."""
         return {}
+
+    def checked(self, task: dict, response: str) -> Verdict:
+        """`score`, refusing (BadScore, naming the task) a score that is not a finite number in `reward_range`:
+        NaN passes every comparison, so it would pass the validity check and train."""
+        verdict = self.score(task, response)
+        low, high = self.reward_range
+        if not isinstance(verdict.score, (int, float)) or not low <= verdict.score <= high:
+            raise BadScore(f"{type(self).__name__} scored task {task.get('id')!r} {verdict.score!r}: a score must be "
+                           f"a finite number in reward_range [{low}, {high}]")
+        return verdict
 
 
 def build_reward(name: str, options: Optional[dict] = None) -> Reward:
@@ -499,9 +517,13 @@ class PythonReward(Reward):
     it reads ("answer", "tests"), so rows without them are reported as malformed."""
 
     def __init__(self, function: str, verifier: bool = True, multi_turn: bool = False, slow: bool = False,
-                 needs: tuple[str, ...] = ()):
+                 needs: tuple[str, ...] = (), reward_range: tuple[float, float] = (0.0, 1.0)):
         self.function, self.name = import_function(function), function
         self.verifier, self.multi_turn, self.slow, self.needs = verifier, multi_turn, slow, tuple(needs)
+        if (len(reward_range) != 2 or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in reward_range)
+                or reward_range[0] >= reward_range[1]):
+            raise ValueError(f"python reward: reward_range must be [low, high], finite, low < high (got {reward_range!r})")
+        self.reward_range = (float(reward_range[0]), float(reward_range[1]))
 
     def score(self, task: dict, response: str) -> Verdict:
         out: Any = self.function(task, response)

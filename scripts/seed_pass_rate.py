@@ -1,0 +1,66 @@
+"""Pass rate over seeds of the margin a model-training test depends on (a stand-in for other machines).
+
+A test that trains a model passes on one machine with one seed; another machine's floating-point path moves
+the trained model as much as another seed does. So each target below replays the test's margin-bearing part
+over `--seeds` seeds and prints one JSON line per seed, then one summary line: `{"target", "passed", "of"}`.
+
+  chat           the chat stage test's reward model (tests/test_chat.py: reward_model_dir) and the chat
+                 environment's validity check it must pass at stage start (16 tasks, run seed 1)
+  reward_model   tests/test_chat.py::test_reward_model_ranks_held_out_pairs' thresholds on the same models
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def chat(seed: int) -> dict:
+    import torch
+    from test_chat import TASK, TINY
+
+    from opd_sao.config import TinyModelConfig
+    from stages.envs.chat import ChatEnv, train_chat_reward_model
+    from stages.envs.chat.judges import build_judge
+    from stages.envs.chat.reward_model import RewardModel
+    from stages.envs.validity import check_environment
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rm"
+        info = train_chat_reward_model(out, n_pairs=1500, steps=200, seed=seed, shape=TinyModelConfig(**TINY))
+        options = {"judge": "reward_model", "judge_options": {"path": str(out)}}
+        report = check_environment("chat", lambda: ChatEnv(**options), n=16, seed=1)
+        accuracy = RewardModel(out).accuracy(ChatEnv().preference_pairs("eval", 200, seed=7))
+        judge = build_judge("reward_model", {"path": str(out)})
+        ranks = judge.quality(TASK, " aww, i love cats so much~") and not judge.quality(TASK, " cats cats cats cats~")
+    return {"validity_ok": report.ok, "failures": {k: v for k, v in report.failures.items() if v},
+            "heldout_accuracy": info["heldout_accuracy"], "accuracy_seed7": accuracy, "ranks_example": ranks,
+            "passed": report.ok and info["heldout_accuracy"] >= 0.8 and accuracy >= 0.8 and ranks}
+
+
+TARGETS = {"chat": chat}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", choices=sorted(TARGETS))
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--first", type=int, default=0)
+    args = parser.parse_args()
+    passed = 0
+    for seed in range(args.first, args.first + args.seeds):
+        row = TARGETS[args.target](seed)
+        passed += bool(row["passed"])
+        print(json.dumps({"seed": seed, **row}), flush=True)
+    print(json.dumps({"target": args.target, "passed": passed, "of": args.seeds}))
+
+
+if __name__ == "__main__":
+    main()
