@@ -96,3 +96,60 @@ def test_the_trainer_refuses_a_non_finite_loss_or_gradient_before_applying_it(ti
     with pytest.raises(NonFiniteError, match="non-finite weights in"):
         StageState(tmp_path).save(backend, 3, {})
     assert not (tmp_path / "state").exists()
+
+
+# ------------------------------------------------------------------------------------------------ code tests
+ASSERTS = {"id": "t", "tests": {"kind": "asserts", "asserts": ["assert f(1) == 2", "assert f(2) == 3", "assert f(5) == 6"]}}
+RIGHT = "def f(x):\n    return x + 1\n"
+GAMES = {  # each a wrong program (f(x) = 0) that scored 1.0 before (issue 25)
+    "mutate the tests": "import sys\nsys.modules['__main__'].tests[:] = ['pass'] * 3\ndef f(x):\n    return 0\n",
+    "fake the result line": "import os, json\nprint('\\n' + json.dumps([['', None]] * 3))\nos._exit(0)\n",
+    "patch json.dumps": "import json\njson.dumps = lambda *a, **k: '[[\"\", null], [\"\", null], [\"\", null]]'\n"
+                        "def f(x):\n    return 0\n",
+    "an object equal to anything": "class A:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return A()\n",
+    "write to init's stdout": "import json\nwith open('/proc/1/fd/1', 'w') as out:\n"
+                              "    out.write('\\n' + json.dumps([['', None]] * 3) + '\\n')\ndef f(x):\n    return 0\n",
+}
+
+
+@pytest.mark.parametrize("game", sorted(GAMES))
+def test_code_tests_cannot_be_gamed(game):
+    from stages.envs.dataset.rewards import build_reward
+
+    reward = build_reward("code_tests", {})
+    assert reward.score(ASSERTS, GAMES[game]).score == 0.0
+    assert reward.score(ASSERTS, RIGHT).score == 1.0
+
+
+def test_code_tests_output_and_test_count_are_not_the_programs_limit():
+    """Before: a correct program printing 100 KB, or passing 50,000 asserts, scored 0 (the tests' results were
+    echoed on the program's output, past its 64 KiB)."""
+    from stages.envs.dataset.rewards import build_reward
+
+    reward = build_reward("code_tests", {})
+    assert reward.score(ASSERTS, RIGHT + "print('x' * 100_000)\n").score == 1.0
+    many = {"id": "many", "tests": {"kind": "asserts", "asserts": [f"assert f({i}) == {i + 1}" for i in range(50_000)]}}
+    assert reward.score(many, RIGHT).score == 1.0
+    stdin = {"id": "io", "tests": {"kind": "io", "inputs": ["1", "2"], "outputs": ["2", "3"]}}
+    assert reward.score(stdin, "x = int(input())\nprint('noise ' * 20_000)\nprint(x + 1)\n").score == 0.0
+    assert reward.score(stdin, "x = int(input())\nimport sys\nprint('noise ' * 20_000, file=sys.stderr)\n"
+                               "print(x + 1)\n").score == 1.0
+
+
+@pytest.mark.parametrize("tests", ["", "   ", ["pass"], ["assert True", "# nothing"], ["'''doc'''"], ["assert f(1) =="]])
+def test_empty_or_vacuous_tests_are_refused_at_load(tmp_path, tests):
+    """Before: `tests: ""` was one empty assert that any program passed."""
+    rows = [{"id": "a", "prompt": "p", "answer": RIGHT, "tests": tests}, *[
+        {"id": f"ok{i}", "prompt": "p", "answer": RIGHT, "tests": ["assert f(1) == 2"]} for i in range(3)]]
+    env = DatasetEnv(path=str(rows_file(tmp_path, rows)), reward="code_tests", max_bad_rows=1)
+    counts: dict = {}
+    assert [t["id"] for t in env.scan(None, counts)] == ["ok0", "ok1", "ok2"]
+    assert counts["bad_rows"] == 1 and "row 1: field 'tests'" in counts["examples"][0]
+
+
+def test_an_empty_reference_answer_is_refused_at_load(tmp_path):
+    """Before: an empty answer made an empty \\boxed{} score 1.0."""
+    rows = [{"id": "a", "prompt": "p", "answer": " "}, *ROWS[:3]]
+    env = DatasetEnv(path=str(rows_file(tmp_path, rows)), reward="math", max_bad_rows=1)
+    counts: dict = {}
+    assert len(list(env.scan(None, counts))) == 3 and "field 'answer' is empty" in counts["examples"][0]

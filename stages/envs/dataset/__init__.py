@@ -16,6 +16,7 @@ Several dataset domains in one run are told apart by a label: `env: dataset:gsm8
 """
 from __future__ import annotations
 
+import ast
 import functools
 import heapq
 import json
@@ -84,6 +85,20 @@ def render_messages(messages: list[dict], chat_template: Optional[str]) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
+def vacuous(test: str) -> str:
+    """Why an assert-style test tests nothing ("" when it tests something): empty, not Python, or only `pass`,
+    constants and asserts of constants, which any program passes."""
+    try:
+        body = ast.parse(test).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
+        return f"is not valid Python ({type(err).__name__})"
+    constant = lambda node: isinstance(node, ast.Constant)  # noqa: E731
+    if all(isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and constant(s.value))
+           or (isinstance(s, ast.Assert) and constant(s.test)) for s in body):
+        return "is empty or vacuous (it runs none of the program: any program would pass it)"
+    return ""
+
+
 def parse_tests(path: Path, number: int, key: str, value: Any) -> dict:
     """Assert strings -> {"kind": "asserts"}; stdin/stdout pairs or APPS' {"inputs", "outputs"} (also as a JSON
     string) -> {"kind": "io"}."""
@@ -99,6 +114,10 @@ def parse_tests(path: Path, number: int, key: str, value: Any) -> dict:
             return {"kind": "io", "inputs": [str(i) for i in value["inputs"]],
                     "outputs": [str(o) for o in value["outputs"]]}
     elif isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+        for i, test in enumerate(value):
+            why = vacuous(test)
+            if why:
+                raise BadRow(f"{path}: row {number}: field {key!r}: test {i + 1} {why}")
         return {"kind": "asserts", "asserts": list(value)}
     elif isinstance(value, list) and value and all(isinstance(t, dict) and {"input", "output"} <= set(t) for t in value):
         return {"kind": "io", "inputs": [str(t["input"]) for t in value], "outputs": [str(t["output"]) for t in value]}
@@ -169,6 +188,9 @@ class DatasetEnv(Environment):
         answer = field(path, number, row, o.answer_key, (str, int, float), required="answer" in self.needs)
         if answer is not None:
             task["answer"] = str(answer)
+            if "answer" in self.needs and not task["answer"].strip():
+                raise BadRow(f"{path}: row {number}: field {o.answer_key!r} is empty (an empty reference answer "
+                             f"would make an empty response score 1)")
         if "tests" in self.needs or row.get(o.tests_key) is not None:
             task["tests"] = parse_tests(path, number, o.tests_key, field(path, number, row, o.tests_key, (list, dict, str)))
         task["metadata"] = metadata

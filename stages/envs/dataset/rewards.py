@@ -222,38 +222,13 @@ class MathReward(Reward):
 
 
 # ---------------------------------------------------------------------------------------- code tests
-# Runs in the sandbox: the program once, then each assert-style test in its namespace; prints one JSON list of
-# [stdout, error] per test. Program and tests arrive on stdin, so no model text is interpolated into code.
-ASSERT_HARNESS = """\
-import contextlib, io, json, sys
-job = json.loads(sys.stdin.read())
-tests = job["tests"]
-namespace = {"__name__": "__main__"}
-try:
-    with contextlib.redirect_stdout(io.StringIO()):
-        exec(compile(job["source"], "main.py", "exec"), namespace)
-except BaseException as err:
-    results = [["", f"{type(err).__name__}: {err}"]] * len(tests)
-else:
-    results = []
-    for test in tests:
-        out = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(out):
-                exec(compile(test, "test.py", "exec"), namespace)
-            results.append([out.getvalue(), None])
-        except BaseException as err:
-            results.append([out.getvalue(), f"{type(err).__name__}: {err}" if str(err) else type(err).__name__])
-sys.__stdout__.write("\\n" + json.dumps(results) + "\\n")
-"""
-
-
 @register_reward("code_tests")
 class CodeTestsReward(Reward):
-    """The response is a program; it runs in the bubblewrap sandbox (stages/envs/sandbox.py) against the task's
-    tests, and the score is the fraction passed. Tests are assert statements (MBPP / HumanEval) run after the
-    program in its namespace, or stdin/stdout pairs (APPS / CodeContests), one run per input, graded as the
-    code environment grades. A failure's observation names the first failing test, so the agent stage's
+    """The response is a program, graded in the bubblewrap sandbox (stages/envs/sandbox.py) by the grading harness
+    (stages/envs/grading.py), and the score is the fraction of the task's tests passed. Tests are assert statements
+    (MBPP / HumanEval), run in the harness, never in the program's interpreter: the program's functions are
+    called in a child process on plain data; or stdin/stdout pairs (APPS / CodeContests), one run per input,
+    graded as the code environment grades. The program's output is never the harness's (it may print freely). A failure's observation names the first failing test, so the agent stage's
     multi-turn retry works as in the code environment. `setup` (a row's `test_setup_code`) is not supported.
     """
 
@@ -278,41 +253,28 @@ class CodeTestsReward(Reward):
         return response
 
     def score(self, task: dict, response: str) -> Verdict:
-        from stages.envs.code import HARNESS, VERDICTS, grade_outputs, harness_outputs, sandbox_mode
+        from stages.envs.grading import VERDICTS, feedback, sandbox_mode
+        from stages.envs.sandbox import SandboxUnavailableError
 
         tests, source = task["tests"], self.program(response)
         self.counts["runs"] += 1
         try:
             mode = sandbox_mode(self.allow_rlimit_only)
             if tests["kind"] == "asserts":
-                job = json.dumps({"source": source, "tests": tests["asserts"]})
-                outputs, why = harness_outputs(VERDICTS.run(job, self.limits, mode, ASSERT_HARNESS), len(tests["asserts"]))
-                passed, feedback = self._grade_asserts(tests["asserts"], outputs, why)
-                total = len(tests["asserts"])
+                job, labels = {"kind": "asserts", "source": source, "tests": tests["asserts"]}, \
+                    [test.strip()[:60] for test in tests["asserts"]]
             else:
-                inputs, expected = tests["inputs"], [out.strip() for out in tests["outputs"]]
-                result = VERDICTS.run(json.dumps({"source": source, "inputs": inputs}), self.limits, mode, HARNESS)
-                passed, feedback = grade_outputs(result, inputs, expected)
-                total = len(inputs)
+                job = {"kind": "io", "source": source, "inputs": tests["inputs"],
+                       "expected": [out.strip() for out in tests["outputs"]]}
+                labels = [f"x={x}" for x in tests["inputs"]]
+            verdict = VERDICTS.run(job, len(labels), self.limits, mode)
+        except SandboxUnavailableError:
+            raise
         except Exception as err:  # noqa: BLE001  an infrastructure failure is a failed step, never a crash
-            from stages.envs.sandbox import SandboxUnavailableError
-
-            if isinstance(err, SandboxUnavailableError):
-                raise
             self.counts["sandbox_errors"] += 1
             logger.warning("code_tests reward: sandbox run failed: %r", err)
             return Verdict(0.0, f"# sandbox error: {type(err).__name__}\n")
-        return Verdict(passed / total, feedback)
-
-    @staticmethod
-    def _grade_asserts(tests: list[str], outputs: Optional[list], why: str) -> tuple[int, str]:
-        if outputs is None:
-            return 0, f"# {why}\n"
-        failed = [(test, error) for test, (_, error) in zip(tests, outputs) if error is not None]
-        if not failed:
-            return len(tests), ""
-        test, error = failed[0]
-        return len(tests) - len(failed), f"# {test.strip()[:60]}: {error[:60]}\n"
+        return Verdict(verdict[0] / len(labels), feedback(verdict, labels))
 
     @classmethod
     def feedback_examples(cls) -> list[str]:
