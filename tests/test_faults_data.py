@@ -103,12 +103,15 @@ ASSERTS = {"id": "t", "tests": {"kind": "asserts", "asserts": ["assert f(1) == 2
 RIGHT = "def f(x):\n    return x + 1\n"
 GAMES = {  # each a wrong program (f(x) = 0) that scored 1.0 before (issue 25)
     "mutate the tests": "import sys\nsys.modules['__main__'].tests[:] = ['pass'] * 3\ndef f(x):\n    return 0\n",
-    "fake the result line": "import os, json\nprint('\\n' + json.dumps([['', None]] * 3))\nos._exit(0)\n",
+    "fake the result line": "import os, json\nos.write(1, ('\\n' + json.dumps([['', None]] * 3) + '\\n').encode())\n"
+                            "os._exit(0)\n",
     "patch json.dumps": "import json\njson.dumps = lambda *a, **k: '[[\"\", null], [\"\", null], [\"\", null]]'\n"
                         "def f(x):\n    return 0\n",
     "an object equal to anything": "class A:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return A()\n",
-    "write to init's stdout": "import json\nwith open('/proc/1/fd/1', 'w') as out:\n"
-                              "    out.write('\\n' + json.dumps([['', None]] * 3) + '\\n')\ndef f(x):\n    return 0\n",
+    "write to the sandbox's stdout through /proc": "import json, os\nfor pid in (1, os.getppid()):\n    try:\n"
+        "        with open(f'/proc/{pid}/fd/1', 'w') as out:\n"
+        "            out.write('\\n' + json.dumps([['', None]] * 3) + '\\n')\n    except OSError:\n        pass\n"
+        "os._exit(0)\n",
 }
 
 
