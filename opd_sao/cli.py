@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import shlex
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from stages.envs.dataset.rewards import RewardFailure
@@ -33,8 +37,18 @@ def _cmd_run(args) -> int:
         return follow(cfg)
     if args.allow_config_change and not args.resume:
         raise ValueError("--allow-config-change only applies with --resume")
-    summary = run_pipeline(cfg, run_dir, log=lambda msg: print(msg, flush=True), resume=bool(args.resume),
-                           allow_config_change=args.allow_config_change)
+    try:
+        summary = run_pipeline(cfg, run_dir, log=lambda msg: print(msg, flush=True), resume=bool(args.resume),
+                               allow_config_change=args.allow_config_change)
+    except KeyboardInterrupt as stop:
+        print(_resume_hint(run_dir, f"stopped by {stop.args[0] if stop.args else 'Ctrl-C (SIGINT)'}"), file=sys.stderr)
+        return 128 + (signal.SIGTERM if stop.args else signal.SIGINT)
+    except Exception as err:  # noqa: BLE001  a full or read-only disk is one line; anything else stays a traceback
+        why = _disk_error(err)
+        if why is None:
+            raise
+        print(_resume_hint(run_dir, f"error: {why}"), file=sys.stderr)
+        return 1
     print(f"\nrun finished: {run_dir}")
     print(f"{'stage':<12} {'kind':<10} {'algo':<8} {'gate':<7} eval after (held-out, per domain)")
     for stage in summary["stages"]:
@@ -44,6 +58,39 @@ def _cmd_run(args) -> int:
         print(f"{stage['name']:<12} {stage['kind']:<10} {stage.get('algo', '-'):<8} {verdict:<7} {scores}")
     print(f"summary: {run_dir / 'summary.json'}\nreport:  {summary['report']}")
     return 0
+
+
+DISK_ERRORS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+               errno.EFBIG: "a file grew past the size limit", errno.EROFS: "the run directory is read-only",
+               errno.EACCES: "the run directory is not writable"}
+
+
+def _disk_error(err: BaseException) -> str | None:
+    """What a failed write says, when `err` (or what caused it) is a full, over-quota or read-only disk; torch's
+    writers raise RuntimeError with the message only."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in DISK_ERRORS:
+            return f"{DISK_ERRORS[err.errno]} ({err.strerror}{f': {err.filename}' if err.filename else ''})"
+        for code, text in ((errno.ENOSPC, "No space left on device"), (errno.EROFS, "Read-only file system"),
+                           (errno.ENOSPC, "file write failed")):
+            if text in str(err):
+                return f"{DISK_ERRORS[code]} ({str(err).splitlines()[0][:200]})"
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _resume_hint(run_dir: Path, what: str) -> str:
+    """One line: what stopped the run, and the exact command that continues it (saved state is never lost)."""
+    if not (run_dir / "config.yaml").is_file():
+        return f"opd-sao run: {what}; nothing was saved yet, so there is nothing to resume"
+    return f"opd-sao run: {what}; everything saved is kept; continue with: opd-sao run --resume {shlex.quote(str(run_dir))}"
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    """SIGTERM ends a run as Ctrl-C does (the loops unwind, the resume command is printed)."""
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def _cmd_cache(args) -> int:
@@ -252,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         args.args = extra + args.args
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "run" and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         return args.func(args)
     except USER_ERRORS as err:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def chat(seed: int) -> dict:
+def chat(seed: int, pairs: int, steps: int) -> dict:
     import torch
     from test_chat import TASK, TINY
 
@@ -34,7 +34,7 @@ def chat(seed: int) -> dict:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rm"
-        info = train_chat_reward_model(out, n_pairs=1500, steps=200, seed=seed, shape=TinyModelConfig(**TINY))
+        info = train_chat_reward_model(out, n_pairs=pairs, steps=steps, seed=seed, shape=TinyModelConfig(**TINY))
         options = {"judge": "reward_model", "judge_options": {"path": str(out)}}
         report = check_environment("chat", lambda: ChatEnv(**options), n=16, seed=1)
         accuracy = RewardModel(out).accuracy(ChatEnv().preference_pairs("eval", 200, seed=7))
@@ -53,10 +53,12 @@ def main() -> None:
     parser.add_argument("target", choices=sorted(TARGETS))
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--pairs", type=int, default=1500, help="chat: the reward model's training pairs")
+    parser.add_argument("--steps", type=int, default=200, help="chat: the reward model's training steps")
     args = parser.parse_args()
     passed = 0
     for seed in range(args.first, args.first + args.seeds):
-        row = TARGETS[args.target](seed)
+        row = TARGETS[args.target](seed, args.pairs, args.steps)
         passed += bool(row["passed"])
         print(json.dumps({"seed": seed, **row}), flush=True)
     print(json.dumps({"target": args.target, "passed": passed, "of": args.seeds}))
