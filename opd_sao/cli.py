@@ -136,14 +136,16 @@ def _cmd_validate_env(args) -> int:
 
 
 def _cmd_data(args) -> int:
-    """`opd-sao data inspect PATH`: row count, fields, and three prompts as a dataset environment shows them."""
+    """`opd-sao data inspect PATH`: row count, fields, and three prompts as a dataset environment shows them; exit
+    status 1 when rows are malformed under the mapping."""
     from stages.envs.dataset import inspect_file
 
     options = _json_options(args.options)
     if args.chat_template:
         options["chat_template"] = args.chat_template
-    print(inspect_file(args.path, options, n=args.n))
-    return 0
+    text, bad_rows = inspect_file(args.path, options, n=args.n)
+    print(text)
+    return 1 if bad_rows else 0
 
 
 def _cmd_sandbox(args) -> int:

@@ -68,7 +68,7 @@ def test_a_second_run_on_a_live_run_dir_is_refused_and_a_dead_holders_lock_is_ta
     """Before: two runs on one directory both finished with interleaved steps, and a resume next to the live
     original trained its trajectories twice."""
     run_dir = tmp_path / "run"
-    first = start(config(tmp_path, tiny_model_dir, slowdown_s=2.0), "--run-dir", str(run_dir))
+    first = start(config(tmp_path, tiny_model_dir, slowdown_s=20.0), "--run-dir", str(run_dir))
     try:
         wait_for(lambda: (run_dir / "stages" / "r" / "trained.jsonl").is_file(), proc=first)
         second, third = start("--resume", str(run_dir)), start(config(tmp_path, tiny_model_dir), "--run-dir", str(run_dir))
@@ -81,9 +81,14 @@ def test_a_second_run_on_a_live_run_dir_is_refused_and_a_dead_holders_lock_is_ta
     finally:
         first.kill()
         first.wait()
-    held = json.loads((run_dir / ".lock").read_text())
-    assert held["pid"] == first.pid  # a dead holder's name is left behind; its flock went with it
-    resume_completes(run_dir)
+    assert json.loads((run_dir / ".lock").read_text())["pid"] == first.pid  # a dead holder's name stays; its flock not
+    resumed = start("--resume", str(run_dir))
+    try:
+        wait_for(lambda: json.loads((run_dir / ".lock").read_text())["pid"] == resumed.pid, proc=resumed)
+    finally:
+        resumed.send_signal(signal.SIGTERM)
+        _, err = resumed.communicate(timeout=120)
+    assert "continue with: opd-sao run --resume" in one_line(err)
 
 
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])

@@ -28,10 +28,11 @@ class ValidityReport:
     skipped: str = ""  # why the check does not apply, if it does not
     bad_scores: list[str] = field(default_factory=list)  # the refusals of scores outside the reward's range
     empty_splits: list[str] = field(default_factory=list)  # a split without tasks: nothing to train or evaluate on
+    data_problems: list[str] = field(default_factory=list)  # Environment.data_problems: empty files, shared ids
 
     @property
     def ok(self) -> bool:
-        return not any(self.failures.values()) and not self.empty_splits
+        return not any(self.failures.values()) and not self.empty_splits and not self.data_problems
 
     def to_json(self) -> dict:
         return {**asdict(self), "ok": self.ok}
@@ -40,7 +41,7 @@ class ValidityReport:
         """One line: which checks failed on which task ids."""
         if self.ok:
             return f"environment {self.env!r} passes its validity check on {len(self.tasks)} tasks"
-        parts = [f"its {split} split has no tasks" for split in self.empty_splits]
+        parts = [*self.data_problems, *(f"its {split} split has no tasks" for split in self.empty_splits)]
         for name, ids in self.failures.items():
             if ids:
                 shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
@@ -64,10 +65,12 @@ def play(env, task: dict, actions: list[str]) -> float:
 def check_environment(name: str, env_factory, n: int = 16, seed: int = 0) -> ValidityReport:
     """Oracle, no-op and initial state on up to n tasks, half from each split; fresh environment per play."""
     probe = env_factory()
+    problems = probe.data_problems()
     train, held_out = probe.make_tasks("train", n - n // 2, seed), probe.make_tasks("eval", max(1, n // 2), seed)
     tasks = train + held_out[: n // 2]
     report = ValidityReport(name, [t["id"] for t in tasks])
     report.empty_splits = [split for split, got in (("train", train), ("eval", held_out)) if not got]
+    report.data_problems = problems
     oracles = [probe.oracle_actions(t) for t in tasks]
     if not tasks or all(o is None for o in oracles):
         report.skipped = "no tasks" if not tasks else "no oracle actions: the reward is not a binary verifier"
