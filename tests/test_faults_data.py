@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,104 @@ def test_an_empty_reference_answer_is_refused_at_load(tmp_path):
     env = DatasetEnv(path=str(rows_file(tmp_path, rows)), reward="math", max_bad_rows=1)
     counts: dict = {}
     assert len(list(env.scan(None, counts))) == 3 and "field 'answer' is empty" in counts["examples"][0]
+
+
+# --------------------------------------------------------------------------------------------- data files
+HOSTILE_ROWS = {  # (the bytes of one line, what the one-line error names)
+    "invalid UTF-8": (b'{"id": "x", "prompt": "caf\xff", "answer": "1"}', "not valid UTF-8 (byte 0xff at column 27)"),
+    "100k-deep JSON": (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    "5,000-digit int": (b'{"id": "x", "prompt": "p", "answer": ' + b"9" * 5000 + b"}", "Exceeds the limit"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_ROWS))
+def test_a_hostile_row_is_named_by_file_and_row_and_skippable(tmp_path, case):
+    """Before: a UnicodeDecodeError naming no file or row (and not skippable), a RecursionError, Python's int-limit
+    message."""
+    raw, named = HOSTILE_ROWS[case]
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in ROWS[:2]) + raw + b"\n" +
+                     json.dumps(ROWS[2]).encode() + b"\n")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: row 3: .*{re.escape(named)}") as refused:
+        list(DatasetEnv(path=str(path)).scan(None))
+    assert "\n" not in str(refused.value)
+    counts: dict = {}
+    assert len(list(DatasetEnv(path=str(path), max_bad_rows=1).scan(None, counts))) == 3 and counts["bad_rows"] == 1
+
+
+def test_a_bom_is_accepted_and_skipped_rows_are_counted_in_the_summary(tmp_path):
+    """Before: a UTF-8 BOM refused row 1, and rows dropped under max_bad_rows left no trace in summary.json."""
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in ROWS).encode() + b"{oops\n")
+    env = DatasetEnv(path=str(path), max_bad_rows=1)
+    assert len(list(env.scan(None))) == len(ROWS)
+    data = env.training_summary([])["data"]
+    assert data["train_bad_rows"] == 1 and data["train_file_rows"] == len(ROWS)
+    json_file = tmp_path / "rows.json"
+    json_file.write_bytes(b"\xef\xbb\xbf" + json.dumps(ROWS).encode())
+    assert len(list(DatasetEnv(path=str(json_file)).scan(None))) == len(ROWS)
+
+
+def test_bad_files_and_templates_are_one_line_errors(tmp_path):
+    """Before: a list-shaped dataset_dict.json raised AttributeError; prompt_template "{0}" raised IndexError."""
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "dataset_dict.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="dataset_dict.json: not a DatasetDict's description"):
+        list(DatasetEnv(path=str(saved)).scan(None))
+    bad_json = tmp_path / "rows.json"
+    bad_json.write_bytes(b'[{"id": "a"},\n{"id": "caf\xff"}]')
+    with pytest.raises(ValueError, match=r"rows.json: line 2: not valid UTF-8"):
+        list(DatasetEnv(path=str(bad_json)).scan(None))
+    for template in ("{0}", "{}", "{prompt.__class__}", "{prompt[0]}", "{prompt"):
+        with pytest.raises(ValueError, match="prompt_template"):
+            DatasetEnv.check_options({"path": str(rows_file(tmp_path)), "prompt_template": template})
+
+
+def test_empty_files_splits_and_shared_rows_are_refused_before_any_work(tmp_path):
+    """Before: an empty dataset (or train split) hung forever after "stage starting"; an empty eval split was found
+    after the whole stage trained; train and eval files sharing rows were accepted."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for options in ({"path": str(empty)}, {"train_path": str(empty), "eval_path": str(rows_file(tmp_path))},
+                    {"train_path": str(rows_file(tmp_path)), "eval_path": str(empty)}):
+        report = check_environment("dataset", lambda: DatasetEnv(**options))  # noqa: B023
+        assert not report.ok and "empty.jsonl has no usable rows" in report.describe()
+    shared = rows_file(tmp_path, ROWS[30:] + [{"id": "new", "prompt": "1+1=", "answer": "2"}], "eval.jsonl")
+    report = check_environment("dataset", lambda: DatasetEnv(train_path=str(rows_file(tmp_path)), eval_path=str(shared)))
+    assert "share 10 task ids ('q30', 'q31', 'q32')" in report.describe()
+    assert "share 11 task prompts" in report.describe()
+
+
+def test_an_over_long_row_is_refused_at_stage_start_naming_it(tmp_path):
+    """Before: one 50 MB row crashed mid-stage (the rollout asked for 50 GiB)."""
+    rows = [*ROWS, {"id": "huge", "prompt": "1+" * 2_000_000 + "1=", "answer": "2000001"}]
+    cfg = parse_config(_run_config(tmp_path, {"path": str(rows_file(tmp_path, rows)), "eval_fraction": 0.1}))
+    with pytest.raises(ValueError, match=r"task 'huge': its prompt is 4,000,002 characters, far past "
+                                         r"rollout.max_context_tokens 512"):
+        run_pipeline(cfg, tmp_path / "run", log=lambda m: None)
+    assert not (tmp_path / "run" / "stages" / "r" / "metrics.jsonl").exists()
+
+
+def test_resume_refuses_changed_data(tmp_path):
+    """Before: --resume after the dataset file was replaced reused buffered trajectories of the old data."""
+    from opd_sao.runs.data_fingerprint import check_data_record, write_data_record
+
+    path = rows_file(tmp_path)
+    write_data_record({"r": [str(path)]}, tmp_path)
+    check_data_record({"r": [str(path)]}, tmp_path)  # unchanged
+    path.touch()
+    check_data_record({"r": [str(path)]}, tmp_path)  # touched, same bytes
+    rows_file(tmp_path, ROWS[:-1])
+    with pytest.raises(ValueError, match=rf"stage 'r': data file {path} changed \(size \d+ -> \d+"):
+        check_data_record({"r": [str(path)]}, tmp_path)
+
+
+def test_data_inspect_exits_non_zero_on_malformed_rows(tmp_path, capsys):
+    """Before: `160 rows, 160 malformed`, exit status 0."""
+    from opd_sao import cli
+
+    path = rows_file(tmp_path, [{"question": r["prompt"]} for r in ROWS])
+    assert cli.main(["data", "inspect", str(path)]) == 1
+    assert f"{path}: 40 rows, 40 malformed" in capsys.readouterr().out
+    assert cli.main(["data", "inspect", str(path), "--options", '{"prompt_key": "question"}']) == 0
