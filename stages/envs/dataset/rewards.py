@@ -149,27 +149,26 @@ def last_number(text: str) -> Optional[str]:
     return numbers[-1].replace(",", "") if numbers else None
 
 
-class MathChecker:
-    """One `math_worker.py` process, asked one question at a time; a question past its deadline kills it (a
-    new one starts on the next question) and has no answer (None)."""
+class Worker:
+    """One worker process (a script of this package, run with `args`), asked one JSON job at a time; a job past its
+    deadline kills it (a new one starts on the next job) and has no answer (None). Workers ignore Ctrl-C: the run
+    ends them, so an interrupted run is not reported as a reward timing out."""
 
-    def __init__(self, startup_s: float):
+    def __init__(self, script: str, args: tuple[str, ...] = (), startup_s: float = 60.0, isolated: bool = True):
+        self.command = [sys.executable, *(["-I"] if isolated else []), str(Path(__file__).with_name(script)), *args]
         self.startup_s, self._proc, self._lock = startup_s, None, threading.Lock()
 
-    def check(self, prediction: str, reference: str, timeout_s: int) -> Optional[bool]:
+    def ask(self, job: dict, deadline_s: float) -> Optional[dict]:
         with self._lock:
             fresh = self._proc is None or self._proc.poll() is not None
             if fresh:
-                self._proc = subprocess.Popen([sys.executable, "-I", str(Path(__file__).with_name("math_worker.py"))],
-                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            job = {"prediction": prediction, "reference": reference, "timeout_s": timeout_s}
-            self._proc.stdin.write(json.dumps(job) + "\n")
+                self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            self._proc.stdin.write(json.dumps(job, default=str) + "\n")
             self._proc.stdin.flush()
-            deadline = 2 * timeout_s + (self.startup_s if fresh else 0)  # parse twice, verify once, each limited
-            if select.select([self._proc.stdout], [], [], deadline)[0]:
+            if select.select([self._proc.stdout], [], [], deadline_s + (self.startup_s if fresh else 0))[0]:
                 line = self._proc.stdout.readline()
                 if line:
-                    return bool(json.loads(line)["equal"])
+                    return json.loads(line)
             self._proc.kill()
             self._proc.wait()
             self._proc = None
@@ -181,7 +180,8 @@ class MathReward(Reward):
     """1 when the response's final answer equals the reference's, by math-verify (with latex2sympy2-extended):
     `\\frac{1}{2}`, `0.5` and `1/2` agree. The final answer is the last \\boxed{}, else what follows GSM8K's
     `####`, else (a response) the last expression or number math-verify finds, or (a reference) the whole
-    answer field, as MATH-style datasets store bare LaTeX answers.
+    answer field, as MATH-style datasets store bare LaTeX answers. With `strict`, a response must mark its answer
+    (\\boxed{} or `####`): an unmarked one scores 0 (a stray last number, `1==зе return`, is no answer).
 
     Each check gets `timeout_s` seconds per parse and per comparison (math-verify's own limit, in a checker
     process: `math_worker.py`), and a backstop of twice that (plus `startup_s` for a fresh process) after which
@@ -190,17 +190,17 @@ class MathReward(Reward):
 
     needs = ("answer",)
 
-    def __init__(self, timeout_s: int = 5, startup_s: float = 60.0):
+    def __init__(self, timeout_s: int = 5, startup_s: float = 60.0, strict: bool = False):
         if timeout_s < 1:
             raise ValueError(f"math reward: timeout_s must be >= 1 (got {timeout_s})")
-        self.timeout_s, self.checker = int(timeout_s), MathChecker(startup_s)
+        self.timeout_s, self.checker, self.strict = int(timeout_s), Worker("math_worker.py", startup_s=startup_s), strict
         self._cache: dict[tuple[str, str], bool] = {}
         self.counts = {"checks": 0, "timeouts": 0, "no_answer": 0}
 
     def score(self, task: dict, response: str) -> Verdict:
         reference = marked_answer(task["answer"]) or task["answer"].strip()  # MATH-style answers are bare LaTeX
         prediction = marked_answer(response)
-        if prediction is None and last_number(response) is None and "\\" not in response:
+        if prediction is None and (self.strict or (last_number(response) is None and "\\" not in response)):
             self.counts["no_answer"] += 1
             return Verdict(0.0)
         if reference in (prediction, prediction is None and last_number(response)):
@@ -209,7 +209,9 @@ class MathReward(Reward):
         key = (f"${prediction}$" if prediction is not None else response, f"${reference}$")
         if key not in self._cache:
             self.counts["checks"] += 1
-            equal = self.checker.check(*key, self.timeout_s)
+            job = {"prediction": key[0], "reference": key[1], "timeout_s": self.timeout_s}
+            answer = self.checker.ask(job, 2 * self.timeout_s)  # parse twice, verify once, each limited
+            equal = None if answer is None else bool(answer["equal"])
             if equal is None:
                 self.counts["timeouts"] += 1
                 logger.warning("math reward: checking %r against %r timed out; scored 0", *key)
@@ -476,24 +478,47 @@ class PythonReward(Reward):
     """Your own function, `function: module:function` (or `file.py:function`), called as f(task, response) and
     returning a float or (float, info dict); an info "feedback" string is the next observation when
     `multi_turn`. `verifier: false` when the reference answer need not score 1; `needs` lists the task fields
-    it reads ("answer", "tests"), so rows without them are reported as malformed."""
+    it reads ("answer", "tests"), so rows without them are reported as malformed; `reward_range` is the range its
+    scores must lie in ([0, 1]).
+
+    It runs in a worker process (`python_worker.py`, as the math checker), one call at a time: a call that takes
+    longer than `timeout_s` kills the worker and scores 0, counted (`stats`: calls, timeouts) and logged."""
 
     def __init__(self, function: str, verifier: bool = True, multi_turn: bool = False, slow: bool = False,
-                 needs: tuple[str, ...] = (), reward_range: tuple[float, float] = (0.0, 1.0)):
-        self.function, self.name = import_function(function), function
+                 needs: tuple[str, ...] = (), reward_range: tuple[float, float] = (0.0, 1.0), timeout_s: float = 30.0,
+                 startup_s: float = 60.0):
+        import_function(function)  # a bad name is one line now, not a dead worker later
+        self.name = function
         self.verifier, self.multi_turn, self.slow, self.needs = verifier, multi_turn, slow, tuple(needs)
         if (len(reward_range) != 2 or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in reward_range)
                 or reward_range[0] >= reward_range[1]):
             raise ValueError(f"python reward: reward_range must be [low, high], finite, low < high (got {reward_range!r})")
+        if not timeout_s > 0:
+            raise ValueError(f"python reward: timeout_s must be > 0 (got {timeout_s})")
         self.reward_range = (float(reward_range[0]), float(reward_range[1]))
+        self.timeout_s = float(timeout_s)
+        self.worker = Worker("python_worker.py", (json.dumps(sys.path), function), startup_s, isolated=False)
+        self.counts = {"calls": 0, "timeouts": 0}
 
     def score(self, task: dict, response: str) -> Verdict:
-        out: Any = self.function(task, response)
+        self.counts["calls"] += 1
+        answer = self.worker.ask({"task": task, "response": response}, self.timeout_s)
+        if answer is None:
+            self.counts["timeouts"] += 1
+            logger.warning("python reward %s: no answer on task %r within timeout_s=%s; scored 0", self.name,
+                           task.get("id"), self.timeout_s)
+            return Verdict(0.0, info={"timeout": True})
+        if "error" in answer:
+            raise ValueError(f"python reward {self.name} failed on task {task.get('id')!r}: {answer['error']}")
+        out: Any = answer["out"]
         info = {}
-        if isinstance(out, tuple):
+        if isinstance(out, list):  # a (float, dict) tuple, through JSON
             if len(out) != 2 or not isinstance(out[1], dict):
                 raise ValueError(f"python reward {self.name}: must return a float or (float, dict), got {out!r}")
             out, info = out
         if not isinstance(out, (int, float)):
             raise ValueError(f"python reward {self.name}: must return a float or (float, dict), got {out!r}")
         return Verdict(float(out), str(info.get("feedback", "")), info)
+
+    def stats(self) -> dict:
+        return dict(self.counts)
