@@ -258,3 +258,65 @@ def test_data_inspect_exits_non_zero_on_malformed_rows(tmp_path, capsys):
     assert cli.main(["data", "inspect", str(path)]) == 1
     assert f"{path}: 40 rows, 40 malformed" in capsys.readouterr().out
     assert cli.main(["data", "inspect", str(path), "--options", '{"prompt_key": "question"}']) == 0
+
+
+# ------------------------------------------------------------------------------------------------- rewards
+def test_a_python_reward_that_hangs_times_out_scores_zero_and_is_counted(tmp_path):
+    """Before: a python reward that hung blocked the run forever."""
+    from stages.envs.dataset.rewards import PythonReward
+
+    function = python_reward(tmp_path, "time.sleep(3600) or 0.0")
+    reward = PythonReward(function, timeout_s=1, startup_s=30)
+    assert reward.score(ROWS[0], ROWS[0]["answer"]).score == 1.0  # the worker is up
+    verdict = reward.score(ROWS[0], "hang")
+    assert verdict.score == 0.0 and verdict.info == {"timeout": True}
+    assert reward.score(ROWS[1], ROWS[1]["answer"]).score == 1.0  # a fresh worker
+    assert reward.stats() == {"calls": 3, "timeouts": 1}
+
+
+def test_the_judge_honours_retry_after_and_reads_the_last_score():
+    """Before: a 429 with Retry-After: 2 was retried three times in 0.07 s and the run stopped; "On a 0-10 scale:
+    3" scored 0.0 and "10/10? no. 2" scored 1.0 (the first number won)."""
+    from test_rewards import TASK, JudgeServer
+
+    from stages.envs.dataset.rewards import JudgeReward
+
+    server = JudgeServer(fail_first=1, fail_status=429, retry_after="2")
+    try:
+        reward = JudgeReward(server.url, "m", retries=2, timeout_s=5, backoff_s=0.05)
+        assert reward.score(TASK, "four").score == pytest.approx(0.7)
+        assert server.times[1] - server.times[0] >= 2.0
+    finally:
+        server.close()
+    for reply, score in (("On a 0-10 scale: 3", 0.3), ("10/10? no. 2", 0.2), ("Score: 8, not 10", 0.8)):
+        server = JudgeServer(reply=reply)
+        try:
+            assert JudgeReward(server.url, "m", retries=0).score(TASK, "four").score == pytest.approx(score)
+        finally:
+            server.close()
+
+
+def test_a_judge_down_during_a_run_ends_in_one_line(tmp_path, capsys):
+    """Before: a judge that went down during a run ended it in a traceback (the rollout worker's error, wrapped)."""
+    import yaml
+
+    from opd_sao import cli
+
+    cfg = _run_config(tmp_path, {"path": str(rows_file(tmp_path)), "reward": "judge",
+                                 "reward_options": {"base_url": "http://127.0.0.1:9/v1", "model": "m", "retries": 1,
+                                                    "backoff_s": 0.05, "timeout_s": 2}})
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["run", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("opd-sao run: error: judge at http://127.0.0.1:9/v1 failed 2 times")
+
+
+def test_math_strict_takes_only_a_marked_answer():
+    """Before: there was no strict mode: `1==зе return+之旅` scored 1.0 against 1 (the last number)."""
+    from stages.envs.dataset.rewards import MathReward
+
+    task = {"id": "m", "answer": "1"}
+    assert MathReward().score(task, "\n1==зе return+之旅").score == 1.0  # the lenient default, as documented
+    strict = MathReward(strict=True)
+    assert strict.score(task, "\n1==зе return+之旅").score == 0.0
+    assert strict.score(task, "so \\boxed{1}").score == 1.0 and strict.score(task, "... #### 1").score == 1.0

@@ -377,10 +377,13 @@ DEFAULT_TEMPLATE = ("Rate the response to the prompt from 0 to 10 (10 = perfect)
 @register_reward("judge")
 class JudgeReward(Reward):
     """An LLM judge behind an OpenAI-compatible chat endpoint (the `openai` client): `template` is filled with
-    {prompt}, {response} and {reference} and sent as one user message to `model` at `base_url`; the first
-    match of `score_pattern` in the reply, divided by `max_score` and clipped to [0, 1], is the score. At most
-    `concurrency` requests are in flight per process; each gets `timeout_s` and up to `retries` more tries
-    (a connection error, an HTTP error, or a reply without a score is a failed try).
+    {prompt}, {response} and {reference} and sent as one user message to `model` at `base_url`. The score is read
+    from the reply: an explicit `Score: N` field (the last one) when there is one, else the LAST number (a reply
+    that reasons first, "on a 0-10 scale: 3", ends with its verdict); with `score_pattern`, its last match (its
+    first group when it has one). Divided by `max_score` and clipped to [0, 1]. At most `concurrency` requests are
+    in flight per process; each gets `timeout_s` and up to `retries` more tries (a connection error, an HTTP error,
+    or a reply without a score is a failed try), waiting `backoff_s` doubling between tries, or what the server
+    asks for in `Retry-After` (429, 503), up to `max_wait_s`.
 
     A judgement that still fails is counted (`stats`: requests, failed tries, failed judgements) and, by
     default (`on_failure: raise`), stops the run with a one-line error: a judge that is down must not look
@@ -391,9 +394,9 @@ class JudgeReward(Reward):
     slow = True
 
     def __init__(self, base_url: str, model: str, template: str = DEFAULT_TEMPLATE, api_key: str = "EMPTY",
-                 score_pattern: str = r"-?\d+(?:\.\d+)?", max_score: float = 10.0, concurrency: int = 8,
+                 score_pattern: Optional[str] = None, max_score: float = 10.0, concurrency: int = 8,
                  timeout_s: float = 60.0, retries: int = 2, temperature: float = 0.0, max_tokens: int = 16,
-                 on_failure: str = "raise"):
+                 on_failure: str = "raise", backoff_s: float = 1.0, max_wait_s: float = 60.0):
         import openai
 
         if on_failure not in ("raise", "zero"):
@@ -406,7 +409,12 @@ class JudgeReward(Reward):
             raise ValueError(f"judge reward: template may only use {{prompt}}, {{response}}, {{reference}} "
                              f"(found {err})") from None
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0)
-        self.model, self.template, self.pattern = model, template, re.compile(score_pattern)
+        try:
+            self.pattern = re.compile(score_pattern) if score_pattern else None
+        except re.error as err:
+            raise ValueError(f"judge reward: score_pattern {score_pattern!r} is not a regular expression: {err}") from None
+        self.model, self.template = model, template
+        self.backoff_s, self.max_wait_s = backoff_s, max_wait_s
         self.max_score, self.retries, self.on_failure = max_score, retries, on_failure
         self.temperature, self.max_tokens, self.base_url = temperature, max_tokens, base_url
         self._slots = threading.BoundedSemaphore(concurrency)
@@ -425,10 +433,20 @@ class JudgeReward(Reward):
                 model=self.model, messages=[{"role": "user", "content": content}], temperature=self.temperature,
                 max_tokens=self.max_tokens)
         text = reply.choices[0].message.content or ""
-        match = self.pattern.search(text)
-        if match is None:
+        found = judge_score(text, self.pattern)
+        if found is None:
             raise ValueError(f"no score in the judge's reply {text[:80]!r}")
-        return min(1.0, max(0.0, float(match.group(0)) / self.max_score))
+        return min(1.0, max(0.0, found / self.max_score))
+
+    def _wait(self, attempt: int, error: Exception) -> float:
+        """Seconds before the next try: the server's Retry-After (seconds) when it sent one, else the backoff."""
+        response = getattr(error, "response", None)
+        asked = response.headers.get("retry-after") if response is not None else None
+        try:
+            wait = float(asked) if asked is not None else self.backoff_s * 2 ** attempt
+        except ValueError:  # an HTTP date: not worth parsing, back off instead
+            wait = self.backoff_s * 2 ** attempt
+        return min(max(wait, 0.0), self.max_wait_s)
 
     def score(self, task: dict, response: str) -> Verdict:
         content = self.template.format(prompt=task["prompt"], response=response, reference=task.get("answer") or "")
@@ -439,6 +457,8 @@ class JudgeReward(Reward):
             except Exception as err:  # noqa: BLE001  any failed try is retried, then counted
                 self._count("failed_tries")
                 error = err
+                if attempt < self.retries:
+                    time.sleep(self._wait(attempt, err))
         self._count("failed_judgements")
         why = f"judge at {self.base_url} failed {self.retries + 1} times on task {task['id']!r}: {str(error).splitlines()[0]}"
         if self.on_failure == "raise":
@@ -448,6 +468,25 @@ class JudgeReward(Reward):
 
     def stats(self) -> dict:
         return dict(self.counts)
+
+
+SCORE_FIELD = re.compile(r"score\s*[:=]\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
+NUMBER_ONLY = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def judge_score(text: str, pattern: Optional[re.Pattern] = None) -> Optional[float]:
+    """The score in a judge's reply: the last match of `pattern` (its first group if it has one); by default the
+    last `Score: N` field, else the last number. None when there is none."""
+    matches = list((pattern or SCORE_FIELD).finditer(text))
+    if not matches and pattern is None:
+        matches = list(NUMBER_ONLY.finditer(text))
+    if not matches:
+        return None
+    last = matches[-1]
+    try:
+        return float(last.group(1) if last.re.groups else last.group(0))
+    except ValueError:
+        return None
 
 
 # -------------------------------------------------------------------------------------------- python
