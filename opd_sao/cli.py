@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+from opd_sao.consistency.audit import json_options
 from stages.envs.dataset.rewards import RewardFailure
 from stages.envs.sandbox import SandboxUnavailableError
 
@@ -107,23 +108,12 @@ def _environment(name: str):
     return ENVIRONMENTS.get(name)
 
 
-def _json_options(text: str) -> dict:
-    """An `--options` argument: a JSON object, or a one-line error."""
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--options is not valid JSON: {err}") from None
-    if not isinstance(options, dict):
-        raise ValueError(f"--options must be a JSON object (got {text!r})")
-    return options
-
-
 def _cmd_validate_env(args) -> int:
     """`opd-sao validate-env NAME`: the three-way validity check as JSON; exit status 1 when it fails."""
     from stages.envs.validity import check_environment
 
     env_cls = _environment(args.name)
-    options = _json_options(args.options)
+    options = json_options(args.options)
     try:
         env_cls(**options)
     except TypeError as err:
@@ -140,7 +130,7 @@ def _cmd_data(args) -> int:
     status 1 when rows are malformed under the mapping."""
     from stages.envs.dataset import inspect_file
 
-    options = _json_options(args.options)
+    options = json_options(args.options)
     if args.chat_template:
         options["chat_template"] = args.chat_template
     text, bad_rows = inspect_file(args.path, options, n=args.n)

@@ -320,3 +320,24 @@ def test_math_strict_takes_only_a_marked_answer():
     strict = MathReward(strict=True)
     assert strict.score(task, "\n1==зе return+之旅").score == 0.0
     assert strict.score(task, "so \\boxed{1}").score == 1.0 and strict.score(task, "... #### 1").score == 1.0
+
+
+def test_audit_takes_env_options_and_a_jsonl_prompts_file_and_says_when_it_repeats(tmp_path, tiny_model_dir, capsys):
+    """Before: `opd-sao audit` had no way to give the environment's options (a dataset env could not be audited),
+    read a prompts file line by line (no multi-line prompts), and repeated prompts silently to reach --prompts."""
+    from opd_sao import cli
+
+    common = [str(tiny_model_dir), "--prompts", "12", "--max-new-tokens", "2", "--out", str(tmp_path / "audit")]
+    options = json.dumps({"path": str(rows_file(tmp_path)), "eval_fraction": 0.1})
+    cli.main(["audit", *common, "--env", "dataset", "--env-options", options])
+    out = capsys.readouterr().out
+    audit = json.loads((tmp_path / "audit" / "audit.json").read_text())
+    assert audit["prompts"] == 12 and audit["distinct_prompts"] < 12
+    assert f"note: only {audit['distinct_prompts']} distinct prompts, repeated to reach --prompts 12" in out
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in ["line one\nline two", {"prompt": "1+1="}] * 6))
+    cli.main(["audit", *common, "--prompts-file", str(prompts)])
+    assert "note:" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "audit" / "audit.json").read_text())["distinct_prompts"] == 12
+    assert cli.main(["audit", *common, "--env", "dataset", "--env-options", "[1]"]) == 2
+    assert "--env-options must be a JSON object" in capsys.readouterr().err

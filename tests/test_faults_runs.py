@@ -4,7 +4,6 @@ full disk and a read-only directory. Real `opd-sao run` subprocesses; each endin
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import signal
 import socket
@@ -129,12 +128,12 @@ def test_a_full_disk_and_a_read_only_run_dir_end_in_one_line_and_lose_nothing(tm
     run_dir = small_disk / "run"
     proc = start(config(tmp_path, tiny_model_dir), "--run-dir", str(run_dir))
     wait_for(lambda: (run_dir / "stages" / "r" / "state" / "loop.json").is_file(), proc=proc)
-    stat = os.statvfs(small_disk)
     filler = small_disk / "filler"
-    with open(filler, "wb") as f:
+    with open(filler, "wb", buffering=0) as f:
         try:
-            f.write(b"\0" * (stat.f_bavail * stat.f_frsize))
-        except OSError:
+            while True:
+                f.write(b"\0" * (1 << 16))
+        except OSError:  # ENOSPC: full
             pass
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1
