@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -45,7 +46,7 @@ def _cmd_run(args) -> int:
         print(_resume_hint(run_dir, f"stopped by {stop.args[0] if stop.args else 'Ctrl-C (SIGINT)'}"), file=sys.stderr)
         return 128 + (signal.SIGTERM if stop.args else signal.SIGINT)
     except Exception as err:  # noqa: BLE001  a full or read-only disk is one line; anything else stays a traceback
-        why = _disk_error(err)
+        why = _disk_error(err, run_dir)
         if why is None:
             raise
         print(_resume_hint(run_dir, f"error: {why}"), file=sys.stderr)
@@ -66,9 +67,11 @@ DISK_ERRORS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota i
                errno.EACCES: "the run directory is not writable"}
 
 
-def _disk_error(err: BaseException) -> str | None:
-    """What a failed write says, when `err` (or what caused it) is a full, over-quota or read-only disk; torch's
-    writers raise RuntimeError with the message only."""
+def _disk_error(err: BaseException, run_dir: Path) -> str | None:
+    """What a failed write says, when `err` (or what caused it) is a full, over-quota or read-only disk. torch's
+    writers raise RuntimeError without the cause (`unexpected pos 64 vs 0`): then a run directory on a disk with
+    less than 1 MiB free is taken as full."""
+    first = err
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
@@ -79,6 +82,12 @@ def _disk_error(err: BaseException) -> str | None:
             if text in str(err):
                 return f"{DISK_ERRORS[code]} ({str(err).splitlines()[0][:200]})"
         err = err.__cause__ or err.__context__
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return None
+    if free < 1 << 20:
+        return f"{DISK_ERRORS[errno.ENOSPC]} ({free} bytes free; {str(first).splitlines()[0][:120]})"
     return None
 
 

@@ -6,7 +6,9 @@ over `--seeds` seeds and prints one JSON line per seed, then one summary line: `
 
   chat           the chat stage test's reward model (tests/test_chat.py: reward_model_dir) and the chat
                  environment's validity check it must pass at stage start (16 tasks, run seed 1)
-  reward_model   tests/test_chat.py::test_reward_model_ranks_held_out_pairs' thresholds on the same models
+                 (a learned judge is no verifier: the check is skipped, reported), and
+                 tests/test_chat.py::test_reward_model_ranks_held_out_pairs' accuracies and ranking on the same model
+  train_from     tests/test_rewards.py's reward model trained from a preference file (no quality margin asserted)
 """
 from __future__ import annotations
 
@@ -37,15 +39,32 @@ def chat(seed: int, pairs: int, steps: int) -> dict:
         info = train_chat_reward_model(out, n_pairs=pairs, steps=steps, seed=seed, shape=TinyModelConfig(**TINY))
         options = {"judge": "reward_model", "judge_options": {"path": str(out)}}
         report = check_environment("chat", lambda: ChatEnv(**options), n=16, seed=1)
-        accuracy = RewardModel(out).accuracy(ChatEnv().preference_pairs("eval", 200, seed=7))
-        judge = build_judge("reward_model", {"path": str(out)})
-        ranks = judge.quality(TASK, " aww, i love cats so much~") and not judge.quality(TASK, " cats cats cats cats~")
-    return {"validity_ok": report.ok, "failures": {k: v for k, v in report.failures.items() if v},
-            "heldout_accuracy": info["heldout_accuracy"], "accuracy_seed7": accuracy, "ranks_example": ranks,
-            "passed": report.ok and info["heldout_accuracy"] >= 0.8 and accuracy >= 0.8 and ranks}
+        model = RewardModel(out)
+        accuracy = model.accuracy(ChatEnv().preference_pairs("eval", 200, seed=7))
+        good, bad = model.score([TASK["prompt"]] * 2, [" aww, i love cats so much~", " cats cats cats cats~"]).tolist()
+        judged = build_judge("reward_model", {"path": str(out)}).quality(TASK, " aww, i love cats so much~")
+    return {"validity_ok": report.ok, "validity_skipped": report.skipped,
+            "failures": {k: v for k, v in report.failures.items() if v}, "heldout_accuracy": info["heldout_accuracy"],
+            "accuracy_seed7": accuracy, "ranks_example": good > bad, "example_margin": good - bad,
+            "good_above_threshold": judged, "passed": report.ok and info["heldout_accuracy"] >= 0.8
+            and accuracy >= 0.8 and good > bad}
 
 
-TARGETS = {"chat": chat}
+def train_from(seed: int, pairs: int, steps: int) -> dict:
+    """tests/test_rewards.py::test_a_reward_model_trained_from_a_file_is_retrained_when_the_file_changes at `seed`."""
+    from stages.envs.dataset.preferences import train_from_file
+
+    rows = [{"prompt": f"tell me about topic {i}", "chosen": f"topic {i} is a fine thing to learn about.",
+             "rejected": "no."} for i in range(30)]
+    with tempfile.TemporaryDirectory() as tmp:
+        prefs, out = Path(tmp) / "prefs.jsonl", Path(tmp) / "rm"
+        prefs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        first = train_from_file(prefs, out, steps=2, seed=seed)
+        again = train_from_file(prefs, out, steps=2, seed=seed)
+    return {"passed": first["train_pairs"] > 0 and again == {}}
+
+
+TARGETS = {"chat": chat, "train_from": train_from}
 
 
 def main() -> None:
