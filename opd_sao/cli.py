@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import shlex
+import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 
+from opd_sao.consistency.audit import json_options
 from stages.envs.dataset.rewards import RewardFailure
 from stages.envs.sandbox import SandboxUnavailableError
 
@@ -33,8 +39,18 @@ def _cmd_run(args) -> int:
         return follow(cfg)
     if args.allow_config_change and not args.resume:
         raise ValueError("--allow-config-change only applies with --resume")
-    summary = run_pipeline(cfg, run_dir, log=lambda msg: print(msg, flush=True), resume=bool(args.resume),
-                           allow_config_change=args.allow_config_change)
+    try:
+        summary = run_pipeline(cfg, run_dir, log=lambda msg: print(msg, flush=True), resume=bool(args.resume),
+                               allow_config_change=args.allow_config_change)
+    except KeyboardInterrupt as stop:
+        print(_resume_hint(run_dir, f"stopped by {stop.args[0] if stop.args else 'Ctrl-C (SIGINT)'}"), file=sys.stderr)
+        return 128 + (signal.SIGTERM if stop.args else signal.SIGINT)
+    except Exception as err:  # noqa: BLE001  a full or read-only disk is one line; anything else stays a traceback
+        why = _disk_error(err, run_dir)
+        if why is None:
+            raise
+        print(_resume_hint(run_dir, f"error: {why}"), file=sys.stderr)
+        return 1
     print(f"\nrun finished: {run_dir}")
     print(f"{'stage':<12} {'kind':<10} {'algo':<8} {'gate':<7} eval after (held-out, per domain)")
     for stage in summary["stages"]:
@@ -44,6 +60,47 @@ def _cmd_run(args) -> int:
         print(f"{stage['name']:<12} {stage['kind']:<10} {stage.get('algo', '-'):<8} {verdict:<7} {scores}")
     print(f"summary: {run_dir / 'summary.json'}\nreport:  {summary['report']}")
     return 0
+
+
+DISK_ERRORS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+               errno.EFBIG: "a file grew past the size limit", errno.EROFS: "the run directory is read-only",
+               errno.EACCES: "the run directory is not writable"}
+
+
+def _disk_error(err: BaseException, run_dir: Path) -> str | None:
+    """What a failed write says, when `err` (or what caused it) is a full, over-quota or read-only disk. torch's
+    writers raise RuntimeError without the cause (`unexpected pos 64 vs 0`): then a run directory on a disk with
+    less than 1 MiB free is taken as full."""
+    first = err
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in DISK_ERRORS:
+            return f"{DISK_ERRORS[err.errno]} ({err.strerror}{f': {err.filename}' if err.filename else ''})"
+        for code, text in ((errno.ENOSPC, "No space left on device"), (errno.EROFS, "Read-only file system"),
+                           (errno.ENOSPC, "file write failed")):
+            if text in str(err):
+                return f"{DISK_ERRORS[code]} ({str(err).splitlines()[0][:200]})"
+        err = err.__cause__ or err.__context__
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return None
+    if free < 1 << 20:
+        return f"{DISK_ERRORS[errno.ENOSPC]} ({free} bytes free; {str(first).splitlines()[0][:120]})"
+    return None
+
+
+def _resume_hint(run_dir: Path, what: str) -> str:
+    """One line: what stopped the run, and the exact command that continues it (saved state is never lost)."""
+    if not (run_dir / "config.yaml").is_file():
+        return f"opd-sao run: {what}; nothing was saved yet, so there is nothing to resume"
+    return f"opd-sao run: {what}; everything saved is kept; continue with: opd-sao run --resume {shlex.quote(str(run_dir))}"
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    """SIGTERM ends a run as Ctrl-C does (the loops unwind, the resume command is printed)."""
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def _cmd_cache(args) -> int:
@@ -60,23 +117,12 @@ def _environment(name: str):
     return ENVIRONMENTS.get(name)
 
 
-def _json_options(text: str) -> dict:
-    """An `--options` argument: a JSON object, or a one-line error."""
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--options is not valid JSON: {err}") from None
-    if not isinstance(options, dict):
-        raise ValueError(f"--options must be a JSON object (got {text!r})")
-    return options
-
-
 def _cmd_validate_env(args) -> int:
     """`opd-sao validate-env NAME`: the three-way validity check as JSON; exit status 1 when it fails."""
     from stages.envs.validity import check_environment
 
     env_cls = _environment(args.name)
-    options = _json_options(args.options)
+    options = json_options(args.options)
     try:
         env_cls(**options)
     except TypeError as err:
@@ -89,14 +135,16 @@ def _cmd_validate_env(args) -> int:
 
 
 def _cmd_data(args) -> int:
-    """`opd-sao data inspect PATH`: row count, fields, and three prompts as a dataset environment shows them."""
+    """`opd-sao data inspect PATH`: row count, fields, and three prompts as a dataset environment shows them; exit
+    status 1 when rows are malformed under the mapping."""
     from stages.envs.dataset import inspect_file
 
-    options = _json_options(args.options)
+    options = json_options(args.options)
     if args.chat_template:
         options["chat_template"] = args.chat_template
-    print(inspect_file(args.path, options, n=args.n))
-    return 0
+    text, bad_rows = inspect_file(args.path, options, n=args.n)
+    print(text)
+    return 1 if bad_rows else 0
 
 
 def _cmd_sandbox(args) -> int:
@@ -252,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         args.args = extra + args.args
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "run" and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         return args.func(args)
     except USER_ERRORS as err:

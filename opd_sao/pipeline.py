@@ -14,7 +14,9 @@ from opd_sao.checkpoints import build_tiny_model, load_tokenizer
 from opd_sao.engines import check_engine
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.files import atomic_write, write_json
+from opd_sao.runs.data_fingerprint import check_data_record, write_data_record
 from opd_sao.runs.fingerprint import check_resume, write_record
+from opd_sao.runs.lock import locked_run_dir
 from opd_sao.runs.report import forgetting, write_report
 from opd_sao.runs.tracking import start_wandb
 
@@ -54,6 +56,19 @@ def check_before_work(cfg: RunConfig) -> None:
         raise ValueError(f"model.path {cfg.model.path!r} is not an HF-format model directory (no config.json)")
     # a rollout fleet that cannot take weights (or sample at a stage's top_p) fails now, not after an SFT warm start
     check_engine(cfg.engine, nucleus=any(stage.rollout.top_p < 1 for stage in cfg.stages))
+
+
+def stage_data_files(cfg: RunConfig) -> dict[str, list[str]]:
+    """Stage name -> the data files its environment reads (`Environment.data_files`), for the data record."""
+    from stages.envs import ENVIRONMENTS
+
+    found = {}
+    for stage in cfg.stages:
+        if stage.env:
+            files = ENVIRONMENTS.get(stage.env).data_files(stage.env_options)
+            if files:
+                found[stage.name] = files
+    return found
 
 
 def create_run_dir(run_dir: Path) -> set[str] | None:
@@ -132,20 +147,24 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
     run_dir = Path(run_dir)
     config = cfg.model_dump(mode="json")
     if resume:  # an edited config is named as such, before what the edit may have broken
-        allowed = check_resume(config, run_dir, allow_change=allow_config_change)
-        check_before_work(cfg)
-        if allowed:
-            log(f"resuming with changed {', '.join(allowed)} (--allow-config-change)")
-        return _run_stages(cfg, run_dir, log, resume=True)
+        with locked_run_dir(run_dir):
+            allowed = check_resume(config, run_dir, allow_change=allow_config_change)
+            check_before_work(cfg)
+            check_data_record(stage_data_files(cfg), run_dir)
+            if allowed:
+                log(f"resuming with changed {', '.join(allowed)} (--allow-config-change)")
+            return _run_stages(cfg, run_dir, log, resume=True)
     check_before_work(cfg)
     existing = create_run_dir(run_dir)
-    try:
-        atomic_write(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-        write_record(config, run_dir)
-        return _run_stages(cfg, run_dir, log, resume=False)
-    except BaseException:
-        remove_if_no_stage_output(run_dir, existing)
-        raise
+    with locked_run_dir(run_dir):  # refused: nothing is removed, the directory is the other run's
+        try:
+            atomic_write(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+            write_record(config, run_dir)
+            write_data_record(stage_data_files(cfg), run_dir)
+            return _run_stages(cfg, run_dir, log, resume=False)
+        except BaseException:
+            remove_if_no_stage_output(run_dir, existing)
+            raise
 
 
 def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:

@@ -14,7 +14,7 @@ from opd_sao.checkpoints import PromptFormat
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
 from opd_sao.rl.learner import Learner, needs_critic
-from opd_sao.rl.rollout import Episode, episodes_for
+from opd_sao.rl.rollout import Episode, check_prompts, episodes_for
 from opd_sao.rl.value_pretrain import pretrain_critic
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.files import write_json
@@ -89,6 +89,8 @@ class RLStage(Stage):
         cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
         env_factory = self.env_factory()
         require_valid(cfg.env, env_factory, n=VALIDITY_TASKS, seed=run.seed)  # before any work
+        pool = env_factory().make_tasks("train", TRAIN_TASK_POOL, run.seed)
+        check_prompts(env_factory, pool, tok, cfg.rollout, domain=cfg.env)  # a 50 MB row: refused now, not mid-stage
         start, eval_init, sft_resumed = self.warm_start(self.ctx.resolve_checkpoint(cfg.init_from), env_factory)
         algo, trainer_cfg = run.stage_algo(cfg), run.stage_trainer(cfg)
         critic = needs_critic(algo)
@@ -98,7 +100,7 @@ class RLStage(Stage):
         learner = Learner(backend, algo, cfg.sao, critic_steps=trainer_cfg.critic_steps,
                           critic_warmup_steps=trainer_cfg.critic_warmup_steps)
         train_env = self.env_factory(train_step=lambda: learner.steps_done)
-        tasks = sample_tasks(env_factory().make_tasks("train", TRAIN_TASK_POOL, run.seed), run.seed)
+        tasks = sample_tasks(pool, run.seed)
         groups = itertools.count()
 
         def make_episodes() -> list[Episode]:

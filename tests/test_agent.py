@@ -28,7 +28,7 @@ from opd_sao.trainers import TorchTrainer
 from opd_sao.trajectory import Trajectory, collate
 from stages import RunContext
 from stages.envs import ENVIRONMENTS, register_env
-from stages.envs import code as code_env
+from stages.envs import grading
 from stages.envs.arithmetic import ArithmeticEnv
 from stages.envs.validity import check_environment
 from stages.rl import AgentStage
@@ -147,7 +147,7 @@ def test_a_hanging_program_or_a_broken_sandbox_is_a_failed_step(monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("too many open files")
 
-    monkeypatch.setattr(code_env, "run_python", broken)
+    monkeypatch.setattr(grading, "run_python", broken)
     assert env.step("print(x*3)") == ("# sandbox error: OSError\n", 0.0, False)
 
 

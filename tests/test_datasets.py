@@ -184,7 +184,8 @@ def test_stdin_stdout_tasks(tmp_path):
     assert task["tests"] == {"kind": "io", "inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "10\n"]}
     env.reset(task)
     assert env.step("print(3)")[1] == 0.5
-    assert check_environment("dataset", lambda: env, n=2).ok
+    report = check_environment("dataset", lambda: env, n=2)  # the oracle passes; one row leaves no eval split
+    assert not any(report.failures.values()) and report.empty_splits == ["eval"]
 
 
 def test_validity_refuses_a_dataset_whose_references_fail_their_own_reward(tmp_path):

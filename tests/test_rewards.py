@@ -162,10 +162,13 @@ def test_reward_model_scores_in_batches(sequence_classifier):
 
 class JudgeServer:
     """A real OpenAI-compatible chat endpoint on loopback: replies with `reply`, or fails `fail_first` times with
-    HTTP 500; records the prompts it saw and the most requests it had in flight at once."""
+    HTTP `fail_status` (and a `Retry-After` header when given); records the prompts it saw, when, and the most
+    requests it had in flight at once."""
 
-    def __init__(self, reply: str = "Score: 7", fail_first: int = 0, delay_s: float = 0.0):
+    def __init__(self, reply: str = "Score: 7", fail_first: int = 0, delay_s: float = 0.0, fail_status: int = 500,
+                 retry_after: str | None = None):
         self.reply, self.fail_first, self.delay_s = reply, fail_first, delay_s
+        self.fail_status, self.retry_after, self.times = fail_status, retry_after, []
         self.seen, self.in_flight, self.max_in_flight, self.lock = [], 0, 0, threading.Lock()
         server = self
 
@@ -179,13 +182,17 @@ class JudgeServer:
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
                     server.seen.append(body)
+                    server.times.append(time.monotonic())
                     failing = server.fail_first > 0
                     server.fail_first -= failing
                 time.sleep(server.delay_s)
                 with server.lock:
                     server.in_flight -= 1
                 if self.path != "/v1/chat/completions" or failing:
-                    self.send_response(500)
+                    self.send_response(server.fail_status)
+                    if server.retry_after is not None:
+                        self.send_header("Retry-After", server.retry_after)
+                    self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
                 out = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],

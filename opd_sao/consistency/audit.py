@@ -6,6 +6,7 @@ loaded as the trainer loads it (float32), and writes `audit.json` and `audit.png
 """
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,7 +29,9 @@ def add_audit_parser(sub, environment) -> None:
                    "available, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--out", help="output directory (default: <checkpoint>/../audit)")
     p.add_argument("--env", default="arithmetic", help="environment whose eval prompts are used (default: arithmetic)")
-    p.add_argument("--prompts-file", help="a text file with one prompt per line, instead of --env's prompts")
+    p.add_argument("--env-options", default="{}", help="--env's options as a JSON object (as validate-env's --options)")
+    p.add_argument("--prompts-file", help="a text file with one prompt per line, or a .jsonl file of prompts (JSON "
+                                          "strings, or objects with a \"prompt\"; multi-line), instead of --env's")
     p.add_argument("--prompts", type=int, default=32, help="number of prompts (default: 32)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -60,16 +63,47 @@ class PromptFileEnv:
         return "", 0.0, True
 
 
+def json_options(text: str, flag: str = "--options") -> dict:
+    """A JSON-object command-line argument, or a one-line error naming the flag."""
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{flag} is not valid JSON: {err}") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"{flag} must be a JSON object (got {text!r})")
+    return options
+
+
+def read_prompts(path: Path) -> list[str]:
+    """The prompts of a --prompts-file: one per line, or (.jsonl) a JSON string or {"prompt": ...} per line."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompts-file {str(path)!r} does not exist")
+    lines = [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+    if path.suffix != ".jsonl":
+        return lines
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            raise ValueError(f"--prompts-file {str(path)!r}: line {number} is not JSON") from None
+        prompt = row.get("prompt") if isinstance(row, dict) else row
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"--prompts-file {str(path)!r}: line {number} is neither a string nor an object with "
+                             f"a non-empty \"prompt\" string")
+        prompts.append(prompt)
+    return prompts
+
+
 def _env_factory(args):
     if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"--prompts-file {str(path)!r} does not exist")
-        prompts = [line.rstrip("\n") for line in path.read_text().splitlines() if line.strip()]
+        prompts = read_prompts(Path(args.prompts_file))
         if not prompts:
-            raise ValueError(f"--prompts-file {str(path)!r} has no prompts")
+            raise ValueError(f"--prompts-file {args.prompts_file!r} has no prompts")
         return PROMPT_ENV, lambda: PromptFileEnv(prompts)
-    return args.env, args.environment(args.env)
+    env_cls, options = args.environment(args.env), json_options(args.env_options, "--env-options")
+    env_cls.check_options(options)
+    return args.env, lambda: env_cls(**options)
 
 
 def _engine(args, checkpoint: Path, tokenizer):
@@ -127,6 +161,7 @@ def run_audit(args) -> dict:
         data = {"checkpoint": str(checkpoint), "engine": args.engine, "engine_dtype": args.dtype,
                 "deterministic": args.deterministic, "prompts": len(trajs),
                 "prompt_source": args.prompts_file or domain,
+                "distinct_prompts": len({episode.task["id"] for episode in episodes}),
                 "temperature": args.temperature, "top_p": args.top_p, "prompt_format": args.prompt_format,
                 "thresholds": {"mean_abs_diff": args.threshold_mean, "p99_abs_diff": args.threshold_p99},
                 "passed": not reasons, "reasons": reasons, **report.to_dict()}
@@ -192,6 +227,8 @@ def cmd_audit(args) -> int:
                    f"max {data['max_abs_diff']:.3g}, k3 KL {data['k3_kl']:.3g}, "
                    f"DIS mask {100 * data['mask_fraction']:.2f}%")
     print(f"audit {status}: {data['tokens']} tokens from {data['prompts']} prompts: {numbers}")
+    if data["distinct_prompts"] < data["prompts"]:
+        print(f"  note: only {data['distinct_prompts']} distinct prompts, repeated to reach --prompts {data['prompts']}")
     if not data["passed"]:
         diagnosis = data.get("diagnosis", {})
         print(f"  over threshold: {'; '.join(data['reasons'])}")

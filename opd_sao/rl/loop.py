@@ -21,6 +21,7 @@ from opd_sao.rl.learner import Learner
 from opd_sao.rl.rollout import Episode, RolloutWorker
 from opd_sao.runs.tracking import MetricsLogger
 from opd_sao.trajectory import Trajectory, collate
+from opd_sao.trainers.base import NonFiniteError
 
 StepHook = Callable[[int], None]
 
@@ -103,8 +104,8 @@ class RLLoop:
 
     def _wait_for_batch(self, worker: RolloutWorker) -> list[Trajectory]:
         while True:
-            if worker.error is not None:
-                raise RuntimeError(f"rollout worker failed: {worker.error!r}") from worker.error
+            if worker.error is not None:  # as it was raised: a user error (a bad reward) stays one line
+                raise worker.error
             trajs = self.buffer.take(self.batch_size, self.backend.policy_version, self.rollout.max_staleness, 0.5)
             if trajs is not None:
                 return trajs
@@ -113,7 +114,13 @@ class RLLoop:
         version = self.backend.policy_version
         staleness = Counter(version - t.min_version for t in trajs)
         batch = collate(trajs, self.pad_id).to(self.backend.device)
-        metrics = self.learner.step(batch, self.rollout.temperature)
+        try:
+            metrics = self.learner.step(batch, self.rollout.temperature)
+        except NonFiniteError as err:
+            shown = ", ".join(batch.traj_ids[:4]) + (f" and {len(trajs) - 4} more" if len(trajs) > 4 else "")
+            raise NonFiniteError(f"step {self._steps_done}: {err} on the batch of trajectories {shown} (rewards "
+                                 f"{[round(float(r), 4) for r in batch.rewards.sum(-1)[:8].tolist()]}); not applied, "
+                                 f"nothing saved from it") from None
         if self.slowdown_s:
             time.sleep(self.slowdown_s)
         with self.trained_log.open("a") as f:

@@ -8,6 +8,7 @@ several trajectory segments (see opd_sao.compaction), each exactly what the engi
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -24,6 +25,34 @@ from opd_sao.engines.base import (
 )
 from opd_sao.rl.compaction import Compaction, next_segment, propagate_returns
 from opd_sao.trajectory import Trajectory
+
+
+class PromptTooLong(ValueError):
+    """A task whose prompt leaves no room to answer in the context (one line naming the task)."""
+
+
+CHARS_PER_TOKEN = 64  # more characters than this per token of context: too long without tokenizing (a 50 MB row)
+
+
+def check_prompt_length(prompt: str, task: dict, max_context_tokens: int) -> str:
+    """The prompt, unless it is too long by characters alone (never tokenizing a huge one)."""
+    if len(prompt) > CHARS_PER_TOKEN * max_context_tokens:
+        raise PromptTooLong(f"task {task['id']!r}: its prompt is {len(prompt):,} characters, far past "
+                            f"rollout.max_context_tokens {max_context_tokens}; shorten or drop the row")
+    return prompt
+
+
+def check_prompts(env_factory, tasks: list[dict], tokenizer, rollout, *, domain: str) -> None:
+    """Stage start, before any work: every task's prompt leaves room to answer (PromptTooLong names the first that
+    does not), so a long row cannot stop a run mid-stage."""
+    env = env_factory()
+    prompt_format = PromptFormat.from_rollout(tokenizer, rollout)
+    for task in tasks:
+        prompt = check_prompt_length(env.reset(task), task, rollout.max_context_tokens)
+        if len(prompt_format.prompt(prompt)) >= rollout.max_context_tokens:
+            raise PromptTooLong(f"{domain}: task {task['id']!r}: its prompt is {len(prompt_format.prompt(prompt))} "
+                                f"tokens, and rollout.max_context_tokens is {rollout.max_context_tokens}; shorten "
+                                f"or drop the row")
 
 
 def episodes_for(env_factory, task: dict, tokenizer, rollout, *, domain: str, count: int = 1, group: int = -1,
@@ -48,7 +77,10 @@ class Episode:
         self.max_turns, self.max_context_tokens, self.compaction = max_turns, max_context_tokens, compaction
         self.format = prompt_format or PromptFormat(tokenizer)
         first_observation = env.reset(task)
-        prompt_ids = self.format.prompt(first_observation)
+        prompt_ids = self.format.prompt(check_prompt_length(first_observation, task, max_context_tokens))
+        if len(prompt_ids) >= max_context_tokens:
+            raise PromptTooLong(f"{domain}: task {task['id']!r}: its prompt is {len(prompt_ids)} tokens, and "
+                                f"rollout.max_context_tokens is {max_context_tokens}; shorten or drop the row")
         traj_id = traj_id or f"{domain}-{uuid.uuid4().hex[:16]}"
         self.traj = Trajectory(
             traj_id=traj_id, domain=domain, prompt_ids=prompt_ids, temperature=params.temperature, top_p=params.top_p,
@@ -77,6 +109,9 @@ class Episode:
         # the environment reads the text without the stop token and without control tokens (<|im_end|>, ...)
         action_ids = result.token_ids[:-1] if stopped_on is not None else result.token_ids
         observation, reward, done = self.env.step(self.tokenizer.decode(action_ids, skip_special_tokens=True))
+        if not math.isfinite(reward):  # NaN passes every comparison: it would train on, and poison the weights
+            raise ValueError(f"{traj.domain}: task {self.task['id']!r}: the environment's reward is {reward}; "
+                             f"rewards must be finite numbers")
         traj.add_reward(reward)
         traj.finish_reason = "done" if done else result.finish_reason
         if done:

@@ -27,6 +27,23 @@ from .micro_batches import Rows, micro_batches
 SupportLogprobs = tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
 
+class NonFiniteError(ValueError):
+    """A loss, gradient or weight that is NaN or infinite, refused before the optimizer applies it (and so before
+    any state or checkpoint holds it); the loop adds the step and the batch that produced it."""
+
+
+def require_finite(what: str, value: torch.Tensor) -> None:
+    """Raise NonFiniteError unless every element of `value` (a loss, a gradient norm) is finite."""
+    if not bool(torch.isfinite(value.detach()).all()):
+        raise NonFiniteError(f"the {what} is {float(value.detach().float().flatten()[0])}")
+
+
+def nonfinite_parameters(*models: Optional[torch.nn.Module]) -> list[str]:
+    """Names of the parameters holding a NaN or an infinity (checked before a state or checkpoint is written)."""
+    return [name for model in models if model is not None for name, p in model.named_parameters()
+            if not bool(torch.isfinite(p.detach()).all())]
+
+
 def adamw(params, lr: float, cfg: TrainerConfig) -> torch.optim.AdamW:
     """The policy's and the critic's optimizer, with the config's betas and weight decay."""
     return torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)

@@ -37,8 +37,8 @@ from ..config import TrainerConfig
 from ..devices import resolve_device
 from ..modeling import sequence_logprobs
 from .micro_batches import Deferred, Outputs, Rows, micro_forward, widen
-from .base import (SupportLogprobs, TrainerBackend, action_rows_of, action_support_logprobs, adamw, prepare, split,
-                   weights_dtype)
+from .base import (SupportLogprobs, TrainerBackend, action_rows_of, action_support_logprobs, adamw, prepare,
+                   require_finite, split, weights_dtype)
 from .critic import ValueModel
 
 # Followers block in a broadcast while rank 0 runs SFT, evaluations or rollouts; those can take hours.
@@ -303,6 +303,8 @@ class DeepSpeedTrainer(TrainerBackend):
     def _step(self, kind: str, loss: Optional[torch.Tensor]) -> float:
         """Back-propagate the loss through every grad=True forward of `kind` since the last step (those that ran in
         micro-batches: one backward per micro-batch, gradients accumulated); one optimizer step."""
+        if loss is not None:  # rank 0's loss, refused before any rank steps
+            require_finite(f"{kind} loss", loss)
         self._announce(f"step_{kind}", loss=None)
         pending, self._pending[kind] = self._pending[kind], []
         if not pending:

@@ -14,8 +14,8 @@ from ..devices import mixed_precision, resolve_device
 from ..modeling import sequence_logprobs
 from ..trajectory import Batch
 from .micro_batches import Deferred, Outputs, Rows, micro_forward, widen
-from .base import (SupportLogprobs, TrainerBackend, action_rows_of, action_support_logprobs, adamw, prepare, split,
-                   weights_dtype)
+from .base import (SupportLogprobs, TrainerBackend, action_rows_of, action_support_logprobs, adamw, prepare,
+                   require_finite, split, weights_dtype)
 from .critic import ValueModel
 
 
@@ -101,12 +101,16 @@ class TorchTrainer(TrainerBackend):
         """The loss's backward; each micro-batched forward's share re-run and accumulated; clip; one step."""
         opt.zero_grad(set_to_none=True)
         deferred, self._deferred[kind] = self._deferred[kind], []
+        require_finite(f"{kind} loss", loss)
         loss.backward()
         for forward in deferred:
             for surrogate in forward.surrogates([leaf.grad for leaf in forward.leaves]):
                 surrogate.backward()
         params = [p for p in model.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        if not torch.isfinite(norm):  # never applied: the weights stay as they were
+            opt.zero_grad(set_to_none=True)
+            require_finite(f"{kind} gradient norm", norm)
         opt.step()
         return float(norm)
 

@@ -49,6 +49,17 @@ class Environment(ABC):
         before any work. An environment with nested options (the chat env's judge) checks those too."""
         check_keywords(cls, options)
 
+    @classmethod
+    def data_files(cls, options: dict) -> list[str]:
+        """The files the environment reads its tasks from, given its options (a run records their hashes, and a
+        resume refuses them changed); [] for an environment whose tasks are its own."""
+        return []
+
+    def data_problems(self) -> list[str]:
+        """What is wrong with the environment's data as a whole (rows are checked one by one): the validity check
+        refuses the environment for any of these, at stage start, before any work."""
+        return []
+
     @abstractmethod
     def make_tasks(self, split: str, n: int, seed: int) -> list[dict]:
         """`split` is "train" or "eval"; the two never share a task."""

@@ -82,6 +82,7 @@ if program == 0:
     os.close(ready)
     os.execv(sys.executable, [sys.executable, "-s", *sys.argv[8:]])
 os.close(ready)
+os.closerange(0, 3)  # the program's stdin and output are its own: a process of its uid could reopen init's
 while True:
     pid, status = os.wait()
     if pid == program:

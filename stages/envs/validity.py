@@ -1,18 +1,23 @@
 """The seeds' three-way environment validity check (000, section 6), run before any training.
 
 On a sample of train and eval tasks: the oracle solution must score 1, a no-op must score 0, and the
-untouched initial state (submitting nothing) must score 0. A verifier that fails any of these would
+untouched initial state (submitting nothing) must score 0, and every score must be a finite number in the
+reward's range (a NaN fails no comparison, so it would pass the three checks). A verifier that fails any of these would
 reward the wrong thing, so an environment that fails is refused at stage start. Environments without
 oracle actions (`Environment.oracle_actions`: by default the reference actions) have no oracle to check: the check is skipped. A stochastic reward (a noisy judge) is
 replayed: the oracle must score 1 at least once, the no-op and the initial state never.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
+
+from stages.envs.dataset.rewards import BadScore
 
 STOCHASTIC_REPLAYS = 64  # a noisy judge passing a good answer 1 time in 5 still misses all 64 with p ~ 1e-6
 CHECKS = {"oracle": "the oracle does not score 1", "noop": "a no-op scores above 0",
-          "initial": "the untouched initial state scores above 0"}
+          "initial": "the untouched initial state scores above 0",
+          "reward": "the reward is not a finite number in its range"}
 
 
 @dataclass
@@ -21,10 +26,13 @@ class ValidityReport:
     tasks: list[str]  # the task ids checked
     failures: dict[str, list[str]] = field(default_factory=lambda: {name: [] for name in CHECKS})
     skipped: str = ""  # why the check does not apply, if it does not
+    bad_scores: list[str] = field(default_factory=list)  # the refusals of scores outside the reward's range
+    empty_splits: list[str] = field(default_factory=list)  # a split without tasks: nothing to train or evaluate on
+    data_problems: list[str] = field(default_factory=list)  # Environment.data_problems: empty files, shared ids
 
     @property
     def ok(self) -> bool:
-        return not any(self.failures.values())
+        return not any(self.failures.values()) and not self.empty_splits and not self.data_problems
 
     def to_json(self) -> dict:
         return {**asdict(self), "ok": self.ok}
@@ -33,12 +41,13 @@ class ValidityReport:
         """One line: which checks failed on which task ids."""
         if self.ok:
             return f"environment {self.env!r} passes its validity check on {len(self.tasks)} tasks"
-        parts = []
+        parts = [*self.data_problems, *(f"its {split} split has no tasks" for split in self.empty_splits)]
         for name, ids in self.failures.items():
             if ids:
                 shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
                 parts.append(f"{CHECKS[name]} on {len(ids)}/{len(self.tasks)} tasks ({shown})")
-        return f"environment {self.env!r} fails its validity check: " + "; ".join(parts)
+        first = f" (first: {self.bad_scores[0]})" if self.bad_scores else ""
+        return f"environment {self.env!r} fails its validity check: " + "; ".join(parts) + first
 
 
 def play(env, task: dict, actions: list[str]) -> float:
@@ -56,8 +65,12 @@ def play(env, task: dict, actions: list[str]) -> float:
 def check_environment(name: str, env_factory, n: int = 16, seed: int = 0) -> ValidityReport:
     """Oracle, no-op and initial state on up to n tasks, half from each split; fresh environment per play."""
     probe = env_factory()
-    tasks = probe.make_tasks("train", n - n // 2, seed) + probe.make_tasks("eval", n // 2, seed)
+    problems = probe.data_problems()
+    train, held_out = probe.make_tasks("train", n - n // 2, seed), probe.make_tasks("eval", max(1, n // 2), seed)
+    tasks = train + held_out[: n // 2]
     report = ValidityReport(name, [t["id"] for t in tasks])
+    report.empty_splits = [split for split, got in (("train", train), ("eval", held_out)) if not got]
+    report.data_problems = problems
     oracles = [probe.oracle_actions(t) for t in tasks]
     if not tasks or all(o is None for o in oracles):
         report.skipped = "no tasks" if not tasks else "no oracle actions: the reward is not a binary verifier"
@@ -66,8 +79,15 @@ def check_environment(name: str, env_factory, n: int = 16, seed: int = 0) -> Val
     for task, oracle in zip(tasks, oracles):
         plays = {"oracle": oracle or [], "noop": [probe.noop_action(task)], "initial": [""]}
         for check, actions in plays.items():
-            scores = [play(env_factory(), task, actions) for _ in range(replays)]
-            if all(abs(s - 1.0) > 1e-6 for s in scores) if check == "oracle" else any(s > 1e-6 for s in scores):
+            try:
+                scores = [play(env_factory(), task, actions) for _ in range(replays)]
+            except BadScore as err:
+                scores = [math.nan]
+                report.bad_scores.append(str(err))
+            if not all(math.isfinite(s) for s in scores):  # NaN fails no comparison below: caught here
+                if task["id"] not in report.failures["reward"]:
+                    report.failures["reward"].append(task["id"])
+            elif all(abs(s - 1.0) > 1e-6 for s in scores) if check == "oracle" else any(s > 1e-6 for s in scores):
                 report.failures[check].append(task["id"])
     return report
 

@@ -154,6 +154,11 @@ class ChatEnv(Environment):
         phrasing = random.Random(task["id"]).choice(RESPONSES[task["style"]])
         return [" " + phrasing.format(t=task["topic"])]
 
+    def oracle_actions(self, task: dict) -> Optional[list[str]]:
+        """The references, held to score 1 only by a judge that is a verifier (the rule judge), not by a learned
+        one (`Judge.verifier`)."""
+        return self.reference_actions(task) if self.judge.verifier else None
+
     def preference_pairs(self, split: str, n: int, seed: int) -> list[tuple[str, str, str]]:
         """(prompt, good response, degraded response): what the reward-model judge learns quality from."""
         rng = random.Random(f"pairs-{split}-{seed}")

@@ -24,6 +24,10 @@ ENDINGS = ".!?~"
 
 class Judge(ABC):
     stochastic = False  # True when the same response can be judged differently on another call
+    # False for a learned judge: its verdicts are opinions with a held-out error rate, so no reference answer is
+    # guaranteed to pass (a reward model at 95% accuracy fails 1 of 16 oracles about half the time, and which
+    # one depends on the machine's floating point): the validity check then has no oracle to hold it to.
+    verifier = True
 
     @abstractmethod
     def quality(self, task: dict, response: str) -> bool:
@@ -55,7 +59,10 @@ class RewardModelJudge(Judge):
 
     The model must exist; an environment that can make one (the chat env trains one from its preference
     pairs when `path` holds none) does so before building the judge, so judges never import an environment.
+    Not a verifier (`Judge.verifier`), as the dataset env's reward_model reward is not.
     """
+
+    verifier = False
 
     def __init__(self, path: str, threshold: float | None = None, device: str | None = None):
         from .reward_model import RewardModel
@@ -84,6 +91,7 @@ class NoisyJudge(Judge):
         if not 0 <= miss_rate <= 1:
             raise ValueError(f"noisy judge: miss_rate must be in [0, 1] (got {miss_rate})")
         self.inner = build_judge(inner, inner_options)
+        self.verifier = self.inner.verifier
         self.miss_rate, self.rng, self.rng_lock = miss_rate, random.Random(seed), threading.Lock()
 
     @staticmethod

@@ -16,15 +16,17 @@ Several dataset domains in one run are told apart by a label: `env: dataset:gsm8
 """
 from __future__ import annotations
 
+import ast
 import functools
 import heapq
 import json
 import logging
+import string
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from opd_sao.config import Strict, format_error
 from stages.envs.base import Environment, register_env
@@ -57,6 +59,21 @@ class DatasetOptions(Strict):
     reward: str = Field("exact", description="a registered reward: " + ", ".join(sorted(REWARDS.names())))
     reward_options: dict[str, Any] = Field({}, description="keyword options of the reward")
 
+    @model_validator(mode="after")
+    def _template_names_known_fields(self) -> "DatasetOptions":
+        """`prompt_template` may name {prompt} and metadata keys only: no positions ({0}, {}), no attributes or
+        items ({prompt.x}, {prompt[0]}), which `str.format` would raise on (or evaluate) row by row."""
+        try:
+            names = [name for _, name, _, _ in string.Formatter().parse(self.prompt_template) if name is not None]
+        except ValueError as err:
+            raise ValueError(f"prompt_template {self.prompt_template!r} is not a valid template: {err}") from None
+        allowed = {"prompt", *self.metadata_keys}
+        bad = [name for name in names if name not in allowed]
+        if bad:
+            raise ValueError(f"prompt_template {self.prompt_template!r} names {{{bad[0]}}}; it may name only "
+                             f"{{prompt}} and metadata_keys {self.metadata_keys}")
+        return self
+
     def files(self) -> dict[str, str]:
         """split -> file; one file for both splits when `path` is given."""
         if self.path and not (self.train_path or self.eval_path):
@@ -84,6 +101,20 @@ def render_messages(messages: list[dict], chat_template: Optional[str]) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
+def vacuous(test: str) -> str:
+    """Why an assert-style test tests nothing ("" when it tests something): empty, not Python, or only `pass`,
+    constants and asserts of constants, which any program passes."""
+    try:
+        body = ast.parse(test).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
+        return f"is not valid Python ({type(err).__name__})"
+    constant = lambda node: isinstance(node, ast.Constant)  # noqa: E731
+    if all(isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and constant(s.value))
+           or (isinstance(s, ast.Assert) and constant(s.test)) for s in body):
+        return "is empty or vacuous (it runs none of the program: any program would pass it)"
+    return ""
+
+
 def parse_tests(path: Path, number: int, key: str, value: Any) -> dict:
     """Assert strings -> {"kind": "asserts"}; stdin/stdout pairs or APPS' {"inputs", "outputs"} (also as a JSON
     string) -> {"kind": "io"}."""
@@ -99,6 +130,10 @@ def parse_tests(path: Path, number: int, key: str, value: Any) -> dict:
             return {"kind": "io", "inputs": [str(i) for i in value["inputs"]],
                     "outputs": [str(o) for o in value["outputs"]]}
     elif isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+        for i, test in enumerate(value):
+            why = vacuous(test)
+            if why:
+                raise BadRow(f"{path}: row {number}: field {key!r}: test {i + 1} {why}")
         return {"kind": "asserts", "asserts": list(value)}
     elif isinstance(value, list) and value and all(isinstance(t, dict) and {"input", "output"} <= set(t) for t in value):
         return {"kind": "io", "inputs": [str(t["input"]) for t in value], "outputs": [str(t["output"]) for t in value]}
@@ -132,6 +167,29 @@ class DatasetEnv(Environment):
         REWARDS.get(opts.reward)
         return opts
 
+    @classmethod
+    def data_files(cls, options: dict) -> list[str]:
+        return sorted(set(cls.check_options(options).files().values())) if options else []
+
+    def data_problems(self) -> list[str]:
+        """Empty files and, with separate train and eval files, ids or prompts in both (a held-out score would
+        count trained tasks)."""
+        if not self.has_files:
+            return []
+        files, problems, seen = self.opts.files(), [], {}
+        for split in ("train", "eval") if files["train"] != files["eval"] else ("train",):
+            tasks = list(self.scan(split, {}))
+            if not tasks:
+                problems.append(f"{files[split]} has no usable rows")
+            seen[split] = ({t["id"] for t in tasks}, {t["prompt"] for t in tasks})
+        if len(seen) == 2:
+            for what, i in (("ids", 0), ("prompts", 1)):
+                shared = seen["train"][i] & seen["eval"][i]
+                if shared:
+                    shown = ", ".join(repr(x[:40]) for x in sorted(shared)[:3])
+                    problems.append(f"{files['train']} and {files['eval']} share {len(shared)} task {what} ({shown})")
+        return problems
+
     # ------------------------------------------------------------------------------------------ tasks
     @property
     def reward(self):
@@ -159,16 +217,15 @@ class DatasetEnv(Environment):
             task["prompt"] = render_messages(messages, o.chat_template)
         else:
             prompt = field(path, number, row, o.prompt_key, str)
-            try:
-                text = o.prompt_template.format(prompt=prompt, **metadata)
-            except KeyError as err:
-                raise ValueError(f"dataset env: prompt_template names {err}, which is neither prompt nor one of "
-                                 f"metadata_keys {o.metadata_keys}") from None
+            text = o.prompt_template.format(prompt=prompt, **metadata)  # its names are checked with the options
             task["prompt"] = render_messages([{"role": "user", "content": text}], o.chat_template) \
                 if o.chat_template else text
         answer = field(path, number, row, o.answer_key, (str, int, float), required="answer" in self.needs)
         if answer is not None:
             task["answer"] = str(answer)
+            if "answer" in self.needs and not task["answer"].strip():
+                raise BadRow(f"{path}: row {number}: field {o.answer_key!r} is empty (an empty reference answer "
+                             f"would make an empty response score 1)")
         if "tests" in self.needs or row.get(o.tests_key) is not None:
             task["tests"] = parse_tests(path, number, o.tests_key, field(path, number, row, o.tests_key, (list, dict, str)))
         task["metadata"] = metadata
@@ -217,7 +274,7 @@ class DatasetEnv(Environment):
 
     def step(self, action: str) -> tuple[str, float, bool]:
         reward = self.reward
-        verdict = reward.score(self.task, action)
+        verdict = reward.checked(self.task, action)
         delta, self.score = verdict.score - self.score, verdict.score
         done = not reward.multi_turn or verdict.score >= 1.0
         return ("" if done else verdict.feedback), delta, done
@@ -240,9 +297,10 @@ class DatasetEnv(Environment):
         return texts + (REWARDS.get(self.reward_name).feedback_examples() if texts else [])
 
     def training_summary(self, rewards: list[float], settle: int = 0) -> dict:
-        """The reward's counters (judge failures, math timeouts, sandbox errors) for the stage summary."""
+        """The reward's counters (judge failures, math timeouts, sandbox errors) and the data's (rows read, malformed
+        rows skipped under max_bad_rows, tasks per split) for the stage summary."""
         stats = self.reward.stats()
-        return {"reward": {"name": self.reward_name, **stats}} if stats else {}
+        return {**({"reward": {"name": self.reward_name, **stats}} if stats else {}), "data": self.data_report()}
 
     def data_report(self) -> dict:
         """Rows read, malformed rows skipped, and tasks per split."""
@@ -254,10 +312,11 @@ class DatasetEnv(Environment):
         return report
 
 
-def inspect_file(path: str, options: dict, n: int = 3) -> str:
+def inspect_file(path: str, options: dict, n: int = 3) -> tuple[str, int]:
     """What `opd-sao data inspect` prints: rows, malformed rows, fields with their types, and the first n prompts
-    as the environment renders them (with the chat template when one is given; a tokenizer without one is said).
-    Without a `reward` option no field beyond the prompt is required (the judge reward needs none)."""
+    as the environment renders them (with the chat template when one is given; a tokenizer without one is said);
+    and the number of malformed rows. Without a `reward` option no field beyond the prompt is required (the
+    judge reward needs none)."""
     lines, fields, rows = [], Counter(), 0
     for _, row in iter_rows(path):
         rows += 1
@@ -279,4 +338,4 @@ def inspect_file(path: str, options: dict, n: int = 3) -> str:
         lines.append(f"--- prompt of {task['id']} ---\n{task['prompt']}")
         if task.get("answer"):
             lines.append(f"--- its reference ---\n{task['answer']}")
-    return "\n".join(lines)
+    return "\n".join(lines), counts["bad_rows"]

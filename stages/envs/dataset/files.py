@@ -8,6 +8,7 @@ refuses the file past that.
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 from pathlib import Path
@@ -44,22 +45,47 @@ def iter_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            if number == 1 and raw.startswith(codecs.BOM_UTF8):  # written by Windows tools: not part of the row
+                raw = raw[len(codecs.BOM_UTF8):]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield number, BadRow(f"{path}: row {number}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at "
+                                     f"column {err.start + 1})")
+                continue
             if not line.strip():
                 continue
-            try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as err:
-                yield number, BadRow(f"{path}: row {number}: not valid JSON ({err.msg} at column {err.colno})")
+            problem = _json_problem(line)
+            yield number, BadRow(f"{path}: row {number}: {problem}") if isinstance(problem, str) else problem[0]
+
+
+def _json_problem(text: str) -> tuple[Any] | str:
+    """(the parsed value,), or why the text is not JSON Python can hold: a syntax error, nesting past the
+    recursion limit, an integer past Python's digit limit."""
+    try:
+        return (json.loads(text),)
+    except json.JSONDecodeError as err:
+        return f"not valid JSON ({err.msg} at {f'line {err.lineno} ' if err.lineno > 1 else ''}column {err.colno})"
+    except RecursionError:
+        return "not valid JSON here (nested too deeply)"
+    except ValueError as err:  # "Exceeds the limit (4300 digits) for integer string conversion"
+        return f"not valid JSON here ({str(err).split(';')[0]})"
 
 
 def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    raw = path.read_bytes()
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise DatasetError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}); "
-                           f"a .json dataset is one array of row objects (use .jsonl for one row per line)") from None
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise DatasetError(f"{path}: line {line}: not valid UTF-8 (byte 0x{raw[err.start]:02x})") from None
+    problem = _json_problem(text)
+    if isinstance(problem, str):
+        raise DatasetError(f"{path}: {problem}; a .json dataset is one array of row objects (use .jsonl for one "
+                           f"row per line)")
+    data = problem[0]
     if not isinstance(data, list):
         raise DatasetError(f"{path}: a .json dataset must be one array of row objects (got {type(data).__name__})")
     yield from enumerate(data, 1)
@@ -81,9 +107,13 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
 
 def _saved_dataset_rows(path: Path) -> Iterator[tuple[int, Any]]:
     if (path / "dataset_dict.json").is_file():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        info = _json_problem((path / "dataset_dict.json").read_bytes().decode("utf-8-sig", errors="replace"))
+        splits = info[0].get("splits", []) if isinstance(info, tuple) and isinstance(info[0], dict) else []
+        if not isinstance(info, tuple) or not isinstance(info[0], dict) or not isinstance(splits, list):
+            raise DatasetError(f"{path / 'dataset_dict.json'}: not a DatasetDict's description (a JSON object with "
+                               f"a list of `splits`); point the path at one split's folder")
         raise DatasetError(f"{path} holds a DatasetDict with splits {splits}; point the path at one split's "
-                           f"folder (e.g. {path / (splits[0] if splits else 'train')})")
+                           f"folder (e.g. {path / (str(splits[0]) if splits else 'train')})")
     if not (path / "dataset_info.json").is_file():
         raise DatasetError(f"{path} is a directory but not one written by datasets' save_to_disk "
                            f"(no dataset_info.json)")

@@ -19,6 +19,9 @@ def equivalent(prediction: str, reference: str, timeout_s: int) -> bool:
 
 if __name__ == "__main__":
     import logging
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the run, which ends this process itself
 
     logging.disable(logging.WARNING)  # math-verify logs every unparsable answer
     for line in sys.stdin:

@@ -1,8 +1,10 @@
 """Reward functions for dataset environments, registered by name and chosen in YAML (`reward: math`).
 
 A reward scores one response to one task (the task dict of `DatasetEnv`: "prompt" text, "answer",
-"tests", "metadata") and returns a `Verdict`: a score in [0, 1] (a `python:` reward may use any float),
-plus the observation for another turn when the reward allows retries (`multi_turn`: code tests). Rewards are
+"tests", "metadata") and returns a `Verdict`: a score in [0, 1] (a `python:` reward declares its range),
+plus the observation for another turn when the reward allows retries (`multi_turn`: code tests). Every score
+must be a finite number in the reward's `reward_range` ([0, 1]; a python reward declares its own), or the task
+fails loudly, naming it (`Reward.checked`, BadScore). Rewards are
 built once per process per (name, options) by `build_reward`, as judges are: an environment is created per
 episode and must stay cheap, while a reward model is a network and a math checker a worker process.
 
@@ -16,6 +18,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import math
 import re
 import select
 import subprocess
@@ -39,6 +42,10 @@ class RewardFailure(RuntimeError):
     """A reward that could not be computed (an LLM judge that kept failing) and was told to stop the run."""
 
 
+class BadScore(ValueError):
+    """A score that is not a finite number in the reward's declared range: the task fails loudly, never trains."""
+
+
 @dataclass
 class Verdict:
     score: float
@@ -51,6 +58,7 @@ class Reward(ABC):
     multi_turn = False  # a partial score may be followed by another attempt, with `feedback` as the observation
     slow = False  # a step takes real time (a sandbox run, a network call): rollouts step it on a worker thread
     needs: tuple[str, ...] = ()  # task fields every row must have ("answer", "tests")
+    reward_range: tuple[float, float] = (0.0, 1.0)  # every score must be a finite number in it (`checked`)
 
     @abstractmethod
     def score(self, task: dict, response: str) -> Verdict: ...
@@ -67,6 +75,16 @@ class Reward(ABC):
     def stats(self) -> dict:
         """Counters for the stage summary (failures, timeouts); {} when there is nothing to report."""
         return {}
+
+    def checked(self, task: dict, response: str) -> Verdict:
+        """`score`, refusing (BadScore, naming the task) a score that is not a finite number in `reward_range`:
+        NaN passes every comparison, so it would pass the validity check and train."""
+        verdict = self.score(task, response)
+        low, high = self.reward_range
+        if not isinstance(verdict.score, (int, float)) or not low <= verdict.score <= high:
+            raise BadScore(f"{type(self).__name__} scored task {task.get('id')!r} {verdict.score!r}: a score must be "
+                           f"a finite number in reward_range [{low}, {high}]")
+        return verdict
 
 
 def build_reward(name: str, options: Optional[dict] = None) -> Reward:
@@ -131,27 +149,26 @@ def last_number(text: str) -> Optional[str]:
     return numbers[-1].replace(",", "") if numbers else None
 
 
-class MathChecker:
-    """One `math_worker.py` process, asked one question at a time; a question past its deadline kills it (a
-    new one starts on the next question) and has no answer (None)."""
+class Worker:
+    """One worker process (a script of this package, run with `args`), asked one JSON job at a time; a job past its
+    deadline kills it (a new one starts on the next job) and has no answer (None). Workers ignore Ctrl-C: the run
+    ends them, so an interrupted run is not reported as a reward timing out."""
 
-    def __init__(self, startup_s: float):
+    def __init__(self, script: str, args: tuple[str, ...] = (), startup_s: float = 60.0, isolated: bool = True):
+        self.command = [sys.executable, *(["-I"] if isolated else []), str(Path(__file__).with_name(script)), *args]
         self.startup_s, self._proc, self._lock = startup_s, None, threading.Lock()
 
-    def check(self, prediction: str, reference: str, timeout_s: int) -> Optional[bool]:
+    def ask(self, job: dict, deadline_s: float) -> Optional[dict]:
         with self._lock:
             fresh = self._proc is None or self._proc.poll() is not None
             if fresh:
-                self._proc = subprocess.Popen([sys.executable, "-I", str(Path(__file__).with_name("math_worker.py"))],
-                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            job = {"prediction": prediction, "reference": reference, "timeout_s": timeout_s}
-            self._proc.stdin.write(json.dumps(job) + "\n")
+                self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            self._proc.stdin.write(json.dumps(job, default=str) + "\n")
             self._proc.stdin.flush()
-            deadline = 2 * timeout_s + (self.startup_s if fresh else 0)  # parse twice, verify once, each limited
-            if select.select([self._proc.stdout], [], [], deadline)[0]:
+            if select.select([self._proc.stdout], [], [], deadline_s + (self.startup_s if fresh else 0))[0]:
                 line = self._proc.stdout.readline()
                 if line:
-                    return bool(json.loads(line)["equal"])
+                    return json.loads(line)
             self._proc.kill()
             self._proc.wait()
             self._proc = None
@@ -163,7 +180,8 @@ class MathReward(Reward):
     """1 when the response's final answer equals the reference's, by math-verify (with latex2sympy2-extended):
     `\\frac{1}{2}`, `0.5` and `1/2` agree. The final answer is the last \\boxed{}, else what follows GSM8K's
     `####`, else (a response) the last expression or number math-verify finds, or (a reference) the whole
-    answer field, as MATH-style datasets store bare LaTeX answers.
+    answer field, as MATH-style datasets store bare LaTeX answers. With `strict`, a response must mark its answer
+    (\\boxed{} or `####`): an unmarked one scores 0 (a stray last number, `1==зе return`, is no answer).
 
     Each check gets `timeout_s` seconds per parse and per comparison (math-verify's own limit, in a checker
     process: `math_worker.py`), and a backstop of twice that (plus `startup_s` for a fresh process) after which
@@ -172,17 +190,17 @@ class MathReward(Reward):
 
     needs = ("answer",)
 
-    def __init__(self, timeout_s: int = 5, startup_s: float = 60.0):
+    def __init__(self, timeout_s: int = 5, startup_s: float = 60.0, strict: bool = False):
         if timeout_s < 1:
             raise ValueError(f"math reward: timeout_s must be >= 1 (got {timeout_s})")
-        self.timeout_s, self.checker = int(timeout_s), MathChecker(startup_s)
+        self.timeout_s, self.checker, self.strict = int(timeout_s), Worker("math_worker.py", startup_s=startup_s), strict
         self._cache: dict[tuple[str, str], bool] = {}
         self.counts = {"checks": 0, "timeouts": 0, "no_answer": 0}
 
     def score(self, task: dict, response: str) -> Verdict:
         reference = marked_answer(task["answer"]) or task["answer"].strip()  # MATH-style answers are bare LaTeX
         prediction = marked_answer(response)
-        if prediction is None and last_number(response) is None and "\\" not in response:
+        if prediction is None and (self.strict or (last_number(response) is None and "\\" not in response)):
             self.counts["no_answer"] += 1
             return Verdict(0.0)
         if reference in (prediction, prediction is None and last_number(response)):
@@ -191,7 +209,9 @@ class MathReward(Reward):
         key = (f"${prediction}$" if prediction is not None else response, f"${reference}$")
         if key not in self._cache:
             self.counts["checks"] += 1
-            equal = self.checker.check(*key, self.timeout_s)
+            job = {"prediction": key[0], "reference": key[1], "timeout_s": self.timeout_s}
+            answer = self.checker.ask(job, 2 * self.timeout_s)  # parse twice, verify once, each limited
+            equal = None if answer is None else bool(answer["equal"])
             if equal is None:
                 self.counts["timeouts"] += 1
                 logger.warning("math reward: checking %r against %r timed out; scored 0", *key)
@@ -204,38 +224,13 @@ class MathReward(Reward):
 
 
 # ---------------------------------------------------------------------------------------- code tests
-# Runs in the sandbox: the program once, then each assert-style test in its namespace; prints one JSON list of
-# [stdout, error] per test. Program and tests arrive on stdin, so no model text is interpolated into code.
-ASSERT_HARNESS = """\
-import contextlib, io, json, sys
-job = json.loads(sys.stdin.read())
-tests = job["tests"]
-namespace = {"__name__": "__main__"}
-try:
-    with contextlib.redirect_stdout(io.StringIO()):
-        exec(compile(job["source"], "main.py", "exec"), namespace)
-except BaseException as err:
-    results = [["", f"{type(err).__name__}: {err}"]] * len(tests)
-else:
-    results = []
-    for test in tests:
-        out = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(out):
-                exec(compile(test, "test.py", "exec"), namespace)
-            results.append([out.getvalue(), None])
-        except BaseException as err:
-            results.append([out.getvalue(), f"{type(err).__name__}: {err}" if str(err) else type(err).__name__])
-sys.__stdout__.write("\\n" + json.dumps(results) + "\\n")
-"""
-
-
 @register_reward("code_tests")
 class CodeTestsReward(Reward):
-    """The response is a program; it runs in the bubblewrap sandbox (stages/envs/sandbox.py) against the task's
-    tests, and the score is the fraction passed. Tests are assert statements (MBPP / HumanEval) run after the
-    program in its namespace, or stdin/stdout pairs (APPS / CodeContests), one run per input, graded as the
-    code environment grades. A failure's observation names the first failing test, so the agent stage's
+    """The response is a program, graded in the bubblewrap sandbox (stages/envs/sandbox.py) by the grading harness
+    (stages/envs/grading.py), and the score is the fraction of the task's tests passed. Tests are assert statements
+    (MBPP / HumanEval), run in the harness, never in the program's interpreter: the program's functions are
+    called in a child process on plain data; or stdin/stdout pairs (APPS / CodeContests), one run per input,
+    graded as the code environment grades. The program's output is never the harness's (it may print freely). A failure's observation names the first failing test, so the agent stage's
     multi-turn retry works as in the code environment. `setup` (a row's `test_setup_code`) is not supported.
     """
 
@@ -260,41 +255,28 @@ class CodeTestsReward(Reward):
         return response
 
     def score(self, task: dict, response: str) -> Verdict:
-        from stages.envs.code import HARNESS, VERDICTS, grade_outputs, harness_outputs, sandbox_mode
+        from stages.envs.grading import VERDICTS, feedback, sandbox_mode
+        from stages.envs.sandbox import SandboxUnavailableError
 
         tests, source = task["tests"], self.program(response)
         self.counts["runs"] += 1
         try:
             mode = sandbox_mode(self.allow_rlimit_only)
             if tests["kind"] == "asserts":
-                job = json.dumps({"source": source, "tests": tests["asserts"]})
-                outputs, why = harness_outputs(VERDICTS.run(job, self.limits, mode, ASSERT_HARNESS), len(tests["asserts"]))
-                passed, feedback = self._grade_asserts(tests["asserts"], outputs, why)
-                total = len(tests["asserts"])
+                job, labels = {"kind": "asserts", "source": source, "tests": tests["asserts"]}, \
+                    [test.strip()[:60] for test in tests["asserts"]]
             else:
-                inputs, expected = tests["inputs"], [out.strip() for out in tests["outputs"]]
-                result = VERDICTS.run(json.dumps({"source": source, "inputs": inputs}), self.limits, mode, HARNESS)
-                passed, feedback = grade_outputs(result, inputs, expected)
-                total = len(inputs)
+                job = {"kind": "io", "source": source, "inputs": tests["inputs"],
+                       "expected": [out.strip() for out in tests["outputs"]]}
+                labels = [f"x={x}" for x in tests["inputs"]]
+            verdict = VERDICTS.run(job, len(labels), self.limits, mode)
+        except SandboxUnavailableError:
+            raise
         except Exception as err:  # noqa: BLE001  an infrastructure failure is a failed step, never a crash
-            from stages.envs.sandbox import SandboxUnavailableError
-
-            if isinstance(err, SandboxUnavailableError):
-                raise
             self.counts["sandbox_errors"] += 1
             logger.warning("code_tests reward: sandbox run failed: %r", err)
             return Verdict(0.0, f"# sandbox error: {type(err).__name__}\n")
-        return Verdict(passed / total, feedback)
-
-    @staticmethod
-    def _grade_asserts(tests: list[str], outputs: Optional[list], why: str) -> tuple[int, str]:
-        if outputs is None:
-            return 0, f"# {why}\n"
-        failed = [(test, error) for test, (_, error) in zip(tests, outputs) if error is not None]
-        if not failed:
-            return len(tests), ""
-        test, error = failed[0]
-        return len(tests) - len(failed), f"# {test.strip()[:60]}: {error[:60]}\n"
+        return Verdict(verdict[0] / len(labels), feedback(verdict, labels))
 
     @classmethod
     def feedback_examples(cls) -> list[str]:
@@ -395,10 +377,13 @@ DEFAULT_TEMPLATE = ("Rate the response to the prompt from 0 to 10 (10 = perfect)
 @register_reward("judge")
 class JudgeReward(Reward):
     """An LLM judge behind an OpenAI-compatible chat endpoint (the `openai` client): `template` is filled with
-    {prompt}, {response} and {reference} and sent as one user message to `model` at `base_url`; the first
-    match of `score_pattern` in the reply, divided by `max_score` and clipped to [0, 1], is the score. At most
-    `concurrency` requests are in flight per process; each gets `timeout_s` and up to `retries` more tries
-    (a connection error, an HTTP error, or a reply without a score is a failed try).
+    {prompt}, {response} and {reference} and sent as one user message to `model` at `base_url`. The score is read
+    from the reply: an explicit `Score: N` field (the last one) when there is one, else the LAST number (a reply
+    that reasons first, "on a 0-10 scale: 3", ends with its verdict); with `score_pattern`, its last match (its
+    first group when it has one). Divided by `max_score` and clipped to [0, 1]. At most `concurrency` requests are
+    in flight per process; each gets `timeout_s` and up to `retries` more tries (a connection error, an HTTP error,
+    or a reply without a score is a failed try), waiting `backoff_s` doubling between tries, or what the server
+    asks for in `Retry-After` (429, 503), up to `max_wait_s`.
 
     A judgement that still fails is counted (`stats`: requests, failed tries, failed judgements) and, by
     default (`on_failure: raise`), stops the run with a one-line error: a judge that is down must not look
@@ -409,9 +394,9 @@ class JudgeReward(Reward):
     slow = True
 
     def __init__(self, base_url: str, model: str, template: str = DEFAULT_TEMPLATE, api_key: str = "EMPTY",
-                 score_pattern: str = r"-?\d+(?:\.\d+)?", max_score: float = 10.0, concurrency: int = 8,
+                 score_pattern: Optional[str] = None, max_score: float = 10.0, concurrency: int = 8,
                  timeout_s: float = 60.0, retries: int = 2, temperature: float = 0.0, max_tokens: int = 16,
-                 on_failure: str = "raise"):
+                 on_failure: str = "raise", backoff_s: float = 1.0, max_wait_s: float = 60.0):
         import openai
 
         if on_failure not in ("raise", "zero"):
@@ -424,7 +409,12 @@ class JudgeReward(Reward):
             raise ValueError(f"judge reward: template may only use {{prompt}}, {{response}}, {{reference}} "
                              f"(found {err})") from None
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0)
-        self.model, self.template, self.pattern = model, template, re.compile(score_pattern)
+        try:
+            self.pattern = re.compile(score_pattern) if score_pattern else None
+        except re.error as err:
+            raise ValueError(f"judge reward: score_pattern {score_pattern!r} is not a regular expression: {err}") from None
+        self.model, self.template = model, template
+        self.backoff_s, self.max_wait_s = backoff_s, max_wait_s
         self.max_score, self.retries, self.on_failure = max_score, retries, on_failure
         self.temperature, self.max_tokens, self.base_url = temperature, max_tokens, base_url
         self._slots = threading.BoundedSemaphore(concurrency)
@@ -443,10 +433,20 @@ class JudgeReward(Reward):
                 model=self.model, messages=[{"role": "user", "content": content}], temperature=self.temperature,
                 max_tokens=self.max_tokens)
         text = reply.choices[0].message.content or ""
-        match = self.pattern.search(text)
-        if match is None:
+        found = judge_score(text, self.pattern)
+        if found is None:
             raise ValueError(f"no score in the judge's reply {text[:80]!r}")
-        return min(1.0, max(0.0, float(match.group(0)) / self.max_score))
+        return min(1.0, max(0.0, found / self.max_score))
+
+    def _wait(self, attempt: int, error: Exception) -> float:
+        """Seconds before the next try: the server's Retry-After (seconds) when it sent one, else the backoff."""
+        response = getattr(error, "response", None)
+        asked = response.headers.get("retry-after") if response is not None else None
+        try:
+            wait = float(asked) if asked is not None else self.backoff_s * 2 ** attempt
+        except ValueError:  # an HTTP date: not worth parsing, back off instead
+            wait = self.backoff_s * 2 ** attempt
+        return min(max(wait, 0.0), self.max_wait_s)
 
     def score(self, task: dict, response: str) -> Verdict:
         content = self.template.format(prompt=task["prompt"], response=response, reference=task.get("answer") or "")
@@ -457,6 +457,8 @@ class JudgeReward(Reward):
             except Exception as err:  # noqa: BLE001  any failed try is retried, then counted
                 self._count("failed_tries")
                 error = err
+                if attempt < self.retries:
+                    time.sleep(self._wait(attempt, err))
         self._count("failed_judgements")
         why = f"judge at {self.base_url} failed {self.retries + 1} times on task {task['id']!r}: {str(error).splitlines()[0]}"
         if self.on_failure == "raise":
@@ -466,6 +468,25 @@ class JudgeReward(Reward):
 
     def stats(self) -> dict:
         return dict(self.counts)
+
+
+SCORE_FIELD = re.compile(r"score\s*[:=]\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
+NUMBER_ONLY = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def judge_score(text: str, pattern: Optional[re.Pattern] = None) -> Optional[float]:
+    """The score in a judge's reply: the last match of `pattern` (its first group if it has one); by default the
+    last `Score: N` field, else the last number. None when there is none."""
+    matches = list((pattern or SCORE_FIELD).finditer(text))
+    if not matches and pattern is None:
+        matches = list(NUMBER_ONLY.finditer(text))
+    if not matches:
+        return None
+    last = matches[-1]
+    try:
+        return float(last.group(1) if last.re.groups else last.group(0))
+    except ValueError:
+        return None
 
 
 # -------------------------------------------------------------------------------------------- python
@@ -496,20 +517,47 @@ class PythonReward(Reward):
     """Your own function, `function: module:function` (or `file.py:function`), called as f(task, response) and
     returning a float or (float, info dict); an info "feedback" string is the next observation when
     `multi_turn`. `verifier: false` when the reference answer need not score 1; `needs` lists the task fields
-    it reads ("answer", "tests"), so rows without them are reported as malformed."""
+    it reads ("answer", "tests"), so rows without them are reported as malformed; `reward_range` is the range its
+    scores must lie in ([0, 1]).
+
+    It runs in a worker process (`python_worker.py`, as the math checker), one call at a time: a call that takes
+    longer than `timeout_s` kills the worker and scores 0, counted (`stats`: calls, timeouts) and logged."""
 
     def __init__(self, function: str, verifier: bool = True, multi_turn: bool = False, slow: bool = False,
-                 needs: tuple[str, ...] = ()):
-        self.function, self.name = import_function(function), function
+                 needs: tuple[str, ...] = (), reward_range: tuple[float, float] = (0.0, 1.0), timeout_s: float = 30.0,
+                 startup_s: float = 60.0):
+        import_function(function)  # a bad name is one line now, not a dead worker later
+        self.name = function
         self.verifier, self.multi_turn, self.slow, self.needs = verifier, multi_turn, slow, tuple(needs)
+        if (len(reward_range) != 2 or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in reward_range)
+                or reward_range[0] >= reward_range[1]):
+            raise ValueError(f"python reward: reward_range must be [low, high], finite, low < high (got {reward_range!r})")
+        if not timeout_s > 0:
+            raise ValueError(f"python reward: timeout_s must be > 0 (got {timeout_s})")
+        self.reward_range = (float(reward_range[0]), float(reward_range[1]))
+        self.timeout_s = float(timeout_s)
+        self.worker = Worker("python_worker.py", (json.dumps(sys.path), function), startup_s, isolated=False)
+        self.counts = {"calls": 0, "timeouts": 0}
 
     def score(self, task: dict, response: str) -> Verdict:
-        out: Any = self.function(task, response)
+        self.counts["calls"] += 1
+        answer = self.worker.ask({"task": task, "response": response}, self.timeout_s)
+        if answer is None:
+            self.counts["timeouts"] += 1
+            logger.warning("python reward %s: no answer on task %r within timeout_s=%s; scored 0", self.name,
+                           task.get("id"), self.timeout_s)
+            return Verdict(0.0, info={"timeout": True})
+        if "error" in answer:
+            raise ValueError(f"python reward {self.name} failed on task {task.get('id')!r}: {answer['error']}")
+        out: Any = answer["out"]
         info = {}
-        if isinstance(out, tuple):
+        if isinstance(out, list):  # a (float, dict) tuple, through JSON
             if len(out) != 2 or not isinstance(out[1], dict):
                 raise ValueError(f"python reward {self.name}: must return a float or (float, dict), got {out!r}")
             out, info = out
         if not isinstance(out, (int, float)):
             raise ValueError(f"python reward {self.name}: must return a float or (float, dict), got {out!r}")
         return Verdict(float(out), str(info.get("feedback", "")), info)
+
+    def stats(self) -> dict:
+        return dict(self.counts)

@@ -1,0 +1,60 @@
+"""The data a run started with, recorded in the run directory so `--resume` refuses data that changed since.
+
+A resumed stage reuses its buffered trajectories and its saved state; after the dataset file was replaced, those
+belong to other tasks. Each stage's data files (a directory: every file in it) are recorded with size, mtime
+and sha256; a resume compares sizes and hashes (a file touched but not changed passes).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from opd_sao.runs.files import write_json
+
+RECORD = "data.fingerprint.json"
+
+
+def file_fingerprint(path: Path) -> dict:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime": stat.st_mtime, "sha256": digest.hexdigest()}
+
+
+def data_fingerprint(paths: list[str]) -> dict[str, dict]:
+    """file -> {size, mtime, sha256} for every file named or inside a directory named (sorted)."""
+    out = {}
+    for name in sorted(set(paths)):
+        path = Path(name)
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for file in files:
+            if file.is_file():
+                out[str(file)] = file_fingerprint(file)
+    return out
+
+
+def write_data_record(stage_files: dict[str, list[str]], run_dir: Path) -> None:
+    write_json(Path(run_dir) / RECORD, {stage: data_fingerprint(files) for stage, files in stage_files.items()},
+               indent=1)
+
+
+def check_data_record(stage_files: dict[str, list[str]], run_dir: Path) -> None:
+    """Raise ValueError (one line naming the stage and the file) when a stage's data changed since the run started;
+    a run without a record (started before records existed) gets one now."""
+    path = Path(run_dir) / RECORD
+    if not path.is_file():
+        write_data_record(stage_files, run_dir)
+        return
+    recorded = json.loads(path.read_text())
+    for stage, files in stage_files.items():
+        before, now = recorded.get(stage, {}), data_fingerprint(files)
+        for file in sorted(before.keys() | now.keys()):
+            old, new = before.get(file), now.get(file)
+            if old is None or new is None or (old["size"], old["sha256"]) != (new["size"], new["sha256"]):
+                what = "is gone" if new is None else "is new" if old is None else \
+                    f"changed (size {old['size']} -> {new['size']}, sha256 {old['sha256'][:12]} -> {new['sha256'][:12]})"
+                raise ValueError(f"stage {stage!r}: data file {file} {what} since the run started; a resume continues "
+                                 f"on the data it started with (restore the file, or start a new run)")

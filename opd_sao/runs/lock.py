@@ -1,0 +1,47 @@
+"""One run per run directory: an exclusive lock held by `opd-sao run` and `run --resume` for the whole run.
+
+Two runs writing one directory interleave their steps, and a resume next to the live original trains its
+trajectories twice. The lock is `fcntl.flock` on RUN_DIR/.lock, so the kernel drops it when its holder dies
+(kill -9 too): a lock left by a dead process is simply taken by the next run, which rewrites the holder's
+name (pid and host) that a refused run reports. (flock is per host on NFS: two hosts are not excluded there.)
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+LOCK = ".lock"
+
+
+class RunDirLocked(ValueError):
+    """Another live run holds the directory (one line naming it)."""
+
+
+@contextmanager
+def locked_run_dir(run_dir: Path) -> Iterator[None]:
+    """Hold RUN_DIR/.lock for the block; refuse (RunDirLocked) when a live process holds it."""
+    path = Path(run_dir) / LOCK
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            try:
+                holder = json.loads(f.read())
+                named = f"pid {holder['pid']} on host {holder['host']} (since {holder['since']})"
+            except (ValueError, KeyError, TypeError):
+                named = "another process (it has not written its name yet)"
+            raise RunDirLocked(f"run directory {str(run_dir)!r} is in use by the opd-sao run of {named}; wait for "
+                               f"it to end or stop it, then resume") from None
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                            "since": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        f.flush()
+        yield

@@ -1,0 +1,87 @@
+"""Pass rate over seeds of the margin a model-training test depends on (a stand-in for other machines).
+
+A test that trains a model passes on one machine with one seed; another machine's floating-point path moves
+the trained model as much as another seed does. So each target below replays the test's margin-bearing part
+over `--seeds` seeds and prints one JSON line per seed, then one summary line: `{"target", "passed", "of"}`.
+
+  chat           the chat stage test's reward model (tests/test_chat.py: reward_model_dir) and the chat
+                 environment's validity check it must pass at stage start (16 tasks, run seed 1)
+                 (a learned judge is no verifier: the check is skipped, reported), and
+                 tests/test_chat.py::test_reward_model_ranks_held_out_pairs' accuracies and ranking on the same model
+  train_from     tests/test_rewards.py's reward model trained from a preference file (no quality margin asserted)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def chat(seed: int, pairs: int, steps: int) -> dict:
+    import torch
+    from test_chat import TASK, TINY
+
+    from opd_sao.config import TinyModelConfig
+    from stages.envs.chat import ChatEnv, train_chat_reward_model
+    from stages.envs.chat.judges import build_judge
+    from stages.envs.chat.reward_model import RewardModel
+    from stages.envs.validity import check_environment
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rm"
+        info = train_chat_reward_model(out, n_pairs=pairs, steps=steps, seed=seed, shape=TinyModelConfig(**TINY))
+        options = {"judge": "reward_model", "judge_options": {"path": str(out)}}
+        report = check_environment("chat", lambda: ChatEnv(**options), n=16, seed=1)
+        model = RewardModel(out)
+        accuracy = model.accuracy(ChatEnv().preference_pairs("eval", 200, seed=7))
+        good, bad = model.score([TASK["prompt"]] * 2, [" aww, i love cats so much~", " cats cats cats cats~"]).tolist()
+        judged = build_judge("reward_model", {"path": str(out)}).quality(TASK, " aww, i love cats so much~")
+    return {"validity_ok": report.ok, "validity_skipped": report.skipped,
+            "failures": {k: v for k, v in report.failures.items() if v}, "heldout_accuracy": info["heldout_accuracy"],
+            "accuracy_seed7": accuracy, "ranks_example": good > bad, "example_margin": good - bad,
+            "good_above_threshold": judged, "passed": report.ok and info["heldout_accuracy"] >= 0.8
+            and accuracy >= 0.8 and good > bad}
+
+
+def train_from(seed: int, pairs: int, steps: int) -> dict:
+    """tests/test_rewards.py::test_a_reward_model_trained_from_a_file_is_retrained_when_the_file_changes at `seed`."""
+    from stages.envs.dataset.preferences import train_from_file
+
+    rows = [{"prompt": f"tell me about topic {i}", "chosen": f"topic {i} is a fine thing to learn about.",
+             "rejected": "no."} for i in range(30)]
+    with tempfile.TemporaryDirectory() as tmp:
+        prefs, out = Path(tmp) / "prefs.jsonl", Path(tmp) / "rm"
+        prefs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        first = train_from_file(prefs, out, steps=2, seed=seed)
+        again = train_from_file(prefs, out, steps=2, seed=seed)
+    return {"passed": first["train_pairs"] > 0 and again == {}}
+
+
+TARGETS = {"chat": chat, "train_from": train_from}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", choices=sorted(TARGETS))
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--pairs", type=int, default=1500, help="chat: the reward model's training pairs")
+    parser.add_argument("--steps", type=int, default=200, help="chat: the reward model's training steps")
+    args = parser.parse_args()
+    passed = 0
+    for seed in range(args.first, args.first + args.seeds):
+        row = TARGETS[args.target](seed, args.pairs, args.steps)
+        passed += bool(row["passed"])
+        print(json.dumps({"seed": seed, **row}), flush=True)
+    print(json.dumps({"target": args.target, "passed": passed, "of": args.seeds}))
+
+
+if __name__ == "__main__":
+    main()

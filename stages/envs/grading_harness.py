@@ -1,0 +1,239 @@
+"""The grading harness: runs in the sandbox as its main program, with the stdlib only (`stages/envs/grading.py`).
+
+It grades a model-written program without ever running it in its own interpreter, so the program cannot reach
+the tests, the results or the line that reports them:
+- assert tests run HERE; the program runs in a child interpreter, and its functions are called over a pipe,
+  arguments and results crossing as plain data (None, bool, int, float, str, bytes, complex, list, tuple, set,
+  frozenset, dict, by exact type): an object that lies about equality cannot cross;
+- stdin/stdout tests run the program once per input in a child interpreter, stdin the input, stdout a file;
+- the program's output is never echoed (a program may print 100 KB), and the child's stdout and stderr are
+  not the sandbox's;
+- the result is one line that starts with a nonce the job brings on stdin; this process is not dumpable, so a
+  program of the same uid cannot read the nonce out of it (/proc/PID/mem, fd, environ) to forge that line.
+
+Job (stdin, JSON): {"nonce", "source", "kind": "asserts", "tests": [str]} or {"nonce", "source", "kind": "io",
+"inputs": [str], "expected": [str]}. Result: `NONCE {"passed": "1101", "first_failure": [index, shown, error]}`
+(a character per test; shown: what a failing program printed, against what was wanted; null when all passed).
+"""
+import ctypes
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from contextlib import redirect_stdout
+
+RESPONSE_BYTES = 16 << 20  # the largest value a program function may return
+
+# The program's side: defines the functions, then answers calls. Shares the codec below with the harness.
+CODEC = r'''
+import json, math
+SCALARS = (type(None), bool, int, str)
+def enc(v, depth=0):
+    if depth > 100:
+        raise ValueError("nested more than 100 deep")
+    t = type(v)
+    if t in SCALARS:
+        return v
+    if t is float:
+        return v if math.isfinite(v) else {"$f": repr(v)}
+    if t is list:
+        return [enc(x, depth + 1) for x in v]
+    tags = {tuple: "$t", set: "$s", frozenset: "$fs"}
+    if t in tags:
+        return {tags[t]: [enc(x, depth + 1) for x in v]}
+    if t is dict:
+        return {"$d": [[enc(k, depth + 1), enc(x, depth + 1)] for k, x in v.items()]}
+    if t is bytes:
+        return {"$b": v.hex()}
+    if t is complex:
+        return {"$c": [v.real, v.imag]}
+    raise TypeError(f"a {t.__name__} cannot be passed between the program and its tests (plain data only)")
+def dec(v):
+    if type(v) is list:
+        return [dec(x) for x in v]
+    if type(v) is not dict:
+        return v
+    (tag, x), = v.items()
+    if tag == "$f":
+        return float(x)
+    if tag in ("$t", "$s", "$fs"):
+        return {"$t": tuple, "$s": set, "$fs": frozenset}[tag](dec(y) for y in x)
+    if tag == "$d":
+        return {dec(k): dec(y) for k, y in x}
+    return bytes.fromhex(x) if tag == "$b" else complex(*x)
+def describe(err):
+    text = str(err)
+    return f"{type(err).__name__}: {text}"[:300] if text else type(err).__name__
+'''
+
+PROGRAM_SIDE = CODEC + r'''
+import os, sys
+requests, answers = os.fdopen(int(sys.argv[1]), "r"), os.fdopen(int(sys.argv[2]), "w")
+def answer(message):
+    try:
+        line = json.dumps(message)
+    except BaseException as err:
+        line = json.dumps(["err", describe(err)])
+    answers.write(line + "\n")
+    answers.flush()
+namespace = {"__name__": "__main__"}
+try:
+    exec(compile(json.loads(requests.readline()), "main.py", "exec"), namespace)
+except BaseException as err:
+    answer(["err", describe(err)])
+    raise SystemExit(0)
+names = {}
+for name, value in list(namespace.items()):
+    if name.startswith("__"):
+        continue
+    if type(value).__name__ == "module":
+        names[name] = ["module", value.__name__]
+    elif callable(value):
+        names[name] = ["call"]
+    else:
+        try:
+            names[name] = ["data", enc(value)]
+        except BaseException:
+            pass
+answer(["ok", names])
+for line in requests:
+    try:
+        name, args, kwargs = json.loads(line)
+        result = ["ok", enc(namespace[name](*dec(args), **dec(kwargs)))]
+    except BaseException as err:
+        result = ["err", describe(err)]
+    answer(result)
+'''
+exec(CODEC)  # enc, dec, describe here too
+
+
+class ProgramGone(Exception):
+    """The program's process ended or answered out of bounds: every test from here on fails."""
+
+
+class Program:
+    """The program in a child interpreter; `call` runs one of its functions on plain data."""
+
+    def __init__(self, source: str):
+        requests_r, self.requests = os.pipe()
+        self.answers, answers_w = os.pipe()
+        self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", PROGRAM_SIDE, str(requests_r), str(answers_w)],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     pass_fds=(requests_r, answers_w))
+        os.close(requests_r)
+        os.close(answers_w)
+        self.out, self.inp = os.fdopen(self.requests, "w"), os.fdopen(self.answers, "r")
+        self.error, self.names = None, {}
+        status, value = self._ask(source)
+        if status == "ok":
+            self.names = value
+        else:
+            self.error = value
+
+    def _ask(self, message):
+        try:
+            self.out.write(json.dumps(message) + "\n")
+            self.out.flush()
+        except (BrokenPipeError, OSError):
+            raise ProgramGone("the program exited") from None
+        line = self.inp.readline(RESPONSE_BYTES)
+        if not line.endswith("\n"):
+            self.proc.kill()
+            raise ProgramGone("the program exited" if not line else "the program returned more than 16 MB")
+        try:
+            status, value = json.loads(line)
+        except ValueError:
+            raise ProgramGone("the program's answer was not readable") from None
+        return status, value
+
+    def call(self, name: str, args: tuple, kwargs: dict):
+        status, value = self._ask([name, enc(list(args)), enc(kwargs)])
+        if status != "ok":
+            raise RuntimeError(f"in {name}: {value}")
+        return dec(value)
+
+    def namespace(self) -> dict:
+        """What the tests see: proxies for the program's functions, its data, the modules it imported."""
+        import importlib
+
+        namespace = {"__name__": "__main__"}
+        for name, (kind, *value) in self.names.items():
+            if kind == "call":
+                namespace[name] = lambda *args, _name=name, **kwargs: self.call(_name, args, kwargs)
+            elif kind == "data":
+                namespace[name] = dec(value[0])
+            else:
+                try:
+                    namespace[name] = importlib.import_module(value[0])
+                except ImportError:
+                    pass
+        return namespace
+
+
+def run_asserts(source: str, tests: list) -> list:
+    try:
+        program = Program(source)
+    except ProgramGone as gone:
+        return [[False, "", str(gone)]] * len(tests)
+    if program.error is not None:
+        return [[False, "", program.error]] * len(tests)
+    namespace, results, compiled = program.namespace(), [], {}
+    with redirect_stdout(io.StringIO()) as printed:  # a test's prints are not the program's output
+        for i, test in enumerate(tests):
+            try:
+                if test not in compiled:
+                    compiled[test] = compile(test, "test.py", "exec")
+                exec(compiled[test], namespace)
+                results.append([True, "", None])
+            except ProgramGone as gone:
+                results += [[False, "", str(gone)]] * (len(tests) - i)
+                break
+            except BaseException as err:  # noqa: BLE001  the test failed, whatever it raised
+                results.append([False, "", describe(err)])
+            printed.seek(0)
+            printed.truncate()
+    program.proc.kill()
+    return results
+
+
+RUN_MAIN = ("import os, sys\nwith os.fdopen(int(sys.argv[1])) as f:\n    source = f.read()\nsys.argv = ['main.py']\n"
+            "exec(compile(source, 'main.py', 'exec'), {'__name__': '__main__'})\n")
+
+
+def run_io(source: str, inputs: list, expected: list) -> list:
+    results = []
+    with tempfile.TemporaryFile() as program:
+        program.write(source.encode())
+        for value, want in zip(inputs, expected):
+            program.seek(0)
+            with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+                proc = subprocess.run([sys.executable, "-I", "-S", "-c", RUN_MAIN, str(program.fileno())],
+                                      input=f"{value}\n".encode(), stdout=out, stderr=err, pass_fds=(program.fileno(),))
+                out.seek(0)
+                got = out.read(1 << 20).decode(errors="replace").strip()
+                err.seek(0)
+                last_words = err.read()[-2000:].decode(errors="replace").strip().splitlines()
+            error = (last_words[-1][:300] if last_words else f"exit status {proc.returncode}") if proc.returncode else None
+            shown = f"got {got.splitlines()[0][:20] if got else 'nothing'}, want {want[:20]}"
+            results.append([error is None and got == want, shown, error])
+    return results
+
+
+def main() -> None:
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the program cannot read this process
+    job = json.loads(sys.stdin.read())
+    nonce = job.pop("nonce")
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the job's file is not left open for anyone
+    if job["kind"] == "asserts":
+        results = run_asserts(job["source"], job["tests"])
+    else:
+        results = run_io(job["source"], job["inputs"], job["expected"])
+    first = next(([i, *result[1:]] for i, result in enumerate(results) if not result[0]), None)
+    summary = {"passed": "".join("1" if result[0] else "0" for result in results), "first_failure": first}
+    os.write(1, f"\n{nonce} {json.dumps(summary)}\n".encode())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""A run and its directory under hostile conditions (issue 25): two runs on one directory, Ctrl-C and SIGTERM, a
+full disk and a read-only directory. Real `opd-sao run` subprocesses; each ending is one line with the exact
+`--resume` command, and the resume loses nothing (docs/reliability.md, "Runs and their directory")."""
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from opd_sao.runs.tracking import read_jsonl
+
+STEPS = 12
+
+
+def config(tmp_path: Path, model: Path, slowdown_s: float = 0.5) -> str:
+    """A reasoning stage on the session's tiny model (no tokenizer to build), slowed so a signal lands mid-stage."""
+    cfg = {"seed": 0, "model": {"path": str(model)}, "logging": {"wandb": False, "progress": False}, "torch_threads": 1,
+           "trainer": {"train_batch_size": 4, "slowdown_s": slowdown_s},
+           "stages": [{"name": "r", "kind": "reasoning", "env": "arithmetic", "env_options": {"max_operand": 9},
+                       "steps": STEPS, "checkpoint_every": 2, "rollout": {"max_new_tokens": 4},
+                       "eval": {"num_tasks": 2}, "gate": {"enabled": False}}]}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "opd_sao.cli", "run", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, timeout: float = 240.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc is None or proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def trained_steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_jsonl(run_dir / "stages" / "r" / "trained.jsonl")]
+
+
+def one_line(stderr: str) -> str:
+    lines = [line for line in stderr.strip().splitlines() if line.startswith("opd-sao run:")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def resume_completes(run_dir: Path) -> None:
+    """The command the line gave, run: the stage ends with every step trained exactly once."""
+    done = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", "--resume", str(run_dir)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert trained_steps(run_dir) == list(range(STEPS))
+
+
+def test_a_second_run_on_a_live_run_dir_is_refused_and_a_dead_holders_lock_is_taken_over(tmp_path, tiny_model_dir):
+    """Before: two runs on one directory both finished with interleaved steps, and a resume next to the live
+    original trained its trajectories twice."""
+    run_dir = tmp_path / "run"
+    first = start(config(tmp_path, tiny_model_dir, slowdown_s=20.0), "--run-dir", str(run_dir))
+    try:
+        wait_for(lambda: (run_dir / "stages" / "r" / "trained.jsonl").is_file(), proc=first)
+        second, third = start("--resume", str(run_dir)), start(config(tmp_path, tiny_model_dir), "--run-dir", str(run_dir))
+        for other in (second, third):
+            _, err = other.communicate(timeout=300)
+            assert other.returncode == 2
+            assert f"is in use by the opd-sao run of pid {first.pid} on host {socket.gethostname()}" in one_line(err)
+        assert first.poll() is None  # untouched: still running, its files in place
+        assert (run_dir / "config.yaml").is_file()
+    finally:
+        first.kill()
+        first.wait()
+    assert json.loads((run_dir / ".lock").read_text())["pid"] == first.pid  # a dead holder's name stays; its flock not
+    resumed = start("--resume", str(run_dir))
+    try:
+        wait_for(lambda: json.loads((run_dir / ".lock").read_text())["pid"] == resumed.pid, proc=resumed)
+    finally:
+        resumed.send_signal(signal.SIGTERM)
+        _, err = resumed.communicate(timeout=120)
+    assert "continue with: opd-sao run --resume" in one_line(err)
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_and_sigterm_end_in_one_line_with_the_resume_command(tmp_path, tiny_model_dir, how):
+    """Before: Ctrl-C printed two full tracebacks (and, with a math reward, a false "timed out"), no resume hint."""
+    run_dir = tmp_path / "run"
+    proc = start(config(tmp_path, tiny_model_dir), "--run-dir", str(run_dir))
+    wait_for(lambda: len(trained_steps(run_dir)) >= 3, proc=proc)
+    proc.send_signal(getattr(signal, how))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + getattr(signal, how)
+    line = one_line(err)
+    assert line.endswith(f"continue with: opd-sao run --resume {shlex.quote(str(run_dir))}")
+    assert ("SIGTERM" if how == "SIGTERM" else "Ctrl-C") in line
+    resume_completes(run_dir)
+
+
+def _mount(*args: str) -> None:
+    subprocess.run(["mount", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MB tmpfs (the tests run as root), unmounted afterwards."""
+    where = tmp_path / "disk"
+    where.mkdir()
+    try:
+        _mount("-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where))
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_disk_and_a_read_only_run_dir_end_in_one_line_and_lose_nothing(tmp_path, small_disk, tiny_model_dir):
+    """Before: a full disk while writing a checkpoint ended in a traceback; a read-only run dir on --resume was an
+    EROFS traceback. The disk fills (a filler file takes what is left) once the stage has saved state."""
+    run_dir = small_disk / "run"
+    proc = start(config(tmp_path, tiny_model_dir), "--run-dir", str(run_dir))
+    wait_for(lambda: (run_dir / "stages" / "r" / "state" / "loop.json").is_file(), proc=proc)
+    filler = small_disk / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+        except OSError:  # ENOSPC: full
+            pass
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    line = one_line(err)
+    assert "the disk is full" in line and line.endswith(f"--resume {shlex.quote(str(run_dir))}")
+    filler.unlink()
+    saved = json.loads((run_dir / "stages" / "r" / "state" / "loop.json").read_text())["step"]
+    assert saved >= 2
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    _mount("--bind", str(run_dir), str(read_only))
+    try:
+        _mount("-o", "remount,bind,ro", str(read_only))
+        done = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", "--resume", str(read_only)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1
+        assert "the run directory is read-only" in one_line(done.stderr)
+    finally:
+        subprocess.run(["umount", str(read_only)], check=False)
+    resume_completes(run_dir)
