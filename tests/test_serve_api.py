@@ -564,3 +564,32 @@ def test_key_decisions_are_sglangs_and_stricter_only_without_keys_off_loopback()
             assert (ours is None) == theirs.allowed, (path, api_key, admin_key, header, host)
             compared += 1
     assert compared > 600
+
+
+def test_the_trainers_engine_syncs_weights_through_the_keys(tiny_model_dir, tokenizer, start_server, prompt):
+    """serve with both keys, called from a non-loopback address: the fleet engine given the keys (config
+    fields) generates and syncs weights (disk); without them its first call is refused."""
+    from opd_sao.config import EngineConfig
+    from opd_sao.engines import build_engine
+    from opd_sao.engines.base import GenerationRequest, SamplingParams
+    from opd_sao.engines.http import ServerError
+
+    url, proc = start_server(tiny_model_dir, "--host", "0.0.0.0", "--api-key", "user", "--admin-api-key", "admin")
+    remote = url.replace("127.0.0.1", _non_loopback_address())
+    try:
+        wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=120)  # /health needs no key
+        assert _post(remote, "/generate", {"input_ids": prompt}).status_code == 401  # every route needs the API key
+        engine = build_engine(EngineConfig(kind="http", urls=[remote], max_batch=2, api_key="user",
+                                           admin_api_key="admin"), tiny_model_dir, tokenizer, seed=0)
+        from opd_sao.checkpoints import load_causal_lm
+
+        engine.update_weights(load_causal_lm(tiny_model_dir).state_dict(), 2)
+        result = engine.generate_all([GenerationRequest(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))])
+        assert result[0].versions == [2, 2, 2]
+        engine.close()
+        with pytest.raises(ServerError, match="HTTP 401"):
+            build_engine(EngineConfig(kind="http", urls=[remote], max_batch=2), tiny_model_dir, tokenizer, seed=0)
+    finally:
+        proc.kill()
+        proc.wait()
+
