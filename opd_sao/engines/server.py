@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import itertools
 import json
 import logging
-import math
 import queue
 import re
 import secrets
@@ -302,7 +300,6 @@ class RolloutServer:
         self.weight_syncs = {name: WEIGHT_SYNCS.get(name)(settings) for name in WEIGHT_SYNCS.names()}
         self._updating = False
         self._update_lock = threading.Lock()
-        self._ids = itertools.count()
         self._crash: Optional[BaseException] = None
         self._failing: Optional[str] = None  # the engine's last error, until a generation succeeds again
         threading.Thread(target=self._decode_loop, daemon=True, name="decode").start()
