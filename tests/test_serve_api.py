@@ -457,7 +457,7 @@ def test_serve_without_an_admin_key_refuses_weight_updates_from_a_non_loopback_c
     port = open_server.rsplit(":", 1)[1]
     remote = f"http://{_non_loopback_address()}:{port}"
     update = {"model_path": str(weights_root / "copy"), "weight_version": "7"}
-    for path, body in [("/update_weights_from_disk", update), ("/begin_weight_update", {}),
+    for path, body in [("/update_weights_from_disk", update), ("/begin_weight_update", {}), ("/flush_cache", {}),
                        ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
                                                        "rank_offset": 1, "world_size": 2})]:
         refused = _post(remote, path, body)
@@ -519,7 +519,8 @@ def test_key_decisions_are_sglangs_and_stricter_only_without_keys_off_loopback()
     paths = {"/generate": auth.AuthLevel.NORMAL, "/v1/chat/completions": auth.AuthLevel.NORMAL,
              "/health": auth.AuthLevel.NORMAL, "/update_weights_from_disk": auth.AuthLevel.ADMIN_OPTIONAL,
              "/update_weights_from_tensor": auth.AuthLevel.ADMIN_OPTIONAL,
-             "/begin_weight_update": auth.AuthLevel.ADMIN_OPTIONAL}
+             "/begin_weight_update": auth.AuthLevel.ADMIN_OPTIONAL, "/flush_cache": auth.AuthLevel.ADMIN_OPTIONAL,
+             "/model_info": auth.AuthLevel.NORMAL}
     keys = [(None, None), ("user", None), (None, "admin"), ("user", "admin")]
     headers = [None, "Bearer user", "Bearer admin", "bearer admin", "Bearer wrong", "Basic admin"]
     compared = 0
@@ -535,7 +536,7 @@ def test_key_decisions_are_sglangs_and_stricter_only_without_keys_off_loopback()
         else:
             assert (ours is None) == theirs.allowed, (path, api_key, admin_key, header, host)
             compared += 1
-    assert compared > 600
+    assert compared > 800
 
 
 def test_the_trainers_engine_syncs_weights_through_the_keys(tiny_model_dir, tokenizer, start_server, prompt):
