@@ -127,3 +127,26 @@ def test_bfloat16_weights_give_bfloat16_gradients():
     assert hidden.grad.dtype == weight.grad.dtype == bias.grad.dtype == torch.bfloat16
     want = naive(*(x.detach().float() for x in (hidden, weight, bias)), targets, torch.ones(23))
     assert (out - want).abs().max() < 0.05  # bf16 rounding of the logits
+
+
+def test_top_k_and_top_p_cut_the_support_as_sglang_then_renormalise():
+    """logits [3, 2, 1, 0] at T 1: p = [0.644, 0.237, 0.087, 0.032]. top_p 0.7 keeps the tokens whose mass
+    before them is below 0.7 (the first two); top_k 3 cuts the rank; both together intersect (both cut from
+    the whole distribution); top_k 1 is greedy. The kept logprobs are renormalised over the kept tokens."""
+    from opd_sao.modeling import sample_tokens
+
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 4)
+    one = torch.ones(4)
+    top_p = torch.tensor([1.0, 0.7, 0.7, 1.0])
+    top_k = torch.tensor([3, -1, 1, -1])
+    got = nucleus_logprobs(logits, one, top_p, top_k)
+    inf = float("-inf")
+    z3, z2 = torch.logsumexp(torch.tensor([3.0, 2.0, 1.0]), 0), torch.logsumexp(torch.tensor([3.0, 2.0]), 0)
+    expected = torch.tensor([[3 - z3, 2 - z3, 1 - z3, inf], [3 - z2, 2 - z2, inf, inf], [0.0, inf, inf, inf],
+                             (logits[0] - torch.logsumexp(logits[0], 0)).tolist()])
+    assert torch.allclose(got, expected)
+    assert torch.equal(nucleus_logprobs(logits, one, one), torch.log_softmax(logits, -1))  # no cut: the softmax
+    ids, sampled, vocab = sample_tokens(logits, torch.full((4,), 0.5), one, torch.Generator().manual_seed(0),
+                                       torch.tensor([1, 1, 1, 1]))
+    assert ids.tolist() == [0, 0, 0, 0] and torch.allclose(sampled, torch.zeros(4))  # greedy: its own support
+    assert torch.allclose(vocab, torch.log_softmax(logits / 0.5, -1)[:, 0])  # over the whole vocabulary, at T

@@ -5,11 +5,9 @@ sessions, the admin key and --weights-root, health after failing generations, an
 """
 from __future__ import annotations
 
-import ast
-import itertools
 import importlib.util
+import itertools
 import json
-import math
 import re
 import shutil
 import socket
@@ -21,6 +19,7 @@ import pytest
 import requests
 import torch
 
+import sglang_code
 from launchers import wait_until_healthy
 
 
@@ -97,39 +96,12 @@ def _logp(model, ids, temperature=1.0):
 
 # --- scoring and logprob semantics --------------------------------------------------------------------------
 
-def _sglang_input_logprobs(raw: list[float], ids: list[int], start: int, vocab_size: int):
-    """SGLang 0.5.23's own `_process_input_token_logprobs` (scheduler_components/logprob_result_processor.py,
-    parsed out of the installed wheel: its module imports need CUDA-era packages), applied to the raw
-    per-position values its logits processor computes: at position p >= start, the logprob of token p+1."""
-    spec = importlib.util.find_spec("sglang")
-    if spec is None:
-        pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23)")
-    source = (Path(spec.origin).parent / "srt/managers/scheduler_components/logprob_result_processor.py").read_text()
-    tree = ast.parse(source)
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SchedulerLogprobResultProcessor")
-    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "_process_input_token_logprobs")
-    namespace = {"List": list, "MIS_DELIMITER_TOKEN_ID": -1}
-    exec(compile(ast.Module([fn], type_ignores=[]), "sglang_logprob_result_processor", "exec"), namespace)
-
-    class Logprob:
-        input_token_logprobs_val = input_token_logprobs_idx = None
-
-    class Req:
-        origin_input_ids, logprob_start_len, logprob = ids, start, Logprob()
-
-    class Processor:
-        model_config = type("ModelConfig", (), {"vocab_size": vocab_size})()
-        _uses_scoring_positions = staticmethod(lambda req: False)
-
-    req = Req()
-    namespace["_process_input_token_logprobs"](Processor(), req, raw)
-    return req.logprob.input_token_logprobs_val, req.logprob.input_token_logprobs_idx
-
-
 @pytest.mark.parametrize("start", [0, 2, 5])
+@pytest.mark.skipif(not sglang_code.installed(), reason="sglang is not installed (scripts/setup.sh installs it)")
 def test_scoring_has_sglangs_positions(server, model, prompt, start):
     """input_token_logprobs[j] = [logprob of token start+j given the tokens before it, that token, null], entry 0
-    None whatever the start, as SGLang's own position code turns its raw values into; top-k the same shape."""
+    None whatever the start, as SGLang's own position code (its scheduler's _process_input_token_logprobs, from
+    the wheel) turns its raw values into; top-k the same shape."""
     ids = prompt + [5, 6, 7]
     answer = _post(server, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
                                          "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 3})
@@ -141,7 +113,7 @@ def test_scoring_has_sglangs_positions(server, model, prompt, start):
     expected = [float(logp[p - 1, ids[p]]) for p in range(start + 1, len(ids))]
     assert torch.allclose(torch.tensor([e[0] for e in served[1:]]), torch.tensor(expected), atol=1e-5)
     raw = [float(logp[p, ids[p + 1]]) for p in range(start, len(ids) - 1)] + [0.0]  # + the sampled token's
-    values, tokens = _sglang_input_logprobs(raw, ids, start, logp.shape[-1])
+    values, tokens = sglang_code.process_input_token_logprobs(raw, ids, start, logp.shape[-1])
     assert tokens == [e[1] for e in served] and values[0] is None and served[0][0] is None
     assert torch.allclose(torch.tensor(values[1:]), torch.tensor([e[0] for e in served[1:]]), atol=1e-5)
     tops = meta["input_top_logprobs"]
@@ -485,7 +457,7 @@ def test_serve_without_an_admin_key_refuses_weight_updates_from_a_non_loopback_c
     port = open_server.rsplit(":", 1)[1]
     remote = f"http://{_non_loopback_address()}:{port}"
     update = {"model_path": str(weights_root / "copy"), "weight_version": "7"}
-    for path, body in [("/update_weights_from_disk", update), ("/begin_weight_update", {}),
+    for path, body in [("/update_weights_from_disk", update), ("/begin_weight_update", {}), ("/flush_cache", {}),
                        ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
                                                        "rank_offset": 1, "world_size": 2})]:
         refused = _post(remote, path, body)
@@ -547,7 +519,8 @@ def test_key_decisions_are_sglangs_and_stricter_only_without_keys_off_loopback()
     paths = {"/generate": auth.AuthLevel.NORMAL, "/v1/chat/completions": auth.AuthLevel.NORMAL,
              "/health": auth.AuthLevel.NORMAL, "/update_weights_from_disk": auth.AuthLevel.ADMIN_OPTIONAL,
              "/update_weights_from_tensor": auth.AuthLevel.ADMIN_OPTIONAL,
-             "/begin_weight_update": auth.AuthLevel.ADMIN_OPTIONAL}
+             "/begin_weight_update": auth.AuthLevel.ADMIN_OPTIONAL, "/flush_cache": auth.AuthLevel.ADMIN_OPTIONAL,
+             "/model_info": auth.AuthLevel.NORMAL}
     keys = [(None, None), ("user", None), (None, "admin"), ("user", "admin")]
     headers = [None, "Bearer user", "Bearer admin", "bearer admin", "Bearer wrong", "Basic admin"]
     compared = 0
@@ -563,4 +536,33 @@ def test_key_decisions_are_sglangs_and_stricter_only_without_keys_off_loopback()
         else:
             assert (ours is None) == theirs.allowed, (path, api_key, admin_key, header, host)
             compared += 1
-    assert compared > 600
+    assert compared > 800
+
+
+def test_the_trainers_engine_syncs_weights_through_the_keys(tiny_model_dir, tokenizer, start_server, prompt):
+    """serve with both keys, called from a non-loopback address: the fleet engine given the keys (config
+    fields) generates and syncs weights (disk); without them its first call is refused."""
+    from opd_sao.config import EngineConfig
+    from opd_sao.engines import build_engine
+    from opd_sao.engines.base import GenerationRequest, SamplingParams
+    from opd_sao.engines.http import ServerError
+
+    url, proc = start_server(tiny_model_dir, "--host", "0.0.0.0", "--api-key", "user", "--admin-api-key", "admin")
+    remote = url.replace("127.0.0.1", _non_loopback_address())
+    try:
+        wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=120)  # /health needs no key
+        assert _post(remote, "/generate", {"input_ids": prompt}).status_code == 401  # every route needs the API key
+        engine = build_engine(EngineConfig(kind="http", urls=[remote], max_batch=2, api_key="user",
+                                           admin_api_key="admin"), tiny_model_dir, tokenizer, seed=0)
+        from opd_sao.checkpoints import load_causal_lm
+
+        engine.update_weights(load_causal_lm(tiny_model_dir).state_dict(), 2)
+        result = engine.generate_all([GenerationRequest(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))])
+        assert result[0].versions == [2, 2, 2]
+        engine.close()
+        with pytest.raises(ServerError, match="HTTP 401"):
+            build_engine(EngineConfig(kind="http", urls=[remote], max_batch=2), tiny_model_dir, tokenizer, seed=0)
+    finally:
+        proc.kill()
+        proc.wait()
+

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import itertools
 import json
 import logging
-import math
 import queue
 import re
 import secrets
@@ -62,8 +60,8 @@ NEUTRAL_PARAMS = {"min_p": (0, 0.0, None), "n": (1, None), "frequency_penalty": 
                   "presence_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
                   "min_new_tokens": (0, None), "regex": (None,), "json_schema": (None,), "ebnf": (None,),
                   "structural_tag": (None,), "stop_regex": (None, [], "")}
-# SGLang's ADMIN_OPTIONAL routes: the weight-sync modes' and the session's
-WEIGHT_PATHS = {"/begin_weight_update", "/end_weight_update"} | {
+# SGLang's ADMIN_OPTIONAL routes among serve's: the weight-sync modes', the session's, /flush_cache
+ADMIN_PATHS = {"/begin_weight_update", "/end_weight_update", "/flush_cache"} | {
     path for name in WEIGHT_SYNCS.names() for path in WEIGHT_SYNCS.get(name).routes}
 SAMPLING_EPS = 1e-6  # SGLang's: a temperature below it is greedy (temperature 1, top_k 1)
 MAX_NEW_TOKENS = 8192  # the default of `--max-new-tokens`
@@ -302,7 +300,6 @@ class RolloutServer:
         self.weight_syncs = {name: WEIGHT_SYNCS.get(name)(settings) for name in WEIGHT_SYNCS.names()}
         self._updating = False
         self._update_lock = threading.Lock()
-        self._ids = itertools.count()
         self._crash: Optional[BaseException] = None
         self._failing: Optional[str] = None  # the engine's last error, until a generation succeeds again
         threading.Thread(target=self._decode_loop, daemon=True, name="decode").start()
@@ -734,9 +731,9 @@ def is_loopback(host: Optional[str]) -> bool:
 def admin_decision(path: str, authorization: Optional[str], client_host: Optional[str], *,
                    api_key: Optional[str], admin_api_key: Optional[str]) -> Optional[int]:
     """None to let the request through, else the refusal's status. SGLang's rules (utils/auth.py): /health*
-    is open; weight routes (ADMIN_OPTIONAL) take the admin key if set, else the API key if set; other routes
-    take the API key if set. And opd-sao's: with neither key, weight routes are refused (403) to any client
-    that is not on loopback."""
+    is open; admin routes (ADMIN_OPTIONAL: weight updates, /flush_cache) take the admin key if set, else the
+    API key if set; other routes take the API key if set. And opd-sao's: with neither key, admin routes are
+    refused (403) to any client that is not on loopback."""
     if path.startswith("/health"):
         return None
 
@@ -744,7 +741,7 @@ def admin_decision(path: str, authorization: Optional[str], client_host: Optiona
         scheme, _, token = (authorization or "").partition(" ")
         return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), expected.encode())
 
-    if path in WEIGHT_PATHS:
+    if path in ADMIN_PATHS:
         if admin_api_key or api_key:
             return None if bearer(admin_api_key or api_key) else 401
         return None if is_loopback(client_host) else 403
@@ -775,8 +772,9 @@ class _Guard:
             status = admin_decision(scope["path"], authorization, (scope.get("client") or (None,))[0],
                                     api_key=self.api_key, admin_api_key=self.admin_api_key)
             if status is not None:
-                refusal = status, ("Forbidden: weight updates from a non-loopback client need the server to be "
-                                   "started with --admin-api-key" if status == 403 else "Unauthorized")
+                refusal = status, ("Forbidden: admin routes (weight updates, /flush_cache) from a non-loopback "
+                                   "client need the server to be started with --admin-api-key" if status == 403
+                                   else "Unauthorized")
         if refusal is None:
             return await self.app(scope, receive, send)
         body = orjson.dumps({"error": {"message": refusal[1]}})
