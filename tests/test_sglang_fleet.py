@@ -272,3 +272,14 @@ def test_serves_side_of_each_mode_refuses_bad_weights_before_loading_any(tiny_mo
     assert answer.status_code == 400, answer.text  # no group joined: refused before any receive
     client.end_weight_update()
     assert client.weight_version() != "9" and client.score(ids, 1).token_logprobs == before
+
+
+def test_the_workers_run_sglangs_request_models(sglang_workers):
+    """The plug-ins are live: a weight call with a field serve ignores but SGLang's request model refuses
+    (`selector` outside its Literal) fails in the worker before serve's own checks (which would answer that
+    no session is open)."""
+    import requests
+
+    answer = requests.post(sglang_workers[0] + "/update_weights_from_tensor", timeout=60,
+                           json={"serialized_named_tensors": ["eA=="], "selector": "everything"})
+    assert answer.status_code >= 400 and "selector" in answer.text and "session" not in answer.text, answer.text
