@@ -76,8 +76,10 @@ class OPDStage(Stage):
             targets = TeacherTargets(registry, prefetcher, Path(opd.cache_dir or self.dir / "logit_cache"))
             targets.warm_up()  # teachers copy and load in the background from here on: trainer and engine
             # loading, the consistency probe and the first rollouts all overlap with it
-            backend = build_backend(trainer_cfg, start, with_critic=False)
-            engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device)
+            attention = run.model.attn_implementation  # trainer and engine alike: the gate compares them
+            backend = build_backend(trainer_cfg, start, with_critic=False, attn_implementation=attention)
+            engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device,
+                                  attn_implementation=attention)
             learner = OPDLearner(backend, opd, cfg.sao, targets)
             gate, resumed = self._train(domains, backend, engine, learner, trainer_cfg)
             checkpoint = backend.export_policy(self.dir / "checkpoint", tok)

@@ -95,8 +95,11 @@ class RLStage(Stage):
         algo, trainer_cfg = run.stage_algo(cfg), run.stage_trainer(cfg)
         critic = needs_critic(algo)
         critic_from = self.carried_critic() if critic and cfg.critic_pretrain.carry_over else None
-        backend = build_backend(trainer_cfg, start, with_critic=critic, critic_from=critic_from)
-        engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device)
+        attention = run.model.attn_implementation  # trainer and engine alike: the gate compares them
+        backend = build_backend(trainer_cfg, start, with_critic=critic, critic_from=critic_from,
+                                attn_implementation=attention)
+        engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device,
+                              attn_implementation=attention)
         learner = Learner(backend, algo, cfg.sao, critic_steps=trainer_cfg.critic_steps,
                           critic_warmup_steps=trainer_cfg.critic_warmup_steps)
         train_env = self.env_factory(train_step=lambda: learner.steps_done)

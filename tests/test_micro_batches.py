@@ -140,7 +140,7 @@ def test_split_steps_match_the_whole_batch_torch(tmp_path, tiny_model_dir, pertu
 
     def make(cfg):
         backend = TorchTrainer(tiny_model_dir, cfg, attn_implementation="sdpa")
-        assert backend.policy.is_gradient_checkpointing == backend.critic.backbone.is_gradient_checkpointing \
+        assert backend.policy.is_activation_checkpointing == backend.critic.backbone.is_activation_checkpointing \
             == cfg.gradient_checkpointing
         return backend
 

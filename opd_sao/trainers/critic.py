@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel
 
-from opd_sao.checkpoints import DTYPES, MODEL_INIT_LOCK
+from opd_sao.checkpoints import DTYPES, MODEL_INIT_LOCK, check_attention
 
 from ..modeling import position_ids_for
 
@@ -38,6 +38,7 @@ class ValueModel(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> "ValueModel":
         """From a policy checkpoint (zero value head) or a saved critic (`save_pretrained`: its trained head)."""
+        check_attention(attn_implementation)
         with MODEL_INIT_LOCK:  # the head's nn.init must not run while another thread loads a model
             # fused attention: eager's separate passes over [B, heads, T, T] scores cost as much as its matmuls
             # (benchmarks/vocab_memory.py --kinds critic: 1.8x the step time)
