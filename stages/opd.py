@@ -77,7 +77,8 @@ class OPDStage(Stage):
             targets.warm_up()  # teachers copy and load in the background from here on: trainer and engine
             # loading, the consistency probe and the first rollouts all overlap with it
             attention = run.model.attn_implementation  # trainer and engine alike: the gate compares them
-            backend = build_backend(trainer_cfg, start, with_critic=False, attn_implementation=attention)
+            backend = build_backend(trainer_cfg, start, with_critic=False, attn_implementation=attention,
+                                    total_steps=cfg.steps)
             engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device,
                                   attn_implementation=attention)
             learner = OPDLearner(backend, opd, cfg.sao, targets)

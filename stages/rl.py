@@ -97,7 +97,7 @@ class RLStage(Stage):
         critic_from = self.carried_critic() if critic and cfg.critic_pretrain.carry_over else None
         attention = run.model.attn_implementation  # trainer and engine alike: the gate compares them
         backend = build_backend(trainer_cfg, start, with_critic=critic, critic_from=critic_from,
-                                attn_implementation=attention)
+                                attn_implementation=attention, total_steps=cfg.steps)
         engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device,
                               attn_implementation=attention)
         learner = Learner(backend, algo, cfg.sao, critic_steps=trainer_cfg.critic_steps,
