@@ -74,8 +74,9 @@ class ValueModel(nn.Module):
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask)
         ).last_hidden_state
-        # the head's dtype: float32 master weights (bf16 compute: float32 hidden states), DeepSpeed's bf16, float64
+        # the head's dtype (float32 master weights, DeepSpeed's bf16, float64); values at least float32
         state_values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # after reading token t
+        state_values = state_values.to(torch.promote_types(state_values.dtype, torch.float32))
         values = torch.zeros_like(state_values)
         values[:, 1:] = state_values[:, :-1]  # V(s_t): state before token t
         return values * attention_mask

@@ -217,9 +217,9 @@ class DeepSpeedTrainer(TrainerBackend):
         lo, hi = shares[self.rank]
         engine = self.policy if kind == "policy" else self.critic
 
-        def forward(part, _):
-            r = rows.take(part if len(part) else torch.zeros(1, dtype=torch.long), self.device)  # an empty part
-            if kind == "policy":  # scored at the action tokens only, the ones every caller reads  # runs on a row
+        def forward(part, _):  # an empty part (a rank with fewer micro-batches) runs on a row, keeps no output
+            r = rows.take(part if len(part) else torch.zeros(1, dtype=torch.long), self.device)
+            if kind == "policy":  # scored at the action tokens only, the ones every caller reads
                 out = sequence_logprobs(engine, r.input_ids, r.attention_mask, temperature, top_p=r.top_p,
                                         full_logits=self.zero3, only=r.action_mask)
             else:
@@ -228,7 +228,7 @@ class DeepSpeedTrainer(TrainerBackend):
 
         parts = self._parts(rows, shares)
         local, deferred = micro_forward(forward, parts, [part - lo for part in parts], hi - lo, grad,
-                                 keep_graph=len(parts) == 1)
+                                        keep_graph=len(parts) == 1)
         return self._output(kind, local, lo, [h - l for l, h in shares], deferred, grad)[0]
 
     def _output(self, kind: str, local: Outputs, lo: int, counts: list[int], deferred: Optional[Deferred],
@@ -283,16 +283,14 @@ class DeepSpeedTrainer(TrainerBackend):
             action = r.action_mask if len(part) else torch.zeros_like(r.action_mask)  # an empty part: no rows, but
             # a backward (of zeros) through every weight all the same, as ZeRO expects
             sub = (None, None) if whole_vocab else (ids[where.to(ids.device)], mask[where.to(mask.device)])
-            with torch.enable_grad():
-                logp, tail, top = action_support_logprobs(self.policy.module, r.input_ids, r.attention_mask, action,
-                                                          *sub, vocab_chunk=vocab_chunk, top_k=top_k,
-                                                          full_logits=self.zero3)
+            logp, tail, top = action_support_logprobs(self.policy.module, r.input_ids, r.attention_mask, action, *sub,
+                                                      vocab_chunk=vocab_chunk, top_k=top_k, full_logits=self.zero3)
             return (logp, tail) if top is None else (logp, tail, top)
 
         parts = self._parts(rows, shares)
         out_rows = [rows_ - r_lo for rows_ in action_rows_of(rows, parts)]
         local, deferred = micro_forward(forward, parts, out_rows, row_shares[self.rank][1] - r_lo, True,
-                                 keep_graph=len(parts) == 1)
+                                        keep_graph=len(parts) == 1)
         counts = [b - a for a, b in row_shares]
         logp, tail = self._output("policy", local[:2], r_lo, counts, deferred, grad=True)
         top = self._gather(local[2], counts, tuple(local[2].shape[1:])) if len(local) > 2 else None
