@@ -163,7 +163,8 @@ class TrainerConfig(Strict):
     lr_schedule: Literal["constant", "linear_warmup", "cosine"] = describe(
         "policy and critic learning rate over their optimizer steps: constant; linear_warmup: rising linearly to "
         "the lr over warmup_steps, then constant; cosine: that warm-up, then a cosine decay to min_lr_ratio x lr "
-        "at the stage's last step (the critic's: steps x critic_steps). Saved and restored on resume", "constant")
+        "at the stage's last step (the critic's: steps x critic_steps; SFT's: its own steps). Saved and restored on "
+        "resume", "constant")
     warmup_steps: int = describe("linear_warmup and cosine: optimizer steps of warm-up (the critic's count its own "
                                  "updates, critic_steps per policy step)", 0, ge=0)
     min_lr_ratio: float = describe("cosine: the floor of the decay, as a fraction of the lr", 0.0, ge=0, le=1)

@@ -10,8 +10,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from opd_sao.checkpoints import build_tiny_model, load_tokenizer
-from opd_sao.checkpoints import check_attention
+from opd_sao.checkpoints import build_tiny_model, check_attention, load_tokenizer
 from opd_sao.engines import check_engine
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.files import atomic_write, write_json
