@@ -78,8 +78,8 @@ class ModelConfig(Strict):
 
     path: str = describe("'tiny': build the embedded tiny model; otherwise a local HF-format model directory", "tiny")
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = describe(
-        "transformers attention of the policy in the trainer and in the embedded engine (the same one: the gate "
-        "compares them); sdpa and flash_attention_2 never hold the [B, heads, T, T] scores; flash_attention_2 needs "
+        "transformers attention of the policy in the trainer (SFT too), the embedded engine and evaluation (the same "
+        "one: the gate compares trainer and engine); sdpa and flash_attention_2 never hold the [B, heads, T, T] scores; flash_attention_2 needs "
         "CUDA and the flash_attn package. The critic runs sdpa (flash_attention_2 when chosen)", "eager")
     tiny: TinyModelConfig = describe("shape of the tiny model (path: tiny)", TinyModelConfig())
 

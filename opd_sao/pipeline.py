@@ -128,7 +128,8 @@ class Evaluator:
         if key not in self._seen:
             self._seen[key] = {
                 name: round(evaluate(checkpoint, d.factory, self.tokenizer, domain=name, rollout=d.eval_rollout,
-                                     eval_cfg=d.eval_cfg, seed=self.cfg.seed, device=self.cfg.engine_device), 4)
+                                     eval_cfg=d.eval_cfg, seed=self.cfg.seed, device=self.cfg.engine_device,
+                                     attn_implementation=self.cfg.model.attn_implementation), 4)
                 for name, d in self.domains.items()
             }
         return self._seen[key]

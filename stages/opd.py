@@ -133,7 +133,8 @@ class OPDStage(Stage):
             key = (str(Path(ckpt).resolve()), d.name)
             if key not in scores:
                 scores[key] = round(evaluate(ckpt, d.factory, tok, domain=d.name, rollout=d.eval_rollout,
-                                             eval_cfg=d.eval_cfg, seed=seed, device=self.ctx.cfg.engine_device), 4)
+                                             eval_cfg=d.eval_cfg, seed=seed, device=self.ctx.cfg.engine_device,
+                                             attn_implementation=self.ctx.cfg.model.attn_implementation), 4)
             return scores[key]
 
         out = {}

@@ -62,7 +62,8 @@ class RLStage(Stage):
                 return done, before, {"sft_from_step": cfg.sft.steps}
         else:
             before = evaluate(start, env_factory, tok, domain=cfg.env, rollout=cfg.rollout, eval_cfg=cfg.eval,
-                              seed=run.seed, device=run.engine_device)
+                              seed=run.seed, device=run.engine_device,
+                              attn_implementation=run.model.attn_implementation)
             record.write_text(json.dumps({"eval_init": before}))
         examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=run.seed,
                                 prompt_format=PromptFormat.from_rollout(tok, cfg.rollout))
