@@ -183,10 +183,25 @@ def pretrained(auto_class, path: str | Path, **kwargs) -> torch.nn.Module:
         return auto_class.from_pretrained(str(path), **kwargs)
 
 
+def check_attention(attn_implementation: str) -> None:
+    """flash_attention_2 needs CUDA and the flash_attn package: refused in one line without them."""
+    if attn_implementation != "flash_attention_2":
+        return
+    import importlib.util
+
+    if not torch.cuda.is_available():
+        raise ValueError("model.attn_implementation flash_attention_2 needs a CUDA GPU, and this machine has none "
+                         "(use sdpa)")
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ValueError("model.attn_implementation flash_attention_2 needs the flash_attn package (pip install "
+                         "flash-attn), which is not installed (or use sdpa)")
+
+
 def load_causal_lm(path: str | Path, dtype: str = "float32", device: Optional[torch.device | str] = None,
                    attn_implementation: str = "eager") -> torch.nn.Module:
     """The model in `dtype` (float32, bfloat16 or float64, on any device), moved to `device` (None: where it
     loads), with transformers' `attn_implementation` (`model.attn_implementation`)."""
+    check_attention(attn_implementation)
     model = pretrained(AutoModelForCausalLM, path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
     model.config.use_cache = False
     return model if device is None else model.to(device)

@@ -77,6 +77,10 @@ class ModelConfig(Strict):
     """The base model every stage starts from."""
 
     path: str = describe("'tiny': build the embedded tiny model; otherwise a local HF-format model directory", "tiny")
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = describe(
+        "transformers attention of the policy in the trainer (SFT too), the embedded engine and evaluation (the same "
+        "one: the gate compares trainer and engine); sdpa and flash_attention_2 never hold the [B, heads, T, T] scores; flash_attention_2 needs "
+        "CUDA and the flash_attn package. The critic runs sdpa (flash_attention_2 when chosen)", "eager")
     tiny: TinyModelConfig = describe("shape of the tiny model (path: tiny)", TinyModelConfig())
 
 
@@ -156,6 +160,14 @@ class TrainerConfig(Strict):
         "both limits hold)", None, ge=1)
     gradient_checkpointing: bool = describe("recompute each decoder layer's activations in the backward instead of "
                                             "keeping them (policy and critic; non-reentrant)", False)
+    lr_schedule: Literal["constant", "linear_warmup", "cosine"] = describe(
+        "policy and critic learning rate over their optimizer steps: constant; linear_warmup: rising linearly to "
+        "the lr over warmup_steps, then constant; cosine: that warm-up, then a cosine decay to min_lr_ratio x lr "
+        "at the stage's last step (the critic's: steps x critic_steps; SFT's: its own steps). Saved and restored on "
+        "resume", "constant")
+    warmup_steps: int = describe("linear_warmup and cosine: optimizer steps of warm-up (the critic's count its own "
+                                 "updates, critic_steps per policy step)", 0, ge=0)
+    min_lr_ratio: float = describe("cosine: the floor of the decay, as a fraction of the lr", 0.0, ge=0, le=1)
     deepspeed_config: Optional[dict[str, Any]] = describe("backend=deepspeed: a DeepSpeed config dict (defaults to "
                                                           "ZeRO-2)", None)
     slowdown_s: float = describe("artificial delay per step, to force staleness in experiments", 0.0, ge=0)

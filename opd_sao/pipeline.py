@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from opd_sao.checkpoints import build_tiny_model, load_tokenizer
+from opd_sao.checkpoints import build_tiny_model, check_attention, load_tokenizer
 from opd_sao.engines import check_engine
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.files import atomic_write, write_json
@@ -54,6 +54,7 @@ def check_before_work(cfg: RunConfig) -> None:
                 raise ValueError(f"stage {stage.name!r}: env_options of {stage.env!r}: {err.args[0]}") from None
     if cfg.model.path != "tiny" and not (Path(cfg.model.path) / "config.json").is_file():
         raise ValueError(f"model.path {cfg.model.path!r} is not an HF-format model directory (no config.json)")
+    check_attention(cfg.model.attn_implementation)  # flash_attention_2 without CUDA or flash_attn
     # a rollout fleet that cannot take weights (or sample at a stage's top_p) fails now, not after an SFT warm start
     check_engine(cfg.engine, nucleus=any(stage.rollout.top_p < 1 for stage in cfg.stages))
 
@@ -127,7 +128,8 @@ class Evaluator:
         if key not in self._seen:
             self._seen[key] = {
                 name: round(evaluate(checkpoint, d.factory, self.tokenizer, domain=name, rollout=d.eval_rollout,
-                                     eval_cfg=d.eval_cfg, seed=self.cfg.seed, device=self.cfg.engine_device), 4)
+                                     eval_cfg=d.eval_cfg, seed=self.cfg.seed, device=self.cfg.engine_device,
+                                     attn_implementation=self.cfg.model.attn_implementation), 4)
                 for name, d in self.domains.items()
             }
         return self._seen[key]

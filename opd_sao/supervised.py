@@ -55,14 +55,15 @@ def sft_batch(chosen: list[tuple[list[int], list[int]]], pad_id: int) -> Batch:
 
 def run_sft(checkpoint: Path, out_dir: Path, examples, tokenizer, cfg: SFTConfig, seed: int, progress=None, *,
             trainer: Optional[TrainerConfig] = None, work_dir: Optional[Path] = None, save_every: int = 0,
-            resume: bool = False) -> Path:
+            resume: bool = False, attn_implementation: str = "eager") -> Path:
     """SFT from `checkpoint` on the `trainer` backend (default: torch on the run's device); returns the HF-format
     `out_dir`, written atomically.
 
     The backend is the RL stages' (`trainer.backend`: torch, or DeepSpeed ZeRO 1-3 over the launched ranks) at
     `sft.lr`, so a model that needs ZeRO to train needs no other path to its warm start; its precision is
     `trainer.dtype` (float32 weights, bfloat16 compute under autocast). The loss is the token-mean negative
-    log-likelihood of the answers (the prompt is context only).
+    log-likelihood of the answers (the prompt is context only). Its micro-batches, gradient checkpointing and lr
+    schedule (over the SFT's own steps) are `trainer`'s; `attn_implementation` is model.attn_implementation.
 
     With `work_dir` it is resumable, like an RL stage: work_dir/sft.jsonl gets one line per step (loss and the
     indices of the examples trained on), and every `save_every` steps the backend's state and the sampler go to
@@ -72,7 +73,8 @@ def run_sft(checkpoint: Path, out_dir: Path, examples, tokenizer, cfg: SFTConfig
     written.
     """
     trainer = (trainer or TrainerConfig()).model_copy(update={"policy_lr": cfg.lr})
-    backend = build_backend(trainer, checkpoint, with_critic=False)
+    backend = build_backend(trainer, checkpoint, with_critic=False, attn_implementation=attn_implementation,
+                            total_steps=cfg.steps)
     rng, start, state = random.Random(seed), 0, None
     if work_dir is not None:
         state = StageState(work_dir, STATE)

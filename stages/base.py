@@ -112,7 +112,8 @@ class Stage(ABC):
         with self.progress(self.cfg.sft.steps, "sft") as bar:
             checkpoint = run_sft(start, out, examples, self.ctx.tokenizer, self.cfg.sft, self.ctx.cfg.seed, bar,
                                  trainer=self.ctx.cfg.stage_trainer(self.cfg), work_dir=self.dir,
-                                 save_every=self.cfg.checkpoint_every, resume=self.ctx.resume)
+                                 save_every=self.cfg.checkpoint_every, resume=self.ctx.resume,
+                                 attn_implementation=self.ctx.cfg.model.attn_implementation)
         return checkpoint, ({"sft_from_step": from_step} if self.ctx.resume else {})
 
     def train(self, *, engine, backend, learner, make_episodes, make_probe, trainer_cfg: TrainerConfig,

@@ -76,8 +76,11 @@ class OPDStage(Stage):
             targets = TeacherTargets(registry, prefetcher, Path(opd.cache_dir or self.dir / "logit_cache"))
             targets.warm_up()  # teachers copy and load in the background from here on: trainer and engine
             # loading, the consistency probe and the first rollouts all overlap with it
-            backend = build_backend(trainer_cfg, start, with_critic=False)
-            engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device)
+            attention = run.model.attn_implementation  # trainer and engine alike: the gate compares them
+            backend = build_backend(trainer_cfg, start, with_critic=False, attn_implementation=attention,
+                                    total_steps=cfg.steps)
+            engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device,
+                                  attn_implementation=attention)
             learner = OPDLearner(backend, opd, cfg.sao, targets)
             gate, resumed = self._train(domains, backend, engine, learner, trainer_cfg)
             checkpoint = backend.export_policy(self.dir / "checkpoint", tok)
@@ -130,7 +133,8 @@ class OPDStage(Stage):
             key = (str(Path(ckpt).resolve()), d.name)
             if key not in scores:
                 scores[key] = round(evaluate(ckpt, d.factory, tok, domain=d.name, rollout=d.eval_rollout,
-                                             eval_cfg=d.eval_cfg, seed=seed, device=self.ctx.cfg.engine_device), 4)
+                                             eval_cfg=d.eval_cfg, seed=seed, device=self.ctx.cfg.engine_device,
+                                             attn_implementation=self.ctx.cfg.model.attn_implementation), 4)
             return scores[key]
 
         out = {}

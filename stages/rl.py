@@ -62,7 +62,8 @@ class RLStage(Stage):
                 return done, before, {"sft_from_step": cfg.sft.steps}
         else:
             before = evaluate(start, env_factory, tok, domain=cfg.env, rollout=cfg.rollout, eval_cfg=cfg.eval,
-                              seed=run.seed, device=run.engine_device)
+                              seed=run.seed, device=run.engine_device,
+                              attn_implementation=run.model.attn_implementation)
             record.write_text(json.dumps({"eval_init": before}))
         examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=run.seed,
                                 prompt_format=PromptFormat.from_rollout(tok, cfg.rollout))
@@ -95,8 +96,11 @@ class RLStage(Stage):
         algo, trainer_cfg = run.stage_algo(cfg), run.stage_trainer(cfg)
         critic = needs_critic(algo)
         critic_from = self.carried_critic() if critic and cfg.critic_pretrain.carry_over else None
-        backend = build_backend(trainer_cfg, start, with_critic=critic, critic_from=critic_from)
-        engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device)
+        attention = run.model.attn_implementation  # trainer and engine alike: the gate compares them
+        backend = build_backend(trainer_cfg, start, with_critic=critic, critic_from=critic_from,
+                                attn_implementation=attention, total_steps=cfg.steps)
+        engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device,
+                              attn_implementation=attention)
         learner = Learner(backend, algo, cfg.sao, critic_steps=trainer_cfg.critic_steps,
                           critic_warmup_steps=trainer_cfg.critic_warmup_steps)
         train_env = self.env_factory(train_step=lambda: learner.steps_done)

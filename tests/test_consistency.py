@@ -79,9 +79,9 @@ def peaked_dir(tiny_model_dir, tokenizer, tmp_path_factory):
     return save_checkpoint(model, tokenizer, tmp_path_factory.mktemp("peaked") / "checkpoint")
 
 
-def _engine(path, tokenizer, dtype="float32", **kw):
-    return EmbeddedEngine(load_causal_lm(path, dtype), eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                          **kw)
+def _engine(path, tokenizer, dtype="float32", attention="eager", **kw):
+    return EmbeddedEngine(load_causal_lm(path, dtype, attn_implementation=attention), eos_id=tokenizer.eos_token_id,
+                          pad_id=tokenizer.pad_token_id, **kw)
 
 
 def _gate(engine, backend, tokenizer, tmp_path, deterministic=False, **thresholds):
@@ -90,8 +90,8 @@ def _gate(engine, backend, tokenizer, tmp_path, deterministic=False, **threshold
                            eps_low=0.3, eps_high=5.0, deterministic=deterministic)
 
 
-def _trainer(path, lr=1e-4):
-    return TorchTrainer(path, TrainerConfig(policy_lr=lr), with_critic=False)
+def _trainer(path, lr=1e-4, attention="eager"):
+    return TorchTrainer(path, TrainerConfig(policy_lr=lr), with_critic=False, attn_implementation=attention)
 
 
 def _fails(gate, phase="start"):
@@ -244,6 +244,34 @@ def test_bf16_engine_against_fp32_trainer(peaked_dir, tokenizer, tmp_path):
     assert "bfloat16" in message and "float32" in message
 
 
+def test_sdpa_engine_and_trainer_pass_the_gate(peaked_dir, tokenizer, tmp_path):
+    """model.attn_implementation sdpa: the engine (KV-cached, left-padded batches) and the trainer (right-padded,
+    whole sequences) both run sdpa, and agree as closely as eager does."""
+    trainer = _trainer(peaked_dir, attention="sdpa")
+    engine = _engine(peaked_dir, tokenizer, attention="sdpa")
+    assert trainer.policy_model.config._attn_implementation == engine.model.config._attn_implementation == "sdpa"
+    gate = _gate(engine, trainer, tokenizer, tmp_path)
+    gate.run("start")
+    assert gate.evaluations[-1]["passed"] and gate.evaluations[-1]["mean_abs_diff"] < 1e-5
+
+
+def test_engine_and_trainer_with_other_attention_kernels(peaked_dir, tokenizer, tmp_path):
+    gate = _gate(_engine(peaked_dir, tokenizer, attention="eager"), _trainer(peaked_dir, attention="sdpa"), tokenizer,
+                 tmp_path, mean_abs_diff=1e-12, p99_abs_diff=1e-12)
+    message, diagnosis = _fails(gate)
+    assert diagnosis["cause"] == "attention" and "eager" in message and "sdpa" in message
+    assert diagnosis["evidence"]["weight_max_abs_diff"] == 0.0
+
+
+def test_flash_attention_without_cuda_is_refused_in_one_line(tmp_path, capsys):
+    config = yaml.safe_load(open(_run_config(tmp_path, engine={}, gate={})))
+    config["model"]["attn_implementation"] = "flash_attention_2"
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    assert main(["run", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "run")]) == 2  # before any work
+    err = capsys.readouterr().err.strip()
+    assert "flash_attention_2 needs a CUDA GPU" in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
 def _ignore_padding(module):
     """A model path that drops the attention mask and position ids, so it attends to padding: harmless
     unpadded or right-padded, wrong for left-padded rows. (Dropping the mask alone is not enough:
@@ -296,12 +324,14 @@ def test_checker_reports_version_errors_separately(peaked_dir, tokenizer):
 # stages and the audit, end to end
 # ----------------------------------------------------------------------------
 
-def _run_config(tmp_path, *, engine: dict, gate: dict) -> str:
+def _run_config(tmp_path, *, engine: dict, gate: dict, model: dict = {}, trainer: dict = {},
+                algo: str = "running_mean") -> str:
     stage = {"name": "reasoning", "kind": "reasoning", "env": "arithmetic", "env_options": {"max_operand": 9},
-             "algo": "running_mean", "steps": 2, "rollout": {"max_new_tokens": 4}, "eval": {"num_tasks": 4},
+             "algo": algo, "steps": 2, "rollout": {"max_new_tokens": 4}, "eval": {"num_tasks": 4},
              "gate": {"probe_size": 4, **gate}}
-    cfg = {"seed": 1, "model": {"tiny": TINY}, "engine": engine, "logging": {"wandb": False, "progress": False},
-           "trainer": {"train_batch_size": 4}, "stages": [stage]}
+    cfg = {"seed": 1, "model": {"tiny": TINY, **model}, "engine": engine,
+           "logging": {"wandb": False, "progress": False}, "trainer": {"train_batch_size": 4, **trainer},
+           "stages": [stage]}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
@@ -324,6 +354,20 @@ def test_stage_gates_then_deterministic_audit_of_its_checkpoint(tmp_path, capsys
     assert {"max_abs_diff", "p99_abs_diff", "k1_kl", "k3_kl", "mask_fraction"} <= set(audit)
     assert (out / "audit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "audit passed" in capsys.readouterr().out
+
+
+def test_sdpa_stage_in_micro_batches_passes_every_gate(tmp_path):
+    """A SAO stage with model.attn_implementation sdpa (engine and trainer), 2-trajectory micro-batches and
+    gradient checkpointing: gated at the start, after every step and before promotion, all passed."""
+    config = _run_config(tmp_path, engine={}, gate={"every": 1}, model={"attn_implementation": "sdpa"}, algo="sao",
+                         trainer={"micro_batch_size": 2, "gradient_checkpointing": True, "critic_warmup_steps": 0})
+    assert main(["run", config, "--run-dir", str(tmp_path / "run")]) == 0
+    stage_dir = tmp_path / "run" / "stages" / "reasoning"
+    evaluations = json.loads((stage_dir / "gate.json").read_text())["evaluations"]
+    assert [e["phase"] for e in evaluations] == ["start", "step", "step", "final"]
+    assert all(e["passed"] and e["mean_abs_diff"] < 1e-5 for e in evaluations)
+    steps = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2 and all(math.isfinite(s["policy_grad_norm"] + s["critic_grad_norm"]) for s in steps)
 
 
 def test_gate_failure_stops_the_pipeline_with_a_clear_error(tmp_path, capsys):

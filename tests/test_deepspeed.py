@@ -28,7 +28,9 @@ LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-5
 def _trainer_cfg(**kw):
     from opd_sao.config import TrainerConfig
 
-    return TrainerConfig(policy_lr=1e-3, critic_lr=1e-3, critic_steps=2, critic_warmup_steps=0, **kw)
+    # a cosine lr schedule: DeepSpeed steps it as torch does, and a resumed run must restore it
+    return TrainerConfig(policy_lr=1e-3, critic_lr=1e-3, critic_steps=2, critic_warmup_steps=0, lr_schedule="cosine",
+                         warmup_steps=1, min_lr_ratio=0.1, **kw)
 
 
 def _learner(backend):
@@ -66,14 +68,14 @@ def worker(args: dict) -> None:
     out, model = Path(args["out"]), args["model"]
     batch = _load_batch(Path(args["batch"]), args["pad_id"])
     zero2 = _trainer_cfg(backend="deepspeed", deepspeed_config={"zero_optimization": {"stage": 2}})
-    backend = DeepSpeedTrainer(model, zero2)
+    backend = DeepSpeedTrainer(model, zero2, total_steps=STEPS)
     learner = _learner(backend)
     history = _train(learner, batch, SAVE_AFTER)
     backend.save_state(out / "state")
     history += _train(learner, batch, STEPS - SAVE_AFTER)
     continued = backend.policy_state_dict()
 
-    resumed_backend = DeepSpeedTrainer(model, zero2)
+    resumed_backend = DeepSpeedTrainer(model, zero2, total_steps=STEPS)
     resumed_backend.load_state(out / "state")
     resumed_version = resumed_backend.policy_version
     _train(_learner(resumed_backend), batch, STEPS - SAVE_AFTER)
@@ -83,7 +85,7 @@ def worker(args: dict) -> None:
     exported = load_causal_lm(resumed_backend.export_policy(out / "export", load_tokenizer(model))).state_dict()
 
     zero3 = _trainer_cfg(backend="deepspeed", deepspeed_config={"zero_optimization": {"stage": 3}})
-    z3_backend = DeepSpeedTrainer(model, zero3)
+    z3_backend = DeepSpeedTrainer(model, zero3, total_steps=STEPS)
     z3_history = _train(_learner(z3_backend), batch, ZERO3_STEPS)
     torch.save({"history": history, "continued": continued, "resumed": resumed, "resumed_version": resumed_version,
                 "exported": exported, "z3_history": z3_history, "z3_weights": z3_backend.policy_state_dict(),
@@ -145,7 +147,7 @@ def test_two_process_zero2_matches_torch_backend_and_resumes(tmp_path, fixed_bat
            __file__, json.dumps(args)]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # the reference trains while the workers start
-    reference = TorchTrainer(tiny_model_dir, _trainer_cfg())
+    reference = TorchTrainer(tiny_model_dir, _trainer_cfg(), total_steps=STEPS)
     ref_learner = _learner(reference)
     ref_history = _train(ref_learner, _load_batch(fixed_batch, tokenizer.pad_token_id), ZERO3_STEPS)
     ref_after_z3 = reference.policy_state_dict()

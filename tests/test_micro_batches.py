@@ -140,12 +140,62 @@ def test_split_steps_match_the_whole_batch_torch(tmp_path, tiny_model_dir, pertu
 
     def make(cfg):
         backend = TorchTrainer(tiny_model_dir, cfg, attn_implementation="sdpa")
-        assert backend.policy.is_gradient_checkpointing == backend.critic.backbone.is_gradient_checkpointing \
+        assert backend.policy.is_activation_checkpointing == backend.critic.backbone.is_activation_checkpointing \
             == cfg.gradient_checkpointing
         return backend
 
     worst = compare(all_steps(make, batch, str(tiny_model_dir), str(perturbed_teacher), tokenizer, tmp_path))
     print(f"\ntorch: split updates vs whole batch, worst relative difference {worst:.2e}")
+
+
+class SavedActivations:
+    """Bytes of the tensors autograd keeps for the backward, alive at once at the peak (saved_tensors_hooks)."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def pack(self, tensor):
+        return _Saved(self, tensor)
+
+    @staticmethod
+    def unpack(saved):
+        return saved.tensor
+
+
+class _Saved:
+    def __init__(self, owner: SavedActivations, tensor: torch.Tensor):
+        self.owner, self.tensor, self.bytes = owner, tensor, tensor.numel() * tensor.element_size()
+        owner.live += self.bytes
+        owner.peak = max(owner.peak, owner.live)
+
+    def __del__(self):
+        self.owner.live -= self.bytes
+
+
+def test_a_split_step_keeps_one_micro_batch_of_activations(tmp_path, tiny_model_dir, tokenizer):
+    """The memory a step keeps for its backward (policy and critic): 4 micro-batches keep about a quarter of the
+    whole batch's (the widest micro-batch's), gradient checkpointing (each decoder layer's input only) less still.
+    Measured on this batch: 2.34 MB whole, 0.68 MB in 4 micro-batches, 0.10 MB with checkpointing too."""
+    from opd_sao.config import TrainerConfig
+    from opd_sao.trainers import TorchTrainer
+    from opd_sao.trajectory import Trajectory, collate
+
+    path = batch_file(tiny_model_dir, tokenizer, tmp_path / "batch.jsonl")
+    batch = collate([Trajectory.from_json(line) for line in path.read_text().splitlines()], tokenizer.pad_token_id)
+    peaks = {}
+    for name, split in {"whole": {}, **SPLITS}.items():
+        backend = TorchTrainer(tiny_model_dir, TrainerConfig(**split), attn_implementation="sdpa")
+        saved = SavedActivations()
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            logp = backend.policy_logprobs(batch, 1.0, grad=True)
+            backend.step_policy(-(logp * batch.action_mask).sum() / batch.action_mask.sum())
+            values = backend.critic_values(batch, grad=True)
+            backend.step_critic(((values - 1) ** 2 * batch.action_mask).sum())
+        peaks[name] = saved.peak
+        assert saved.live == 0  # nothing kept after the step
+    print("\npeak saved activations (bytes):", peaks)
+    assert peaks["micro_batch_size"] < 0.4 * peaks["whole"] and peaks["token_budget"] < 0.4 * peaks["whole"]
+    assert peaks["checkpointed"] < 0.5 * peaks["micro_batch_size"]
 
 
 def worker(args: dict) -> None:

@@ -178,6 +178,18 @@ def _engine_padding(report, trainer_model, engine, evidence: dict, *, mean_abs_d
                      "path mishandles padding (attention mask or position ids of left-padded rows)")
 
 
+def _attention(model: Optional[torch.nn.Module]) -> Optional[str]:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) if model is not None else None
+
+
+def _attention_mismatch(engine_attention: Optional[str], trainer_attention: Optional[str]) -> Optional[Diagnosis]:
+    if not (engine_attention and trainer_attention and engine_attention != trainer_attention):
+        return None
+    return Diagnosis("attention", f"the engine's attention is {engine_attention} and the trainer's "
+                     f"{trainer_attention}: other kernels sum in another order (float32: ~1e-6; bf16 far more); "
+                     "load both with the same model.attn_implementation")
+
+
 def _dtype_mismatch(engine_dtype: Optional[str], trainer_dtype: Optional[str]) -> Optional[Diagnosis]:
     if not (engine_dtype and trainer_dtype and engine_dtype != trainer_dtype):
         return None
@@ -196,6 +208,7 @@ def diagnose(report: ConsistencyReport, trainer_model: torch.nn.Module, engine: 
     3. padding, trainer side: left- and right-padded rows give other logprobs (`_trainer_padding`).
     4. padding, engine side: the prompts generated one at a time agree with the trainer (`_engine_padding`).
     5. dtype: engine and trainer run different dtypes (bf16 drift is expected, up to ~1e-2).
+    6. attention: engine and trainer run different attention kernels (model.attn_implementation).
     Every experiment that ran is in `evidence`, also the ones that did not decide.
     """
     if report.version_errors:
@@ -205,7 +218,8 @@ def diagnose(report: ConsistencyReport, trainer_model: torch.nn.Module, engine: 
     if not report.tokens:
         return Diagnosis("unknown", "the probe produced no action tokens to compare")
     engine_dtype = engine_dtype or _dtype(_module(engine))
-    evidence: dict = {"engine_dtype": engine_dtype, "trainer_dtype": _dtype(trainer_model)}
+    evidence: dict = {"engine_dtype": engine_dtype, "trainer_dtype": _dtype(trainer_model),
+                      "engine_attention": _attention(_module(engine)), "trainer_attention": _attention(trainer_model)}
     was_training = trainer_model.training
     trainer_model.eval()
     try:
@@ -216,11 +230,12 @@ def diagnose(report: ConsistencyReport, trainer_model: torch.nn.Module, engine: 
         trainer_model.train(was_training)
     found += [_engine_padding(report, trainer_model, engine, evidence, mean_abs_diff=mean_abs_diff,
                               p99_abs_diff=p99_abs_diff),
-              _dtype_mismatch(engine_dtype, evidence["trainer_dtype"])]
+              _dtype_mismatch(engine_dtype, evidence["trainer_dtype"]),
+              _attention_mismatch(evidence["engine_attention"], evidence["trainer_attention"])]
     found = [d for d in found if d is not None]
     if not found:
-        return Diagnosis("unknown", "no experiment explains the drift (versions, weights, temperature, padding and "
-                         "dtype all agree): compare the engine's and the trainer's kernels", evidence)
+        return Diagnosis("unknown", "no experiment explains the drift (versions, weights, temperature, padding, "
+                         "dtype and attention all agree): compare the engine's and the trainer's kernels", evidence)
     chosen = found[0]
     chosen.evidence = {**evidence, "other_causes": [d.cause for d in found[1:]]}
     return chosen

@@ -22,16 +22,18 @@ def check_engine(cfg, nucleus: bool = False) -> None:
                 client.check_sampling_mask()
 
 
-def build_engine(cfg, checkpoint, tokenizer, seed: int, device=None) -> RolloutEngine:
+def build_engine(cfg, checkpoint, tokenizer, seed: int, device=None, attn_implementation: str = "eager"
+                 ) -> RolloutEngine:
     """The rollout engine a config asks for, loaded with `checkpoint` at policy version 0.
 
-    `device`: the run's device when `cfg.device` (engine.device) does not override it.
+    `device`: the run's device when `cfg.device` (engine.device) does not override it. `attn_implementation`
+    (model.attn_implementation, the trainer's too): the embedded engine's attention; servers use their own.
     """
     if cfg.kind == "embedded":
         from opd_sao.checkpoints import load_causal_lm
         from opd_sao.devices import resolve_device
 
-        model = load_causal_lm(checkpoint, cfg.dtype, resolve_device(cfg.device or device))
+        model = load_causal_lm(checkpoint, cfg.dtype, resolve_device(cfg.device or device), attn_implementation)
         return EmbeddedEngine(model, eos_id=tokenizer.eos_token_id,
                               pad_id=tokenizer.pad_token_id, max_batch=cfg.max_batch, seed=seed,
                               deterministic=cfg.deterministic)

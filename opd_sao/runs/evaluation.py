@@ -23,16 +23,18 @@ def make_episodes(env_factory, tasks, tokenizer, rollout: RolloutConfig, *, doma
 
 
 def evaluate(checkpoint: Path, env_factory, tokenizer, *, domain: str, rollout: RolloutConfig, eval_cfg: EvalConfig,
-             seed: int, device: Optional[str] = None) -> float:
+             seed: int, device: Optional[str] = None, attn_implementation: str = "eager") -> float:
     """Sampled (not greedy) at eval_cfg.temperature, with a fixed seed, so runs are comparable.
 
-    `device`: where the model generates (the run's engine device; None: auto).
+    `device`: where the model generates (the run's engine device; None: auto); `attn_implementation`: the
+    engine's (model.attn_implementation).
     """
     tasks = env_factory().make_tasks("eval", eval_cfg.num_tasks, seed=seed)
     if not tasks:
         raise ValueError(f"environment {domain!r} has no eval tasks")
-    engine = EmbeddedEngine(load_causal_lm(checkpoint, device=resolve_device(device)), eos_id=tokenizer.eos_token_id,
-                            pad_id=tokenizer.pad_token_id, max_batch=64, seed=seed)
+    model = load_causal_lm(checkpoint, device=resolve_device(device), attn_implementation=attn_implementation)
+    engine = EmbeddedEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, max_batch=64,
+                            seed=seed)
     episodes = make_episodes(env_factory, tasks, tokenizer, rollout, domain=domain, temperature=eval_cfg.temperature,
                              repeats=eval_cfg.samples_per_task)
     with torch.no_grad():

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from ..algorithms import lr_multiplier
 from ..config import TrainerConfig
 from ..modeling import (
     dense_support_logprobs,
@@ -47,6 +49,15 @@ def nonfinite_parameters(*models: Optional[torch.nn.Module]) -> list[str]:
 def adamw(params, lr: float, cfg: TrainerConfig) -> torch.optim.AdamW:
     """The policy's and the critic's optimizer, with the config's betas and weight decay."""
     return torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
+
+
+def lr_scheduler(optimizer, cfg: TrainerConfig, total_steps: Optional[int]) -> torch.optim.lr_scheduler.LambdaLR:
+    """`trainer.lr_schedule` on an optimizer that takes `total_steps` steps in the stage (where cosine ends)."""
+    if cfg.lr_schedule == "cosine" and not total_steps:
+        raise ValueError("trainer.lr_schedule cosine needs the number of optimizer steps it decays over")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
+        lr_multiplier, schedule=cfg.lr_schedule, warmup=cfg.warmup_steps, total=total_steps or 1,
+        floor=cfg.min_lr_ratio))
 
 
 def weights_dtype(cfg: TrainerConfig) -> str:

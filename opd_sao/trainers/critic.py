@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel
 
-from opd_sao.checkpoints import DTYPES, MODEL_INIT_LOCK
+from opd_sao.checkpoints import DTYPES, MODEL_INIT_LOCK, check_attention
 
 from ..modeling import position_ids_for
 
@@ -38,6 +38,7 @@ class ValueModel(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> "ValueModel":
         """From a policy checkpoint (zero value head) or a saved critic (`save_pretrained`: its trained head)."""
+        check_attention(attn_implementation)
         with MODEL_INIT_LOCK:  # the head's nn.init must not run while another thread loads a model
             # fused attention: eager's separate passes over [B, heads, T, T] scores cost as much as its matmuls
             # (benchmarks/vocab_memory.py --kinds critic: 1.8x the step time)
@@ -73,8 +74,9 @@ class ValueModel(nn.Module):
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask)
         ).last_hidden_state
-        # the head's dtype: float32 master weights (bf16 compute: float32 hidden states), DeepSpeed's bf16, float64
+        # the head's dtype (float32 master weights, DeepSpeed's bf16, float64); values at least float32
         state_values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # after reading token t
+        state_values = state_values.to(torch.promote_types(state_values.dtype, torch.float32))
         values = torch.zeros_like(state_values)
         values[:, 1:] = state_values[:, :-1]  # V(s_t): state before token t
         return values * attention_mask

@@ -25,6 +25,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -37,8 +38,8 @@ from ..config import TrainerConfig
 from ..devices import resolve_device
 from ..modeling import sequence_logprobs
 from .micro_batches import Deferred, Outputs, Rows, micro_forward, widen
-from .base import (SupportLogprobs, TrainerBackend, action_rows_of, action_support_logprobs, adamw, prepare,
-                   require_finite, split, weights_dtype)
+from .base import (SupportLogprobs, TrainerBackend, action_rows_of, action_support_logprobs, adamw, lr_scheduler,
+                   prepare, require_finite, split, weights_dtype)
 from .critic import ValueModel
 
 # Followers block in a broadcast while rank 0 runs SFT, evaluations or rollouts; those can take hours.
@@ -120,7 +121,9 @@ def deepspeed_config(cfg: TrainerConfig, lr: float) -> dict:
 
 class DeepSpeedTrainer(TrainerBackend):
     def __init__(self, checkpoint: str | Path, cfg: TrainerConfig, *, with_critic: bool = True,
-                 critic_from: str | Path | None = None, attn_implementation: str = "eager"):
+                 critic_from: str | Path | None = None, attn_implementation: str = "eager",
+                 total_steps: Optional[int] = None):
+        """`total_steps`: the stage's policy steps, where a cosine lr schedule ends (the critic's: x critic_steps)."""
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
@@ -135,21 +138,22 @@ class DeepSpeedTrainer(TrainerBackend):
             raise ValueError(f"trainer.device {cfg.device!r} is {wanted}, but DeepSpeed's accelerator runs on "
                              f"{self.device} (DS_ACCELERATOR={wanted.type} chooses it)")
         self._announce("init", checkpoint=self.checkpoint, cfg=cfg.model_dump(), with_critic=with_critic,
-                       critic_from=critic_from, attn_implementation=attn_implementation)
+                       critic_from=critic_from, attn_implementation=attn_implementation, total_steps=total_steps)
         self.attn_implementation = attn_implementation
         policy_ds = deepspeed_config(cfg, cfg.policy_lr)
         # Under ZeRO-3 every rank loads the full model, then DeepSpeed partitions it (partitioning while
         # loading needs transformers' DeepSpeed integration, hence `accelerate`, which is no dependency).
         self.zero3 = policy_ds["zero_optimization"]["stage"] == 3
         policy = prepare(load_causal_lm(checkpoint, weights_dtype(cfg), attn_implementation=attn_implementation), cfg)
-        self.policy, _ = self._engine(deepspeed, policy, policy_ds, cfg.policy_lr, cfg)
+        self.policy, _ = self._engine(deepspeed, policy, policy_ds, cfg.policy_lr, cfg, total_steps)
         self.critic = None
         if with_critic:
             critic = prepare(ValueModel.from_pretrained(self.critic_source, weights_dtype(cfg), attn_implementation),
                              cfg)
             if cfg.freeze_critic_attention:
                 critic.freeze_attention()
-            self.critic, _ = self._engine(deepspeed, critic, deepspeed_config(cfg, cfg.critic_lr), cfg.critic_lr, cfg)
+            self.critic, _ = self._engine(deepspeed, critic, deepspeed_config(cfg, cfg.critic_lr), cfg.critic_lr, cfg,
+                                          total_steps and total_steps * cfg.critic_steps)
         self._pending: dict[str, list[_Pending]] = {"policy": [], "critic": []}
         self.policy_version = 0
         if self.rank == 0 and self.world > 1 and not _followers_waiting:
@@ -157,12 +161,16 @@ class DeepSpeedTrainer(TrainerBackend):
             atexit.register(_release_followers)
 
     @staticmethod
-    def _engine(deepspeed, model: torch.nn.Module, ds: dict, lr: float, cfg: TrainerConfig):
+    def _engine(deepspeed, model: torch.nn.Module, ds: dict, lr: float, cfg: TrainerConfig, total_steps):
+        """A DeepSpeed engine with our AdamW (or the optimizer the config names) and `trainer.lr_schedule` as a
+        LambdaLR on it (DeepSpeed steps it with the optimizer and keeps it in its checkpoints), unless the config
+        names a DeepSpeed scheduler."""
         trainable = [p for p in model.parameters() if p.requires_grad]
+        schedule = None if "scheduler" in ds else partial(lr_scheduler, cfg=cfg, total_steps=total_steps)
         if "optimizer" in ds:
-            return deepspeed.initialize(model=model, model_parameters=trainable, config=ds)[:2]
+            return deepspeed.initialize(model=model, model_parameters=trainable, config=ds, lr_scheduler=schedule)[:2]
         opt = adamw(trainable, lr, cfg)
-        return deepspeed.initialize(model=model, optimizer=opt, config=ds)[:2]
+        return deepspeed.initialize(model=model, optimizer=opt, config=ds, lr_scheduler=schedule)[:2]
 
     # --- the rank-0-drives protocol -------------------------------------------------------------------
 
@@ -209,9 +217,9 @@ class DeepSpeedTrainer(TrainerBackend):
         lo, hi = shares[self.rank]
         engine = self.policy if kind == "policy" else self.critic
 
-        def forward(part, _):
-            r = rows.take(part if len(part) else torch.zeros(1, dtype=torch.long), self.device)  # an empty part
-            if kind == "policy":  # scored at the action tokens only, the ones every caller reads  # runs on a row
+        def forward(part, _):  # an empty part (a rank with fewer micro-batches) runs on a row, keeps no output
+            r = rows.take(part if len(part) else torch.zeros(1, dtype=torch.long), self.device)
+            if kind == "policy":  # scored at the action tokens only, the ones every caller reads
                 out = sequence_logprobs(engine, r.input_ids, r.attention_mask, temperature, top_p=r.top_p,
                                         full_logits=self.zero3, only=r.action_mask)
             else:
@@ -220,7 +228,7 @@ class DeepSpeedTrainer(TrainerBackend):
 
         parts = self._parts(rows, shares)
         local, deferred = micro_forward(forward, parts, [part - lo for part in parts], hi - lo, grad,
-                                 keep_graph=len(parts) == 1)
+                                        keep_graph=len(parts) == 1)
         return self._output(kind, local, lo, [h - l for l, h in shares], deferred, grad)[0]
 
     def _output(self, kind: str, local: Outputs, lo: int, counts: list[int], deferred: Optional[Deferred],
@@ -275,16 +283,14 @@ class DeepSpeedTrainer(TrainerBackend):
             action = r.action_mask if len(part) else torch.zeros_like(r.action_mask)  # an empty part: no rows, but
             # a backward (of zeros) through every weight all the same, as ZeRO expects
             sub = (None, None) if whole_vocab else (ids[where.to(ids.device)], mask[where.to(mask.device)])
-            with torch.enable_grad():
-                logp, tail, top = action_support_logprobs(self.policy.module, r.input_ids, r.attention_mask, action,
-                                                          *sub, vocab_chunk=vocab_chunk, top_k=top_k,
-                                                          full_logits=self.zero3)
+            logp, tail, top = action_support_logprobs(self.policy.module, r.input_ids, r.attention_mask, action, *sub,
+                                                      vocab_chunk=vocab_chunk, top_k=top_k, full_logits=self.zero3)
             return (logp, tail) if top is None else (logp, tail, top)
 
         parts = self._parts(rows, shares)
         out_rows = [rows_ - r_lo for rows_ in action_rows_of(rows, parts)]
         local, deferred = micro_forward(forward, parts, out_rows, row_shares[self.rank][1] - r_lo, True,
-                                 keep_graph=len(parts) == 1)
+                                        keep_graph=len(parts) == 1)
         counts = [b - a for a, b in row_shares]
         logp, tail = self._output("policy", local[:2], r_lo, counts, deferred, grad=True)
         top = self._gather(local[2], counts, tuple(local[2].shape[1:])) if len(local) > 2 else None
@@ -493,6 +499,7 @@ def follow(run_cfg=None) -> int:
             gc.collect()
             trainer = DeepSpeedTrainer(kwargs["checkpoint"], TrainerConfig(**kwargs["cfg"]),
                                        with_critic=kwargs["with_critic"], critic_from=kwargs["critic_from"],
-                                       attn_implementation=kwargs["attn_implementation"])
+                                       attn_implementation=kwargs["attn_implementation"],
+                                       total_steps=kwargs["total_steps"])
         else:
             getattr(trainer, op)(**kwargs)

@@ -92,8 +92,8 @@ def assemble(parts: list[tuple[torch.Tensor, Outputs]], rows: int) -> Outputs:
 
 @dataclass
 class Deferred:
-    """A grad=True forward that ran in micro-batches without a graph: `forward(batch rows)` re-runs one with a
-    graph; `out_rows[i]` are micro-batch i's rows of the outputs `leaves`."""
+    """A grad=True forward that ran in micro-batches without a graph: `forward(batch rows, output rows)` re-runs
+    one with a graph; `out_rows[i]` are micro-batch i's rows of the outputs `leaves`."""
 
     forward: Callable[[torch.Tensor, torch.Tensor], Outputs]
     rows: list[torch.Tensor]
@@ -102,7 +102,8 @@ class Deferred:
 
     def surrogates(self, grads: list[Optional[torch.Tensor]]) -> Iterator[torch.Tensor]:
         """Per micro-batch, a scalar whose gradient in the weights is that micro-batch's share of the loss's:
-        sum(output * dloss/doutput) (outputs without a gradient contribute nothing)."""
+        sum(output * dloss/doutput) (outputs without a gradient contribute nothing; a micro-batch with none still
+        gets a backward, of zeros: under DeepSpeed every rank runs the same backwards)."""
         for rows, where in zip(self.rows, self.out_rows):
             with torch.enable_grad():
                 outs = self.forward(rows, where)
@@ -112,14 +113,16 @@ class Deferred:
 
 
 def micro_forward(forward: Callable[[torch.Tensor, torch.Tensor], Outputs], rows: list[torch.Tensor],
-        out_rows: list[torch.Tensor], total_rows: int, grad: bool,
-        keep_graph: Optional[bool] = None) -> tuple[Outputs, Optional[Deferred]]:
+                  out_rows: list[torch.Tensor], total_rows: int, grad: bool,
+                  keep_graph: Optional[bool] = None) -> tuple[Outputs, Optional[Deferred]]:
     """`forward(batch rows, output rows)` (outputs at the whole batch's widths) over the micro-batches, assembled.
 
     `keep_graph` (default: a single micro-batch, which then holds every output row in order): the outputs with
     their graph. Otherwise, with grad: leaves of no-graph outputs (integer ones, index outputs, stay plain), and
     the `Deferred` that back-propagates into them at the step."""
-    if len(rows) == 1 if keep_graph is None else keep_graph:
+    if keep_graph is None:
+        keep_graph = len(rows) == 1
+    if keep_graph:
         with torch.set_grad_enabled(grad):
             return forward(rows[0], out_rows[0]), None
     with torch.no_grad():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -14,19 +15,22 @@ from ..devices import mixed_precision, resolve_device
 from ..modeling import sequence_logprobs
 from ..trajectory import Batch
 from .micro_batches import Deferred, Outputs, Rows, micro_forward, widen
-from .base import (SupportLogprobs, TrainerBackend, action_rows_of, action_support_logprobs, adamw, prepare,
-                   require_finite, split, weights_dtype)
+from .base import (SupportLogprobs, TrainerBackend, action_rows_of, action_support_logprobs, adamw, lr_scheduler,
+                   prepare, require_finite, split, weights_dtype)
 from .critic import ValueModel
 
 
 class TorchTrainer(TrainerBackend):
     def __init__(self, checkpoint: str | Path, cfg: TrainerConfig, *, with_critic: bool = True,
-                 critic_from: str | Path | None = None, attn_implementation: str = "eager"):
+                 critic_from: str | Path | None = None, attn_implementation: str = "eager",
+                 total_steps: Optional[int] = None):
+        """`total_steps`: the stage's policy steps, where a cosine lr schedule ends (the critic's: x critic_steps)."""
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         # master weights: see precision()
         self.policy = prepare(load_causal_lm(checkpoint, weights_dtype(cfg), self.device, attn_implementation), cfg)
         self.policy_opt = adamw(self.policy.parameters(), cfg.policy_lr, cfg)
+        self.policy_sched = lr_scheduler(self.policy_opt, cfg, total_steps)
         self.critic = None
         if with_critic:
             self.critic = ValueModel.from_pretrained(str(critic_from or checkpoint), weights_dtype(cfg),
@@ -36,6 +40,7 @@ class TorchTrainer(TrainerBackend):
                 self.critic.freeze_attention()
             trainable = [p for p in self.critic.parameters() if p.requires_grad]
             self.critic_opt = adamw(trainable, cfg.critic_lr, cfg)
+            self.critic_sched = lr_scheduler(self.critic_opt, cfg, total_steps and total_steps * cfg.critic_steps)
         self._deferred: dict[str, list[Deferred]] = {"policy": [], "critic": []}
         self.policy_version = 0
 
@@ -97,8 +102,9 @@ class TorchTrainer(TrainerBackend):
 
         return self._run("critic", forward, rows, grad)[0]
 
-    def _step(self, kind: str, loss, model, opt) -> float:
-        """The loss's backward; each micro-batched forward's share re-run and accumulated; clip; one step."""
+    def _step(self, kind: str, loss, model, opt, sched) -> float:
+        """The loss's backward; each micro-batched forward's share re-run and accumulated; clip; one step at the
+        schedule's lr."""
         opt.zero_grad(set_to_none=True)
         deferred, self._deferred[kind] = self._deferred[kind], []
         require_finite(f"{kind} loss", loss)
@@ -112,15 +118,16 @@ class TorchTrainer(TrainerBackend):
             opt.zero_grad(set_to_none=True)
             require_finite(f"{kind} gradient norm", norm)
         opt.step()
+        sched.step()
         return float(norm)
 
     def step_policy(self, loss: torch.Tensor) -> float:
-        norm = self._step("policy", loss, self.policy, self.policy_opt)
+        norm = self._step("policy", loss, self.policy, self.policy_opt, self.policy_sched)
         self.policy_version += 1
         return norm
 
     def step_critic(self, loss: torch.Tensor) -> float:
-        return self._step("critic", loss, self.critic, self.critic_opt)
+        return self._step("critic", loss, self.critic, self.critic_opt, self.critic_sched)
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
@@ -136,9 +143,11 @@ class TorchTrainer(TrainerBackend):
     def save_state(self, out_dir: Path) -> None:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        state = {"policy": self.policy.state_dict(), "policy_opt": self.policy_opt.state_dict()}
+        state = {"policy": self.policy.state_dict(), "policy_opt": self.policy_opt.state_dict(),
+                 "policy_sched": self.policy_sched.state_dict()}
         if self.critic is not None:
-            state.update(critic=self.critic.state_dict(), critic_opt=self.critic_opt.state_dict())
+            state.update(critic=self.critic.state_dict(), critic_opt=self.critic_opt.state_dict(),
+                         critic_sched=self.critic_sched.state_dict())
         with atomic_path(out_dir / "trainer_state.pt") as tmp:
             torch.save(state, tmp)
         (out_dir / "trainer_meta.json").write_text(json.dumps({"policy_version": self.policy_version}))
@@ -147,7 +156,9 @@ class TorchTrainer(TrainerBackend):
         state = torch.load(Path(in_dir) / "trainer_state.pt", weights_only=True, map_location=self.device)
         self.policy.load_state_dict(state["policy"])
         self.policy_opt.load_state_dict(state["policy_opt"])
+        self.policy_sched.load_state_dict(state["policy_sched"])
         if self.critic is not None and "critic" in state:
             self.critic.load_state_dict(state["critic"])
             self.critic_opt.load_state_dict(state["critic_opt"])
+            self.critic_sched.load_state_dict(state["critic_sched"])
         self.policy_version = json.loads((Path(in_dir) / "trainer_meta.json").read_text())["policy_version"]
