@@ -165,5 +165,6 @@ class Stage(ABC):
         trained = truncate_step_log(self.dir / "trained.jsonl", step)
         truncate_step_log(self.dir / "metrics.jsonl", step)
         trained_ids = {traj_id for record in trained for traj_id in record["traj_ids"]}
-        waiting, dropped = recover(self.dir / "buffer", trained_ids, backend.policy_version, rollout.max_staleness)
+        waiting, dropped = recover(self.dir / "buffer", trained_ids, backend.policy_version, rollout.max_staleness,
+                                  rollout.group_size)
         return step, waiting, {"from_step": step, "buffer_reused": len(waiting), "buffer_dropped_stale": dropped}

@@ -88,6 +88,7 @@ class RLLoop:
                     rollout_tokens_per_s=tokens / elapsed,
                     samples_per_s=(step + 1 - start_step) * self.batch_size / elapsed,
                     dropped_stale=self.buffer.dropped_stale,
+                    dropped_stale_groups=self.buffer.dropped_stale_groups,
                     policy_version=self.backend.policy_version,
                 )
                 self.logger.log(metrics, step)
