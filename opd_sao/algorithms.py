@@ -49,6 +49,7 @@ __all__ = [
     "truncated_divergence",
     "renormalize_support",
     "topk_overlap",
+    "domain_shares",
     "AdvantageInputs",
     "LossParams",
     "Algorithm",
@@ -581,6 +582,18 @@ def topk_overlap(
     in_top &= torch.arange(width, device=m.device).unsqueeze(0) < m.unsqueeze(-1)  # only the student's top m
     hits = in_top.sum(dim=-1).float()
     return torch.where(m > 0, hits / m.clamp(min=1).float(), torch.zeros_like(hits))
+
+
+def domain_shares(recovered: dict[str, float], target: float) -> dict[str, float]:
+    """Each OPD domain's share of the student's rollouts from its measured recovery (student score / teacher score).
+
+    A domain at or above ``target`` is done (share 0); the others share the rollouts in proportion to their gap to
+    the teacher, ``1 - recovered``: a domain at 50% of its teacher draws twice the rollouts of one at 75%. All
+    zeros when every domain is done.
+    """
+    gaps = {d: (1.0 - r if r < target else 0.0) for d, r in recovered.items()}
+    total = sum(gaps.values())
+    return {d: (g / total if total > 0 else 0.0) for d, g in gaps.items()}
 
 
 # ----------------------------------------------------------------------------

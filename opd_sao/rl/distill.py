@@ -23,6 +23,7 @@ The loss is a token mean over every action token of the batch: sum of per-token 
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -57,6 +58,66 @@ def padded_support(records, device=None) -> tuple[torch.Tensor, torch.Tensor, to
     mask = torch.zeros((n, width), dtype=torch.bool)
     ids_pad[row, col], logp_pad[row, col], mask[row, col] = ids, logp, True
     return ids_pad.to(device), logp_pad.to(device), mask.to(device), tail.to(device)
+
+
+# ----------------------------------------------------------------------------
+# which domain the next rollout comes from
+# ----------------------------------------------------------------------------
+
+class DomainSchedule:
+    """The OPD stage's per-domain schedule: each domain's share of the student's rollouts follows its measured gap
+    to its teacher (`algorithms.domain_shares` of the held-out probe scores over the teachers' scores), a domain
+    at `target` draws none, and `done` says every domain is there.
+
+    Rollouts are dealt by smooth weighted round robin over the shares (deterministic, and every prefix of the
+    sequence is within one rollout of its shares); equal shares, before the first probe, are plain round robin.
+    `next_domain` runs on the rollout worker's thread, `update` on the trainer's.
+    """
+
+    def __init__(self, domains: list[str], target: float):
+        self.domains, self.target = list(domains), target
+        self.teacher_scores: dict[str, float] = {}
+        self.shares = {d: 1.0 / len(self.domains) for d in self.domains}
+        self.recovered: dict[str, float] = {}
+        self.probes: list[dict] = []
+        self.drawn = dict.fromkeys(self.domains, 0)
+        self._credit = dict.fromkeys(self.domains, 0.0)
+        self._lock = threading.Lock()
+
+    def next_domain(self) -> str:
+        with self._lock:
+            # every domain done: the stage is ending; rollouts already asked for are dealt round robin
+            shares = self.shares if any(self.shares.values()) else dict.fromkeys(self.domains, 1.0)
+            for d in self.domains:
+                self._credit[d] += shares[d]
+            pick = max(self.domains, key=lambda d: round(self._credit[d], 9))  # ties: the first listed
+            self._credit[pick] -= sum(shares.values())
+            self.drawn[pick] += 1
+            return pick
+
+    def update(self, step: int, scores: dict[str, float], teacher_scores: dict[str, float]) -> None:
+        """A probe at `step` (policy steps done): held-out scores of the student and of each domain's teacher.
+        A teacher scoring 0 leaves nothing to recover (the domain counts as done)."""
+        recovered = {d: scores[d] / teacher_scores[d] if teacher_scores[d] > 0 else 1.0 for d in self.domains}
+        shares = A.domain_shares(recovered, self.target)
+        with self._lock:
+            self.teacher_scores, self.recovered, self.shares = dict(teacher_scores), recovered, shares
+            self._credit = dict.fromkeys(self.domains, 0.0)
+        self.probes.append({"step": step, "scores": {d: round(v, 4) for d, v in scores.items()},
+                            "recovered": {d: round(v, 4) for d, v in recovered.items()},
+                            "shares": {d: round(v, 4) for d, v in shares.items()}})
+
+    @property
+    def done(self) -> bool:
+        return bool(self.recovered) and all(r >= self.target for r in self.recovered.values())
+
+    def summary(self) -> dict:
+        """For summary.json: the probes, the rollouts each domain drew, the step each first reached the target."""
+        reached = {d: next((p["step"] for p in self.probes if p["recovered"][d] >= self.target), None)
+                   for d in self.domains}
+        return {"target": self.target, "teacher_scores": self.teacher_scores, "probes": self.probes,
+                "rollouts": dict(self.drawn), "reached_target_at_step": reached,
+                "ended": "target" if self.done else "budget"}
 
 
 # ----------------------------------------------------------------------------
