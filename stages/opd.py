@@ -36,7 +36,7 @@ from pathlib import Path
 
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
-from opd_sao.rl.distill import DomainSchedule, OPDLearner
+from opd_sao.rl.distill import DISTILL_TEMPERATURE, DomainSchedule, OPDLearner
 from opd_sao.rl.rollout import Episode, episodes_for
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.tracking import read_jsonl
@@ -100,6 +100,7 @@ class OPDStage(Stage):
         summary = {
             "algo": "opd", "steps": len(history), "start_checkpoint": str(start),
             "granularity": opd.granularity, "divergence": opd.divergence, "teachers": describe(registry),
+            "temperatures": {"sampling": cfg.rollout.temperature, "distillation": DISTILL_TEMPERATURE},
             "train": _train_summary(history), "prefetch": {**{k: round(v, 4) if isinstance(v, float) else v
                                                               for k, v in prefetcher.stats.items()},
                                                            "enabled": opd.prefetch, "max_resident": opd.max_resident},

@@ -272,6 +272,41 @@ def test_student_equal_to_teacher_has_zero_kl(tiny_model_dir, tokenizer, tmp_pat
         assert m["support_mass"] >= 0.6 - 1e-3
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_sampled_path_matches_student_and_teacher_at_one_temperature(tiny_model_dir, tokenizer, tmp_path,
+                                                                      temperature):
+    """Rollouts sampled at T != 1: a student equal to its teacher still gets a zero advantage (both at T = 1),
+    while the DIS ratio reads the student at the sampling temperature (1 against rollout logprobs taken there)."""
+    learner, pf = _learner(tiny_model_dir, {"digits_reverse": (tiny_model_dir, {})}, tokenizer, tmp_path,
+                           granularity="sampled")
+    model = load_causal_lm(tiny_model_dir)
+    trajs = _trajectories(model, tokenizer, ["digits_reverse"], n_per=4)
+    for traj in trajs:  # rollout logprobs at the sampling temperature, as the engine records them
+        seq = torch.tensor([traj.prompt_ids + traj.token_ids])
+        with torch.no_grad():
+            traj.rollout_logp = sequence_logprobs(model, seq, torch.ones_like(seq), temperature)[
+                0, len(traj.prompt_ids):].tolist()
+        traj.temperature = temperature
+    m = learner.step(collate(trajs, tokenizer.pad_token_id), temperature)
+    pf.close()
+    assert abs(m["kl"]) < 2e-3 and abs(m["adv_mean"]) < 2e-3  # it was 0.013 at T = 0.7 with the student at T
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["mask_fraction"] == 0.0
+    assert m["distill_temperature"] == 1.0 and m["sampling_temperature"] == temperature
+
+
+def test_sampled_path_moves_the_student_towards_its_teacher(tiny_model_dir, tokenizer, perturbed_teacher, tmp_path):
+    """The sampled-token advantage -(logp_student - logp_teacher): its sign is what makes the reverse KL fall."""
+    learner, pf = _learner(tiny_model_dir, {"digits_reverse": (perturbed_teacher, {})}, tokenizer, tmp_path, lr=3e-3,
+                           granularity="sampled")
+    batch = collate(_trajectories(load_causal_lm(tiny_model_dir), tokenizer, ["digits_reverse"], n_per=4),
+                    tokenizer.pad_token_id)
+    first = learner.step(batch, 1.0)
+    assert first["adv_mean"] == pytest.approx(-first["kl"], abs=1e-5)  # A = -(k1 estimate) on the sampled tokens
+    history = [first] + [learner.step(batch, 1.0) for _ in range(5)]
+    pf.close()
+    assert history[-1]["kl"] < 0.9 * history[0]["kl"]
+
+
 @pytest.mark.parametrize("granularity,divergence", [("top_k", "forward_kl"), ("top_p", "jsd"),
                                                     ("full", "reverse_kl")])
 def test_learner_reduces_divergence_and_reuses_cache(tiny_model_dir, tokenizer, perturbed_teacher, tmp_path,

@@ -15,9 +15,16 @@ if missing, written to the logit cache, read back from it) and then, per the tea
 The student's support log-probs come from the trainer backend (`policy_support_logprobs`, as the sampled
 path's come from `policy_logprobs`, so OPD trains the same under torch and DeepSpeed): its final hidden
 states and the lm head one vocabulary chunk at a time, recomputed in the backward, so neither pass
-keeps an [N, V] logits tensor alive (`full` excepted: its target is [N, V] by definition). Divergence
-rows are at temperature 1 (the distributions being matched); the sampled path uses the rollout
-temperature, as the DIS ratio must.
+keeps an [N, V] logits tensor alive (`full` excepted: its target is [N, V] by definition).
+
+Temperatures, one choice for every granularity: what is matched is student and teacher at temperature 1 (the
+models themselves; teacher records are scored at T = 1). The divergence rows are at T = 1; the sampled path's
+advantage `-(logp_student - logp_teacher)` takes both logprobs at T = 1 too (the student's from one more
+forward when the rollouts were sampled at another temperature), so a student equal to its teacher gets a zero
+advantage at any sampling temperature. Only the DIS ratio and the policy-gradient term use the student's
+logprob at the rollout temperature (and top-p): the distribution the engine sampled from, as SAO's do. Every
+step reports both (`distill_temperature`, `sampling_temperature`); the gate compares engine and trainer at the
+sampling temperature, the only place their logprobs meet.
 
 The loss is a token mean over every action token of the batch: sum of per-token terms / N.
 """
@@ -36,6 +43,8 @@ from opd_sao.config import AlgoConfig, OPDConfig
 from opd_sao.rl.learner import ResumableLearner
 from opd_sao.trajectory import Batch
 
+
+DISTILL_TEMPERATURE = 1.0  # student and teacher are matched at this temperature (teacher records are scored at it)
 
 # ----------------------------------------------------------------------------
 # teacher records -> padded tensors
@@ -197,7 +206,8 @@ class OPDLearner(ResumableLearner):
         fetched = self.targets.fetch(batch.trajectories)
         rows = Rows.of(batch, fetched, self.targets.registry.specs)
         stats = RowStats.empty(len(rows.b), rows.device)
-        metrics: dict = {"reward_mean": float(rows.seq_rewards.mean()), "batch_size": float(len(batch.trajectories))}
+        metrics: dict = {"reward_mean": float(rows.seq_rewards.mean()), "batch_size": float(len(batch.trajectories)),
+                         "distill_temperature": DISTILL_TEMPERATURE, "sampling_temperature": float(temperature)}
         loss = torch.zeros((), device=rows.device)
         if bool(rows.trajectories_with("sampled").any()) or self.opd.reward_weight > 0:
             loss = loss + self._policy_gradient(rows, temperature, stats, metrics)
@@ -217,15 +227,17 @@ class OPDLearner(ResumableLearner):
         sampled_mask = mask & rows.trajectories_with("sampled").unsqueeze(1)
         pg_mask = mask if self.opd.reward_weight > 0 else sampled_mask
         teacher_sampled = rows.teacher_sampled()
-        logp = self.backend.policy_logprobs(batch, temperature, grad=True)
-        advantages = A.reverse_kl_advantage(logp, teacher_sampled, sampled_mask)
+        logp = self.backend.policy_logprobs(batch, temperature, grad=True)  # the sampled distribution: ratio, gradient
+        matched = logp if temperature == DISTILL_TEMPERATURE else \
+            self.backend.policy_logprobs(batch, DISTILL_TEMPERATURE, grad=False)  # the teacher's temperature
+        advantages = A.reverse_kl_advantage(matched, teacher_sampled, sampled_mask)
         if self.opd.reward_weight > 0:
             reward_adv = A.broadcast_sequence_advantage(rows.seq_rewards - self.baseline.value, mask)
             advantages = advantages + self.opd.reward_weight * reward_adv
         pg_loss, pg_metrics = A.sao_policy_loss(logp, batch.rollout_logp, advantages, pg_mask,
                                                 self.sao.eps_low, self.sao.eps_high)
         on_sampled = sampled_mask[rows.b, rows.t]
-        stats.kl[on_sampled] = (logp.detach() - teacher_sampled)[rows.b, rows.t][on_sampled].float()  # k1 estimator
+        stats.kl[on_sampled] = (matched.detach() - teacher_sampled)[rows.b, rows.t][on_sampled].float()  # k1 estimator
         metrics.update(mask_fraction=pg_metrics["mask_fraction"], ratio_mean=pg_metrics["ratio_mean"],
                        adv_mean=float(advantages[pg_mask].mean()) if pg_mask.any() else 0.0,
                        adv_std=float(advantages[pg_mask].std()) if pg_mask.sum() > 1 else 0.0)
