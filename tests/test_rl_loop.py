@@ -175,3 +175,19 @@ def test_ttur_order_the_policy_advantages_read_the_critic_after_its_k_updates(ti
     assert not torch.allclose(before, after)  # the K updates moved the critic
     assert metrics["adv_mean"] == pytest.approx(float(used[acted].mean()), abs=1e-6)
     assert metrics["adv_mean"] != pytest.approx(float(stale[acted].mean()), abs=1e-6)
+
+
+def test_recovery_after_a_crash_reuses_groups_whole(tmp_path):
+    """The write-ahead log after a crash: a group whose one member is too old is dropped whole, not split."""
+    from opd_sao.rl.buffer import TrajectoryBuffer, recover
+    from opd_sao.trajectory import Trajectory
+
+    buffer = TrajectoryBuffer(2, spill_dir=tmp_path)
+    for group, versions in enumerate([(3, 3), (1, 3), (2, 3)]):  # group 1 has a member from version 1
+        for i, version in enumerate(versions):
+            traj = Trajectory(f"g{group}-{i}", "d", [1], meta={"group": group})
+            traj.append([5, 6], action=True, logp=[-1.0, -1.0], versions=[version, version])
+            buffer.put(traj)
+    buffer.close()
+    reused, dropped = recover(tmp_path, trained_ids={"g2-0", "g2-1"}, current_version=3, max_staleness=1, group_size=2)
+    assert sorted(t.traj_id for t in reused) == ["g0-0", "g0-1"] and dropped == 2
