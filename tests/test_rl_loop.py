@@ -82,9 +82,10 @@ def test_sync_group_mode_waits_for_whole_groups(tmp_path, tiny_model_dir, tokeni
 
 
 def _long_tailed(n: int, seed: int = 0) -> list[int]:
-    """Response lengths with a long tail (lognormal, median 3, capped at 96): the stragglers finish versions late."""
+    """Response lengths with a long tail: lognormal (median 3, capped at 96), and every 13th a 200-token straggler
+    that finishes policy versions after the rollouts started beside it."""
     rng = random.Random(seed)
-    return [min(96, max(1, round(rng.lognormvariate(math.log(3), 1.3)))) for _ in range(n)]
+    return [200 if i % 13 == 5 else min(96, max(1, round(rng.lognormvariate(math.log(3), 1.3)))) for i in range(n)]
 
 
 def _metrics(tmp_path) -> list[dict]:
@@ -109,7 +110,7 @@ def test_async_grpo_batches_hold_whole_groups_under_long_tailed_lengths_with_dro
     """A group with one stale member is dropped whole; every batch is whole groups (z-scores over whole groups)."""
     loop, arrivals = _loop(tmp_path, tiny_model_dir, tokenizer, _long_tailed(2000, seed=1), group_size=4, batch=8,
                            max_staleness=1, algo=algo, per_member=True, slowdown_s=0.1)
-    loop.run(steps=8)
+    loop.run(steps=10)
     metrics, trained = _metrics(tmp_path), _trained(tmp_path)
     for step in trained:
         groups = [t.split("-")[0] for t in step]
