@@ -81,11 +81,12 @@ def test_sync_group_mode_waits_for_whole_groups(tmp_path, tiny_model_dir, tokeni
     assert "g1-0-len30" in trained[0]  # the slow group is in the first batch: the step waited for it
 
 
-def _long_tailed(n: int, seed: int = 0) -> list[int]:
-    """Response lengths with a long tail: lognormal (median 3, capped at 96), and every 13th a 200-token straggler
-    that finishes policy versions after the rollouts started beside it."""
+def _long_tailed(n: int, seed: int = 0, every: int = 13) -> list[int]:
+    """Response lengths with a long tail: lognormal (median 3, capped at 96), and every `every`-th a 200-token
+    straggler that finishes policy versions after the rollouts started beside it."""
     rng = random.Random(seed)
-    return [200 if i % 13 == 5 else min(96, max(1, round(rng.lognormvariate(math.log(3), 1.3)))) for i in range(n)]
+    return [200 if i % every == 5 else min(96, max(1, round(rng.lognormvariate(math.log(3), 1.3))))
+            for i in range(n)]
 
 
 def _metrics(tmp_path) -> list[dict]:
@@ -94,14 +95,14 @@ def _metrics(tmp_path) -> list[dict]:
 
 def test_staleness_bound_drops_old_trajectories(tmp_path, tiny_model_dir, tokenizer):
     """Variable lengths: a straggler finishes after the policy moved on, and is dropped, not trained on."""
-    loop, arrivals = _loop(tmp_path, tiny_model_dir, tokenizer, _long_tailed(400), max_staleness=1, batch=4,
-                           slowdown_s=0.1)
-    loop.run(steps=8)
+    loop, arrivals = _loop(tmp_path, tiny_model_dir, tokenizer, _long_tailed(400, every=6), max_staleness=1,
+                           batch=4, slowdown_s=0.05)
+    loop.run(steps=12)
     metrics = _metrics(tmp_path)
     assert all(m["staleness_max"] <= 1 for m in metrics)
     assert metrics[-1]["dropped_stale"] > 0  # the bound had something to drop
     trained = {t for step in _trained(tmp_path) for t in step}
-    assert len(trained) == 32 and trained < set(arrivals)
+    assert len(trained) == 48 and trained < set(arrivals)
 
 
 @pytest.mark.parametrize("algo", ["grpo", "grpo_dis"])
