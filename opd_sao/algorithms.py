@@ -14,6 +14,10 @@ Conventions
   tokens in the whole batch (so long trajectories weigh more, as in the paper).
   With no action tokens it is 0, and still carries a grad_fn when the input
   requires grad, so a step on an empty batch is a no-op instead of a crash.
+* A policy loss's normalisation is a ``[B, T]`` tensor of per-token weights
+  (``token_mean_weights``, ``group_length_weights``), computed once for the whole
+  batch: the loss is ``sum_t w_t * term_t``, so a batch split into micro-batches
+  (rows sliced with their weights) accumulates exactly the full batch's gradient.
 * Anything computed from the mask side of a ``torch.where`` is ignored, so
   garbage (inf/nan) in padding positions never leaks into a loss or a gradient.
 * Metrics are plain python floats, ready for a metrics.jsonl line.
@@ -30,6 +34,8 @@ import torch
 
 __all__ = [
     "masked_token_mean",
+    "token_mean_weights",
+    "group_length_weights",
     "dis_weights",
     "sao_policy_loss",
     "skip_observation_gae",
@@ -43,6 +49,7 @@ __all__ = [
     "truncated_divergence",
     "renormalize_support",
     "topk_overlap",
+    "domain_shares",
     "AdvantageInputs",
     "LossParams",
     "Algorithm",
@@ -76,6 +83,40 @@ def sft_loss(logp: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Supervised fine-tuning: the token-mean negative log-likelihood of the answer tokens (`loss_mask`) over the
     whole batch, from the trainer's per-token logprobs [B, T]."""
     return -masked_token_mean(logp, loss_mask)
+
+
+def token_mean_weights(action_mask: torch.Tensor, group_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[B, T]`` weights of the batch token mean: ``1 / N`` on each action token (N = action tokens in the
+    batch), 0 elsewhere, so ``sum(w * x) == masked_token_mean(x)``. ``group_ids`` is ignored."""
+    mask = _as_bool(action_mask)
+    return mask.to(torch.get_default_dtype()) / mask.sum().clamp(min=1)
+
+
+def group_length_weights(action_mask: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` weights of GRPO's normalisation as the SAO paper writes it: per group g of the batch
+    (``group_ids [B]``), ``1 / (n_groups * sum_{i in g} |y_i|)`` on each action token of its members, so
+
+        L = 1/n_groups * sum_g  1/(sum_{i in g} |y_i|) * sum_{i in g} sum_t term_{i,t}
+
+    (the group's token sum over the group's total response length, averaged over the groups). A long
+    response weighs more within its group, and every group weighs the same whatever its length. Groups
+    without action tokens count in n_groups and contribute nothing."""
+    mask = _as_bool(action_mask)
+    dtype = torch.get_default_dtype()
+    _, inverse = torch.unique(group_ids.to(mask.device), return_inverse=True)
+    n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    lengths = mask.sum(-1).to(dtype)
+    group_tokens = torch.zeros(n_groups, dtype=dtype, device=mask.device).index_add_(0, inverse, lengths)
+    per_row = 1.0 / (max(n_groups, 1) * group_tokens.clamp(min=1.0))[inverse]
+    return torch.where(mask, per_row.unsqueeze(-1).expand(mask.shape), torch.zeros((), dtype=dtype, device=mask.device))
+
+
+def _weighted_sum(x: torch.Tensor, action_mask: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """``sum_t w_t * x_t`` over action tokens (the token mean when ``weights`` is None)."""
+    if weights is None:
+        return masked_token_mean(x, action_mask)
+    mask = _as_bool(action_mask)
+    return torch.where(mask, x * weights.detach().to(x.dtype), torch.zeros_like(x)).sum()
 
 
 def _masked_values(x: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
@@ -124,13 +165,15 @@ def sao_policy_loss(
     action_mask: torch.Tensor,
     eps_low: float,
     eps_high: float,
+    weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """SAO policy loss ``-E_t[sg(f(r_t)) * A_t * logp_t]``, token mean over action tokens.
 
     Because ``f(r)`` is a detached weight, d loss / d logp_t = ``-f(r_t) * A_t / N``
     on kept action tokens and exactly 0 on DIS-masked and non-action tokens
     (N = number of action tokens in the batch, DIS-masked ones included, so
-    masking a token does not rescale the others).
+    masking a token does not rescale the others). ``weights`` ``[B, T]`` replaces
+    ``1 / N`` by per-token weights (``group_length_weights`` for GRPO + DIS).
 
     Metrics: ``mask_fraction`` (the paper's "token clip rate": fraction of action
     tokens DIS masked), ``ratio_mean``/``ratio_max``/``ratio_min`` over action
@@ -140,8 +183,8 @@ def sao_policy_loss(
     logp = _zero_outside(logp, mask)
     rollout_logp = _zero_outside(rollout_logp.detach(), mask)
     advantages = _zero_outside(advantages.detach(), mask)
-    weights, keep = dis_weights(logp, rollout_logp, eps_low, eps_high)
-    loss = masked_token_mean(-(weights * advantages * logp), mask)
+    f_r, keep = dis_weights(logp, rollout_logp, eps_low, eps_high)
+    loss = _weighted_sum(-(f_r * advantages * logp), mask, weights)
 
     r = torch.exp(logp.detach() - rollout_logp)[mask]
     n = int(mask.sum().item())
@@ -316,8 +359,10 @@ def ppo_clip_loss(
     advantages: torch.Tensor,
     action_mask: torch.Tensor,
     clip_eps: float = 0.2,
+    weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Standard PPO clipped surrogate ``-min(r*A, clip(r, 1-eps, 1+eps)*A)``, token mean.
+    """Standard PPO clipped surrogate ``-min(r*A, clip(r, 1-eps, 1+eps)*A)``, token mean
+    (or ``sum_t w_t * term_t`` with per-token ``weights`` ``[B, T]``: GRPO's ``group_length_weights``).
 
     The comparison baseline for DIS: clipping only removes the gradient on the
     side that would push the ratio further out (one side per advantage sign).
@@ -332,7 +377,7 @@ def ppo_clip_loss(
     ratio = torch.exp(logp - old_logp)
     surr_unclipped = ratio * advantages
     surr_clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    loss = masked_token_mean(-torch.minimum(surr_unclipped, surr_clipped), mask)
+    loss = _weighted_sum(-torch.minimum(surr_unclipped, surr_clipped), mask, weights)
 
     clipped = (surr_clipped < surr_unclipped)[mask]
     n = int(mask.sum().item())
@@ -539,6 +584,18 @@ def topk_overlap(
     return torch.where(m > 0, hits / m.clamp(min=1).float(), torch.zeros_like(hits))
 
 
+def domain_shares(recovered: dict[str, float], target: float) -> dict[str, float]:
+    """Each OPD domain's share of the student's rollouts from its measured recovery (student score / teacher score).
+
+    A domain at or above ``target`` is done (share 0); the others share the rollouts in proportion to their gap to
+    the teacher, ``1 - recovered``: a domain at 50% of its teacher draws twice the rollouts of one at 75%. All
+    zeros when every domain is done.
+    """
+    gaps = {d: (1.0 - r if r < target else 0.0) for d, r in recovered.items()}
+    total = sum(gaps.values())
+    return {d: (g / total if total > 0 else 0.0) for d, g in gaps.items()}
+
+
 # ----------------------------------------------------------------------------
 # Learning-rate schedules (policy and critic optimizers)
 # ----------------------------------------------------------------------------
@@ -595,8 +652,9 @@ class LossParams:
 
 
 AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, Optional[torch.Tensor]]]
-PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossParams],
+PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossParams, torch.Tensor],
                         tuple[torch.Tensor, dict[str, float]]]
+TokenWeightsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (action_mask, group_ids) -> [B, T]
 
 
 def sao_advantages(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -622,14 +680,14 @@ def running_mean_advantages(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
     return broadcast_sequence_advantage(x.rewards.sum(-1) - x.baseline, x.action_mask), None
 
 
-def dis_policy_loss(logp, behaviour_logp, advantages, action_mask, p: LossParams):
-    """DIS against the rollout engine's logprobs (`sao_policy_loss`)."""
-    return sao_policy_loss(logp, behaviour_logp, advantages, action_mask, p.eps_low, p.eps_high)
+def dis_policy_loss(logp, behaviour_logp, advantages, action_mask, p: LossParams, weights=None):
+    """DIS against the rollout engine's logprobs (`sao_policy_loss`); `weights`: the row's token weights."""
+    return sao_policy_loss(logp, behaviour_logp, advantages, action_mask, p.eps_low, p.eps_high, weights)
 
 
-def ppo_policy_loss(logp, behaviour_logp, advantages, action_mask, p: LossParams):
+def ppo_policy_loss(logp, behaviour_logp, advantages, action_mask, p: LossParams, weights=None):
     """PPO clip against pi_old, the trainer's own logprobs before the update (`ppo_clip_loss`)."""
-    return ppo_clip_loss(logp, behaviour_logp, advantages, action_mask, p.clip)
+    return ppo_clip_loss(logp, behaviour_logp, advantages, action_mask, p.clip, weights)
 
 
 @dataclass(frozen=True)
@@ -641,16 +699,19 @@ class Algorithm:
     grouped: bool  # rollouts come in groups of rollout.group_size per prompt
     against_rollout: bool = True  # the loss's behaviour logprobs: the engine's (DIS) or recomputed pi_old (PPO)
     description: str = ""
+    token_weights: TokenWeightsFn = token_mean_weights  # the policy loss's normalisation, per token
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
 
 
 def register_algorithm(name: str, advantage: AdvantageFn, policy_loss: PolicyLossFn, *, critic: bool, grouped: bool,
-                       against_rollout: bool = True, description: str = "") -> Algorithm:
+                       against_rollout: bool = True, description: str = "",
+                       token_weights: TokenWeightsFn = token_mean_weights) -> Algorithm:
     if name in ALGORITHMS:
         raise ValueError(f"algorithm {name!r} is registered twice")
-    ALGORITHMS[name] = Algorithm(name, advantage, policy_loss, critic, grouped, against_rollout, description)
+    ALGORITHMS[name] = Algorithm(name, advantage, policy_loss, critic, grouped, against_rollout, description,
+                                 token_weights)
     return ALGORITHMS[name]
 
 
@@ -659,8 +720,10 @@ register_algorithm("sao", sao_advantages, dis_policy_loss, critic=True, grouped=
 register_algorithm("ppo", gae_advantages, ppo_policy_loss, critic=True, grouped=False, against_rollout=False,
                    description="GAE (fixed lambda), PPO clip against pi_old")
 register_algorithm("grpo", group_advantages, ppo_policy_loss, critic=False, grouped=True, against_rollout=False,
-                   description="group z-score, PPO clip against pi_old")
+                   description="group z-score, PPO clip against pi_old, each group over its total response length",
+                   token_weights=group_length_weights)
 register_algorithm("grpo_dis", group_advantages, dis_policy_loss, critic=False, grouped=True,
-                   description="group z-score, DIS")
+                   description="group z-score, DIS, each group over its total response length",
+                   token_weights=group_length_weights)
 register_algorithm("running_mean", running_mean_advantages, dis_policy_loss, critic=False, grouped=False,
                    description="reward minus the mean of the last baseline_window rewards, DIS")

@@ -157,8 +157,10 @@ def _cmd_sandbox(args) -> int:
 def _cmd_models(args) -> int:
     """`opd-sao models check DIR`: what opd-sao will use from a model directory, or one line saying why it cannot."""
     from .checkpoints import describe_model
+    from .trainers.critic import describe_critic
 
     info = describe_model(args.dir)
+    info["critic"] = critic = describe_critic(args.dir)
     if args.json:
         print(json.dumps(info))
         return 0
@@ -172,6 +174,13 @@ def _cmd_models(args) -> int:
           f"  generation stops on ids {info['stop_ids']}\n"
           f"  chat template: {'yes (prompt_format chat works)' if info['chat_template'] else 'no (prompt_format raw only)'}"
           f"\n  weights: {', '.join(info['weights']) or 'none found'}")
+    if "refused" in critic:
+        print(f"  critic (SAO, PPO): refused: {critic['refused']}")
+    else:
+        print(f"  critic (SAO, PPO) trains {critic['trainable_parameters']:,} of {critic['backbone_parameters']:,} "
+              f"backbone parameters (+ the value head): {', '.join(critic['trains'])}\n"
+              f"  critic frozen: attention/mixers {', '.join(critic['frozen_token_mixers']) or 'none'}; routers "
+              f"{', '.join(critic['frozen_routers']) or 'none'}; embeddings and norms")
     return 0
 
 

@@ -332,6 +332,13 @@ class OPDConfig(Strict):
                                                     None, gt=0)
     score_batch_size: int = describe("trajectories per teacher forward pass", 32, ge=1)
     vocab_chunk: int = describe("vocabulary columns per lm-head chunk (teacher scoring, student support)", 8192, ge=1)
+    target: float = describe("a domain is done once its held-out probe score reaches target x its teacher's score: it "
+                             "stops drawing rollouts, and the stage ends when every domain is done (`steps` is the "
+                             "budget)", 0.95, gt=0, le=1)
+    probe_every: int = describe("policy steps between held-out probes of every domain (the student exported, its "
+                                "eval split scored as the pipeline scores it, another sampling seed); each domain's "
+                                "share of the rollouts follows its gap to its teacher (1 - score / teacher score); 0: "
+                                "no probes, every domain drawn round robin for all `steps`", 25, ge=0)
 
     @model_validator(mode="after")
     def _one_teacher_per_domain(self) -> "OPDConfig":

@@ -117,8 +117,10 @@ class Stage(ABC):
         return checkpoint, ({"sft_from_step": from_step} if self.ctx.resume else {})
 
     def train(self, *, engine, backend, learner, make_episodes, make_probe, trainer_cfg: TrainerConfig,
-              what: str, before_loop: Optional[Callable[[], None]] = None) -> tuple[ConsistencyGate, dict]:
-        """The asynchronous loop (RLLoop) for `steps`, resumable, gated at the start and before promotion.
+              what: str, before_loop: Optional[Callable[[], None]] = None,
+              stop_when: Optional[Callable[[int], bool]] = None) -> tuple[ConsistencyGate, dict]:
+        """The asynchronous loop (RLLoop) for `steps` (or until `stop_when(steps done)`), resumable, gated at the
+        start and before promotion.
 
         `before_loop` runs once on a fresh start (step 0), before the first rollout of the loop; a stage
         resumed from saved state skips it (its effect is in that state). Returns (gate, resume report). The
@@ -145,7 +147,7 @@ class Stage(ABC):
                           train_batch_size=trainer_cfg.train_batch_size, pad_id=tok.pad_token_id,
                           logger=MetricsLogger(self.dir / "metrics.jsonl", stage=cfg.name, wandb_run=self.ctx.wandb_run),
                           trained_log=self.dir / "trained.jsonl", slowdown_s=trainer_cfg.slowdown_s, progress=bar,
-                          after_step=after_step, buffer=buffer)
+                          after_step=after_step, buffer=buffer, stop_when=stop_when)
             gate.run("start", sync=loop.sync_weights)
             loop.run(cfg.steps, start_step, waiting)
             gate.run("final", sync=loop.sync_weights)  # before the checkpoint is promoted
@@ -166,5 +168,6 @@ class Stage(ABC):
         trained = truncate_step_log(self.dir / "trained.jsonl", step)
         truncate_step_log(self.dir / "metrics.jsonl", step)
         trained_ids = {traj_id for record in trained for traj_id in record["traj_ids"]}
-        waiting, dropped = recover(self.dir / "buffer", trained_ids, backend.policy_version, rollout.max_staleness)
+        waiting, dropped = recover(self.dir / "buffer", trained_ids, backend.policy_version, rollout.max_staleness,
+                                  rollout.group_size)
         return step, waiting, {"from_step": step, "buffer_reused": len(waiting), "buffer_dropped_stale": dropped}

@@ -1,10 +1,17 @@
 """The OPD stage: several teachers distilled into one student on the student's own rollouts (SPEC 4).
 
 The student samples on prompts from every listed domain (`domains:`, environment names; default: the
-teachers' domains), round robin, one rollout per prompt, through the same asynchronous machinery as the
-RL stages (`RLLoop`: a rollout worker thread keeps the engine generating while the trainer trains,
+teachers' domains), one rollout per prompt, through the same asynchronous machinery as the RL stages (`RLLoop`: a rollout worker thread keeps the engine generating while the trainer trains,
 staleness bound, weight sync). Each trajectory goes to its domain's teacher; teacher outputs go through
 the logit cache (`teachers.TeacherTargets`); `opd_sao.distill.OPDLearner` trains on what the cache holds.
+
+The stage finishes the job rather than a step count: every `opd.probe_every` policy steps (and at the start)
+the student is exported and each domain's held-out split scored (as the pipeline scores it, with another
+sampling seed), against its teacher's score (the pipeline's own seed: the score `checkpoint: best` chose it
+by). Each domain's share of the next rollouts follows its gap to its teacher (`rl.distill.DomainSchedule`);
+a domain within `opd.target` of its teacher draws none, and the stage ends when every domain is there, or
+after `steps` (the budget). The probes, shares and rollouts per domain go to summary.json (`schedule`) and
+the report.
 
 Per domain, episodes use the environment options and rollout lengths of the stage of the run that trained
 on that environment (stages.domains.Domain); temperature and top_p are this stage's (one policy
@@ -29,7 +36,7 @@ from pathlib import Path
 
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
-from opd_sao.rl.distill import OPDLearner
+from opd_sao.rl.distill import DISTILL_TEMPERATURE, DomainSchedule, OPDLearner
 from opd_sao.rl.rollout import Episode, episodes_for
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.tracking import read_jsonl
@@ -40,6 +47,8 @@ from teachers.routing import describe
 from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .domains import Domain
 from .envs import ENVIRONMENTS, sample_tasks
+
+PROBE_SEED_OFFSET = 1  # probes sample the held-out split with seed + this: the final evaluation's samples stay unseen
 
 
 @register_stage("opd")
@@ -72,6 +81,7 @@ class OPDStage(Stage):
         prefetcher = Prefetcher(registry.build_all(), local_dir=Path(opd.local_dir or self.dir / "teacher_tier"),
                                 max_resident=opd.max_resident, enabled=opd.prefetch, copy_bandwidth=bandwidth)
         engine = None
+        self._scores: dict[tuple[str, str], float] = {}
         try:
             targets = TeacherTargets(registry, prefetcher, Path(opd.cache_dir or self.dir / "logit_cache"))
             targets.warm_up()  # teachers copy and load in the background from here on: trainer and engine
@@ -82,7 +92,8 @@ class OPDStage(Stage):
             engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device,
                                   attn_implementation=attention)
             learner = OPDLearner(backend, opd, cfg.sao, targets)
-            gate, resumed = self._train(domains, backend, engine, learner, trainer_cfg)
+            schedule = DomainSchedule(names, opd.target)
+            gate, resumed = self._train(domains, backend, engine, learner, trainer_cfg, schedule, registry)
             checkpoint = backend.export_policy(self.dir / "checkpoint", tok)
         finally:
             if engine is not None:
@@ -92,26 +103,28 @@ class OPDStage(Stage):
         summary = {
             "algo": "opd", "steps": len(history), "start_checkpoint": str(start),
             "granularity": opd.granularity, "divergence": opd.divergence, "teachers": describe(registry),
+            "temperatures": {"sampling": cfg.rollout.temperature, "distillation": DISTILL_TEMPERATURE},
             "train": _train_summary(history), "prefetch": {**{k: round(v, 4) if isinstance(v, float) else v
                                                               for k, v in prefetcher.stats.items()},
                                                            "enabled": opd.prefetch, "max_resident": opd.max_resident},
             "distillation": self._distillation(domains, registry, start, checkpoint), "gate": gate.summary(),
+            "schedule": {**schedule.summary(), "probe_every": opd.probe_every, "budget_steps": cfg.steps},
         }
         if resumed:
             summary["resume"] = resumed
         return StageResult(checkpoint, summary, start_checkpoint=start)
 
-    def _train(self, domains: dict[str, Domain], backend, engine, learner, trainer_cfg):
+    def _train(self, domains: dict[str, Domain], backend, engine, learner, trainer_cfg, schedule: DomainSchedule,
+               registry):
         cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
         streams = {name: sample_tasks(d.factory().make_tasks("train", TRAIN_TASK_POOL, run.seed), run.seed + i)
                    for i, (name, d) in enumerate(domains.items())}
-        order = itertools.cycle(list(domains))
         groups = itertools.count()
         lock = threading.Lock()
 
         def make_episodes() -> list[Episode]:
             with lock:
-                name = next(order)
+                name = schedule.next_domain()
                 task, group = next(streams[name]), next(groups)
             return episodes_for(domains[name].factory, task, tok, domains[name].rollout, domain=name,
                                 count=cfg.rollout.group_size, group=group)
@@ -121,26 +134,37 @@ class OPDStage(Stage):
             return [ep for name, d in domains.items()
                     for ep in probe_episodes(d.factory, tok, d.rollout, domain=name, n=per, seed=run.seed)]
 
+        def stop_when(steps_done: int) -> bool:
+            """Probe every domain when due (and first thing, fresh or resumed); True once every domain is done."""
+            every = self.cfg.opd.probe_every
+            if every and (steps_done % every == 0 or not schedule.probes):
+                student = backend.export_policy(self.dir / "probe_checkpoint", tok)
+                scores = {name: self._score(student, d, PROBE_SEED_OFFSET, cached=False) for name, d in domains.items()}
+                teachers = {name: self._score(registry.teacher_for(name).checkpoint, d) for name, d in domains.items()}
+                schedule.update(steps_done, scores, teachers)
+            return schedule.done
+
         return self.train(engine=engine, backend=backend, learner=learner, make_episodes=make_episodes,
-                          make_probe=probe, trainer_cfg=trainer_cfg, what="opd")
+                          make_probe=probe, trainer_cfg=trainer_cfg, what="opd", stop_when=stop_when)
+
+    def _score(self, ckpt: Path, d: Domain, seed_offset: int = 0, *, cached: bool = True) -> float:
+        """A checkpoint's held-out score on a domain, with the pipeline's evaluation settings (seed + seed_offset);
+        cached per (checkpoint, domain) unless the checkpoint's weights change under the same path (probes)."""
+        key = (str(Path(ckpt).resolve()), d.name, seed_offset)
+        if not cached or key not in self._scores:
+            self._scores[key] = round(evaluate(ckpt, d.factory, self.ctx.tokenizer, domain=d.name,
+                                               rollout=d.eval_rollout, eval_cfg=d.eval_cfg,
+                                               seed=self.ctx.cfg.seed + seed_offset,
+                                               device=self.ctx.cfg.engine_device,
+                                               attn_implementation=self.ctx.cfg.model.attn_implementation), 4)
+        return self._scores[key]
 
     def _distillation(self, domains: dict[str, Domain], registry, start: Path, checkpoint: Path) -> dict:
         """Per domain: teacher score, student before / after, and the share of the teacher's score reached."""
-        seed, tok = self.ctx.cfg.seed, self.ctx.tokenizer
-        scores: dict[tuple[str, str], float] = {}
-
-        def score(ckpt: Path, d: Domain) -> float:
-            key = (str(Path(ckpt).resolve()), d.name)
-            if key not in scores:
-                scores[key] = round(evaluate(ckpt, d.factory, tok, domain=d.name, rollout=d.eval_rollout,
-                                             eval_cfg=d.eval_cfg, seed=seed, device=self.ctx.cfg.engine_device,
-                                             attn_implementation=self.ctx.cfg.model.attn_implementation), 4)
-            return scores[key]
-
         out = {}
         for name, d in domains.items():
             spec = registry.teacher_for(name)
-            teacher, before, after = score(spec.checkpoint, d), score(start, d), score(checkpoint, d)
+            teacher, before, after = self._score(spec.checkpoint, d), self._score(start, d), self._score(checkpoint, d)
             out[name] = {"teacher": spec.name, "teacher_score": teacher, "student_before": before,
                          "student_after": after,
                          "recovered": round(after / teacher, 4) if teacher > 0 else None}

@@ -10,9 +10,12 @@ import pytest
 import torch
 
 from opd_sao.algorithms import (
+    ALGORITHMS,
+    LossParams,
     RunningMeanBaseline,
     broadcast_sequence_advantage,
     dis_weights,
+    group_length_weights,
     grpo_advantages,
     length_adaptive_lambda,
     masked_token_mean,
@@ -20,11 +23,13 @@ from opd_sao.algorithms import (
     reverse_kl_advantage,
     sao_policy_loss,
     skip_observation_gae,
+    token_mean_weights,
     truncated_divergence,
     value_loss,
 )
 
 D = torch.float64
+LOSS = LossParams(eps_low=0.3, eps_high=5.0, clip=0.2)
 
 
 def t(x, dtype=D):
@@ -286,6 +291,44 @@ def test_ppo_clip_loss_hand_case():
     loss.backward()
     # clipped tokens get 0 grad; others -r*A/N: 0.5*1/4 -> -0.125; 1*2/4 -> -0.5
     torch.testing.assert_close(logp.grad, t([[0.0, -0.125, 0.0, -0.5, 0.0]]))
+
+
+def test_grpo_loss_divides_each_group_by_its_total_response_length():
+    """The paper's GRPO: mean over groups of (group's token sum / group's total response length)."""
+    # group 5: responses of 1 and 3 action tokens (4 in all); group 2: one response of 2 tokens (a row with a
+    # prompt position and padding: not actions)
+    mask = t([[1, 0, 0, 0], [1, 1, 1, 0], [0, 1, 1, 0]])
+    groups = torch.tensor([5, 5, 2])
+    w = group_length_weights(mask, groups)
+    expected = t([[1 / 8, 0, 0, 0], [1 / 8, 1 / 8, 1 / 8, 0], [0, 1 / 4, 1 / 4, 0]])  # 1/(2 groups * 4), 1/(2 * 2)
+    torch.testing.assert_close(w.double(), expected)
+    torch.testing.assert_close(token_mean_weights(mask).double(), mask / 6)
+    # PPO clip at ratio 1 (no clipping): loss = -sum_t w_t A_t; the batch token mean would be -(1 + 3*2 + 2*4)/6
+    logp = torch.zeros(3, 4, dtype=D, requires_grad=True)
+    adv = t([[1.0, 0, 0, 0], [2.0, 2.0, 2.0, 0], [0, 4.0, 4.0, 0]])
+    loss, _ = ALGORITHMS["grpo"].policy_loss(logp, logp.detach(), adv, mask, LOSS, w)
+    assert loss.item() == pytest.approx(-((1 + 3 * 2) / 4 + (2 * 4) / 2) / 2)  # -4.875, not -2.5
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -(adv * expected))
+    logp.grad = None
+    loss_dis, _ = ALGORITHMS["grpo_dis"].policy_loss(logp, logp.detach(), adv, mask, LOSS, w)
+    loss_dis.backward()  # DIS at ratio 1: d loss / d logp_t = -w_t A_t as well
+    torch.testing.assert_close(logp.grad, -(adv * expected))
+    # the algorithm rows carry their normalisation: GRPO's per group, SAO's the batch token mean
+    assert ALGORITHMS["grpo"].token_weights is group_length_weights is ALGORITHMS["grpo_dis"].token_weights
+    assert ALGORITHMS["sao"].token_weights is token_mean_weights
+
+
+def test_token_weights_split_into_micro_batches_give_the_full_batch_gradient():
+    """Weights are computed once for the whole batch, so summing per-row-slice losses is the full loss."""
+    mask = t([[1, 1, 0], [1, 1, 1], [1, 0, 0], [0, 1, 1]])
+    w = group_length_weights(mask, torch.tensor([0, 0, 1, 1]))
+    logp = torch.randn(4, 3, dtype=D, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    adv = t([[1.0] * 3, [-1.0] * 3, [0.5] * 3, [2.0] * 3])
+    full, _ = sao_policy_loss(logp, logp.detach(), adv, mask, 0.3, 5.0, w)
+    parts = [sao_policy_loss(logp[s], logp[s].detach(), adv[s], mask[s], 0.3, 5.0, w[s])[0]
+             for s in (slice(0, 1), slice(1, 3), slice(3, 4))]
+    assert sum(p.item() for p in parts) == pytest.approx(full.item())
 
 
 def test_running_mean_baseline_window():

@@ -17,9 +17,10 @@ from opd_sao.config import (
     TrainerConfig,
     parse_config,
 )
+from opd_sao.algorithms import domain_shares
 from opd_sao.modeling import dense_support_logprobs, sequence_logprobs, support_logprobs
 from opd_sao.pipeline import run_pipeline
-from opd_sao.rl.distill import OPDLearner, padded_support
+from opd_sao.rl.distill import DomainSchedule, OPDLearner, padded_support
 from opd_sao.trainers import TorchTrainer
 from opd_sao.trajectory import Trajectory, collate
 from teachers import Prefetcher, TeacherSet, TeacherTargets
@@ -271,6 +272,41 @@ def test_student_equal_to_teacher_has_zero_kl(tiny_model_dir, tokenizer, tmp_pat
         assert m["support_mass"] >= 0.6 - 1e-3
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_sampled_path_matches_student_and_teacher_at_one_temperature(tiny_model_dir, tokenizer, tmp_path,
+                                                                      temperature):
+    """Rollouts sampled at T != 1: a student equal to its teacher still gets a zero advantage (both at T = 1),
+    while the DIS ratio reads the student at the sampling temperature (1 against rollout logprobs taken there)."""
+    learner, pf = _learner(tiny_model_dir, {"digits_reverse": (tiny_model_dir, {})}, tokenizer, tmp_path,
+                           granularity="sampled")
+    model = load_causal_lm(tiny_model_dir)
+    trajs = _trajectories(model, tokenizer, ["digits_reverse"], n_per=4)
+    for traj in trajs:  # rollout logprobs at the sampling temperature, as the engine records them
+        seq = torch.tensor([traj.prompt_ids + traj.token_ids])
+        with torch.no_grad():
+            traj.rollout_logp = sequence_logprobs(model, seq, torch.ones_like(seq), temperature)[
+                0, len(traj.prompt_ids):].tolist()
+        traj.temperature = temperature
+    m = learner.step(collate(trajs, tokenizer.pad_token_id), temperature)
+    pf.close()
+    assert abs(m["kl"]) < 2e-3 and abs(m["adv_mean"]) < 2e-3  # it was 0.013 at T = 0.7 with the student at T
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["mask_fraction"] == 0.0
+    assert m["distill_temperature"] == 1.0 and m["sampling_temperature"] == temperature
+
+
+def test_sampled_path_moves_the_student_towards_its_teacher(tiny_model_dir, tokenizer, perturbed_teacher, tmp_path):
+    """The sampled-token advantage -(logp_student - logp_teacher): its sign is what makes the reverse KL fall."""
+    learner, pf = _learner(tiny_model_dir, {"digits_reverse": (perturbed_teacher, {})}, tokenizer, tmp_path, lr=3e-3,
+                           granularity="sampled")
+    batch = collate(_trajectories(load_causal_lm(tiny_model_dir), tokenizer, ["digits_reverse"], n_per=4),
+                    tokenizer.pad_token_id)
+    first = learner.step(batch, 1.0)
+    assert first["adv_mean"] == pytest.approx(-first["kl"], abs=1e-5)  # A = -(k1 estimate) on the sampled tokens
+    history = [first] + [learner.step(batch, 1.0) for _ in range(5)]
+    pf.close()
+    assert history[-1]["kl"] < 0.9 * history[0]["kl"]
+
+
 @pytest.mark.parametrize("granularity,divergence", [("top_k", "forward_kl"), ("top_p", "jsd"),
                                                     ("full", "reverse_kl")])
 def test_learner_reduces_divergence_and_reuses_cache(tiny_model_dir, tokenizer, perturbed_teacher, tmp_path,
@@ -327,6 +363,29 @@ def _run_config(**opd):
                        _opd_stage(**opd)]}
 
 
+def test_domain_schedule_follows_the_gaps_and_skips_domains_at_their_target():
+    schedule = DomainSchedule(["a", "b", "c"], target=0.95)
+    assert [schedule.next_domain() for _ in range(6)] == ["a", "b", "c"] * 2  # round robin before any probe
+    # recovered: a 0.5 (gap 0.5), b 0.75 (gap 0.25), c 0.96 (done): shares 2/3, 1/3, 0
+    schedule.update(10, {"a": 0.4, "b": 0.6, "c": 0.48}, {"a": 0.8, "b": 0.8, "c": 0.5})
+    assert schedule.shares == pytest.approx({"a": 2 / 3, "b": 1 / 3, "c": 0.0})
+    dealt = [schedule.next_domain() for _ in range(30)]
+    assert dealt.count("a") == 20 and dealt.count("b") == 10 and "c" not in dealt
+    assert all(abs(dealt[:n].count("a") - 2 * n / 3) <= 1 for n in range(1, 31))  # every prefix on its shares
+    assert not schedule.done
+    schedule.update(20, {"a": 0.8, "b": 0.79, "c": 0.2}, {"a": 0.8, "b": 0.8, "c": 0.0})  # teacher 0: nothing to do
+    assert schedule.done and schedule.shares == {"a": 0.0, "b": 0.0, "c": 0.0}
+    summary = schedule.summary()
+    assert summary["ended"] == "target" and summary["reached_target_at_step"] == {"a": 20, "b": 20, "c": 10}
+    assert summary["rollouts"] == {"a": 22, "b": 12, "c": 2} and [p["step"] for p in summary["probes"]] == [10, 20]
+
+
+def test_domain_shares_by_hand():
+    assert domain_shares({"x": 0.2, "y": 0.6, "z": 1.1}, 0.95) == pytest.approx({"x": 2 / 3, "y": 1 / 3, "z": 0.0})
+    assert domain_shares({"x": 0.95, "y": 0.99}, 0.95) == {"x": 0.0, "y": 0.0}
+    assert domain_shares({"x": 0.9}, 0.8) == {"x": 0.0}  # at 90% with a target of 80%: done
+
+
 def test_config_checks_domains_and_teachers():
     bad = _run_config()
     bad["stages"][2]["domains"].append("arithmetic")
@@ -348,10 +407,31 @@ def test_config_checks_domains_and_teachers():
 
 
 def test_opd_stage_end_to_end(tmp_path):
-    cfg = _run_config()
+    cfg = _run_config(probe_every=0)  # a fixed budget, round robin (the schedule's own test is below)
     cfg["stages"][2]["opd"]["teachers"][1]["checkpoint"] = "best"  # t_sort: the best earlier stage on digits_sort
+    # a second OPD stage, scheduled by probes every step: ends at the target or after its 3-step budget
+    probed = _opd_stage(probe_every=1)
+    probed.update(name="opd_probed", steps=3, eval={"num_tasks": 8})
+    cfg["stages"].append(probed)
     summary = run_pipeline(parse_config(cfg), tmp_path, log=lambda m: None)
+    schedule = summary["stages"][3]["schedule"]
+    steps = summary["stages"][3]["steps"]
+    assert [p["step"] for p in schedule["probes"]] == list(range(len(schedule["probes"])))
+    for probe in schedule["probes"]:
+        assert probe["shares"] == pytest.approx(domain_shares(probe["recovered"], 0.95), abs=1e-4)
+        for d, score in probe["scores"].items():
+            teacher = schedule["teacher_scores"][d]
+            assert probe["recovered"][d] == pytest.approx(score / teacher if teacher > 0 else 1.0, abs=1e-3)
+    last = schedule["probes"][-1]["recovered"]
+    if schedule["ended"] == "target":  # stopped at the first probe where every domain was there
+        assert all(r >= 0.95 for r in last.values()) and steps == len(schedule["probes"]) - 1 < 3
+    else:
+        assert steps == 3 and len(schedule["probes"]) == 3 and min(last.values()) < 0.95
+    assert "## OPD schedule (stage opd_probed)" in (tmp_path / "report.md").read_text()
     stage = summary["stages"][2]
+    assert stage["schedule"]["probes"] == [] and stage["schedule"]["ended"] == "budget"
+    drawn = stage["schedule"]["rollouts"]
+    assert abs(drawn["digits_reverse"] - drawn["digits_sort"]) <= 1  # round robin
     scores = [(s["eval_after"]["digits_sort"], i, s["name"]) for i, s in enumerate(summary["stages"][:2])]
     best_score, _, best = max(scores)
     assert stage["teachers"]["t_sort"]["best"] == {"stage": best, "domain": "digits_sort", "score": best_score}

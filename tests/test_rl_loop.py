@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+import random
 
 import pytest
 
@@ -19,7 +21,8 @@ from stages.envs import ENVIRONMENTS
 
 
 def _loop(tmp_path, tiny_model_dir, tokenizer, lengths, *, asynchronous=True, group_size=1, batch=2,
-          max_staleness=8, algo="sao"):
+          max_staleness=8, algo="sao", per_member=False, slowdown_s=0.0):
+    """`lengths`: response lengths, one per group (every member the same), or one per member (`per_member`)."""
     env_cls = ENVIRONMENTS.get("arithmetic")
     tasks = itertools.cycle(env_cls().make_tasks("train", 50, seed=0))
     lengths = iter(lengths)
@@ -27,11 +30,13 @@ def _loop(tmp_path, tiny_model_dir, tokenizer, lengths, *, asynchronous=True, gr
     arrivals: list[str] = []
 
     def make_episodes():
-        task, group, n = next(tasks), next(groups), next(lengths, 2)
-        params = SamplingParams(max_new_tokens=n, ignore_eos=True)
-        return [Episode(env_cls(), task, tokenizer, params, domain="arithmetic", max_turns=1,
-                        max_context_tokens=256, group=group, traj_id=f"g{group}-{i}-len{n}")
-                for i in range(group_size)]
+        task, group = next(tasks), next(groups)
+        n = next(lengths, 2)
+        sizes = [next(lengths, 2) if per_member and i else n for i in range(group_size)]
+        return [Episode(env_cls(), task, tokenizer, SamplingParams(max_new_tokens=size, ignore_eos=True),
+                        domain="arithmetic", max_turns=1, max_context_tokens=256, group=group,
+                        traj_id=f"g{group}-{i}-len{size}")
+                for i, size in enumerate(sizes)]
 
     engine = EmbeddedEngine(load_causal_lm(tiny_model_dir), eos_id=tokenizer.eos_token_id,
                             pad_id=tokenizer.pad_token_id, max_batch=8)
@@ -41,7 +46,8 @@ def _loop(tmp_path, tiny_model_dir, tokenizer, lengths, *, asynchronous=True, gr
     rollout = RolloutConfig(asynchronous=asynchronous, group_size=group_size, max_staleness=max_staleness)
     loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes, rollout=rollout,
                   train_batch_size=batch, pad_id=tokenizer.pad_token_id,
-                  logger=MetricsLogger(tmp_path / "metrics.jsonl", stage="t"), trained_log=tmp_path / "trained.jsonl")
+                  logger=MetricsLogger(tmp_path / "metrics.jsonl", stage="t"), trained_log=tmp_path / "trained.jsonl",
+                  slowdown_s=slowdown_s)
     put = loop.buffer.put
     loop.buffer.put = lambda traj: (arrivals.append(traj.traj_id), put(traj))
     return loop, arrivals
@@ -75,11 +81,48 @@ def test_sync_group_mode_waits_for_whole_groups(tmp_path, tiny_model_dir, tokeni
     assert "g1-0-len30" in trained[0]  # the slow group is in the first batch: the step waited for it
 
 
+def _long_tailed(n: int, seed: int = 0, every: int = 13) -> list[int]:
+    """Response lengths with a long tail: lognormal (median 3, capped at 96), and every `every`-th a 200-token
+    straggler that finishes policy versions after the rollouts started beside it."""
+    rng = random.Random(seed)
+    return [200 if i % every == 5 else min(96, max(1, round(rng.lognormvariate(math.log(3), 1.3))))
+            for i in range(n)]
+
+
+def _metrics(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_staleness_bound_drops_old_trajectories(tmp_path, tiny_model_dir, tokenizer):
-    loop, _ = _loop(tmp_path, tiny_model_dir, tokenizer, [2] * 200, max_staleness=0, batch=2)
-    loop.run(steps=4)
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert all(m["staleness_max"] == 0 for m in metrics)
+    """Variable lengths: a straggler finishes after the policy moved on, and is dropped, not trained on."""
+    loop, arrivals = _loop(tmp_path, tiny_model_dir, tokenizer, _long_tailed(400, every=6), max_staleness=1,
+                           batch=4, slowdown_s=0.05)
+    loop.run(steps=12)
+    metrics = _metrics(tmp_path)
+    assert all(m["staleness_max"] <= 1 for m in metrics)
+    assert metrics[-1]["dropped_stale"] > 0  # the bound had something to drop
+    trained = {t for step in _trained(tmp_path) for t in step}
+    assert len(trained) == 48 and trained < set(arrivals)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "grpo_dis"])
+def test_async_grpo_batches_hold_whole_groups_under_long_tailed_lengths_with_drops(tmp_path, tiny_model_dir,
+                                                                                 tokenizer, algo):
+    """A group with one stale member is dropped whole; every batch is whole groups (z-scores over whole groups)."""
+    loop, arrivals = _loop(tmp_path, tiny_model_dir, tokenizer, _long_tailed(2000, seed=1), group_size=4, batch=8,
+                           max_staleness=1, algo=algo, per_member=True, slowdown_s=0.1)
+    loop.run(steps=10)
+    metrics, trained = _metrics(tmp_path), _trained(tmp_path)
+    for step in trained:
+        groups = [t.split("-")[0] for t in step]
+        assert sorted(groups.count(g) for g in set(groups)) == [4, 4], step
+    seen = [t.split("-")[0] for step in trained for t in step]
+    assert len(seen) == len(set(seen)) * 4  # no group trained in two batches either
+    assert all(m["staleness_max"] <= 1 for m in metrics)
+    assert metrics[-1]["dropped_stale_groups"] > 0  # drops happened, group by group
+    assert metrics[-1]["dropped_stale"] == 4 * metrics[-1]["dropped_stale_groups"]
+    finished = {t.split("-")[0] for t in arrivals}
+    assert {g for g in finished if sum(t.startswith(g + "-") for t in arrivals) == 4} >= set(seen)
 
 
 def test_a_new_algorithm_is_one_formula_and_one_table_row(tmp_path, tiny_model_dir, tokenizer):
@@ -134,3 +177,19 @@ def test_ttur_order_the_policy_advantages_read_the_critic_after_its_k_updates(ti
     assert not torch.allclose(before, after)  # the K updates moved the critic
     assert metrics["adv_mean"] == pytest.approx(float(used[acted].mean()), abs=1e-6)
     assert metrics["adv_mean"] != pytest.approx(float(stale[acted].mean()), abs=1e-6)
+
+
+def test_recovery_after_a_crash_reuses_groups_whole(tmp_path):
+    """The write-ahead log after a crash: a group whose one member is too old is dropped whole, not split."""
+    from opd_sao.rl.buffer import TrajectoryBuffer, recover
+    from opd_sao.trajectory import Trajectory
+
+    buffer = TrajectoryBuffer(2, spill_dir=tmp_path)
+    for group, versions in enumerate([(3, 3), (1, 3), (2, 3)]):  # group 1 has a member from version 1
+        for i, version in enumerate(versions):
+            traj = Trajectory(f"g{group}-{i}", "d", [1], meta={"group": group})
+            traj.append([5, 6], action=True, logp=[-1.0, -1.0], versions=[version, version])
+            buffer.put(traj)
+    buffer.close()
+    reused, dropped = recover(tmp_path, trained_ids={"g2-0", "g2-1"}, current_version=3, max_staleness=1, group_size=2)
+    assert sorted(t.traj_id for t in reused) == ["g0-0", "g0-1"] and dropped == 2

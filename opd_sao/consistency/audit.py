@@ -23,7 +23,9 @@ def add_audit_parser(sub, environment) -> None:
     p.add_argument("checkpoint", help="an HF-format checkpoint directory (e.g. runs/<run>/stages/<stage>/checkpoint)")
     p.add_argument("--engine", default="embedded", help="'embedded' (in-process) or the URL of a rollout server")
     p.add_argument("--deterministic", action="store_true",
-                   help="deterministic mode: fp32, each sequence scored alone by engine and checker")
+                   help="deterministic mode: fp32; the checker scores each sequence alone (batch-invariant) against "
+                        "the engine's sampled logprobs, and the engine's own recomputation alone is reported beside "
+                        "them (sampler_drift)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="embedded engine dtype")
     p.add_argument("--device", default="auto", help="where the embedded engine and the checker run: auto (cuda when "
                    "available, else cpu), cpu, cuda or cuda:N")
@@ -129,7 +131,7 @@ def run_audit(args) -> dict:
 
     from opd_sao.checkpoints import load_causal_lm, load_tokenizer
     from opd_sao.config import RolloutConfig
-    from opd_sao.consistency.check import check
+    from opd_sao.consistency.check import check, sampler_drift
     from opd_sao.devices import resolve_device
     from opd_sao.consistency.gate import diagnose, over_threshold, probe_episodes
     from opd_sao.rl.rollout import run_episodes
@@ -165,6 +167,9 @@ def run_audit(args) -> dict:
                 "temperature": args.temperature, "top_p": args.top_p, "prompt_format": args.prompt_format,
                 "thresholds": {"mean_abs_diff": args.threshold_mean, "p99_abs_diff": args.threshold_p99},
                 "passed": not reasons, "reasons": reasons, **report.to_dict()}
+        drift = sampler_drift(trajs)
+        if drift is not None:
+            data["sampler_drift"] = drift
         if reasons:
             data["diagnosis"] = asdict(diagnose(report, trainer, engine, mean_abs_diff=args.threshold_mean,
                                                 p99_abs_diff=args.threshold_p99,

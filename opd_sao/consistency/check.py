@@ -11,7 +11,11 @@ Two ways to recompute:
   block of rows and a chunk of the vocabulary at a time (`modeling.token_logprobs`, the trainer's own
   path), so a long sequence never materialises a [T, V] float32 tensor (benchmarks/consistency_memory.py);
 - alone (deterministic mode): each action span scored with its prefix alone, unpadded, by
-  `sequence_logprobs`, exactly what the deterministic embedded engine did, so agreement is bitwise.
+  `sequence_logprobs`: batch-invariant, the same function the deterministic embedded engine recomputes with.
+
+The engine's side is always what it sampled with (`rollout_logp`, the behaviour policy's logprobs); a
+deterministic engine's batch-invariant recomputation is kept beside it (`meta["recomputed_logp"]`) and only
+reported, as `sampler_drift`: a sampler fault (padding ignored, a wrong temperature) is their difference.
 """
 from __future__ import annotations
 
@@ -140,10 +144,10 @@ def chunked_logprobs(model, trajectories: list[Trajectory], tokens: ActionTokens
 
 @torch.no_grad()
 def alone_logprobs(model, trajectories: list[Trajectory]) -> torch.Tensor:
-    """[N] each action span scored with its prefix alone, unpadded, as the deterministic engine scored it.
+    """[N] each action span scored with its prefix alone, unpadded, as the deterministic engine recomputes it.
 
     top_p = 1: `sequence_logprobs`, the very function the engine's deterministic mode calls, so equal
-    weights give bitwise-equal numbers. top_p < 1 (the engine keeps its sampled logprobs there): the
+    weights give bitwise-equal numbers to its recomputation (not to its sampled logprobs). top_p < 1 (the engine keeps its sampled logprobs there): the
     nucleus-renormalised logprobs of the same unpadded hidden states. One forward per span, like the engine.
     """
     out, device = [], model_device(model)
@@ -249,14 +253,31 @@ def compare(trainer_logp: torch.Tensor, tokens: ActionTokens, *, eps_low: float,
     }
 
 
+def sampler_drift(trajectories: list[Trajectory]) -> Optional[dict]:
+    """Mean and max |sampled - recomputed| logprob over the action tokens of the rollouts a deterministic engine
+    rescored alone (`meta["recomputed_logp"]`); None when none was. The engine against itself: nonzero beyond
+    float rounding means its sampler's logprobs are not what its own model gives the sequence unbatched."""
+    sampled, recomputed = [], []
+    for traj in trajectories:
+        again = traj.meta.get("recomputed_logp")
+        if again is not None:
+            sampled += [lp for lp, m in zip(traj.rollout_logp, traj.action_mask) if m]
+            recomputed += again
+    if not sampled or len(sampled) != len(recomputed):
+        return None
+    diff = (torch.tensor(sampled, dtype=torch.float64) - torch.tensor(recomputed, dtype=torch.float64)).abs()
+    return {"tokens": len(sampled), "mean_abs_diff": float(diff.mean()), "max_abs_diff": float(diff.max())}
+
+
 def check(trajectories: list[Trajectory], model, *, version: int, eps_low: float = 0.3, eps_high: float = 5.0,
           alone: bool = False, trainer: Optional[Callable[[list[Trajectory]], torch.Tensor]] = None) -> ConsistencyReport:
     """Compare the rollouts' logprobs with `model`'s (the trainer's policy at policy version `version`).
 
     `trainer(trajectories) -> [N]` scores with the trainer's own batched training forward (what the gate
     uses, in every mode: so a fault in the trainer's forward is never hidden by a checker that shares the
-    engine's kernel). Otherwise alone=True is the deterministic-mode checker (`alone_logprobs`, bitwise
-    what the deterministic engine did: `opd-sao audit --deterministic`), and the default the chunked one.
+    engine's kernel). Otherwise alone=True is the deterministic-mode checker (`alone_logprobs`, batch-invariant:
+    `opd-sao audit --deterministic`), and the default the chunked one. Either way the engine's side is its
+    sampled logprobs.
     """
     errors = version_errors(trajectories, version)
     compared = [t for t in trajectories if t.num_action_tokens and not version_errors([t], version)]

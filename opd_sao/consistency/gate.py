@@ -23,6 +23,7 @@ from opd_sao.consistency.check import (
     ConsistencyReport,
     action_hidden_states,
     check,
+    sampler_drift,
 )
 from opd_sao.engines.base import GenerationRequest, RolloutEngine, SamplingParams
 from opd_sao.modeling import lm_head, token_logprobs
@@ -304,7 +305,11 @@ class ConsistencyGate:
                        trainer=self.trainer_logprobs)
         reasons = over_threshold(report, self.cfg.mean_abs_diff, self.cfg.p99_abs_diff)
         entry = {"phase": phase, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "passed": not reasons,
-                 "engine_version": engine.version, **report.to_dict()}
+                 "engine_version": engine.version, "compared": "engine's sampled logprobs vs the trainer's forward, "
+                 "each at the rollout's sampling temperature and top_p", **report.to_dict()}
+        drift = sampler_drift(trajs)
+        if drift is not None:  # deterministic engine: its sampled logprobs against its own recomputation alone
+            entry["sampler_drift"] = drift
         self._last_version, self._rejoins_checked = version, rejoins
         if reasons:
             diagnosis = diagnose(report, model, engine, mean_abs_diff=self.cfg.mean_abs_diff,

@@ -38,6 +38,9 @@ class GenerationResult:
     finish_reason: str  # "stop" (eos) or "length"
     # under softmax(logits/T) over the whole vocabulary, not renormalised to top-p (SGLang's output_token_logprobs)
     vocab_logprobs: list[float] = field(default_factory=list)
+    # deterministic mode: the same tokens rescored alone (batch-invariant), kept beside the sampled logprobs (never
+    # instead of them: the behaviour policy is what sampled), so a sampler fault shows as their difference
+    recomputed_logprobs: Optional[list[float]] = None
 
 
 ResultCallback = Callable[[GenerationResult], None]

@@ -202,24 +202,23 @@ class EmbeddedEngine(RolloutEngine):
                 config=self.model.config)
 
     def _finish(self, seq: _Sequence) -> GenerationResult:
-        logprobs, vocab_logprobs = seq.logprobs, seq.vocab_logprobs
-        same_version = len(set(seq.versions)) == 1
+        """The sampled logprobs are the behaviour policy's, always; deterministic mode adds a recomputation beside them."""
+        recomputed = None
         uncut = seq.request.params.top_p >= 1.0 and seq.request.params.top_k < 1
-        if self.deterministic and same_version and uncut:
-            logprobs = vocab_logprobs = self._rescore_alone(seq)  # no nucleus: the two are one distribution
-        return GenerationResult(seq.request, seq.token_ids, logprobs, seq.versions, seq.finish_reason, vocab_logprobs)
+        if self.deterministic and len(set(seq.versions)) == 1 and uncut:
+            recomputed = self._rescore_alone(seq)
+        return GenerationResult(seq.request, seq.token_ids, seq.logprobs, seq.versions, seq.finish_reason,
+                                seq.vocab_logprobs, recomputed_logprobs=recomputed)
 
     @torch.no_grad()
-    def _rescore_alone(self, seq: _Sequence) -> list[float]:
-        """Deterministic mode: the logprobs the trainer's kernel gives this sequence alone, unpadded.
+    def _rescore_alone(self, seq: _Sequence) -> Optional[list[float]]:
+        """Deterministic mode: the logprobs the trainer's kernel gives this sequence alone, unpadded (batch-invariant).
 
-        If the weights changed since the sequence was sampled, its sampled logprobs stand: rescoring with
-        newer weights would label them with a version that did not compute them.
-        """
+        None if the weights changed since the sequence was sampled (newer weights did not sample it)."""
         ids = torch.tensor([seq.request.prompt_ids + seq.token_ids], device=self.device)
         with self._lock:
             if self._version != seq.versions[0]:
-                return seq.logprobs
+                return None
             logp = sequence_logprobs(self.model, ids, torch.ones_like(ids), seq.request.params.temperature)
         return logp[0, len(seq.request.prompt_ids):].tolist()
 

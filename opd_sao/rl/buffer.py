@@ -2,7 +2,8 @@
 
 SAO (group size 1) releases each trajectory the moment it arrives; group mode releases a group only
 when all of its members have finished. Trajectories older than the staleness bound are dropped (and
-counted) when a batch is taken.
+counted) when a batch is taken. Groups stay whole: a group with one stale member is dropped whole
+(`dropped_stale_groups`), and a batch is whole groups, so GRPO's z-scores never see part of a group.
 
 With a spill directory, every arriving trajectory is also appended to `buffer.jsonl` there: beyond
 `memory_budget` waiting trajectories only their index stays in host memory (the seeds' hierarchical
@@ -25,6 +26,7 @@ from opd_sao.trajectory import Trajectory
 class _Entry:
     traj_id: str
     min_version: int
+    group: int  # the group's id in group mode; entries of one group are consecutive in the buffer
     offset: int = -1  # byte offset of its line in the spill log
     traj: Optional[Trajectory] = None  # None once spilled out of memory
 
@@ -49,7 +51,8 @@ class TrajectoryBuffer:
         if self._log_path:
             self._log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = self._log_path.open("ab+")
-        self.dropped_stale = 0
+        self.dropped_stale = 0  # trajectories
+        self.dropped_stale_groups = 0  # group mode: groups dropped whole
         self.received = 0
         self.spilled = 0
 
@@ -67,8 +70,8 @@ class TrajectoryBuffer:
             for member, member_offset in entries:
                 in_memory = sum(e.traj is not None for e in self._ready) < self.memory_budget or self._log is None
                 self.spilled += not in_memory
-                self._ready.append(_Entry(member.traj_id, member.min_version, member_offset,
-                                          member if in_memory else None))
+                self._ready.append(_Entry(member.traj_id, member.min_version, member.meta.get("group", -1),
+                                          member_offset, member if in_memory else None))
             self._cond.notify_all()
 
     def _append_to_log(self, traj: Trajectory) -> int:
@@ -91,7 +94,11 @@ class TrajectoryBuffer:
             return len(self._ready)
 
     def take(self, n: int, current_version: int, max_staleness: int, timeout: float) -> list[Trajectory] | None:
-        """The oldest n fresh trajectories, or None if they did not arrive within `timeout` seconds."""
+        """The oldest n fresh trajectories, or None if they did not arrive within `timeout` seconds.
+
+        In group mode n is a multiple of the group size and the batch is n / group_size whole groups."""
+        if n % self.group_size:
+            raise ValueError(f"a batch of {n} cannot hold whole groups of {self.group_size}")
         with self._cond:
             if not self._cond.wait_for(lambda: self._drop_stale(current_version, max_staleness) >= n, timeout=timeout):
                 return None
@@ -99,8 +106,14 @@ class TrajectoryBuffer:
             return [self._load(entry) for entry in batch]
 
     def _drop_stale(self, current_version: int, max_staleness: int) -> int:
-        fresh = [e for e in self._ready if current_version - e.min_version <= max_staleness]
+        """Drop what is too old (in group mode: every group with a stale member, whole); the fresh count."""
+        stale = {e.traj_id if self.group_size == 1 else e.group for e in self._ready
+                 if current_version - e.min_version > max_staleness}
+        if not stale:
+            return len(self._ready)
+        fresh = [e for e in self._ready if (e.traj_id if self.group_size == 1 else e.group) not in stale]
         self.dropped_stale += len(self._ready) - len(fresh)
+        self.dropped_stale_groups += len(stale) if self.group_size > 1 else 0
         self._ready = fresh
         return len(fresh)
 
@@ -111,11 +124,12 @@ class TrajectoryBuffer:
 
 
 def recover(spill_dir: Path, trained_ids: set[str], current_version: int,
-            max_staleness: int) -> tuple[list[Trajectory], int]:
+            max_staleness: int, group_size: int = 1) -> tuple[list[Trajectory], int]:
     """After a crash: the logged trajectories not yet trained on, split into (reusable, number dropped).
 
     A trajectory is reused only if the staleness rule still admits it at the resumed version; one
-    sampled by weights that were lost with the crash (newer than the checkpoint) is dropped too.
+    sampled by weights that were lost with the crash (newer than the checkpoint) is dropped too. In group
+    mode a group is reused whole or not at all (a group with one unusable member is dropped whole).
     The log is emptied: the reused ones are logged again when they re-enter a buffer.
     """
     path = Path(spill_dir) / "buffer.jsonl"
@@ -130,5 +144,8 @@ def recover(spill_dir: Path, trained_ids: set[str], current_version: int,
         if traj.traj_id not in trained_ids:
             waiting.append(traj)
     reused = [t for t in waiting if is_fresh(t, current_version, max_staleness)]
+    if group_size > 1:
+        unusable = {t.meta["group"] for t in waiting if not is_fresh(t, current_version, max_staleness)}
+        reused = [t for t in reused if t.meta["group"] not in unusable]
     path.unlink()
     return reused, len(waiting) - len(reused)

@@ -15,14 +15,22 @@ if missing, written to the logit cache, read back from it) and then, per the tea
 The student's support log-probs come from the trainer backend (`policy_support_logprobs`, as the sampled
 path's come from `policy_logprobs`, so OPD trains the same under torch and DeepSpeed): its final hidden
 states and the lm head one vocabulary chunk at a time, recomputed in the backward, so neither pass
-keeps an [N, V] logits tensor alive (`full` excepted: its target is [N, V] by definition). Divergence
-rows are at temperature 1 (the distributions being matched); the sampled path uses the rollout
-temperature, as the DIS ratio must.
+keeps an [N, V] logits tensor alive (`full` excepted: its target is [N, V] by definition).
+
+Temperatures, one choice for every granularity: what is matched is student and teacher at temperature 1 (the
+models themselves; teacher records are scored at T = 1). The divergence rows are at T = 1; the sampled path's
+advantage `-(logp_student - logp_teacher)` takes both logprobs at T = 1 too (the student's from one more
+forward when the rollouts were sampled at another temperature), so a student equal to its teacher gets a zero
+advantage at any sampling temperature. Only the DIS ratio and the policy-gradient term use the student's
+logprob at the rollout temperature (and top-p): the distribution the engine sampled from, as SAO's do. Every
+step reports both (`distill_temperature`, `sampling_temperature`); the gate compares engine and trainer at the
+sampling temperature, the only place their logprobs meet.
 
 The loss is a token mean over every action token of the batch: sum of per-token terms / N.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,6 +43,8 @@ from opd_sao.config import AlgoConfig, OPDConfig
 from opd_sao.rl.learner import ResumableLearner
 from opd_sao.trajectory import Batch
 
+
+DISTILL_TEMPERATURE = 1.0  # student and teacher are matched at this temperature (teacher records are scored at it)
 
 # ----------------------------------------------------------------------------
 # teacher records -> padded tensors
@@ -57,6 +67,66 @@ def padded_support(records, device=None) -> tuple[torch.Tensor, torch.Tensor, to
     mask = torch.zeros((n, width), dtype=torch.bool)
     ids_pad[row, col], logp_pad[row, col], mask[row, col] = ids, logp, True
     return ids_pad.to(device), logp_pad.to(device), mask.to(device), tail.to(device)
+
+
+# ----------------------------------------------------------------------------
+# which domain the next rollout comes from
+# ----------------------------------------------------------------------------
+
+class DomainSchedule:
+    """The OPD stage's per-domain schedule: each domain's share of the student's rollouts follows its measured gap
+    to its teacher (`algorithms.domain_shares` of the held-out probe scores over the teachers' scores), a domain
+    at `target` draws none, and `done` says every domain is there.
+
+    Rollouts are dealt by smooth weighted round robin over the shares (deterministic, and every prefix of the
+    sequence is within one rollout of its shares); equal shares, before the first probe, are plain round robin.
+    `next_domain` runs on the rollout worker's thread, `update` on the trainer's.
+    """
+
+    def __init__(self, domains: list[str], target: float):
+        self.domains, self.target = list(domains), target
+        self.teacher_scores: dict[str, float] = {}
+        self.shares = {d: 1.0 / len(self.domains) for d in self.domains}
+        self.recovered: dict[str, float] = {}
+        self.probes: list[dict] = []
+        self.drawn = dict.fromkeys(self.domains, 0)
+        self._credit = dict.fromkeys(self.domains, 0.0)
+        self._lock = threading.Lock()
+
+    def next_domain(self) -> str:
+        with self._lock:
+            # every domain done: the stage is ending; rollouts already asked for are dealt round robin
+            shares = self.shares if any(self.shares.values()) else dict.fromkeys(self.domains, 1.0)
+            for d in self.domains:
+                self._credit[d] += shares[d]
+            pick = max(self.domains, key=lambda d: round(self._credit[d], 9))  # ties: the first listed
+            self._credit[pick] -= sum(shares.values())
+            self.drawn[pick] += 1
+            return pick
+
+    def update(self, step: int, scores: dict[str, float], teacher_scores: dict[str, float]) -> None:
+        """A probe at `step` (policy steps done): held-out scores of the student and of each domain's teacher.
+        A teacher scoring 0 leaves nothing to recover (the domain counts as done)."""
+        recovered = {d: scores[d] / teacher_scores[d] if teacher_scores[d] > 0 else 1.0 for d in self.domains}
+        shares = A.domain_shares(recovered, self.target)
+        with self._lock:
+            self.teacher_scores, self.recovered, self.shares = dict(teacher_scores), recovered, shares
+            self._credit = dict.fromkeys(self.domains, 0.0)
+        self.probes.append({"step": step, "scores": {d: round(v, 4) for d, v in scores.items()},
+                            "recovered": {d: round(v, 4) for d, v in recovered.items()},
+                            "shares": {d: round(v, 4) for d, v in shares.items()}})
+
+    @property
+    def done(self) -> bool:
+        return bool(self.recovered) and all(r >= self.target for r in self.recovered.values())
+
+    def summary(self) -> dict:
+        """For summary.json: the probes, the rollouts each domain drew, the step each first reached the target."""
+        reached = {d: next((p["step"] for p in self.probes if p["recovered"][d] >= self.target), None)
+                   for d in self.domains}
+        return {"target": self.target, "teacher_scores": self.teacher_scores, "probes": self.probes,
+                "rollouts": dict(self.drawn), "reached_target_at_step": reached,
+                "ended": "target" if self.done else "budget"}
 
 
 # ----------------------------------------------------------------------------
@@ -136,7 +206,8 @@ class OPDLearner(ResumableLearner):
         fetched = self.targets.fetch(batch.trajectories)
         rows = Rows.of(batch, fetched, self.targets.registry.specs)
         stats = RowStats.empty(len(rows.b), rows.device)
-        metrics: dict = {"reward_mean": float(rows.seq_rewards.mean()), "batch_size": float(len(batch.trajectories))}
+        metrics: dict = {"reward_mean": float(rows.seq_rewards.mean()), "batch_size": float(len(batch.trajectories)),
+                         "distill_temperature": DISTILL_TEMPERATURE, "sampling_temperature": float(temperature)}
         loss = torch.zeros((), device=rows.device)
         if bool(rows.trajectories_with("sampled").any()) or self.opd.reward_weight > 0:
             loss = loss + self._policy_gradient(rows, temperature, stats, metrics)
@@ -156,15 +227,17 @@ class OPDLearner(ResumableLearner):
         sampled_mask = mask & rows.trajectories_with("sampled").unsqueeze(1)
         pg_mask = mask if self.opd.reward_weight > 0 else sampled_mask
         teacher_sampled = rows.teacher_sampled()
-        logp = self.backend.policy_logprobs(batch, temperature, grad=True)
-        advantages = A.reverse_kl_advantage(logp, teacher_sampled, sampled_mask)
+        logp = self.backend.policy_logprobs(batch, temperature, grad=True)  # the sampled distribution: ratio, gradient
+        matched = logp if temperature == DISTILL_TEMPERATURE else \
+            self.backend.policy_logprobs(batch, DISTILL_TEMPERATURE, grad=False)  # the teacher's temperature
+        advantages = A.reverse_kl_advantage(matched, teacher_sampled, sampled_mask)
         if self.opd.reward_weight > 0:
             reward_adv = A.broadcast_sequence_advantage(rows.seq_rewards - self.baseline.value, mask)
             advantages = advantages + self.opd.reward_weight * reward_adv
         pg_loss, pg_metrics = A.sao_policy_loss(logp, batch.rollout_logp, advantages, pg_mask,
                                                 self.sao.eps_low, self.sao.eps_high)
         on_sampled = sampled_mask[rows.b, rows.t]
-        stats.kl[on_sampled] = (logp.detach() - teacher_sampled)[rows.b, rows.t][on_sampled].float()  # k1 estimator
+        stats.kl[on_sampled] = (matched.detach() - teacher_sampled)[rows.b, rows.t][on_sampled].float()  # k1 estimator
         metrics.update(mask_fraction=pg_metrics["mask_fraction"], ratio_mean=pg_metrics["ratio_mean"],
                        adv_mean=float(advantages[pg_mask].mean()) if pg_mask.any() else 0.0,
                        adv_std=float(advantages[pg_mask].std()) if pg_mask.sum() > 1 else 0.0)

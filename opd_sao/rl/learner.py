@@ -64,11 +64,14 @@ class Learner(ResumableLearner):
         self.steps_done += 1
         return metrics
 
+    @staticmethod
+    def _group_ids(batch: Batch) -> torch.Tensor:
+        return torch.tensor([t.meta.get("group", i) for i, t in enumerate(batch.trajectories)],
+                            device=batch.rewards.device)
+
     def _inputs(self, batch: Batch, values) -> A.AdvantageInputs:
-        group_ids = torch.tensor([t.meta.get("group", i) for i, t in enumerate(batch.trajectories)],
-                                 device=batch.rewards.device)
         return A.AdvantageInputs(rewards=batch.rewards, action_mask=batch.action_mask, values=values,
-                                 group_ids=group_ids, baseline=self.baseline.value, gamma=self.cfg.gamma,
+                                 group_ids=self._group_ids(batch), baseline=self.baseline.value, gamma=self.cfg.gamma,
                                  alpha=self.cfg.alpha, lam=self.cfg.ppo_lambda)
 
     def _critic_update(self, batch: Batch, metrics: dict) -> torch.Tensor:
@@ -94,13 +97,14 @@ class Learner(ResumableLearner):
         the trainer before the update (`update_epochs` passes, as PPO needs for its clip to matter)."""
         mask, cfg, algorithm = batch.action_mask, self.cfg, self.algorithm
         params = A.LossParams(eps_low=cfg.eps_low, eps_high=cfg.eps_high, clip=cfg.ppo_clip)
+        weights = algorithm.token_weights(mask, self._group_ids(batch))  # the whole batch's normalisation, per token
         if algorithm.against_rollout:
             behaviour, epochs = batch.rollout_logp, 1
         else:
             behaviour, epochs = self.backend.policy_logprobs(batch, temperature, grad=False), cfg.update_epochs
         for _ in range(epochs):
             logp = self.backend.policy_logprobs(batch, temperature, grad=True)
-            loss, metrics = algorithm.policy_loss(logp, behaviour, advantages, mask, params)
+            loss, metrics = algorithm.policy_loss(logp, behaviour, advantages, mask, params, weights)
             metrics["policy_grad_norm"] = self.backend.step_policy(loss)
         if not algorithm.against_rollout:  # what DIS would have masked, for comparison
             _, keep = A.dis_weights(behaviour, batch.rollout_logp, cfg.eps_low, cfg.eps_high)

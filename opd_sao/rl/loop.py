@@ -24,19 +24,20 @@ from opd_sao.trajectory import Trajectory, collate
 from opd_sao.trainers.base import NonFiniteError
 
 StepHook = Callable[[int], None]
+StopCheck = Callable[[int], bool]  # (policy steps done) -> stop training now
 
 
 class RLLoop:
     def __init__(self, *, engine: RolloutEngine, learner: Learner, make_episodes: Callable[[], list[Episode]],
                  rollout: RolloutConfig, train_batch_size: int, pad_id: int, logger: MetricsLogger,
                  trained_log: Path, slowdown_s: float = 0.0, after_step: Optional[StepHook] = None,
-                 progress=None, buffer: Optional[TrajectoryBuffer] = None):
+                 progress=None, buffer: Optional[TrajectoryBuffer] = None, stop_when: Optional[StopCheck] = None):
         if train_batch_size % rollout.group_size:
             raise ValueError(f"train_batch_size {train_batch_size} must be a multiple of group_size {rollout.group_size}")
         self.engine, self.learner, self.make_episodes = engine, learner, make_episodes
         self.rollout, self.batch_size, self.pad_id = rollout, train_batch_size, pad_id
         self.logger, self.trained_log, self.slowdown_s = logger, Path(trained_log), slowdown_s
-        self.after_step, self.progress = after_step, progress
+        self.after_step, self.progress, self.stop_when = after_step, progress, stop_when
         self.buffer = buffer if buffer is not None else TrajectoryBuffer(rollout.group_size)
         self._started = 0
         self._steps_done = 0
@@ -62,7 +63,11 @@ class RLLoop:
         self.engine.update_weights(self.backend.policy_state_dict(), self.backend.policy_version)
 
     def run(self, steps: int, start_step: int = 0, waiting: list[Trajectory] = ()) -> list[dict]:
-        """Train until `steps`; on resume, `waiting` holds trajectories recovered from the buffer's log."""
+        """Train until `steps`, or until `stop_when(steps done)` says so (asked before the first step and after every
+        step but the last); on resume, `waiting` holds trajectories recovered from the buffer's log."""
+        if self.stop_when is not None and start_step < steps and self.stop_when(start_step):
+            self.buffer.close()
+            return []
         self._steps_done = start_step
         self._started = start_step * self.batch_size + len(waiting)  # reused ones count against the bound
         for traj in waiting:
@@ -88,6 +93,7 @@ class RLLoop:
                     rollout_tokens_per_s=tokens / elapsed,
                     samples_per_s=(step + 1 - start_step) * self.batch_size / elapsed,
                     dropped_stale=self.buffer.dropped_stale,
+                    dropped_stale_groups=self.buffer.dropped_stale_groups,
                     policy_version=self.backend.policy_version,
                 )
                 self.logger.log(metrics, step)
@@ -97,6 +103,8 @@ class RLLoop:
                     self.progress.set_postfix(reward=f"{metrics['reward_mean']:.2f}")
                 if self.after_step is not None:
                     self.after_step(step)
+                if self.stop_when is not None and step + 1 < steps and self.stop_when(step + 1):
+                    break
         finally:
             worker.stop()
             self.buffer.close()

@@ -101,6 +101,11 @@ class Episode:
         """Record the action, step the environment; True when the episode is over."""
         traj = self.traj
         traj.append(result.token_ids, action=True, logp=result.logprobs, versions=result.versions)
+        # a deterministic engine's batch-invariant recomputation, kept while every action span of the segment has one
+        previous = traj.meta.pop("recomputed_logp", None)
+        if result.recomputed_logprobs is not None and (previous is not None or traj.num_action_tokens == len(
+                result.token_ids)):
+            traj.meta["recomputed_logp"] = (previous or []) + list(result.recomputed_logprobs)
         stopped_on = result.token_ids[-1] if result.finish_reason == "stop" and result.token_ids else None
         if self._summarising is not None:
             return self._continue_after_summary(result.token_ids, stopped_on)

@@ -102,6 +102,27 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
+def _schedule_lines(stage: dict) -> list[str]:
+    """An OPD stage's per-domain schedule: each probe's held-out score, share of the teacher's, and rollout share."""
+    schedule = stage.get("schedule")
+    if not schedule or not schedule["probes"]:
+        return []
+    domains = list(schedule["rollouts"])
+    ended = ("every domain reached the target" if schedule["ended"] == "target"
+             else f"the budget ({schedule['budget_steps']} steps) was spent")
+    lines = ["", f"## OPD schedule (stage {stage['name']})", "",
+             f"Target {schedule['target']:.0%} of each teacher's score; probes every {schedule['probe_every']} steps; "
+             f"the stage ended after {stage.get('steps', '-')} steps: {ended}. Each cell: held-out score "
+             "(share of the teacher's), then the domain's share of the next rollouts.", "",
+             "| probe at step | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|",
+             "| teacher | " + " | ".join(_fmt(schedule["teacher_scores"].get(d)) for d in domains) + " |"]
+    for p in schedule["probes"]:
+        lines.append(f"| {p['step']} | " + " | ".join(
+            f"{_fmt(p['scores'][d])} ({p['recovered'][d]:.0%}), {p['shares'][d]:.0%}" for d in domains) + " |")
+    lines.append("| rollouts drawn | " + " | ".join(str(schedule["rollouts"][d]) for d in domains) + " |")
+    return lines
+
+
 def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -134,6 +155,8 @@ def write_report(run_dir: Path) -> Path:
         resumed = s.get("resume", {}).get("from_step", "-")
         lines.append(f"| {s['name']} | {s['kind']} | {s.get('algo', '-')} | {s.get('steps', '-')} | "
                      f"{s.get('wall_s', '-')} | {verdict} | {resumed} |")
+    for s in summary["stages"]:
+        lines += _schedule_lines(s)
     lines += ["", "## Plots", "", "![domains](plots/domains.png)", "",
               "![training: reward, value loss, explained variance, DIS masked fraction, staleness](plots/training.png)"]
     if has_gates:

@@ -1,11 +1,28 @@
 """The SAO critic: a copy of the policy's backbone with a scalar value head.
 
-Frozen attention (SPEC 2.3): only MLP / expert projections and the value head train; full-parameter
-critic training was unstable in the paper.
+Frozen attention: only the feed-forward blocks (MLP, MoE experts, shared experts) and the value head
+train; full-parameter critic training was unstable in the paper (-6.7 AIME points in its ablation).
+
+The trainable set is chosen by each module's role in its decoder layer, not by its name (experts are
+`mlp`, `block_sparse_moe`, `feed_forward` or `ffn` depending on the architecture):
+
+* a child of a decoder layer whose forward takes the attention mask, position embeddings or a cache mixes
+  positions (attention, Mamba mixers, DBRX's norm-attention-norm): frozen;
+* a child with weight matrices whose forward sees only the hidden states is the feed-forward block: it trains,
+  except its routers;
+* routers (in an MoE block, a module whose weight maps the hidden state to one score per expert, or to one
+  gate value: Qwen2-MoE's shared-expert gate) stay frozen: the critic's value loss has no load-balancing
+  term, so a router trained by it alone can route every token to a few experts; frozen, the critic keeps the
+  policy's token -> expert assignment and adapts what the experts compute;
+* norms, embeddings and everything outside the decoder layers stay frozen.
+
+An architecture where the rule finds no feed-forward parameter is refused (`freeze_attention`).
 """
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -19,6 +36,89 @@ from opd_sao.checkpoints import DTYPES, MODEL_INIT_LOCK, check_attention
 from ..modeling import position_ids_for
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+# A forward argument that only a module mixing positions needs (attention, state-space mixers).
+MIXER_ARGS = frozenset({"attention_mask", "position_embeddings", "position_ids", "cache", "past_key_value",
+                        "past_key_values", "cache_params", "layer_past", "cache_position"})
+ROLES = ("feed_forward", "router", "token_mixer", "other")
+
+
+def decoder_layers(backbone: nn.Module) -> list[nn.Module]:
+    """The decoder layers: the module list with one entry per hidden layer of the model's config."""
+    config = backbone.config.get_text_config() if hasattr(backbone.config, "get_text_config") else backbone.config
+    n = getattr(config, "num_hidden_layers", None)
+    return next((list(m) for m in backbone.modules() if isinstance(m, nn.ModuleList) and n and len(m) == n), [])
+
+
+def _mixes_positions(module: nn.Module) -> bool:
+    return bool(MIXER_ARGS & set(inspect.signature(module.forward).parameters))
+
+
+def _routers(block: nn.Module) -> set[str]:
+    """Names (relative to an MoE block) of its routers' parameters; empty for a dense MLP."""
+    experts = {p.shape[0] for p in block.parameters() if p.dim() == 3}  # fused experts: [n_experts, ...]
+    experts |= {len(m) for m in block.modules() if isinstance(m, nn.ModuleList)}  # one module per expert
+    if not experts:
+        return set()
+    names = set()
+    for prefix, module in block.named_modules():
+        weight = getattr(module, "weight", None)
+        if prefix and isinstance(weight, nn.Parameter) and weight.dim() == 2 and weight.shape[0] in experts | {1}:
+            names |= {f"{prefix}.{name}" for name, _ in module.named_parameters()}
+    return names
+
+
+def parameter_roles(backbone: nn.Module) -> dict[str, str]:
+    """Every backbone parameter's role (one of ROLES), by the rule in the module docstring."""
+    roles = dict.fromkeys((name for name, _ in backbone.named_parameters()), "other")
+    where = {id(m): name for name, m in backbone.named_modules()}
+    for layer in decoder_layers(backbone):
+        for child in layer.children():
+            params = [name for name, _ in child.named_parameters()]
+            if _mixes_positions(child):
+                role, routers = "token_mixer", set()
+            elif any(p.dim() >= 2 for p in child.parameters()):
+                role, routers = "feed_forward", _routers(child)
+            else:
+                continue
+            for name in params:
+                roles[f"{where[id(child)]}.{name}"] = "router" if name in routers else role
+    return roles
+
+
+def critic_trainable(backbone: nn.Module) -> list[str]:
+    """The backbone parameters the critic trains (the value head trains too); ValueError when there are none."""
+    names = [name for name, role in parameter_roles(backbone).items() if role == "feed_forward"]
+    if not names:
+        raise ValueError(f"the critic's frozen-attention rule finds no feed-forward (MLP or MoE expert) parameters "
+                         f"in {type(backbone).__name__}; set trainer.freeze_critic_attention: false to train the "
+                         "whole critic")
+    return names
+
+
+def describe_critic(path: str | Path) -> dict:
+    """What the critic of a model directory trains (`opd-sao models check`): parameter names by role with layer
+    indices folded (`layers.*.mlp.up_proj.weight`), the trainable share, or why the rule refuses the model.
+    The backbone is built on the meta device from the config: no weights are read."""
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        backbone = AutoModel.from_config(AutoConfig.from_pretrained(str(path)))
+    roles = parameter_roles(backbone)
+    sizes = dict((name, p.numel()) for name, p in backbone.named_parameters())
+    folded: dict[str, list[str]] = {role: [] for role in ROLES}
+    for name, role in roles.items():
+        short = re.sub(r"\.\d+\.", ".*.", name)
+        if short not in folded[role]:
+            folded[role].append(short)
+    trained = sum(sizes[name] for name, role in roles.items() if role == "feed_forward")
+    out = {"trains": folded["feed_forward"], "frozen_routers": folded["router"],
+           "frozen_token_mixers": folded["token_mixer"], "trainable_parameters": trained,
+           "backbone_parameters": sum(sizes.values())}
+    try:
+        critic_trainable(backbone)
+    except ValueError as err:
+        out["refused"] = str(err)
+    return out
 
 
 def critic_attention(policy_attention: str) -> str:
@@ -67,8 +167,10 @@ class ValueModel(nn.Module):
         self.backbone.activation_checkpointing_enable(**kwargs)
 
     def freeze_attention(self) -> None:
+        """Train only the feed-forward blocks (and the value head): see the module docstring."""
+        trainable = set(critic_trainable(self.backbone))
         for name, param in self.backbone.named_parameters():
-            param.requires_grad_(".mlp." in name)
+            param.requires_grad_(name in trainable)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.backbone(
