@@ -316,13 +316,12 @@ class DeepSpeedTrainer(TrainerBackend):
         if not pending:
             raise RuntimeError(f"step_{kind} needs a {kind} forward with grad=True first")
         shapes = [shape for p in pending for shape in p.shapes]
+        dtypes = [torch.promote_types(x.dtype, torch.float32) for p in pending for x in p.local]  # as sent
         if self.rank == 0:
             grads = torch.autograd.grad(loss, [leaf for p in pending for leaf in p.leaves], allow_unused=True)
-            grads = [torch.zeros(shape, device=self.device) if g is None
-                     else g.to(self.device, torch.float32 if g.dtype != torch.float64 else g.dtype).contiguous()
-                     for shape, g in zip(shapes, grads)]
+            grads = [torch.zeros(shape, dtype=dtype, device=self.device) if g is None
+                     else g.to(self.device, dtype).contiguous() for shape, dtype, g in zip(shapes, dtypes, grads)]
         else:
-            dtypes = [x.dtype if x.dtype == torch.float64 else torch.float32 for p in pending for x in p.local]
             grads = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in zip(shapes, dtypes)]
         if self.world > 1:
             for grad in grads:
