@@ -14,8 +14,6 @@ scores are opinions that no reference is guaranteed to win.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import logging
 import math
@@ -31,6 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from opd_sao.registry import Registry
+
+from .python_worker import import_function
 
 logger = logging.getLogger(__name__)
 
@@ -490,28 +490,6 @@ def judge_score(text: str, pattern: Optional[re.Pattern] = None) -> Optional[flo
 
 
 # -------------------------------------------------------------------------------------------- python
-def import_function(spec: str) -> Callable:
-    """`package.module:function`, or `path/to/file.py:function`."""
-    if ":" not in spec:
-        raise ValueError(f"python reward: function {spec!r} must look like module:function or file.py:function")
-    where, name = spec.rsplit(":", 1)
-    try:
-        if where.endswith(".py"):
-            if not Path(where).is_file():
-                raise ValueError(f"python reward: file {where!r} does not exist")
-            module_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except ImportError as err:
-        raise ValueError(f"python reward: cannot import {where!r}: {err}") from None
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise ValueError(f"python reward: {where!r} has no function {name!r}")
-    return function
-
-
 @register_reward("python")
 class PythonReward(Reward):
     """Your own function, `function: module:function` (or `file.py:function`), called as f(task, response) and
