@@ -14,7 +14,7 @@ from typing import Optional
 
 from opd_sao.runs.tracking import read_jsonl
 from opd_sao.runs.files import atomic_write
-from opd_sao.trainers.base import NonFiniteError, nonfinite_parameters
+from opd_sao.trainers.base import NonFiniteError
 
 
 class StageState:
@@ -28,7 +28,7 @@ class StageState:
     def save(self, backend, step: int, extra: dict) -> None:
         """Write to a fresh directory, then swap it in: a crash leaves the old or the new state, whole. Weights
         holding a NaN or an infinity are refused (the last good state stays)."""
-        bad = nonfinite_parameters(backend.policy_model, getattr(backend, "critic", None))
+        bad = backend.nonfinite_weights()
         if bad:
             raise NonFiniteError(f"step {step}: non-finite weights in {', '.join(bad[:3])}"
                                  f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}; state not saved")

@@ -156,6 +156,11 @@ class TrainerBackend(ABC):
     @abstractmethod
     def policy_model(self) -> torch.nn.Module: ...
 
+    def nonfinite_weights(self) -> list[str]:
+        """Names of the policy's and critic's parameters holding a NaN or an infinity (checked before a state is
+        written). A backend whose weights are partitioned checks every rank's shard."""
+        return nonfinite_parameters(self.policy_model, getattr(self, "critic", None))
+
     @abstractmethod
     def export_policy(self, out_dir: Path, tokenizer) -> Path:
         """An HF-format checkpoint loadable by plain transformers."""

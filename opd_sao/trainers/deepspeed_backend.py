@@ -359,6 +359,21 @@ class DeepSpeedTrainer(TrainerBackend):
                                "or policy_state_dict(), not policy_model")
         return self.policy.module
 
+    def nonfinite_weights(self) -> list[str]:
+        """Every rank checks the weights it holds (its partition under ZeRO-3); rank 0 gets the union."""
+        self._announce("_nonfinite_shards")
+        return self._nonfinite_shards()
+
+    def _nonfinite_shards(self) -> list[str]:
+        bad = [f"{kind}.{name}" for kind, engine in (("policy", self.policy), ("critic", self.critic))
+               if engine is not None for name, p in engine.module.named_parameters()
+               if not bool(torch.isfinite(getattr(p, "ds_tensor", p).detach()).all())]
+        if self.world > 1:
+            every = [None] * self.world
+            dist.all_gather_object(every, bad)
+            bad = sorted({name for names in every for name in names})
+        return bad
+
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights on CPU on rank 0 (ZeRO-3: gathered one tensor at a time); {} on the other ranks."""
         self._announce("policy_state_dict")
