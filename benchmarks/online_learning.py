@@ -1,4 +1,4 @@
-"""Online learning (SPEC 2.6b): SAO vs the running-mean baseline when the preferred chat style switches.
+"""Online learning (docs/design.md §2.6b): SAO vs the running-mean baseline when the preferred chat style switches.
 
 Runs configs/online_learning.yaml (the chat user's preferred style rotates cute -> chuunibyou ->
 classical every `switch_every` trainer steps; reward = quality x style) once per algorithm and seed,

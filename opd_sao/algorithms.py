@@ -2,7 +2,7 @@
 
 Pure tensor functions (tensors in, tensors out): no I/O, no config objects, no
 imports from the rest of the project, so every trainer and stage can share them
-and each formula can be checked by hand. Notation follows SPEC.md sections 2
+and each formula can be checked by hand. Notation follows docs/design.md sections 2
 and 4.
 
 Conventions
@@ -132,7 +132,7 @@ def _zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------
-# SAO: DIS and the policy loss (SPEC 2.2)
+# SAO: DIS and the policy loss (docs/design.md §2.2)
 # ----------------------------------------------------------------------------
 
 def dis_weights(
@@ -202,7 +202,7 @@ def sao_policy_loss(
 
 
 # ----------------------------------------------------------------------------
-# Skip-observation GAE (SPEC 2.4)
+# Skip-observation GAE (docs/design.md §2.4)
 # ----------------------------------------------------------------------------
 
 def _credit_rewards_to_actions(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -289,7 +289,7 @@ def length_adaptive_lambda(action_lengths: torch.Tensor, alpha: float = 1.5) -> 
 
 
 # ----------------------------------------------------------------------------
-# Critic (SPEC 2.3)
+# Critic (docs/design.md §2.3)
 # ----------------------------------------------------------------------------
 
 VAR_EPS = 1e-12  # returns are in reward units; a variance below this is round-off, not signal
@@ -325,7 +325,7 @@ def value_loss(
 
 
 # ----------------------------------------------------------------------------
-# Baselines (SPEC 2.5)
+# Baselines (docs/design.md §2.5)
 # ----------------------------------------------------------------------------
 
 def grpo_advantages(
@@ -423,7 +423,7 @@ def broadcast_sequence_advantage(adv: torch.Tensor, action_mask: torch.Tensor) -
 
 
 # ----------------------------------------------------------------------------
-# On-policy distillation (SPEC 4)
+# On-policy distillation (docs/design.md §4)
 # ----------------------------------------------------------------------------
 
 def reverse_kl_advantage(

@@ -148,7 +148,7 @@ def _cmd_data(args) -> int:
 
 
 def _cmd_sandbox(args) -> int:
-    """`opd-sao sandbox run FILE [limits]`: the sandbox's own command line (opd_sao.sandbox.main)."""
+    """`opd-sao sandbox run FILE [limits]`: the sandbox's own command line (stages.envs.sandbox.main)."""
     from stages.envs.sandbox import main as sandbox_main
 
     return sandbox_main(args.args)
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.command == "run" and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides += extra
-    elif extra and args.command == "sandbox":  # its own flags (-h, limits) belong to opd_sao.sandbox.main
+    elif extra and args.command == "sandbox":  # its own flags (-h, limits) belong to stages.envs.sandbox.main
         args.args = extra + args.args
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

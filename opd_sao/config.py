@@ -139,7 +139,7 @@ class TrainerConfig(Strict):
                                                       "torch")
     policy_lr: float = describe("policy AdamW learning rate", 1e-4, gt=0)
     critic_lr: float = describe("critic AdamW learning rate", 5e-4, gt=0)
-    critic_steps: int = describe("K critic updates per policy update (TTUR, SPEC 2.3)", 2, ge=1)
+    critic_steps: int = describe("K critic updates per policy update (TTUR, docs/design.md §2.3)", 2, ge=1)
     critic_warmup_steps: int = describe("steps that train only the critic before the first policy update", 10, ge=0)
     freeze_critic_attention: bool = describe("freeze the critic's attention weights (SAO)", True)
     grad_clip: float = describe("gradient-norm clip of policy and critic", 1.0, gt=0)
@@ -276,7 +276,7 @@ class EvalConfig(Strict):
 
 
 class GateConfig(Strict):
-    """The train/inference consistency gate (SPEC 5)."""
+    """The train/inference consistency gate (docs/design.md §5)."""
 
     enabled: bool = describe("check the stage's engine against its trainer", True)
     mean_abs_diff: float = describe("fail when the mean |logp_train - logp_rollout| exceeds this", 1e-3, gt=0)

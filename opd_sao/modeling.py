@@ -205,7 +205,7 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0
     """[B, T] logprob of token t given tokens < t (0 at t=0 and on padding), differentiable.
 
     Under the distribution a row was sampled from: softmax(logits / temperature), renormalised on the
-    top-p nucleus where `top_p` [B] is below 1 (SPEC: the DIS ratio compares the sampling distributions
+    top-p nucleus where `top_p` [B] is below 1 (docs/design.md §2.2: the DIS ratio compares the sampling distributions
     actually used, so trainer, engine and checker all score this way). Vocabulary-chunked;
     `full_logits=True` runs the model's own forward instead (ZeRO-3, whose lm head weight is only
     gathered inside the module's forward). `only` [B, T]: score just these positions (0 elsewhere), so a

@@ -1,9 +1,9 @@
-"""The OPD stage: several teachers distilled into one student on the student's own rollouts (SPEC 4).
+"""The OPD stage: several teachers distilled into one student on the student's own rollouts (docs/design.md §4).
 
 The student samples on prompts from every listed domain (`domains:`, environment names; default: the
 teachers' domains), one rollout per prompt, through the same asynchronous machinery as the RL stages (`RLLoop`: a rollout worker thread keeps the engine generating while the trainer trains,
 staleness bound, weight sync). Each trajectory goes to its domain's teacher; teacher outputs go through
-the logit cache (`teachers.TeacherTargets`); `opd_sao.distill.OPDLearner` trains on what the cache holds.
+the logit cache (`teachers.TeacherTargets`); `opd_sao.rl.distill.OPDLearner` trains on what the cache holds.
 
 The stage finishes the job rather than a step count: every `opd.probe_every` policy steps (and at the start)
 the student is exported and each domain's held-out split scored (as the pipeline scores it, with another

@@ -1,4 +1,4 @@
-"""Consistency checker, gate and audit (SPEC 5).
+"""Consistency checker, gate and audit (docs/design.md §5).
 
 The math is checked against numbers worked out by hand or against the full-softmax definition; each
 fault is injected from outside the engine and must be caught by the gate with the right diagnosis.

@@ -1,4 +1,4 @@
-"""`opd-sao audit`: the consistency checker on demand, for a checkpoint and an engine (SPEC 5).
+"""`opd-sao audit`: the consistency checker on demand, for a checkpoint and an engine (docs/design.md §5).
 
 Generates a prompt set with the engine, recomputes every sampled token's logprob with the checkpoint
 loaded as the trainer loads it (float32), and writes `audit.json` and `audit.png` (histogram of

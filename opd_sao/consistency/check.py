@@ -1,4 +1,4 @@
-"""Train/inference logprob consistency (SPEC 5): does the trainer agree with the engine that sampled?
+"""Train/inference logprob consistency (docs/design.md §5): does the trainer agree with the engine that sampled?
 
 For every sampled action token of a batch of rollouts, the trainer's model (at the rollouts' policy
 version) recomputes the token's logprob under the distribution the engine sampled from (the rollout's

@@ -53,7 +53,7 @@ from opd_sao.engines.embedded import EmbeddedEngine
 from opd_sao.engines.weight_sync import WEIGHT_SYNCS, SyncSettings, WeightSyncRefused
 from opd_sao.modeling import forward_logits
 
-log = logging.getLogger("opd_sao.serve")
+log = logging.getLogger("opd_sao.engines.server")
 
 # sampling_params keys accepted only at these (SGLang default) values: unimplemented options
 NEUTRAL_PARAMS = {"min_p": (0, 0.0, None), "n": (1, None), "frequency_penalty": (0, 0.0, None),

@@ -1,4 +1,4 @@
-"""Context compaction for long agent episodes ("SAO with compaction", seeds 000 sections 4.4 and 7).
+"""Context compaction for long agent episodes ("SAO with compaction", docs/design.md §3, the GLM-5.3 notes).
 
 When an episode's context passes `rollout.compaction_budget` tokens, the episode appends a fixed
 instruction to the latest observation and the model writes a summary. That summary is an action

@@ -1,4 +1,4 @@
-"""The OPD learning step (SPEC 4): losses from cached teacher outputs on the student's own rollouts.
+"""The OPD learning step (docs/design.md §4): losses from cached teacher outputs on the student's own rollouts.
 
 `OPDLearner.step(batch)` is what `RLLoop` calls in an OPD stage (it is Learner-shaped: `backend`,
 `step`, `state`, `restore`). It gets each trajectory's teacher record through `TeacherTargets` (scored

@@ -1,4 +1,4 @@
-"""The asynchronous single-rollout training loop (SPEC 2.1), and its synchronous group-mode twin.
+"""The asynchronous single-rollout training loop (docs/design.md §2.1), and its synchronous group-mode twin.
 
 A rollout worker thread keeps the engine generating while the trainer trains; each trajectory
 enters the buffer the moment it finishes; a train step fires as soon as `train_batch_size` fresh

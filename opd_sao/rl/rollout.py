@@ -4,7 +4,7 @@ Single-turn and multi-turn tasks share one path: prompt, then action, observatio
 Action spans keep exactly the token ids the engine sampled (no re-tokenisation); observation
 tokens get action_mask 0 and no logprob. Prompts and observations are encoded by the stage's
 `PromptFormat` (raw text, or the tokenizer's chat template). With compaction on, a long episode is
-several trajectory segments (see opd_sao.compaction), each exactly what the engine conditioned on.
+several trajectory segments (see opd_sao.rl.compaction), each exactly what the engine conditioned on.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The trainer backend interface: forward passes and optimizer steps for policy and critic.
 
-The learning rule lives in `opd_sao.learner` and is backend-agnostic; a backend only knows how to
+The learning rule lives in `opd_sao.rl.learner` and is backend-agnostic; a backend only knows how to
 run the models and apply a loss (plain torch here, DeepSpeed ZeRO in its own backend).
 """
 from __future__ import annotations

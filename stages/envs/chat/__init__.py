@@ -1,4 +1,4 @@
-"""Chat domain: small-talk prompts, one response, reward = quality x style (SPEC 2.6, both binary).
+"""Chat domain: small-talk prompts, one response, reward = quality x style (docs/design.md §2.6, both binary).
 
 Quality comes from a pluggable judge (`judge: rule` or `judge: reward_model`, see `judges.py`); the
 environment trains the reward model from its own preference pairs when the judge's `path` holds none.

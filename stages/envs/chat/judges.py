@@ -1,7 +1,7 @@
 """Judges: pluggable quality scorers for open-ended responses, registered by name and chosen in YAML.
 
 A judge answers one binary question, "is this response good?", so an environment can combine it
-with other binary criteria (the chat env multiplies it by a style check, SPEC 2.6). Judges are
+with other binary criteria (the chat env multiplies it by a style check, docs/design.md §2.6). Judges are
 built once per process per (name, options): an environment is created per episode and must stay
 cheap, while a reward model is a network to load (or train) once.
 """
@@ -81,7 +81,7 @@ class NoisyJudge(Judge):
     """Another judge made inconsistent and topic-dependent, as an LLM judge is: a response the inner judge
     accepts is rejected with probability `miss_rate` x the topic's harshness (fixed per topic, uniform in
     [0, 1]). Expected quality then depends on the prompt, which a per-state critic can learn and a global
-    baseline cannot: the online-learning simulation (SPEC 2.6b, whose paper judge is an LLM) was run with it
+    baseline cannot: the online-learning simulation (docs/design.md §2.6b, whose paper judge is an LLM) was run with it
     to see whether that lets SAO's critic recover faster (it did not, docs/benchmarks.md)."""
 
     stochastic = True
