@@ -380,6 +380,15 @@ class StageConfig(Strict):
     options: dict[str, Any] = describe("settings of the stage kind itself, validated by its `Options` model", {})
 
 
+class CheckpointingConfig(Strict):
+    """What a run keeps on disk once it no longer needs it (`--resume` never needs a finished stage's state)."""
+
+    keep_state: Literal["last", "none", "all"] = describe(
+        "resumable state (stages/<name>/state/: optimizer moments, weights, loop position) of finished stages: "
+        "last (deleted once the next stage has started, so the last finished stage's stays), none (deleted when "
+        "its stage finishes), all (kept)", "last")
+
+
 class LoggingConfig(Strict):
     """Where metrics go."""
 
@@ -409,6 +418,7 @@ class RunConfig(Strict):
     engine: EngineConfig = describe("the rollout engine", EngineConfig())
     trainer: TrainerConfig = describe("the trainer", TrainerConfig())
     logging: LoggingConfig = describe("metrics and progress", LoggingConfig())
+    checkpointing: CheckpointingConfig = describe("what finished stages keep on disk", CheckpointingConfig())
     eval_domains: list[str] = describe("environments evaluated after every stage (default: every stage's env)", [])
     stages: list[StageConfig] = describe("the stages, run in order", min_length=1)
 

@@ -65,6 +65,17 @@ class StageState:
             shutil.rmtree(self.path.with_name(self.path.name + suffix), ignore_errors=True)
 
 
+def discard_state(stage_dir: Path) -> None:
+    """Delete a finished stage's resumable state (and a crash's leftovers of a save): nothing reads it again."""
+    for name in ("state", "state.old", "state.tmp"):
+        shutil.rmtree(Path(stage_dir) / name, ignore_errors=True)
+
+
+def disk_use(path: Path) -> int:
+    """Bytes of the files under `path` (links not followed)."""
+    return sum(p.lstat().st_size for p in Path(path).rglob("*") if p.is_file() and not p.is_symlink())
+
+
 def truncate_step_log(path: Path, before_step: int) -> list[dict]:
     """Keep the records of steps < before_step (and drop a line torn by a crash); return them."""
     kept = [r for r in read_jsonl(path) if r.get("step", -1) < before_step]

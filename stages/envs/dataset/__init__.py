@@ -158,13 +158,18 @@ class DatasetEnv(Environment):
 
     @classmethod
     def check_options(cls, options: dict) -> DatasetOptions:
-        """The options schema and the reward's name (an unknown one is named with the registered ones); no file
-        is read, so the pipeline can call it for every stage before any work."""
+        """The options schema, the reward's name (an unknown one is named with the registered ones) and that the
+        named files exist; none is read, so the pipeline can call it for every stage before any work."""
         try:
             opts = DatasetOptions(**options)
         except ValidationError as err:
             raise ValueError(f"dataset env option {format_error(err)}") from None
         REWARDS.get(opts.reward)
+        if options:  # the bare default (the pipeline's corpus of every class) names no file
+            for option, path in {**{f"{split} data": p for split, p in opts.files().items()},
+                                 "chat_template": opts.chat_template}.items():
+                if path is not None and not Path(path).exists():
+                    raise ValueError(f"dataset env: {option} {path!r} does not exist")
         return opts
 
     @classmethod
