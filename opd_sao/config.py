@@ -384,9 +384,10 @@ class CheckpointingConfig(Strict):
     """What a run keeps on disk once it no longer needs it (`--resume` never needs a finished stage's state)."""
 
     keep_state: Literal["last", "none", "all"] = describe(
-        "resumable state (stages/<name>/state/: optimizer moments, weights, loop position) of finished stages: "
-        "last (deleted once the next stage has started, so the last finished stage's stays), none (deleted when "
-        "its stage finishes), all (kept)", "last")
+        "resumable state of finished stages (state/: optimizer moments, weights, loop position; buffer/: the "
+        "write-ahead log of waiting trajectories): last (the log deleted when the stage finishes, state/ once the "
+        "next stage has started, so the last finished stage's stays), none (both deleted when the stage "
+        "finishes), all (both kept)", "last")
 
 
 class LoggingConfig(Strict):

@@ -12,7 +12,7 @@ import yaml
 
 from opd_sao.checkpoints import build_tiny_model, check_attention, load_tokenizer
 from opd_sao.engines import check_engine
-from opd_sao.runs.checkpointing import discard_state, disk_use
+from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, disk_use
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.files import atomic_write, write_json
 from opd_sao.runs.data_fingerprint import check_data_record, write_data_record
@@ -216,7 +216,7 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
             log(f"[{stage_cfg.name}] {stage_cfg.kind} stage starting")
             if cfg.checkpointing.keep_state == "last":  # a stage starts: every finished stage's state goes
                 for finished in ctx.checkpoints:
-                    discard_state(run_dir / "stages" / finished)
+                    discard_state(run_dir / "stages" / finished, STATE_DIRS)
             result = STAGES.get(stage_cfg.kind)(stage_cfg, ctx).run()
             entry = {
                 "name": stage_cfg.name,
@@ -232,8 +232,9 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
             write_json(ctx.stage_dir(stage_cfg.name) / "summary.json", entry)
             summary["stages"].append(entry)
             write_json(run_dir / "summary.json", summary)
-            if cfg.checkpointing.keep_state == "none":  # finished and recorded: no resume reads it again
-                discard_state(ctx.stage_dir(stage_cfg.name))
+            keep = cfg.checkpointing.keep_state
+            if keep != "all":  # finished and recorded: no resume reads it again (last: state/ goes later)
+                discard_state(ctx.stage_dir(stage_cfg.name), (BUFFER_DIR,) if keep == "last" else STATE_DIRS)
             log(f"[{stage_cfg.name}] done in {entry['wall_s']}s: eval before {entry['eval_before']} "
                 f"after {entry['eval_after']}")
     finally:

@@ -483,6 +483,8 @@ def test_opd_stage_end_to_end(tmp_path):
     probed = _opd_stage(probe_every=1)
     probed.update(name="opd_probed", steps=3, eval={"num_tasks": 8})
     cfg["stages"].append(probed)
+    for stage_cfg in cfg["stages"]:
+        stage_cfg["checkpoint_every"] = 1  # every stage saves resumable state
     summary = run_pipeline(parse_config(cfg), tmp_path, log=lambda m: None)
     schedule = summary["stages"][3]["schedule"]
     steps = summary["stages"][3]["steps"]
@@ -523,5 +525,14 @@ def test_opd_stage_end_to_end(tmp_path):
     cache = LogitCache(stage_dir / "logit_cache")
     assert set(cache.teachers()) == {"t_rev", "t_sort"}
     assert sum(len(cache.open_teacher(meta)) for meta in cache.teachers().values()) >= 8
-    assert (stage_dir / "checkpoint" / "config.json").is_file()
-    assert {p.name.split("-")[0] for p in (stage_dir / "teacher_tier").iterdir()} == {"t_rev", "t_sort"}
+    assert json.loads((stage_dir / "checkpoint" / "config.json").read_text())["use_cache"] is True
+    # disk: the teacher tier went with the stage; keep_state last: only the last finished stage keeps its state
+    assert not (stage_dir / "teacher_tier").exists()
+    assert not any((tmp_path / "stages" / name / "state").exists() for name in ("rev", "sort", "opd"))  # opd_probed
+    # started after them (its own state stays, if it took a step)
+    disk = json.loads((tmp_path / "summary.json").read_text())["disk_bytes"]
+    assert 0 < disk["opd"] < disk["total"] and 0 < disk["rev"] and 0 < disk["base_model"]
+    logged = []  # a finished run resumes (to nothing left to do) with what it kept
+    again = run_pipeline(parse_config(cfg), tmp_path, log=logged.append, resume=True)
+    assert [s["checkpoint"] for s in again["stages"]] == [s["checkpoint"] for s in summary["stages"]]
+    assert logged == [f"[{name}] already complete, skipped" for name in ("rev", "sort", "opd", "opd_probed")]

@@ -65,9 +65,14 @@ class StageState:
             shutil.rmtree(self.path.with_name(self.path.name + suffix), ignore_errors=True)
 
 
-def discard_state(stage_dir: Path) -> None:
-    """Delete a finished stage's resumable state (and a crash's leftovers of a save): nothing reads it again."""
-    for name in ("state", "state.old", "state.tmp"):
+BUFFER_DIR = "buffer"  # the trajectory buffer's write-ahead log (opd_sao.rl.buffer), read by a resume only
+STATE_DIRS = ("state", "state.old", "state.tmp", BUFFER_DIR)  # a save's leftovers after a crash too
+
+
+def discard_state(stage_dir: Path, parts: tuple[str, ...]) -> None:
+    """Delete `parts` (directory names, STATE_DIRS: all) of a finished stage's resumable state: nothing reads them
+    again once the run has recorded the stage as finished (a resume skips it)."""
+    for name in parts:
         shutil.rmtree(Path(stage_dir) / name, ignore_errors=True)
 
 

@@ -166,10 +166,11 @@ class DatasetEnv(Environment):
             raise ValueError(f"dataset env option {format_error(err)}") from None
         REWARDS.get(opts.reward)
         if options:  # the bare default (the pipeline's corpus of every class) names no file
-            for option, path in {**{f"{split} data": p for split, p in opts.files().items()},
-                                 "chat_template": opts.chat_template}.items():
-                if path is not None and not Path(path).exists():
-                    raise ValueError(f"dataset env: {option} {path!r} does not exist")
+            for path in opts.files().values():
+                if not Path(path).exists():
+                    raise DatasetError(f"dataset file {path!r} does not exist")
+            if opts.chat_template and not Path(opts.chat_template).is_dir():
+                raise DatasetError(f"dataset env: chat_template {opts.chat_template!r} is not a directory")
         return opts
 
     @classmethod
