@@ -10,11 +10,12 @@ vocabulary 151,936, tied embeddings; `--quick`: a 4-layer, hidden-128 one on the
     ckpt    trainer.gradient_checkpointing
     both    micro-batches and checkpointing
 
-Every point runs in a fresh child process (its RSS high-water, `ru_maxrss`, is its own) with glibc's mmap
-threshold at 128 KiB, so freed buffers go back to the OS and the peak is what the step needs. The child takes
-its RSS before loading anything (the Python, torch and transformers runtime), builds the trainer (torch
-backend, float32, sdpa attention) and runs two steps (the first allocates AdamW's moments; the second is a
-steady-state step): SAO through `Learner` (policy and critic), OPD through `OPDLearner` at top_k 16 with an
+Every point runs in a fresh child process with glibc's mmap threshold at 128 KiB, so freed buffers go back to
+the OS and the peak is what the step needs. The child takes its RSS before loading anything (the Python, torch
+and transformers runtime), builds the trainer (torch backend, float32, sdpa attention), resets its RSS
+high-water mark (VmHWM, `/proc/self/clear_refs`: loading's transients are not the step's) and runs two steps
+(the first allocates AdamW's moments; the second is a steady-state step); the measurement is the high-water
+mark of the two: SAO through `Learner` (policy and critic), OPD through `OPDLearner` at top_k 16 with an
 in-process teacher of the student's shape scored into a logit cache. Prediction = that runtime RSS +
 `step_memory(...)["peak"]`. A point the model predicts over `--limit-gb` is not run (reported as skipped).
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -62,6 +62,18 @@ SHAPES = {
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak() -> None:
+    """Start the RSS high-water mark (VmHWM) afresh at the current RSS (Linux >= 4.0), so that the peak is the
+    steps', not the loading's (from_pretrained briefly holds a random init and the file's tensors at once)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def build_model(out: Path, shape: dict) -> Path:
@@ -133,15 +145,16 @@ def child(point: dict) -> dict:
         learner = OPDLearner(backend, OPDConfig(teachers=[{"name": "t", "checkpoint": str(model_dir),
                                                            "domains": ["d"]}], top_k=TOP_K), AlgoConfig(), targets)
         close = prefetcher.close
-    times = []
+    times, loaded = [], rss_bytes()
+    reset_peak()
     for _ in range(2):
         t0 = time.perf_counter()
         learner.step(batch, 1.0)
         times.append(time.perf_counter() - t0)
     if close:
         close()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return {"runtime_bytes": runtime, "peak_bytes": peak, "step_s": [round(t, 2) for t in times]}
+    return {"runtime_bytes": runtime, "loaded_bytes": loaded, "peak_bytes": peak_bytes(),
+            "step_s": [round(t, 2) for t in times]}
 
 
 def predicted(point: dict, shape: ModelShape) -> float:
@@ -232,6 +245,7 @@ def main() -> None:
                             pred = result["runtime_bytes"] + model_bytes
                             row.update(measured_mb=round(result["peak_bytes"] / MB), predicted_mb=round(pred / MB),
                                        runtime_mb=round(result["runtime_bytes"] / MB),
+                                       loaded_mb=round(result["loaded_bytes"] / MB),
                                        error_pct=round(100 * (pred / result["peak_bytes"] - 1), 1),
                                        step_s=result["step_s"])
                     rows.append(row)

@@ -17,8 +17,9 @@ o_proj (2H), the MLP's gate, up, activation and product (4I): 10H + 3KV + 4I val
 keeps each layer's input (H) and recomputes one layer at a time in the backward. The lm head never
 materialises [tokens, V]: one row block x vocabulary chunk of logits and their gradient at a time
 (opd_sao.modeling). The peak of a step is the static part plus the larger of the backward's working set
-(saved activations, all gradients, the lm-head chunk) and AdamW's foreach temporary (one more copy of the
-trainable parameters, while the moments update).
+(saved activations, all gradients, the lm-head chunk, and with tied embeddings the lookup's dense gradient
+before it is added to the lm head's) and AdamW's foreach temporary (one more copy of the trainable parameters,
+while the moments update).
 """
 from __future__ import annotations
 
@@ -116,10 +117,12 @@ def step_memory(student: ModelShape, tokens: int, *, checkpointing: bool = False
         "activations": w * tokens * student.saved_per_token(checkpointing),
         "recompute": w * tokens * student.layer_activations if checkpointing else 0.0,
         "lm_head_chunk": 4 * 2 * min(ROW_BLOCK, tokens) * min(VOCAB_CHUNK, student.vocab),
+        # tied embeddings: the lookup's backward makes a dense [V, H] gradient that is then added to the lm head's
+        "embedding_grad": w * student.vocab * student.hidden if student.tied else 0.0,
         "optimizer_temporary": sharded(4 * P, world, zero >= 1),
     }
     static = sum(out[k] for k in ("policy_weights", "policy_grads", "policy_optimizer", "critic_weights",
                                   "critic_grads", "critic_optimizer", "teacher_weights"))
-    backward = out["activations"] + out["recompute"] + out["lm_head_chunk"]
+    backward = out["activations"] + out["recompute"] + out["lm_head_chunk"] + out["embedding_grad"]
     out["peak"] = static + max(backward, out["optimizer_temporary"])
     return out

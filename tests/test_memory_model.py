@@ -29,7 +29,8 @@ def test_a_hand_computed_step():
     assert plain["policy_weights"] == plain["policy_grads"] == 4 * 228 and plain["policy_optimizer"] == 8 * 228
     assert plain["activations"] == 4 * 10 * (78 + 12) and plain["recompute"] == 0
     assert plain["lm_head_chunk"] == 4 * 2 * 10 * 16
-    assert plain["peak"] == 16 * 228 + max(3600 + 1280, 4 * 228)
+    assert plain["embedding_grad"] == 4 * 16 * 4  # tied: the lookup's dense [V, H] gradient
+    assert plain["peak"] == 16 * 228 + max(3600 + 1280 + 256, 4 * 228)
     ckpt = step_memory(SMALL, 10, checkpointing=True, critic=True)
     assert ckpt["activations"] == 4 * 10 * (4 + 12) and ckpt["recompute"] == 4 * 10 * 78
     assert ckpt["critic_weights"] == 4 * 228 and ckpt["critic_grads"] == 4 * 96
