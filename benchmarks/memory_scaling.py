@@ -126,7 +126,7 @@ def child(point: dict) -> dict:
     if point["kind"] == "sao":
         from opd_sao.rl.learner import Learner
 
-        backend = TorchTrainer(model_dir, trainer, with_critic=True)
+        backend = TorchTrainer(model_dir, trainer, with_critic=True, attn_implementation="sdpa")
         learner = Learner(backend, "sao", AlgoConfig(), critic_steps=1, critic_warmup_steps=0)
         close = None
     else:
@@ -141,7 +141,7 @@ def child(point: dict) -> dict:
         registry = TeacherSet([spec], score_batch_size=1)
         prefetcher = Prefetcher(registry.build_all(), local_dir=work / "tier", max_resident=1, enabled=False)
         targets = TeacherTargets(registry, prefetcher, work / "cache")
-        backend = TorchTrainer(model_dir, trainer, with_critic=False)
+        backend = TorchTrainer(model_dir, trainer, with_critic=False, attn_implementation="sdpa")
         learner = OPDLearner(backend, OPDConfig(teachers=[{"name": "t", "checkpoint": str(model_dir),
                                                            "domains": ["d"]}], top_k=TOP_K), AlgoConfig(), targets)
         close = prefetcher.close
