@@ -16,7 +16,7 @@ from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, di
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.files import atomic_write, write_json
 from opd_sao.runs.data_fingerprint import check_data_record, write_data_record
-from opd_sao.runs.fingerprint import check_resume, write_record
+from opd_sao.runs.fingerprint import check_resume, started_stages, write_record
 from opd_sao.runs.lock import locked_run_dir
 from opd_sao.runs.report import forgetting, write_report
 from opd_sao.runs.tracking import start_wandb
@@ -171,7 +171,9 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
         with locked_run_dir(run_dir):
             allowed = check_resume(config, run_dir, allow_change=allow_config_change)
             check_before_work(cfg)
-            check_data_record(stage_data_files(cfg), run_dir)
+            files = stage_data_files(cfg)  # a stage not started yet may read other data, as its settings may change
+            check_data_record({s: f for s, f in files.items() if s in started_stages(run_dir)}, run_dir)
+            write_data_record(files, run_dir)
             if allowed:
                 log(f"resuming with changed {', '.join(allowed)} (--allow-config-change)")
             return _run_stages(cfg, run_dir, log, resume=True)
