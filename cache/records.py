@@ -23,6 +23,9 @@ class CacheMeta:
     k: int | None = None
     p: float | None = None
     max_support: int | None = None  # top_p: at most this many ids per position (the nucleus cap)
+    # the teacher's lm-head rows when it has more than vocab_size (embedding padding past the shared tokenizer):
+    # rows vocab_size.. were masked (no probability) before every softmax and top-k; None: nothing was masked
+    model_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if not self.teacher:
@@ -37,6 +40,9 @@ class CacheMeta:
             raise ValueError("max_support is required for granularity 'top_p' and only for it")
         if self.max_support is not None and not 1 <= self.max_support:
             raise ValueError(f"max_support must be >= 1, got {self.max_support}")
+        if self.model_vocab_size is not None and self.model_vocab_size <= self.vocab_size:
+            raise ValueError(f"model_vocab_size must exceed vocab_size {self.vocab_size} (else None), "
+                             f"got {self.model_vocab_size}")
         if self.k is not None and not 1 <= self.k <= self.vocab_size:
             raise ValueError(f"k must be in [1, vocab_size], got {self.k}")
         if self.p is not None and not 0.0 < self.p <= 1.0:

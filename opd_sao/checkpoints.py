@@ -256,7 +256,11 @@ def save_checkpoint(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    training, model.config.use_cache = model.config.use_cache, True  # a user's generate() keeps its KV cache
+    try:  # (training loads turn it off, load_causal_lm)
+        model.save_pretrained(tmp, safe_serialization=True)
+    finally:
+        model.config.use_cache = training
     tokenizer.save_pretrained(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)

@@ -380,6 +380,16 @@ class StageConfig(Strict):
     options: dict[str, Any] = describe("settings of the stage kind itself, validated by its `Options` model", {})
 
 
+class CheckpointingConfig(Strict):
+    """What a run keeps on disk once it no longer needs it (`--resume` never needs a finished stage's state)."""
+
+    keep_state: Literal["last", "none", "all"] = describe(
+        "resumable state of finished stages (state/: optimizer moments, weights, loop position; buffer/: the "
+        "write-ahead log of waiting trajectories): last (the log deleted when the stage finishes, state/ once the "
+        "next stage has started, so the last finished stage's stays), none (both deleted when the stage "
+        "finishes), all (both kept)", "last")
+
+
 class LoggingConfig(Strict):
     """Where metrics go."""
 
@@ -409,6 +419,7 @@ class RunConfig(Strict):
     engine: EngineConfig = describe("the rollout engine", EngineConfig())
     trainer: TrainerConfig = describe("the trainer", TrainerConfig())
     logging: LoggingConfig = describe("metrics and progress", LoggingConfig())
+    checkpointing: CheckpointingConfig = describe("what finished stages keep on disk", CheckpointingConfig())
     eval_domains: list[str] = describe("environments evaluated after every stage (default: every stage's env)", [])
     stages: list[StageConfig] = describe("the stages, run in order", min_length=1)
 

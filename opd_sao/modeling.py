@@ -48,6 +48,16 @@ def lm_head(model) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     return head.weight, head.bias
 
 
+def vocab_rows(weight: torch.Tensor, bias: Optional[torch.Tensor],
+               vocab_size: Optional[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The lm head's first `vocab_size` rows (None: all): dropping the embedding padding past a tokenizer's ids
+    is masking those logits before any softmax or top-k (they carry no probability). A view, so gradients
+    reach the full weight."""
+    if vocab_size is None or vocab_size >= weight.shape[0]:
+        return weight, bias
+    return weight[:vocab_size], None if bias is None else bias[:vocab_size]
+
+
 def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, T, H] the decoder's final hidden states (real-token position ids, so either padding side works)."""
     decoder = unwrap(model).get_decoder()

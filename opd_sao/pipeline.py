@@ -12,15 +12,16 @@ import yaml
 
 from opd_sao.checkpoints import build_tiny_model, check_attention, load_tokenizer
 from opd_sao.engines import check_engine
+from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, disk_use
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.files import atomic_write, write_json
 from opd_sao.runs.data_fingerprint import check_data_record, write_data_record
-from opd_sao.runs.fingerprint import check_resume, write_record
+from opd_sao.runs.fingerprint import check_resume, started_stages, write_record
 from opd_sao.runs.lock import locked_run_dir
 from opd_sao.runs.report import forgetting, write_report
 from opd_sao.runs.tracking import start_wandb
 
-from .config import RunConfig
+from .config import BEST_CHECKPOINT, RunConfig
 
 
 def default_run_dir(config_path: str | Path) -> Path:
@@ -40,8 +41,9 @@ def eval_domains(cfg: RunConfig) -> dict[str, object]:
 
 def check_before_work(cfg: RunConfig) -> None:
     """What the schema cannot check alone (it needs the registries or the disk), checked before anything is written:
-    every stage's kind and the settings that kind needs, every environment's options, the model path, and an http
-    engine's fleet (every URL answers, every router has workers)."""
+    every stage's kind and the settings that kind needs, every environment's options and the files they name (a
+    dataset path of the last stage fails before the first stage), the model path, and an http engine's fleet (every
+    URL answers, every router has workers). Teachers are checked once the base model exists (`check_teachers`)."""
     from stages import STAGES
     from stages.envs import ENVIRONMENTS
 
@@ -70,6 +72,23 @@ def stage_data_files(cfg: RunConfig) -> dict[str, list[str]]:
             if files:
                 found[stage.name] = files
     return found
+
+
+def check_teachers(cfg: RunConfig, base: Path, tokenizer) -> None:
+    """Every OPD teacher given as a directory shares the base model's tokenizer (so every stage's: they all start
+    from it): checked once the base model exists, before the first stage, not when its OPD stage starts."""
+    from teachers.routing import check_student, check_teacher
+
+    external = [(stage, t) for stage in cfg.stages for t in stage.opd.teachers
+                if t.checkpoint != BEST_CHECKPOINT and t.checkpoint not in {s.name for s in cfg.stages}]
+    if not external:
+        return
+    fingerprint = check_student(base, tokenizer)
+    for stage, teacher in external:
+        try:
+            check_teacher(teacher.name, Path(teacher.checkpoint), base, tokenizer, fingerprint)
+        except ValueError as err:
+            raise ValueError(f"stage {stage.name!r}: {err}") from None
 
 
 def create_run_dir(run_dir: Path) -> set[str] | None:
@@ -152,7 +171,9 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
         with locked_run_dir(run_dir):
             allowed = check_resume(config, run_dir, allow_change=allow_config_change)
             check_before_work(cfg)
-            check_data_record(stage_data_files(cfg), run_dir)
+            files = stage_data_files(cfg)  # a stage not started yet may read other data, as its settings may change
+            check_data_record({s: f for s, f in files.items() if s in started_stages(run_dir)}, run_dir)
+            write_data_record(files, run_dir)
             if allowed:
                 log(f"resuming with changed {', '.join(allowed)} (--allow-config-change)")
             return _run_stages(cfg, run_dir, log, resume=True)
@@ -176,6 +197,7 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
         torch.set_num_threads(cfg.torch_threads)
     base = ensure_base_model(cfg, run_dir)
     tokenizer = load_tokenizer(base)
+    check_teachers(cfg, base, tokenizer)
     wandb_run = start_wandb(cfg.logging.wandb_project, run_dir, cfg.model_dump(mode="json"), cfg.logging.wandb)
     ctx = RunContext(cfg=cfg, run_dir=run_dir, base_checkpoint=base, tokenizer=tokenizer, wandb_run=wandb_run,
                      resume=resume)
@@ -194,6 +216,9 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
                 continue
             t0 = time.perf_counter()
             log(f"[{stage_cfg.name}] {stage_cfg.kind} stage starting")
+            if cfg.checkpointing.keep_state == "last":  # a stage starts: every finished stage's state goes
+                for finished in ctx.checkpoints:
+                    discard_state(run_dir / "stages" / finished, STATE_DIRS)
             result = STAGES.get(stage_cfg.kind)(stage_cfg, ctx).run()
             entry = {
                 "name": stage_cfg.name,
@@ -209,12 +234,17 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
             write_json(ctx.stage_dir(stage_cfg.name) / "summary.json", entry)
             summary["stages"].append(entry)
             write_json(run_dir / "summary.json", summary)
+            keep = cfg.checkpointing.keep_state
+            if keep != "all":  # finished and recorded: no resume reads it again (last: state/ goes later)
+                discard_state(ctx.stage_dir(stage_cfg.name), (BUFFER_DIR,) if keep == "last" else STATE_DIRS)
             log(f"[{stage_cfg.name}] done in {entry['wall_s']}s: eval before {entry['eval_before']} "
                 f"after {entry['eval_after']}")
     finally:
         if wandb_run is not None:
             wandb_run.finish()
     summary["forgetting"] = forgetting(summary)
+    summary["disk_bytes"] = {"total": disk_use(run_dir), "base_model": disk_use(run_dir / "base_model"),
+                             **{s.name: disk_use(run_dir / "stages" / s.name) for s in cfg.stages}}
     write_json(run_dir / "summary.json", summary)
     summary["report"] = str(write_report(run_dir))
     return summary

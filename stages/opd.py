@@ -98,7 +98,7 @@ class OPDStage(Stage):
         finally:
             if engine is not None:
                 engine.close()
-            prefetcher.close()
+            prefetcher.close(remove_copies=True)  # the tier is a per-stage cache of the sources
         history = read_jsonl(self.dir / "metrics.jsonl")
         summary = {
             "algo": "opd", "steps": len(history), "start_checkpoint": str(start),

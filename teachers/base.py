@@ -36,17 +36,24 @@ class TeacherSpec:
     k: Optional[int]  # top_k only
     p: Optional[float]  # top_p only
     checkpoint_hash: str
-    vocab_size: int
+    vocab_size: int  # the scored vocabulary: the shared tokenizer's ids; lm-head rows past it are masked
     tokenizer_hash: str  # fingerprint of the vocabulary (token -> id) and special tokens
     max_support: Optional[int] = None  # top_p only: the nucleus cap
     device: Optional[str] = None  # where it scores (auto | cpu | cuda | cuda:N; None: auto); not part of the cache key
     url: Optional[str] = None  # a served teacher's server (kind sglang); not part of the cache key
+    model_vocab_size: Optional[int] = None  # the teacher's lm-head rows (padding included); None: vocab_size
 
     @property
     def cache_meta(self) -> CacheMeta:
         return CacheMeta(teacher=self.name, checkpoint_hash=self.checkpoint_hash, vocab_size=self.vocab_size,
                          tokenizer_hash=self.tokenizer_hash, granularity=self.granularity,  # type: ignore[arg-type]
-                         k=self.k, p=self.p, max_support=self.max_support)
+                         k=self.k, p=self.p, max_support=self.max_support,
+                         model_vocab_size=self.rows if self.rows > self.vocab_size else None)
+
+    @property
+    def rows(self) -> int:
+        """The teacher's lm-head rows; those from vocab_size up are embedding padding, masked when scoring."""
+        return self.model_vocab_size or self.vocab_size
 
 
 class Teacher(ABC):

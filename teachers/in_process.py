@@ -10,7 +10,7 @@ from cache import TeacherRecord
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.consistency.check import action_hidden_states
 from opd_sao.devices import resolve_device
-from opd_sao.modeling import lm_head
+from opd_sao.modeling import lm_head, vocab_rows
 from opd_sao.trajectory import Trajectory
 
 from .base import Teacher, register_teacher
@@ -28,9 +28,9 @@ class InProcessTeacher(Teacher):
         model = load_causal_lm(local_dir, self.dtype, resolve_device(self.spec.device)).eval()
         for param in model.parameters():
             param.requires_grad_(False)
-        if model.config.vocab_size != self.spec.vocab_size:
+        if model.config.vocab_size != self.spec.rows:
             raise ValueError(f"teacher {self.name!r}: {local_dir} has vocab size {model.config.vocab_size}, "
-                             f"expected {self.spec.vocab_size}")
+                             f"expected {self.spec.rows}")
         self.model = model
 
     def unload(self) -> None:
@@ -56,6 +56,7 @@ class InProcessTeacher(Teacher):
         targets = torch.tensor([tok for t in trajectories for tok, m in zip(t.token_ids, t.action_mask) if m],
                                dtype=torch.long, device=hidden.device)
         weight, bias = lm_head(self.model)
+        weight, bias = vocab_rows(weight, bias, spec.vocab_size)  # padded rows carry no probability
         rows = score_rows(hidden, weight, bias, targets, granularity=spec.granularity, k=spec.k, p=spec.p,
                           max_support=spec.max_support,
                           vocab_chunk=self.vocab_chunk)

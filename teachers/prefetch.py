@@ -4,7 +4,8 @@ Two tiers below the scorer:
 
 * disk: `local_dir/<teacher>-<checkpoint hash>/`, a copy of the teacher's checkpoint (written to a
   `.partial` directory and renamed, so a half-copied teacher is never loaded). Copies are kept for the
-  whole stage, so a teacher evicted from memory reloads from local disk, not from the source.
+  whole stage, so a teacher evicted from memory reloads from local disk, not from the source, and
+  removed when the stage ends (`close(remove_copies=True)`: at 70B a copy is 140 GB).
 * host memory: at most `max_resident` loaded teachers (a teacher being loaded counts), evicted least
   recently used first; a teacher in use (`with prefetcher.use(name)`) is pinned and never evicted.
 
@@ -244,7 +245,9 @@ class Prefetcher:
                 self._resident.move_to_end(name)
                 self._cond.notify_all()
 
-    def close(self) -> None:
+    def close(self, *, remove_copies: bool = False) -> None:
+        """Stop the worker and unload every teacher; `remove_copies`: delete the local tier's copies too (and
+        `local_dir` itself once empty)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -254,3 +257,10 @@ class Prefetcher:
             for teacher in self._resident.values():
                 teacher.unload()
             self._resident.clear()
+        if remove_copies:
+            for name in self.teachers:
+                path = self.local_path(name)
+                for copy in (path, path.with_name(path.name + ".partial")):
+                    shutil.rmtree(copy, ignore_errors=True)
+            if self.local_dir.is_dir() and not any(self.local_dir.iterdir()):
+                self.local_dir.rmdir()

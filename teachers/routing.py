@@ -2,8 +2,13 @@
 
 `TeacherSet.from_config` resolves each teacher's checkpoint (an earlier stage's name through the run
 context, or a local HF directory), fixes its granularity (the teacher's own or the stage's) and its cache
-identity, and checks up front, before any rollout, that it shares the student's tokenizer and vocabulary:
-OPD compares token ids, so a teacher with another vocabulary would be silently wrong, not just worse.
+identity, and checks up front, before any rollout, that it shares the student's tokenizer: OPD compares token
+ids, so a teacher with another vocabulary would be silently wrong, not just worse.
+
+Embeddings padded differently are fine (Qwen2.5-7B has 152,064 rows, 1.5B 151,936, one tokenizer of 151,665
+tokens): rows past the tokenizer's size are padding no text ever produces, so both sides score the shared
+tokenizer's ids only: the teacher's lm head and the student's divergence rows stop at `TeacherSet.vocab_size`
+(masked before every softmax and top-k), and the cache's metadata names the teacher's rows it masked.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ def same_tokenizer_files(a: Path, b: Path) -> bool:
 
 
 def model_vocab_size(checkpoint: Path) -> int:
+    """The model's embedding rows (config.json's vocab_size), padding included."""
     config = Path(checkpoint) / "config.json"
     if not config.is_file():
         raise ValueError(f"{checkpoint} is not an HF-format model directory (no config.json)")
@@ -62,6 +68,34 @@ def _tokenizer_difference(student, teacher) -> str:
     return "tokenizers differ"
 
 
+def check_student(checkpoint: Path, tokenizer) -> str:
+    """The student's tokenizer fingerprint; TeacherIncompatibleError when its embedding cannot hold its tokens."""
+    rows, tokens = model_vocab_size(checkpoint), len(tokenizer)
+    if rows < tokens:
+        raise TeacherIncompatibleError(f"student {checkpoint}: its embedding has {rows} rows, fewer than its "
+                                       f"tokenizer's {tokens} tokens")
+    return vocab_fingerprint(tokenizer)
+
+
+def check_teacher(name: str, checkpoint: Path, student_checkpoint: Path, student_tokenizer,
+                  student_print: Optional[str] = None) -> int:
+    """The teacher's embedding rows, once checked against the student: the same tokenizer (token ids and special
+    tokens), and at least a row per token; padding past the tokenizer may differ. TeacherIncompatibleError
+    (one line, the first difference) otherwise."""
+    student_print = student_print or vocab_fingerprint(student_tokenizer)
+    vocab = model_vocab_size(checkpoint)
+    where = f"teacher {name!r} ({checkpoint}) cannot teach student {student_checkpoint}"
+    if not same_tokenizer_files(checkpoint, student_checkpoint):  # an earlier stage of the run shares the files:
+        tokenizer = load_tokenizer(checkpoint)  # no need to load a 150k-token tokenizer again (seconds each)
+        if vocab_fingerprint(tokenizer) != student_print:
+            raise TeacherIncompatibleError(f"{where}: {_tokenizer_difference(student_tokenizer, tokenizer)} "
+                                           f"(OPD needs a shared tokenizer)")
+    if vocab < len(student_tokenizer):
+        raise TeacherIncompatibleError(f"{where}: the teacher's embedding has {vocab} rows, fewer than the shared "
+                                       f"tokenizer's {len(student_tokenizer)} tokens")
+    return vocab
+
+
 def best_stage(stage_scores: dict[str, dict[str, float]], domain: str) -> tuple[str, float]:
     """(stage, score): the completed stage whose checkpoint scored highest on `domain`'s held-out set.
 
@@ -80,6 +114,8 @@ class TeacherSet:
     def __init__(self, specs: list[TeacherSpec], *, score_batch_size: int = 32, vocab_chunk: int = 8192,
                  chosen: Optional[dict[str, dict]] = None):
         self.specs = {spec.name: spec for spec in specs}
+        # the scored vocabulary, shared by every teacher (one tokenizer): student rows past it are masked too
+        self.vocab_size = min((spec.vocab_size for spec in specs), default=0)
         self.chosen = chosen or {}  # teacher name -> {stage, domain, score}, for `checkpoint: best` teachers
         self.score_batch_size, self.vocab_chunk = score_batch_size, vocab_chunk
         self._by_domain: dict[str, str] = {}
@@ -100,8 +136,7 @@ class TeacherSet:
         """
         if not opd.teachers:
             raise ValueError("an OPD stage needs at least one teacher (opd.teachers)")
-        student_vocab = model_vocab_size(student_checkpoint)
-        student_print = vocab_fingerprint(student_tokenizer)
+        student_print = check_student(student_checkpoint, student_tokenizer)
         specs, chosen = [], {}
         for teacher in opd.teachers:
             if teacher.kind not in TEACHER_KINDS:
@@ -116,26 +151,14 @@ class TeacherSet:
                 ref, score = best_stage(stage_scores or {}, domain)
                 chosen[teacher.name] = {"stage": ref, "domain": domain, "score": score}
             checkpoint = Path(resolve(ref))
-            vocab = model_vocab_size(checkpoint)
-            if same_tokenizer_files(checkpoint, student_checkpoint):  # an earlier stage of the run: no need to
-                fingerprint = student_print  # load a 150k-token tokenizer again (seconds each)
-            else:
-                tokenizer = load_tokenizer(checkpoint)
-                fingerprint = vocab_fingerprint(tokenizer)
-            where = f"teacher {teacher.name!r} ({checkpoint}) cannot teach student {student_checkpoint}"
-            if vocab != student_vocab:
-                raise TeacherIncompatibleError(f"{where}: model vocabulary sizes differ: student {student_vocab}, "
-                                               f"teacher {vocab} (OPD needs a shared tokenizer and vocabulary)")
-            if fingerprint != student_print:
-                raise TeacherIncompatibleError(f"{where}: {_tokenizer_difference(student_tokenizer, tokenizer)} "
-                                               f"(OPD needs a shared tokenizer and vocabulary)")
+            vocab = check_teacher(teacher.name, checkpoint, student_checkpoint, student_tokenizer, student_print)
             granularity = teacher.granularity or opd.granularity
             identity = TEACHER_KINDS.get(teacher.kind).identity(teacher, checkpoint, granularity)
             specs.append(TeacherSpec(
                 name=teacher.name, kind=teacher.kind, checkpoint=checkpoint, domains=tuple(teacher.domains),
                 granularity=granularity, k=opd.top_k if granularity == "top_k" else None,
                 p=opd.top_p if granularity == "top_p" else None, checkpoint_hash=identity,
-                vocab_size=vocab, tokenizer_hash=fingerprint,
+                vocab_size=len(student_tokenizer), model_vocab_size=vocab, tokenizer_hash=student_print,
                 max_support=opd.max_support if granularity == "top_p" else None, device=teacher.device or device,
                 url=teacher.url))
         return cls(specs, score_batch_size=opd.score_batch_size, vocab_chunk=opd.vocab_chunk, chosen=chosen)

@@ -102,7 +102,7 @@ def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     for first in range(0, n, row_block):
         h, t = hidden[first:first + row_block], targets[first:first + row_block]
         rows = h.shape[0]
-        picked = torch.empty(rows, device=dev)
+        picked = torch.full((rows,), NEG_INF, device=dev)  # a target past the vocabulary (padding): no mass
         rest = torch.full((rows,), NEG_INF, device=dev)  # logsumexp of every logit outside the candidates
         top = RunningTopK(rows, keep, rest) if keep else None
         for start, logits in logit_chunks(h, weight, bias, vocab_chunk):

@@ -23,7 +23,7 @@ import torch
 from cache import TeacherRecord
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.consistency.check import action_hidden_states
-from opd_sao.modeling import lm_head
+from opd_sao.modeling import lm_head, vocab_rows
 from opd_sao.trajectory import Trajectory
 
 from .base import Teacher, register_teacher
@@ -57,7 +57,8 @@ def _drop(names: list[str]) -> None:
 
 @torch.no_grad()
 def _score(name: str, trajectories: list[Trajectory], granularity: str, k: Optional[int], p: Optional[float],
-           max_support: Optional[int], batch_size: int, vocab_chunk: int, drop: list[str]) -> Optional[ScoredRows]:
+           max_support: Optional[int], batch_size: int, vocab_chunk: int, drop: list[str],
+           vocab_size: Optional[int] = None) -> Optional[ScoredRows]:
     """Every rank: score this rank's share of `trajectories`; rank 0 returns every rank's rows, in order."""
     import deepspeed
     import torch.distributed as dist
@@ -80,7 +81,8 @@ def _score(name: str, trajectories: list[Trajectory], granularity: str, k: Optio
         hidden = torch.cat(hidden)
         targets = torch.tensor([tok for t in share for tok, m in zip(t.token_ids, t.action_mask) if m],
                                dtype=torch.long, device=hidden.device)
-        rows = score_rows(hidden, weight, bias, targets, granularity=granularity, k=k, p=p, max_support=max_support,
+        rows = score_rows(hidden, *vocab_rows(weight, bias, vocab_size), targets, granularity=granularity, k=k, p=p,
+                          max_support=max_support,
                           vocab_chunk=vocab_chunk)
     parts = [None] * world if rank == 0 else None
     dist.gather_object(rows, parts, dst=0)
@@ -127,5 +129,6 @@ class ShardedTeacher(Teacher):
         spec = self.spec
         rows = on_every_rank(f"{HERE}:_score", name=self.name, trajectories=trajectories,
                              granularity=spec.granularity, k=spec.k, p=spec.p, max_support=spec.max_support,
-                             batch_size=self.score_batch_size, vocab_chunk=self.vocab_chunk, drop=drop)
+                             batch_size=self.score_batch_size, vocab_chunk=self.vocab_chunk, drop=drop,
+                             vocab_size=spec.vocab_size)  # padded rows carry no probability
         return rows.split([t.num_action_tokens for t in trajectories])

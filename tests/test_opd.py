@@ -339,6 +339,76 @@ def test_mixed_granularities_and_reward_mixing(tiny_model_dir, tokenizer, pertur
 
 
 # ----------------------------------------------------------------------------
+# a teacher and a student whose embeddings are padded differently (Qwen2.5-7B 152,064 rows, 1.5B 151,936)
+# ----------------------------------------------------------------------------
+
+def _with_padding(src, out, rows: int, seed: int):
+    """`src` with its embedding resized to `rows` and every row past the tokenizer's ids set large and random, so
+    that padding left in any softmax or top-k would dominate it (tied embeddings: the lm head too)."""
+    from opd_sao.checkpoints import save_checkpoint
+    from opd_sao.checkpoints import load_tokenizer as load_tok
+
+    tokenizer = load_tok(src)
+    model = load_causal_lm(src)
+    model.resize_token_embeddings(rows, mean_resizing=False)
+    with torch.no_grad():
+        padding = model.get_input_embeddings().weight[len(tokenizer):]
+        padding.copy_(torch.randn(padding.shape, generator=torch.Generator().manual_seed(seed)) * 30)
+    return save_checkpoint(model, tokenizer, out)
+
+
+@pytest.fixture(scope="module")
+def padded_pair(qwen_model_dir, tmp_path_factory):
+    """(student with 151,936 rows, teacher with 152,064): the same weights on the Qwen2.5 tokenizer's 151,665 ids,
+    different padding."""
+    root = tmp_path_factory.mktemp("padded")
+    return (_with_padding(qwen_model_dir, root / "student", 151_936, seed=1),
+            _with_padding(qwen_model_dir, root / "teacher", 152_064, seed=2))
+
+
+@pytest.mark.parametrize("granularity", ["top_k", "sampled"])
+def test_opd_from_a_teacher_with_more_embedding_rows(padded_pair, tmp_path, granularity):
+    from opd_sao.checkpoints import load_tokenizer as load_tok
+
+    student, teacher = padded_pair
+    tok = load_tok(student)
+    model = load_causal_lm(student)
+    trajs = []
+    for i in range(3):
+        prompt = tok.encode(f"reverse {i}{i + 7}{i + 3} =", add_special_tokens=False)
+        tokens = tok.encode(f" {i + 3}{i + 7}{i}", add_special_tokens=False) + [tok.eos_token_id]
+        seq = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            logp = sequence_logprobs(model, seq, torch.ones_like(seq))[0, len(prompt):].tolist()
+        trajs.append(Trajectory(traj_id=f"r-{i}", domain="digits_reverse", prompt_ids=prompt, token_ids=tokens,
+                                action_mask=[1] * len(tokens), rollout_logp=logp, versions=[0] * len(tokens),
+                                rewards=[0.0] * len(tokens)))
+    learner, pf = _learner(student, {"digits_reverse": (teacher, {})}, tok, tmp_path, granularity=granularity)
+    spec = learner.targets.registry.specs["t_digits_reverse"]
+    assert (spec.vocab_size, spec.rows) == (len(tok), 152_064) == (151_665, 152_064)
+    m = learner.step(collate(trajs, tok.pad_token_id), 1.0)
+    records = learner.targets.fetch(trajs).records
+    pf.close()
+    meta = LogitCache(tmp_path / "cache").teachers()["t_digits_reverse"]  # as stored in the cache's zarr.json
+    assert (meta.vocab_size, meta.model_vocab_size) == (151_665, 152_064)
+    assert np.isfinite(m["policy_loss"]) and np.isfinite(m["policy_grad_norm"]) and m["policy_grad_norm"] > 0
+    # the teacher's logprob of each sampled token is of the softmax over the tokenizer's ids only
+    hidden = torch.cat([model.model(torch.tensor([t.prompt_ids + t.token_ids])).last_hidden_state[0] for t in trajs])
+    with torch.no_grad():
+        starts = np.cumsum([0] + [len(t.prompt_ids) + len(t.token_ids) for t in trajs])
+        rows = torch.cat([torch.arange(s + len(t.prompt_ids) - 1, s + len(t.prompt_ids) + len(t.token_ids) - 1)
+                          for s, t in zip(starts, trajs)])
+        dense = torch.log_softmax(hidden[rows] @ model.lm_head.weight[:len(tok)].T, -1)
+    targets = torch.tensor([tok_id for t in trajs for tok_id in t.token_ids])
+    sampled = np.concatenate([r.sampled_logp for r in records])
+    np.testing.assert_allclose(sampled, dense.gather(1, targets[:, None])[:, 0].numpy(), atol=2e-3)
+    if granularity == "top_k":  # masked on both sides: the student is the teacher on the real ids: the same top
+        assert all(int(r.ids.max()) < len(tok) for r in records)  # ids (its padding would take them all), and no
+        assert m["topk_overlap"] == 1.0 and abs(m["kl"]) < 1e-2  # divergence beyond the cache's quantisation of
+        # this near-uniform random model (0.0064 nats, as for a student that is its unpadded teacher)
+
+
+# ----------------------------------------------------------------------------
 # config checks and the stage end to end
 # ----------------------------------------------------------------------------
 
@@ -413,6 +483,8 @@ def test_opd_stage_end_to_end(tmp_path):
     probed = _opd_stage(probe_every=1)
     probed.update(name="opd_probed", steps=3, eval={"num_tasks": 8})
     cfg["stages"].append(probed)
+    for stage_cfg in cfg["stages"]:
+        stage_cfg["checkpoint_every"] = 1  # every stage saves resumable state
     summary = run_pipeline(parse_config(cfg), tmp_path, log=lambda m: None)
     schedule = summary["stages"][3]["schedule"]
     steps = summary["stages"][3]["steps"]
@@ -453,5 +525,14 @@ def test_opd_stage_end_to_end(tmp_path):
     cache = LogitCache(stage_dir / "logit_cache")
     assert set(cache.teachers()) == {"t_rev", "t_sort"}
     assert sum(len(cache.open_teacher(meta)) for meta in cache.teachers().values()) >= 8
-    assert (stage_dir / "checkpoint" / "config.json").is_file()
-    assert {p.name.split("-")[0] for p in (stage_dir / "teacher_tier").iterdir()} == {"t_rev", "t_sort"}
+    assert json.loads((stage_dir / "checkpoint" / "config.json").read_text())["use_cache"] is True
+    # disk: the teacher tier went with the stage; keep_state last: only the last finished stage keeps its state
+    assert not (stage_dir / "teacher_tier").exists()
+    assert not any((tmp_path / "stages" / name / "state").exists() for name in ("rev", "sort", "opd"))  # opd_probed
+    # started after them (its own state stays, if it took a step)
+    disk = json.loads((tmp_path / "summary.json").read_text())["disk_bytes"]
+    assert 0 < disk["opd"] < disk["total"] and 0 < disk["rev"] and 0 < disk["base_model"]
+    logged = []  # a finished run resumes (to nothing left to do) with what it kept
+    again = run_pipeline(parse_config(cfg), tmp_path, log=logged.append, resume=True)
+    assert [s["checkpoint"] for s in again["stages"]] == [s["checkpoint"] for s in summary["stages"]]
+    assert logged == [f"[{name}] already complete, skipped" for name in ("rev", "sort", "opd", "opd_probed")]

@@ -170,3 +170,30 @@ def test_best_teacher_config_is_checked_before_any_work(teacher, needle):
     cfg["stages"] = cfg["stages"][1:]
     with pytest.raises(ValueError, match="needs an earlier stage|neither a local directory"):
         parse_config(cfg)
+
+
+def test_a_wrong_dataset_path_in_the_last_stage_is_refused_before_the_first_stage_starts(tmp_path, tiny_model_dir):
+    cfg = _config()
+    cfg["model"] = {"path": str(tiny_model_dir)}  # (a tiny base model would read the file for its tokenizer first)
+    cfg["stages"].append({"name": "mine", "kind": "reasoning", "env": "dataset",
+                          "env_options": {"path": str(tmp_path / "gsm8k.jsonl")}, "steps": 2})
+    (tmp_path / "run.yaml").write_text(json.dumps(cfg))
+    result = _cli("run", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2 and "[reasoning]" not in result.stdout
+    assert result.stderr.strip().splitlines() == [
+        f"opd-sao run: error: stage 'mine': env_options of 'dataset': dataset file {str(tmp_path / 'gsm8k.jsonl')!r} does not exist"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_before_the_first_stage_starts(tmp_path, corpus):
+    from real_models import build_llama
+
+    alien = build_llama(tmp_path / "alien", [f"zebra quokka {i}" for i in range(300)])
+    cfg = _config()
+    cfg["stages"].append({"name": "distil", "kind": "opd", "domains": ["arithmetic"], "steps": 2,
+                          "opd": {"teachers": [{"name": "t", "checkpoint": str(alien), "domains": ["arithmetic"]}]}})
+    logged = []
+    with pytest.raises(ValueError, match=r"^stage 'distil': teacher 't' \(.*alien\) cannot teach student .*base_model: "
+                                         r".*\(OPD needs a shared tokenizer\)$"):
+        run_pipeline(parse_config(cfg), tmp_path / "run", log=logged.append)
+    assert logged == [] and not (tmp_path / "run").exists()  # no stage started; the built base model went too

@@ -71,11 +71,12 @@ def _kill_mid(proc, run_dir, stage, kind, log_path):
 
 
 def _refuse_edited_config(run_dir, capsys):
-    """An edited config.yaml is refused, naming the field; a logging change only with --allow-config-change."""
+    """An edited config.yaml is refused, naming the field (a started stage's or a run-wide one); a logging change
+    only with --allow-config-change."""
     path = run_dir / "config.yaml"
     original = path.read_text()
-    for edit, named in [(lambda c: c["stages"][3].update(env="digits_sort"), "stages.chat.env"),
-                        (lambda c: c["stages"][1].update(steps=300), "stages.reason.steps"),
+    for edit, named in [(lambda c: c["stages"][0]["domains"].append("code"), "stages.warm.domains"),
+                        (lambda c: c["stages"][0]["sft"].update(steps=300), "stages.warm.sft.steps"),
                         (lambda c: c["trainer"].update(train_batch_size=8), "trainer.train_batch_size")]:
         config = yaml.safe_load(original)
         edit(config)
@@ -156,6 +157,52 @@ def test_the_fingerprint_passes_the_same_config_and_a_logging_change_only_with_t
             check_resume(changed, tmp_path)
 
 
+def test_a_resume_accepts_edits_to_stages_not_started_and_refuses_edits_to_started_ones(tmp_path):
+    """warm finished, reason interrupted (files in their directories); agent, chat and opd not started."""
+    from opd_sao.config import parse_config
+    from opd_sao.runs.fingerprint import RECORD, check_resume, write_record
+
+    config = parse_config(_config()).model_dump(mode="json")
+    write_record(config, tmp_path)
+    for stage in ("warm", "reason"):
+        (tmp_path / "stages" / stage / "state").mkdir(parents=True)
+        (tmp_path / "stages" / stage / "state" / "loop.json").write_text("{}")
+    (tmp_path / "stages" / "agent").mkdir()  # a directory without a file: not started
+
+    def edited(change):  # the recorded config (accepted edits included), changed
+        copy = json.loads((tmp_path / RECORD).read_text())["config"]
+        change(copy)
+        return copy
+
+    def stage(c, name):
+        return next(s for s in c["stages"] if s["name"] == name)
+
+    accepted = [
+        (lambda c: stage(c, "opd")["opd"]["teachers"][0].update(checkpoint="warm"), ["stages.opd.opd.teachers.t.checkpoint"]),
+        (lambda c: stage(c, "chat").update(steps=60), ["stages.chat.steps"]),
+        (lambda c: c["stages"].append({**stage(c, "reason"), "name": "reason2"}), ["stages.order"]),
+        (lambda c: c["stages"].remove(stage(c, "agent")), ["stages.order"]),
+    ]
+    for change, named in accepted:
+        new = edited(change)
+        assert check_resume(new, tmp_path) == named
+        assert check_resume(new, tmp_path) == []  # recorded: the next resume sees no change
+    refused = [
+        (lambda c: stage(c, "reason").update(steps=60), r"stages\.reason\.steps \(6 -> 60\)"),
+        (lambda c: stage(c, "warm")["sft"].update(lr=1.0), r"stages\.warm\.sft\.lr"),
+        (lambda c: c["trainer"].update(policy_lr=1.0), r"trainer\.policy_lr"),
+        (lambda c: c["stages"].remove(stage(c, "warm")), r"stages\.order"),
+        (lambda c: c["stages"].insert(1, {**stage(c, "chat"), "name": "chat0"}), r"stages\.order"),
+        (lambda c: (stage(c, "chat").update(steps=7), stage(c, "reason").update(steps=7)), r"stages\.reason\.steps"),
+    ]
+    for change, needle in refused:
+        with pytest.raises(ValueError, match=needle):
+            check_resume(edited(change), tmp_path)
+        with pytest.raises(ValueError, match=needle):  # the flag is for logging settings only
+            check_resume(edited(change), tmp_path, allow_change=True)
+    assert stage(json.loads((tmp_path / RECORD).read_text())["config"], "chat")["steps"] == 60  # refusals record nothing
+
+
 def test_a_setting_added_by_an_upgrade_does_not_block_a_resume(tmp_path):
     """A run recorded before a config field existed resumes after the upgrade; edits to recorded fields still fail."""
     from opd_sao.config import parse_config
@@ -165,6 +212,8 @@ def test_a_setting_added_by_an_upgrade_does_not_block_a_resume(tmp_path):
     older = json.loads(json.dumps(config))
     del older["device"], older["stages"][0]["rollout"]["prompt_format"]  # settings this session added
     write_record(older, tmp_path)
+    (tmp_path / "stages" / "warm").mkdir(parents=True)
+    (tmp_path / "stages" / "warm" / "sft.jsonl").write_text("")  # started: its settings are fixed
     assert check_resume(config, tmp_path) == []
     edited = json.loads(json.dumps(config))
     edited["stages"][0]["steps"] += 1

@@ -26,6 +26,11 @@ logprob at the rollout temperature (and top-p): the distribution the engine samp
 step reports both (`distill_temperature`, `sampling_temperature`); the gate compares engine and trainer at the
 sampling temperature, the only place their logprobs meet.
 
+Padding: divergence rows are over the shared tokenizer's ids (embedding rows past them are padding, masked
+on both sides: `TeacherSet.vocab_size`); the sampled path's student logprobs are of its whole distribution (the
+one the engine samples from; a padding token the student samples gets the teacher's floor logprob, the cache's
+-64 nats).
+
 The loss is a token mean over every action token of the batch: sum of per-token terms / N.
 """
 from __future__ import annotations
@@ -249,6 +254,7 @@ class OPDLearner(ResumableLearner):
         dev = rows.device
         total = torch.zeros((), device=dev)
         div_sum, div_rows = 0.0, 0
+        vocab = self.targets.registry.vocab_size  # the teachers' scored ids: the student's padded rows masked too
         for gran in ("top_k", "top_p", "full"):
             traj_sel = rows.trajectories_with(gran)
             if not bool(traj_sel.any()):
@@ -258,7 +264,7 @@ class OPDLearner(ResumableLearner):
             recs = [rows.records[i] for i in traj_sel.nonzero().squeeze(1).tolist()]
             if gran == "full":
                 s_logp, s_tail, top_ids = self.backend.policy_support_logprobs(
-                    sub, None, None, vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k)
+                    sub, None, None, vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k, vocab_size=vocab)
                 t_logp = torch.log_softmax(torch.from_numpy(np.concatenate([r.logp for r in recs])).float().to(dev),
                                            dim=-1)
                 ids = torch.arange(s_logp.shape[1], device=dev).expand(len(s_logp), -1)
@@ -268,7 +274,7 @@ class OPDLearner(ResumableLearner):
                 ids, t_raw, support, tail = padded_support(recs, dev)
                 t_logp = A.renormalize_support(t_raw, support, tail)
                 s_logp, s_tail, top_ids = self.backend.policy_support_logprobs(
-                    sub, ids, support, vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k)
+                    sub, ids, support, vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k, vocab_size=vocab)
                 mass = 1.0 - tail
                 if gran == "top_p":  # the share of positions whose nucleus opd.max_support cut
                     cut = nucleus_cut(support.sum(1), tail, opd.top_p, opd.max_support)

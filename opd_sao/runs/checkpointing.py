@@ -65,6 +65,22 @@ class StageState:
             shutil.rmtree(self.path.with_name(self.path.name + suffix), ignore_errors=True)
 
 
+BUFFER_DIR = "buffer"  # the trajectory buffer's write-ahead log (opd_sao.rl.buffer), read by a resume only
+STATE_DIRS = ("state", "state.old", "state.tmp", BUFFER_DIR)  # a save's leftovers after a crash too
+
+
+def discard_state(stage_dir: Path, parts: tuple[str, ...]) -> None:
+    """Delete `parts` (directory names, STATE_DIRS: all) of a finished stage's resumable state: nothing reads them
+    again once the run has recorded the stage as finished (a resume skips it)."""
+    for name in parts:
+        shutil.rmtree(Path(stage_dir) / name, ignore_errors=True)
+
+
+def disk_use(path: Path) -> int:
+    """Bytes of the files under `path` (links not followed)."""
+    return sum(p.lstat().st_size for p in Path(path).rglob("*") if p.is_file() and not p.is_symlink())
+
+
 def truncate_step_log(path: Path, before_step: int) -> list[dict]:
     """Keep the records of steps < before_step (and drop a line torn by a crash); return them."""
     kept = [r for r in read_jsonl(path) if r.get("step", -1) < before_step]

@@ -4,6 +4,11 @@ A resumed stage continues from saved state and logs that belong to the config th
 env, step count or batch size would mix two runs into one (trajectories of one task in a stage of another, a
 stage "finished" at the old step count). Only fields that cannot change what is trained may differ, and only
 when asked for (`opd-sao run --resume DIR --allow-config-change`).
+
+Stages that have not started yet are another matter: nothing of theirs exists, so their settings may be edited,
+and stages added or removed after the last started one, freely (a fixed teacher path, a longer last stage). A
+stage has started once its directory holds a file; edits to a started stage (finished or interrupted) and to
+run-wide settings are refused as before. An accepted edit becomes the recorded config.
 """
 from __future__ import annotations
 
@@ -54,10 +59,27 @@ def changed_fields(before: dict, after: dict) -> list[tuple[str, Any, Any]]:
     return [(key, old[key], new[key]) for key in sorted(old.keys() & new.keys()) if old[key] != new[key]]
 
 
+def started_stages(run_dir: Path) -> set[str]:
+    """Names of the stages whose directory holds a file (finished, or interrupted part way)."""
+    stages = Path(run_dir) / "stages"
+    return {d.name for d in stages.iterdir() if d.is_dir() and any(p.is_file() for p in d.rglob("*"))} \
+        if stages.is_dir() else set()
+
+
+def unstarted_edit(key: str, before: Any, after: Any, started: set[str], old_order: list[str]) -> bool:
+    """Whether this change touches only stages that have not started: their own settings, or the stage list past
+    the started ones (which keep their places)."""
+    if key == "stages.order":
+        k = sum(name in started for name in old_order)
+        return after[:k] == before[:k] and not started & (set(before[k:]) | set(after[k:]))
+    parts = key.split(".")
+    return len(parts) > 2 and parts[0] == "stages" and parts[1] not in started
+
+
 def check_resume(config: dict, run_dir: Path, *, allow_change: bool = False) -> list[str]:
     """Raise ValueError (one line naming the changed fields) when `config` differs from the recorded one in a way
-    not allowed; returns the fields that differ and were allowed. A run without a record (started before
-    records existed) gets one now."""
+    not allowed; returns the fields that differ and were allowed (edits of stages not started yet always are,
+    and then become the record). A run without a record (started before records existed) gets one now."""
     path = Path(run_dir) / RECORD
     if not path.is_file():
         write_record(config, run_dir)
@@ -68,6 +90,13 @@ def check_resume(config: dict, run_dir: Path, *, allow_change: bool = False) -> 
     changes = changed_fields(recorded["config"], config)
     if not changes:  # only settings an upgrade added or removed differ
         return []
+    started = started_stages(run_dir)
+    old_order = [stage["name"] for stage in recorded["config"].get("stages", [])]
+    unstarted = [c for c in changes if unstarted_edit(*c, started, old_order)]
+    changes = [c for c in changes if c not in unstarted]
+    if not changes:
+        write_record(config, run_dir)
+        return [key for key, _, _ in unstarted]
     unsafe = [c for c in changes if not c[0].startswith(SAFE_ON_RESUME)]
     if unsafe or not allow_change:
         shown = unsafe or changes
@@ -76,5 +105,10 @@ def check_resume(config: dict, run_dir: Path, *, allow_change: bool = False) -> 
         hint = "start a new run for these" if unsafe else "resume with --allow-config-change for these"
         raise ValueError(f"{Path(run_dir) / 'config.yaml'} was changed since the run started: {named}{more}; "
                          f"a resume continues with the config it started with ({hint}; --allow-config-change "
-                         f"allows only {', '.join(p + '*' for p in SAFE_ON_RESUME)})")
-    return [key for key, _, _ in changes]
+                         f"allows only {', '.join(p + '*' for p in SAFE_ON_RESUME)}, and stages not started yet "
+                         f"may be edited freely)")
+    if unstarted:  # recorded from now on; the safe changes stay changes (named again on the next resume)
+        safe_sections = {prefix.rstrip(".") for prefix in SAFE_ON_RESUME}
+        write_record({key: recorded["config"].get(key, value) if key in safe_sections else value
+                      for key, value in config.items()}, run_dir)
+    return [key for key, _, _ in unstarted + changes]

@@ -22,6 +22,7 @@ from ..modeling import (
     lm_head,
     logit_chunks,
     support_logprobs,
+    vocab_rows,
 )
 from ..trajectory import Batch
 from .micro_batches import Rows, micro_batches
@@ -89,7 +90,8 @@ def action_rows_of(rows: Rows, parts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def action_support_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor,
                             support_ids: Optional[torch.Tensor], support_mask: Optional[torch.Tensor], *,
-                            vocab_chunk: int, top_k: int, full_logits: bool = False) -> SupportLogprobs:
+                            vocab_chunk: int, top_k: int, full_logits: bool = False,
+                            vocab_size: Optional[int] = None) -> SupportLogprobs:
     """`TrainerBackend.policy_support_logprobs` on a model and the tensors of a batch (both backends' one path).
 
     The final hidden state before every action token goes through the lm head one vocabulary chunk at a
@@ -98,12 +100,12 @@ def action_support_logprobs(model, input_ids: torch.Tensor, attention_mask: torc
     inside it) and reads the action rows of its logits (`dense_support_logprobs`)."""
     b, t = action_mask.bool().nonzero(as_tuple=True)
     if full_logits:
-        logits = forward_logits(model, input_ids, attention_mask)[b, t - 1].float()
+        logits = forward_logits(model, input_ids, attention_mask)[b, t - 1, :vocab_size].float()
         if support_ids is not None:
             return dense_support_logprobs(logits, support_ids, support_mask, top_k=top_k)
     else:
         hidden = hidden_states(model, input_ids, attention_mask)[b, t - 1]
-        weight, bias = lm_head(model)
+        weight, bias = vocab_rows(*lm_head(model), vocab_size)
         if support_ids is not None:
             return support_logprobs(hidden, weight, bias, support_ids, support_mask, vocab_chunk=vocab_chunk,
                                     top_k=top_k)
@@ -129,12 +131,14 @@ class TrainerBackend(ABC):
     @abstractmethod
     def policy_support_logprobs(self, batch: Batch, support_ids: Optional[torch.Tensor],
                                 support_mask: Optional[torch.Tensor], *, vocab_chunk: int,
-                                top_k: int) -> SupportLogprobs:
+                                top_k: int, vocab_size: Optional[int] = None) -> SupportLogprobs:
         """The policy's temperature-1 distribution at every action token of `batch` (rows: trajectory order,
         then position) on a support (OPD's divergences): (log-probs on `support_ids` [N, S] (0 where
         `support_mask` is False), log of the exact mass outside the support [N], the top_k most probable ids
         [N, top_k] (no grad; None when top_k is 0)), differentiable for the next `step_policy`.
-        `support_ids` None is the whole vocabulary: the [N, V] log-softmax and a tail of log(tiny)."""
+        `support_ids` None is the whole vocabulary: the [N, V] log-softmax and a tail of log(tiny).
+        `vocab_size`: the distribution over the first vocab_size ids only (rows past the tokenizer's ids are
+        embedding padding, masked as the teacher's are)."""
 
     @abstractmethod
     def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:

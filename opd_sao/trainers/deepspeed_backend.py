@@ -254,17 +254,18 @@ class DeepSpeedTrainer(TrainerBackend):
         return torch.cat([part[:n] for part, n in zip(parts, counts)])
 
     def policy_support_logprobs(self, batch, support_ids, support_mask, *, vocab_chunk: int,
-                                top_k: int) -> SupportLogprobs:
+                                top_k: int, vocab_size=None) -> SupportLogprobs:
         """Each rank computes the action rows of its share of the trajectories (it receives only those rows of the
         support); rank 0 gets the whole outputs, the log-probs and the tail as leaves for `step_policy`. Under ZeRO-3
         they come from the model's own forward's logits (its lm head weight exists only inside that forward)."""
         rows = Rows.of(batch, actions=True)
         self._announce("_support_forward", rows=rows, whole_vocab=support_ids is None, vocab_chunk=vocab_chunk,
-                       top_k=top_k)
-        return self._support_forward(rows, support_ids is None, vocab_chunk, top_k, (support_ids, support_mask))
+                       top_k=top_k, vocab_size=vocab_size)
+        return self._support_forward(rows, support_ids is None, vocab_chunk, top_k, (support_ids, support_mask),
+                                     vocab_size)
 
     def _support_forward(self, rows: Rows, whole_vocab: bool, vocab_chunk: int, top_k: int,
-                         support: tuple = (None, None)) -> SupportLogprobs:
+                         support: tuple = (None, None), vocab_size=None) -> SupportLogprobs:
         starts = rows.action_rows()
         shares = self._shares(len(rows))
         row_shares = [(int(starts[lo]), int(starts[hi])) for lo, hi in shares]  # each share's action rows
@@ -284,7 +285,8 @@ class DeepSpeedTrainer(TrainerBackend):
             # a backward (of zeros) through every weight all the same, as ZeRO expects
             sub = (None, None) if whole_vocab else (ids[where.to(ids.device)], mask[where.to(mask.device)])
             logp, tail, top = action_support_logprobs(self.policy.module, r.input_ids, r.attention_mask, action, *sub,
-                                                      vocab_chunk=vocab_chunk, top_k=top_k, full_logits=self.zero3)
+                                                      vocab_chunk=vocab_chunk, top_k=top_k, full_logits=self.zero3,
+                                                      vocab_size=vocab_size)
             return (logp, tail) if top is None else (logp, tail, top)
 
         parts = self._parts(rows, shares)

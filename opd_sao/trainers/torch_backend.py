@@ -75,7 +75,7 @@ class TorchTrainer(TrainerBackend):
         return self._run("policy", forward, rows, grad)[0]
 
     def policy_support_logprobs(self, batch: Batch, support_ids, support_mask, *, vocab_chunk: int,
-                                top_k: int) -> SupportLogprobs:
+                                top_k: int, vocab_size=None) -> SupportLogprobs:
         rows = Rows.of(batch, actions=True)
 
         def forward(part, where):
@@ -84,7 +84,8 @@ class TorchTrainer(TrainerBackend):
                                                                   support_mask[where.to(support_mask.device)])
             with self.precision():
                 logp, tail, top = action_support_logprobs(self.policy, r.input_ids, r.attention_mask, r.action_mask,
-                                                          ids, mask, vocab_chunk=vocab_chunk, top_k=top_k)
+                                                          ids, mask, vocab_chunk=vocab_chunk, top_k=top_k,
+                                                          vocab_size=vocab_size)
             return (logp, tail) if top is None else (logp, tail, top)
 
         outputs = self._run("policy", forward, rows, True, support=True)

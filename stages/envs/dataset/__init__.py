@@ -158,13 +158,19 @@ class DatasetEnv(Environment):
 
     @classmethod
     def check_options(cls, options: dict) -> DatasetOptions:
-        """The options schema and the reward's name (an unknown one is named with the registered ones); no file
-        is read, so the pipeline can call it for every stage before any work."""
+        """The options schema, the reward's name (an unknown one is named with the registered ones) and that the
+        named files exist; none is read, so the pipeline can call it for every stage before any work."""
         try:
             opts = DatasetOptions(**options)
         except ValidationError as err:
             raise ValueError(f"dataset env option {format_error(err)}") from None
         REWARDS.get(opts.reward)
+        if options:  # the bare default (the pipeline's corpus of every class) names no file
+            for path in opts.files().values():
+                if not Path(path).exists():
+                    raise DatasetError(f"dataset file {path!r} does not exist")
+            if opts.chat_template and not Path(opts.chat_template).is_dir():
+                raise DatasetError(f"dataset env: chat_template {opts.chat_template!r} is not a directory")
         return opts
 
     @classmethod
