@@ -311,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "run" and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _stop_on_sigterm)
+        # Ctrl-C stops a run even when it was started from a shell that ignores SIGINT for background jobs
+        # (a non-interactive `cmd &` inherits SIG_IGN, and Python then installs no KeyboardInterrupt handler)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return args.func(args)
     except USER_ERRORS as err:
