@@ -35,7 +35,8 @@ def _config() -> dict:
          **RL_COMMON, "rollout": {"max_new_tokens": 6, "max_turns": 2, "max_staleness": 2}},
         {"name": "chat", "kind": "chat", "env": "chat", "env_options": {"judge": "rule"}, **RL_COMMON},
         {"name": "opd", "kind": "opd", "domains": ["arithmetic"], **RL_COMMON,
-         "opd": {"teachers": [{"name": "t", "checkpoint": "reason", "domains": ["arithmetic"]}]}},
+         "opd": {"probe_every": 0,  # a fixed budget: a probe would end it at step 0 (its teacher scores 0)
+                 "teachers": [{"name": "t", "checkpoint": "reason", "domains": ["arithmetic"]}]}},
     ]
     return {"seed": 3, "model": {"tiny": TINY}, "logging": {"wandb": False, "progress": False},
             "eval_domains": ["arithmetic"],
