@@ -185,8 +185,9 @@ def test_opd_sao_run_distils_at_top_k_and_top_p_on_two_deepspeed_ranks(tmp_path,
                          {"name": "opd", "kind": "opd", "init_from": "base", "steps": 2, "domains": DOMAINS,
                           "rollout": {"max_new_tokens": 4}, "eval": {"num_tasks": 4},
                           "trainer": {"backend": "deepspeed"},
+                          # a fixed budget: a held-out probe would end the stage at step 0 (its teachers score 0)
                           "opd": {"granularity": "top_k", "top_k": 8, "reward_weight": 0.5, "max_resident": 1,
-                                  "vocab_chunk": 128, "teachers": teachers}}]}
+                                  "vocab_chunk": 128, "teachers": teachers, "probe_every": 0}}]}
     (tmp_path / "opd.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -38,10 +38,11 @@ def _config(student: Path, teacher: Path, url: str) -> dict:
                        {"name": "add", "kind": "reasoning", "env": "arithmetic", "env_options": {"max_operand": 3},
                         "algo": "sao", "steps": 3, "sft": {"steps": 2, "batch_size": 8}, **short},
                        {"name": "opd", "kind": "opd", "domains": ["arithmetic", "digits_reverse"], "steps": 2,
-                        "opd": {"granularity": "sampled", "teachers": [served, sharded]}, **short},
+                        "opd": {"granularity": "sampled", "teachers": [served, sharded], "probe_every": 0}, **short},
+                       # (OPD stages on a fixed budget, probe_every 0: a probe ends a stage whose teachers score 0)
                        # the served teacher's top-k lists: a divergence loss (the student's support log-probs)
                        {"name": "opd_k", "kind": "opd", "domains": ["arithmetic"], "steps": 1,
-                        "opd": {"granularity": "top_k", "top_k": 8, "teachers": [served]}, **short}]}
+                        "opd": {"granularity": "top_k", "top_k": 8, "teachers": [served], "probe_every": 0}, **short}]}
 
 
 def test_two_torchrun_nodes_run_sft_sao_and_served_teacher_opd_at_zero3(tmp_path, tiny_model_dir, perturbed_teacher,
