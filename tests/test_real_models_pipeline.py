@@ -22,7 +22,8 @@ SMALL_EVAL = {"eval": {"num_tasks": 4}, "gate": {"probe_size": 4}}
 
 
 def tiny_run(model_dir, prompt_format: str, other_format: str, other_stage: str) -> dict:
-    """sft -> reasoning -> agent -> chat -> opd (top_k) -> opd (top_p), 2 steps each, batch 4."""
+    """sft -> reasoning -> agent -> chat -> opd (top_k) -> opd (top_p), 2 steps each, batch 4 (OPD on a fixed budget:
+    held-out probes would end it at step 0, as every tiny teacher's score is already matched)."""
     teachers = [{"name": "reasoning_teacher", "checkpoint": "reasoning", "domains": ["arithmetic"]},
                 {"name": "agent_teacher", "checkpoint": "agent", "domains": ["code"]},
                 {"name": "chat_teacher", "checkpoint": "chat", "domains": ["chat"]}]
@@ -34,9 +35,9 @@ def tiny_run(model_dir, prompt_format: str, other_format: str, other_stage: str)
         {"name": "chat", "kind": "chat", "env": "chat", "env_options": {"judge": "rule", "style": "cute"}, "steps": 2,
          "rollout": dict(EPISODE)},
         {"name": "opd_top_k", "kind": "opd", "domains": ["arithmetic", "code", "chat"], "steps": 2,
-         "rollout": {"max_staleness": 2}, "opd": {"granularity": "top_k", "top_k": 8, "teachers": teachers}},
+         "rollout": {"max_staleness": 2}, "opd": {"granularity": "top_k", "top_k": 8, "teachers": teachers, "probe_every": 0}},
         {"name": "opd_top_p", "kind": "opd", "domains": ["arithmetic", "code", "chat"], "steps": 2,
-         "rollout": {"max_staleness": 2}, "opd": {"granularity": "top_p", "top_p": 0.95, "teachers": teachers}},
+         "rollout": {"max_staleness": 2}, "opd": {"granularity": "top_p", "top_p": 0.95, "teachers": teachers, "probe_every": 0}},
     ]
     for stage in stages:
         stage.update({k: v for k, v in SMALL_EVAL.items() if stage["kind"] != "sft"})
