@@ -1,4 +1,5 @@
-"""Starting servers for tests and benchmarks: a free loopback port, waiting for /health, sglang-router."""
+"""Starting servers and ranks for tests and benchmarks: a free loopback port, waiting for /health, sglang-router,
+a DeepSpeed test worker's rank-0 set-up."""
 from __future__ import annotations
 
 import socket
@@ -45,3 +46,22 @@ def start_sglang_router(worker_urls: list[str], *args: str, timeout_s: float = 6
             raise RuntimeError(f"sglang-router at {url} did not register {worker_urls} within {timeout_s:.0f} s")
         time.sleep(0.2)
     return url, proc
+
+
+def deepspeed_rank0_batch(student: str, batch_file: str):
+    """In a torchrun test worker: join the process group; a non-zero rank follows rank 0's backend calls until it
+    exits and gets None; rank 0 gets (tokenizer, the collated batch of the JSONL trajectories in `batch_file`)."""
+    import os
+    from pathlib import Path
+
+    from opd_sao.checkpoints import load_tokenizer
+    from opd_sao.trainers.deepspeed_backend import follow, init_distributed
+    from opd_sao.trajectory import Trajectory, collate
+
+    init_distributed()
+    if int(os.environ["RANK"]) != 0:
+        follow()
+        return None
+    tokenizer = load_tokenizer(student)
+    lines = Path(batch_file).read_text().splitlines()
+    return tokenizer, collate([Trajectory.from_json(line) for line in lines], tokenizer.pad_token_id)

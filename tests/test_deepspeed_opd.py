@@ -79,17 +79,13 @@ def _trainer_cfg(**kw):
 
 def worker(args: dict) -> None:
     """Rank 0: the OPD steps at ZeRO-2, then again at ZeRO-3; the other rank follows."""
-    from opd_sao.checkpoints import load_tokenizer
-    from opd_sao.trainers.deepspeed_backend import DeepSpeedTrainer, follow, init_distributed
-    from opd_sao.trajectory import Trajectory, collate
+    from launchers import deepspeed_rank0_batch
+    from opd_sao.trainers.deepspeed_backend import DeepSpeedTrainer
 
-    init_distributed()
-    if int(os.environ["RANK"]) != 0:
-        follow()
+    rank0 = deepspeed_rank0_batch(args["student"], args["batch"])
+    if rank0 is None:
         return
-    tokenizer = load_tokenizer(args["student"])
-    batch = collate([Trajectory.from_json(line) for line in Path(args["batch"]).read_text().splitlines()],
-                    tokenizer.pad_token_id)
+    tokenizer, batch = rank0
     results = {}
     for zero in ZERO_STAGES:  # each from the student's weights
         backend = DeepSpeedTrainer(args["student"], _trainer_cfg(

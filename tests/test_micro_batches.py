@@ -199,18 +199,14 @@ def test_a_split_step_keeps_one_micro_batch_of_activations(tmp_path, tiny_model_
 
 
 def worker(args: dict) -> None:
-    """Rank 0: every step at ZeRO-2 over 2 ranks; the other rank follows."""
-    from opd_sao.checkpoints import load_tokenizer
-    from opd_sao.trainers.deepspeed_backend import DeepSpeedTrainer, follow, init_distributed
-    from opd_sao.trajectory import Trajectory, collate
+    """Rank 0: every step at the ZeRO stage asked for, over 2 ranks; the other rank follows."""
+    from launchers import deepspeed_rank0_batch
+    from opd_sao.trainers.deepspeed_backend import DeepSpeedTrainer
 
-    init_distributed()
-    if int(os.environ["RANK"]) != 0:
-        follow()
+    rank0 = deepspeed_rank0_batch(args["student"], args["batch"])
+    if rank0 is None:
         return
-    tokenizer = load_tokenizer(args["student"])
-    batch = collate([Trajectory.from_json(line) for line in Path(args["batch"]).read_text().splitlines()],
-                    tokenizer.pad_token_id)
+    tokenizer, batch = rank0
 
     def make(cfg):
         ds = cfg.model_copy(update={"backend": "deepspeed",
