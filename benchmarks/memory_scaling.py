@@ -21,6 +21,11 @@ in-process teacher of the student's shape scored into a logit cache. Prediction 
 
     python benchmarks/memory_scaling.py            # seq 512 .. 8192, batch 2, every variant
     python benchmarks/memory_scaling.py --quick    # the small model, seq 256 .. 1024, plain and both
+    python benchmarks/memory_scaling.py --device cuda   # on a GPU: CUDA's peak allocated bytes, not RSS
+
+With `--device cuda` (scripts/gpu_check.sh) the measurement is `torch.cuda.max_memory_allocated` after the
+load (reset there) and the prediction the model's peak alone (no runtime RSS on the device); pass the GPU's
+size as `--limit-gb` (e.g. 130 on a 141 GB H200) so that no point is skipped for this machine's RAM.
 
 The last line is one JSON object: every point (measured and predicted MB, error), and the checks: with both on,
 growth at most linear in tokens (no step between consecutive lengths more than 10% above the first slope's,
@@ -112,7 +117,8 @@ def child(point: dict) -> dict:
     import torch
 
     torch.set_num_threads(point["threads"])
-    runtime = rss_bytes()
+    cuda = point["device"].startswith("cuda")
+    runtime = 0 if cuda else rss_bytes()
     from opd_sao.config import AlgoConfig, OPDConfig, TrainerConfig
     from opd_sao.trainers import TorchTrainer
     from opd_sao.trajectory import collate
@@ -121,7 +127,8 @@ def child(point: dict) -> dict:
     extra = {"micro_batch_size": micro} if micro else {}
     if ckpt:
         extra["gradient_checkpointing"] = True
-    trainer = TrainerConfig(train_batch_size=point["batch"], critic_steps=1, critic_warmup_steps=0, **extra)
+    trainer = TrainerConfig(train_batch_size=point["batch"], critic_steps=1, critic_warmup_steps=0,
+                            device=point["device"], **extra)
     model_dir, work = Path(point["model"]), Path(point["work"])
     batch = collate(trajectories(point["batch"], point["seq"], point["vocab"]), 0)
     if point["kind"] == "sao":
@@ -138,7 +145,7 @@ def child(point: dict) -> dict:
 
         spec = TeacherSpec(name="t", kind="in_process", checkpoint=model_dir, domains=("d",), granularity="top_k",
                            k=TOP_K, p=None, checkpoint_hash=checkpoint_hash(model_dir), vocab_size=point["vocab"],
-                           tokenizer_hash="benchmark", device="cpu")
+                           tokenizer_hash="benchmark", device=point["device"])
         registry = TeacherSet([spec], score_batch_size=1)
         prefetcher = Prefetcher(registry.build_all(), local_dir=work / "tier", max_resident=1, enabled=False)
         targets = TeacherTargets(registry, prefetcher, work / "cache")
@@ -146,15 +153,24 @@ def child(point: dict) -> dict:
         learner = OPDLearner(backend, OPDConfig(teachers=[{"name": "t", "checkpoint": str(model_dir),
                                                            "domains": ["d"]}], top_k=TOP_K), AlgoConfig(), targets)
         close = prefetcher.close
-    times, loaded = [], rss_bytes()
-    reset_peak()
+    if cuda:
+        torch.cuda.synchronize()
+        loaded = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        loaded = rss_bytes()
+        reset_peak()
+    times = []
     for _ in range(2):
         t0 = time.perf_counter()
         learner.step(batch, 1.0)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() if cuda else peak_bytes()
     if close:
         close()
-    return {"runtime_bytes": runtime, "loaded_bytes": loaded, "peak_bytes": peak_bytes(),
+    return {"runtime_bytes": runtime, "loaded_bytes": loaded, "peak_bytes": peak,
             "step_s": [round(t, 2) for t in times]}
 
 
@@ -213,6 +229,7 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["sao", "opd"], choices=["sao", "opd"])
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N (peak allocated CUDA bytes)")
     parser.add_argument("--limit-gb", type=float, default=20.0, help="skip points predicted above this")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per point")
     args = parser.parse_args()
@@ -234,7 +251,7 @@ def main() -> None:
             for seq in seqs:
                 for variant in variants:
                     point = {"kind": kind, "seq": seq, "variant": variant, "batch": args.batch, "model": model,
-                             "vocab": dims["vocab"], "threads": args.threads,
+                             "vocab": dims["vocab"], "threads": args.threads, "device": args.device,
                              "work": str(Path(tmp) / f"{kind}-{seq}-{variant}")}
                     model_bytes = predicted(point, shape)
                     row = {k: point[k] for k in ("kind", "seq", "variant")}
@@ -270,7 +287,8 @@ def main() -> None:
                   f"{r['error_pct']:+.1f}% |")
         else:
             print(f"| {r['kind']} | {r['seq']} | {r['variant']} | {r.get('skipped') or r.get('error')} | | |")
-    print(json.dumps({"model": {**dims, "params": shape.params}, "batch": args.batch, "points": rows,
+    print(json.dumps({"model": {**dims, "params": shape.params}, "batch": args.batch, "device": args.device,
+                      "points": rows,
                       "checks": checks, "within_25pct": f"{sum(within)}/{len(within)}"}))
 
 
