@@ -8,6 +8,7 @@ one; its chat template for `prompt_format: chat`).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -117,6 +118,12 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return ids if tokenizer.bos_token_id is None else [tokenizer.bos_token_id] + ids
 
 
+@functools.lru_cache(maxsize=8192)
+def _raw_prompt(tokenizer, text: str) -> tuple[int, ...]:
+    """Raw prompts, encoded once: a training pool's prompts come back every epoch and a group's G times."""
+    return tuple(encode_text(tokenizer, text))
+
+
 _ACTION, _OBSERVATION = "\x00opd-sao-action\x00", "\x00opd-sao-observation\x00"
 
 
@@ -157,7 +164,7 @@ class PromptFormat:
 
     def prompt(self, text: str) -> list[int]:
         if self.kind == "raw":
-            return encode_text(self.tokenizer, text)
+            return list(_raw_prompt(self.tokenizer, text))
         return self._encode(self._render([{"role": "user", "content": text}]))
 
     def observation(self, text: str, stopped_on: Optional[int] = None, instruction: str = "") -> list[int]:

@@ -94,16 +94,21 @@ class Learner(ResumableLearner):
 
     def _policy_update(self, batch: Batch, advantages: torch.Tensor, temperature: float) -> dict[str, float]:
         """The algorithm's policy loss against the rollout logprobs (one pass), or against pi_old recomputed by
-        the trainer before the update (`update_epochs` passes, as PPO needs for its clip to matter)."""
+        the trainer before the update (`update_epochs` passes, as PPO needs for its clip to matter).
+
+        With one pass, pi_old is the policy of that very pass: its logprobs, detached, are pi_old's, so no
+        separate no-grad forward is run (the same forward on the same weights gives the same numbers)."""
         mask, cfg, algorithm = batch.action_mask, self.cfg, self.algorithm
         params = A.LossParams(eps_low=cfg.eps_low, eps_high=cfg.eps_high, clip=cfg.ppo_clip)
         weights = algorithm.token_weights(mask, self._group_ids(batch))  # the whole batch's normalisation, per token
-        if algorithm.against_rollout:
-            behaviour, epochs = batch.rollout_logp, 1
-        else:
-            behaviour, epochs = self.backend.policy_logprobs(batch, temperature, grad=False), cfg.update_epochs
+        epochs = 1 if algorithm.against_rollout else cfg.update_epochs
+        behaviour = batch.rollout_logp if algorithm.against_rollout else None
+        if behaviour is None and epochs > 1:
+            behaviour = self.backend.policy_logprobs(batch, temperature, grad=False)
         for _ in range(epochs):
             logp = self.backend.policy_logprobs(batch, temperature, grad=True)
+            if behaviour is None:
+                behaviour = logp.detach()
             loss, metrics = algorithm.policy_loss(logp, behaviour, advantages, mask, params, weights)
             metrics["policy_grad_norm"] = self.backend.step_policy(loss)
         if not algorithm.against_rollout:  # what DIS would have masked, for comparison

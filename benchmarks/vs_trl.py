@@ -1,0 +1,309 @@
+"""opd-sao against TRL on the same RL work, both sides in one invocation (TRL in a venv of its own, as a user has it).
+
+The work: from one SFT start (the tiny model warmed up on arithmetic), `--steps` policy steps of `--batch` episodes
+on the arithmetic environment's train split (the project's own generator; reward 1 for exactly the answer), at the
+same temperature, max_new_tokens, policy lr, AdamW betas, weight decay, gradient clip and ratio clip. Three runs:
+opd-sao SAO (one rollout per prompt, asynchronous, critic K=2), opd-sao GRPO (groups of 8) and TRL's GRPOTrainer
+(groups of 8, beta 0, one iteration per generation). Each runs in its own process at ONE torch thread; its cost is
+its own CPU-seconds (getrusage of the process and its children, around the training only: model loading and
+trainer construction excluded on both sides). Every final model is then scored by the same held-out evaluation
+(the eval split, `--eval-samples` sampled episodes per task at temperature 1, the project's verifier).
+
+TRL is installed into `<--venv>/trl-venv` with `python -m venv` and pip (trl==1.16.0, the same torch 2.13.0 CPU
+wheel and transformers as opd-sao's venv), once; later runs reuse it.
+
+Prints a table and, on its last line, one JSON object: episodes per CPU-second of each run, the ratios to TRL and the
+held-out accuracies.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TRL_VERSION = "1.16.0"
+GROUP = 8  # GRPO's rollouts per prompt, both sides
+SETTINGS = {"temperature": 1.0, "max_new_tokens": 6, "policy_lr": 3e-4, "grad_clip": 1.0, "ratio_clip": 0.2,
+            "max_operand": 30}
+
+
+def cpu_seconds() -> float:
+    """This process's and its finished children's CPU time (user + system), every thread included."""
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def one_thread_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONHASHSEED": "0"}
+
+
+# ------------------------------------------------------------------ opd-sao side (the repository's venv)
+
+def run_config(start: Path, algo: str, steps: int, batch: int, seed: int):
+    """The reasoning stage as a user configures it (quickstart's reasoning settings), resolved by the schema."""
+    from opd_sao.config import RunConfig
+
+    return RunConfig.model_validate({
+        "seed": seed, "algo": algo, "model": {"path": str(start)}, "logging": {"wandb": False, "progress": False},
+        "engine": {"max_batch": batch},  # TRL generates a step's whole batch at once
+        "trainer": {"policy_lr": SETTINGS["policy_lr"], "critic_lr": 2e-3, "critic_steps": 2,
+                    "critic_warmup_steps": 5, "train_batch_size": batch, "grad_clip": SETTINGS["grad_clip"]},
+        "stages": [{"name": "rl", "kind": "reasoning", "env": "arithmetic", "steps": steps,
+                    "env_options": {"max_operand": SETTINGS["max_operand"]},
+                    "sao": {"ppo_clip": SETTINGS["ratio_clip"]},
+                    "rollout": {"temperature": SETTINGS["temperature"], "max_new_tokens": SETTINGS["max_new_tokens"],
+                                "max_staleness": 2}}]})
+
+
+def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, seed: int) -> dict:
+    """One RL stage's training as RLStage.train runs it (gate at start and end, buffer write-ahead log, metrics,
+    trained log, resumable state every checkpoint_every steps); CPU-seconds of the gate and the loop."""
+    import itertools
+
+    import torch
+
+    from opd_sao.checkpoints import load_tokenizer
+    from opd_sao.consistency.gate import ConsistencyGate, probe_episodes
+    from opd_sao.engines import build_engine
+    from opd_sao.rl.buffer import TrajectoryBuffer
+    from opd_sao.rl.learner import Learner, needs_critic
+    from opd_sao.rl.loop import RLLoop
+    from opd_sao.rl.rollout import episodes_for
+    from opd_sao.runs.checkpointing import StageState
+    from opd_sao.runs.tracking import MetricsLogger
+    from opd_sao.trainers import build_backend
+    from stages.base import TRAIN_TASK_POOL
+    from stages.envs import ENVIRONMENTS, sample_tasks
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    run = run_config(start, algo, steps, batch, seed)
+    stage = run.stages[0]
+    trainer_cfg, tok = run.stage_trainer(stage), load_tokenizer(start)
+    env_factory = lambda: ENVIRONMENTS.get("arithmetic")(**stage.env_options)  # noqa: E731
+    backend = build_backend(trainer_cfg, start, with_critic=needs_critic(algo), total_steps=steps)
+    engine = build_engine(run.engine, start, tok, seed=seed, device=run.device)
+    learner = Learner(backend, algo, stage.sao, critic_steps=trainer_cfg.critic_steps,
+                      critic_warmup_steps=trainer_cfg.critic_warmup_steps)
+    tasks = sample_tasks(env_factory().make_tasks("train", TRAIN_TASK_POOL, seed), seed)
+    groups = itertools.count()
+
+    def make_episodes():
+        return episodes_for(env_factory, next(tasks), tok, stage.rollout, domain="arithmetic",
+                            count=stage.rollout.group_size, group=next(groups))
+
+    gate = ConsistencyGate(stage.gate, stage="rl", out_dir=out, engine=engine, backend=backend,
+                           make_probe=lambda: probe_episodes(env_factory, tok, stage.rollout, domain="arithmetic",
+                                                             n=stage.gate.probe_size, seed=seed),
+                           eps_low=stage.sao.eps_low, eps_high=stage.sao.eps_high, deterministic=False,
+                           pad_id=tok.pad_token_id)
+    state = StageState(out)
+
+    def after_step(step: int) -> None:
+        gate.after_step(step)
+        if (step + 1) % stage.checkpoint_every == 0:
+            state.save(backend, step + 1, {"learner": learner.state()})
+
+    loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes, rollout=stage.rollout,
+                  train_batch_size=trainer_cfg.train_batch_size, pad_id=tok.pad_token_id,
+                  logger=MetricsLogger(out / "metrics.jsonl", stage="rl"), trained_log=out / "trained.jsonl",
+                  after_step=after_step, buffer=TrajectoryBuffer(stage.rollout.group_size, spill_dir=out / "buffer"))
+    cpu0, wall0 = cpu_seconds(), time.perf_counter()
+    gate.run("start", sync=loop.sync_weights)
+    history = loop.run(steps)
+    gate.run("final", sync=loop.sync_weights)
+    cpu, wall = cpu_seconds() - cpu0, time.perf_counter() - wall0
+    backend.export_policy(out / "checkpoint", tok)
+    engine.close()
+    return {"episodes": steps * trainer_cfg.train_batch_size, "cpu_s": cpu, "wall_s": wall,
+            "torch_threads": torch.get_num_threads(), "checkpoint": str(out / "checkpoint"),
+            "reward_last_quarter": sum(h["reward_mean"] for h in history[-steps // 4:]) / max(1, len(history[-steps // 4:]))}
+
+
+def prepare(work: Path, sft_steps: int, seed: int) -> Path:
+    """The shared start: the tiny model, SFT on arithmetic reference answers (the warm start of the quickstart's
+    reasoning stage), and the train tasks written out for TRL's dataset."""
+    import torch
+
+    from opd_sao.checkpoints import PromptFormat, build_tiny_model, load_tokenizer
+    from opd_sao.config import RolloutConfig, SFTConfig, TinyModelConfig, TrainerConfig
+    from opd_sao.supervised import run_sft, sft_examples
+    from stages.base import TRAIN_TASK_POOL
+    from stages.envs import ENVIRONMENTS
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    texts = [t for name in ENVIRONMENTS.names() for t in ENVIRONMENTS.get(name)().corpus(300)]
+    base = build_tiny_model(work / "base", texts, TinyModelConfig(), seed=seed)
+    tok = load_tokenizer(base)
+    env_factory = lambda: ENVIRONMENTS.get("arithmetic")(max_operand=SETTINGS["max_operand"])  # noqa: E731
+    examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=seed, prompt_format=PromptFormat(tok))
+    start = run_sft(base, work / "start", examples, tok, SFTConfig(steps=sft_steps, lr=3e-3, batch_size=64), seed,
+                    trainer=TrainerConfig(device="cpu"))
+    train = env_factory().make_tasks("train", TRAIN_TASK_POOL, seed)
+    (work / "train_tasks.json").write_text(json.dumps(train))
+    return start
+
+
+def held_out(checkpoint: Path, samples: int, seed: int) -> float:
+    """The same evaluation for every side's final model: all eval tasks, `samples` episodes each, temperature 1."""
+    import torch
+
+    from opd_sao.checkpoints import load_tokenizer
+    from opd_sao.config import EvalConfig, RolloutConfig
+    from opd_sao.runs.evaluation import evaluate
+    from stages.envs import ENVIRONMENTS
+
+    torch.set_num_threads(1)
+    env_factory = lambda: ENVIRONMENTS.get("arithmetic")(max_operand=SETTINGS["max_operand"])  # noqa: E731
+    n = len(env_factory().all_tasks("eval"))
+    rollout = RolloutConfig(temperature=SETTINGS["temperature"], max_new_tokens=SETTINGS["max_new_tokens"])
+    return evaluate(checkpoint, env_factory, load_tokenizer(checkpoint), domain="arithmetic", rollout=rollout,
+                    eval_cfg=EvalConfig(num_tasks=n, samples_per_task=samples, temperature=SETTINGS["temperature"]),
+                    seed=seed, device="cpu")
+
+
+# ------------------------------------------------------------------ TRL side (its own venv; no opd_sao import)
+
+def trl_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int, seed: int) -> dict:
+    """TRL's GRPOTrainer on the same start, prompts and settings. The reward is ArithmeticEnv's verifier
+    (ExactAnswerEnv.step: the decoded completion, stripped, equals the answer), restated here because this venv
+    does not have opd-sao; the held-out score of the result is the project's own evaluation."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(start)
+    model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32, attn_implementation="eager")
+    tasks = json.loads(Path(tasks_file).read_text())
+    # opd-sao's raw prompts are BOS + the text when the tokenizer has a BOS; TRL tokenizes the text as given
+    bos = tok.bos_token or ""
+    data = Dataset.from_list([{"prompt": bos + t["prompt"], "answer": t["answer"]} for t in tasks])
+
+    def exact_answer(completions, answer, **_):
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+    betas = (0.9, 0.999)
+    cfg = GRPOConfig(output_dir=str(out / "trl"), max_steps=steps, per_device_train_batch_size=batch,
+                     num_generations=GROUP, max_completion_length=SETTINGS["max_new_tokens"],
+                     temperature=SETTINGS["temperature"], top_p=1.0, learning_rate=SETTINGS["policy_lr"],
+                     lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch", adam_beta1=betas[0],
+                     adam_beta2=betas[1], weight_decay=0.0, max_grad_norm=SETTINGS["grad_clip"],
+                     epsilon=SETTINGS["ratio_clip"], beta=0.0, num_iterations=1, seed=seed, use_cpu=True,
+                     bf16=False, fp16=False, save_strategy="no", report_to="none", logging_steps=10,
+                     disable_tqdm=True, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=cfg, train_dataset=data, processing_class=tok)
+    cpu0, wall0 = cpu_seconds(), time.perf_counter()
+    trainer.train()
+    cpu, wall = cpu_seconds() - cpu0, time.perf_counter() - wall0
+    trainer.save_model(str(out / "checkpoint"))
+    tok.save_pretrained(str(out / "checkpoint"))
+    rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
+    return {"episodes": steps * batch, "cpu_s": cpu, "wall_s": wall, "torch_threads": torch.get_num_threads(),
+            "checkpoint": str(out / "checkpoint"), "reward_last_logged": rewards[-1] if rewards else None,
+            "loss_type": cfg.loss_type, "scale_rewards": str(cfg.scale_rewards)}
+
+
+def trl_python(venv_root: Path) -> Path:
+    """The venv's python, created and filled on first use: trl with opd-sao's torch and transformers versions."""
+    import torch
+    import transformers
+
+    venv = venv_root / "trl-venv"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    check = subprocess.run([str(python), "-c", "import trl, torch, transformers; print(trl.__version__, "
+                            "torch.__version__, transformers.__version__)"], capture_output=True, text=True)
+    wanted = f"{TRL_VERSION} {torch.__version__} {transformers.__version__}"
+    if check.stdout.strip() != wanted:
+        # the same CPU wheel as ours: pip's find-links / extra index (scripts/setup.sh) resolves torch==2.13.0 to it
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"trl=={TRL_VERSION}",
+                        f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}"],
+                       check=True)
+    return python
+
+
+# ------------------------------------------------------------------ driver
+
+def run_worker(python: Path, kind: str, **kw) -> dict:
+    args = [str(python), __file__, "--worker", kind] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+    proc = subprocess.run(args, env=one_thread_env(), capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    if proc.returncode:
+        sys.exit(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few steps of each run, a short warm start")
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--sft-steps", type=int, default=300)
+    parser.add_argument("--eval-samples", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "opd-sao-vs-trl",
+                        help="where trl-venv is made (kept for later runs)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--start", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--algo", help=argparse.SUPPRESS)
+    parser.add_argument("--tasks", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.out.mkdir(parents=True, exist_ok=True)
+        if args.worker == "trl":
+            result = trl_worker(args.start, args.out, args.tasks, args.steps, args.batch, args.seed)
+        else:
+            result = opd_sao_worker(args.start, args.out, args.algo, args.steps, args.batch, args.seed)
+        print(json.dumps(result))
+        return
+    if args.quick:
+        args.steps, args.batch, args.sft_steps, args.eval_samples = 6, 32, 60, 1
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    args.venv.mkdir(parents=True, exist_ok=True)
+    python = trl_python(args.venv)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        start = prepare(work, args.sft_steps, args.seed)
+        common = dict(start=start, steps=args.steps, batch=args.batch, seed=args.seed)
+        runs = {"opd_sao_sao": run_worker(Path(sys.executable), "opd-sao", algo="sao", out=work / "sao", **common),
+                "opd_sao_grpo": run_worker(Path(sys.executable), "opd-sao", algo="grpo", out=work / "grpo", **common),
+                "trl_grpo": run_worker(python, "trl", out=work / "trl", tasks=work / "train_tasks.json", **common)}
+        for result in runs.values():
+            result["episodes_per_cpu_s"] = result["episodes"] / result["cpu_s"]
+            result["held_out"] = held_out(Path(result.pop("checkpoint")), args.eval_samples, args.seed)
+    trl = runs["trl_grpo"]["episodes_per_cpu_s"]
+    ratios = {"grpo_vs_trl": runs["opd_sao_grpo"]["episodes_per_cpu_s"] / trl,
+              "sao_vs_trl": runs["opd_sao_sao"]["episodes_per_cpu_s"] / trl}
+    print(f"{'run':<14} {'episodes':>8} {'CPU-s':>8} {'eps/CPU-s':>10} {'held-out':>9}")
+    for name, r in runs.items():
+        print(f"{name:<14} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['episodes_per_cpu_s']:>10.1f} {r['held_out']:>9.3f}")
+    print(f"ratios to TRL GRPO (episodes per CPU-second): opd-sao GRPO {ratios['grpo_vs_trl']:.2f}x (must >= 1.3), "
+          f"SAO {ratios['sao_vs_trl']:.2f}x (must >= 1.0)")
+    print(json.dumps({
+        "benchmark": "vs_trl", "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, load average "
+        f"{os.getloadavg()[0]:.1f}", "versions": {"trl": TRL_VERSION, "torch": torch.__version__,
+                                                 "transformers": transformers.__version__},
+        "torch_threads": 1, "steps": args.steps, "batch": args.batch, "group_size_grpo": GROUP, "settings": SETTINGS,
+        "eval_samples_per_task": args.eval_samples, "runs": runs, "ratios": ratios,
+        "must_show": {"grpo_at_least_1.3x": ratios["grpo_vs_trl"] >= 1.3, "sao_at_least_1.0x": ratios["sao_vs_trl"] >= 1.0,
+                      "sao_held_out_above_grpo": runs["opd_sao_sao"]["held_out"] > runs["opd_sao_grpo"]["held_out"]}}))
+
+
+if __name__ == "__main__":
+    main()
