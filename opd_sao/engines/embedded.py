@@ -170,13 +170,10 @@ class EmbeddedEngine(RolloutEngine):
         prefixes = [s.request.prompt_ids + s.token_ids[:-1] if s.token_ids else s.request.prompt_ids[:-1]
                     for s in joining]
         width = max(1, max(len(p) for p in prefixes))
-        ids = torch.full((len(joining), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, prefix in enumerate(prefixes):
-            if prefix:
-                ids[i, width - len(prefix):] = torch.tensor(prefix)
-                mask[i, width - len(prefix):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prefixes], dtype=torch.long,
+                           device=self.device)  # one tensor for the whole join, not one per sequence
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes], dtype=torch.long,
+                            device=self.device)
         cache = DynamicCache(config=self.model.config)
         # only the cache is wanted: one position's logits, not [B, T, V] (gigabytes at a real vocabulary)
         self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), cache=cache, use_cache=True,
@@ -184,7 +181,7 @@ class EmbeddedEngine(RolloutEngine):
         if self._cache is None:
             self._cache, self._mask = cache, mask
         else:
-            self._cache, self._mask = _concat_left_padded(self._cache, self._mask, cache, mask, self.model.config)
+            self._mask = _concat_left_padded(self._cache, self._mask, cache, mask)
         self._rows += [id(s) for s in joining]
 
     def _drop_rows(self, keep: list[int]) -> None:
@@ -197,9 +194,7 @@ class EmbeddedEngine(RolloutEngine):
         first_real = int(self._mask.any(0).long().argmax())  # columns of padding only are dropped
         if first_real:
             self._mask = self._mask[:, first_real:]
-            self._cache = DynamicCache(
-                ddp_cache_data=[(l.keys[:, :, first_real:], l.values[:, :, first_real:]) for l in self._cache.layers],
-                config=self.model.config)
+            _refill(self._cache, [(l.keys[:, :, first_real:], l.values[:, :, first_real:]) for l in self._cache.layers])
 
     def _finish(self, seq: _Sequence) -> GenerationResult:
         """The sampled logprobs are the behaviour policy's, always; deterministic mode adds a recomputation beside them."""
@@ -223,8 +218,16 @@ class EmbeddedEngine(RolloutEngine):
         return logp[0, len(seq.request.prompt_ids):].tolist()
 
 
-def _concat_left_padded(cache_a, mask_a, cache_b, mask_b, config):
-    """Stack two left-padded KV caches along the batch, padding the shorter one on the left."""
+def _refill(cache: DynamicCache, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each layer of `cache` reset and filled with its new keys and values, as DynamicCache(ddp_cache_data=...)
+    fills fresh layers, without re-deriving the layers from the model config (which cost more than the copy)."""
+    for layer, (keys, values) in zip(cache.layers, layers):
+        layer.reset()
+        layer.update(keys, values)
+
+
+def _concat_left_padded(cache_a, mask_a, cache_b, mask_b) -> torch.Tensor:
+    """Stack cache_b under cache_a along the batch (into cache_a), padding the shorter one on the left; the mask."""
     width = max(mask_a.shape[1], mask_b.shape[1])
 
     def pad(t, dim):
@@ -235,6 +238,6 @@ def _concat_left_padded(cache_a, mask_a, cache_b, mask_b, config):
         shape[dim] = missing
         return torch.cat([t.new_zeros(shape), t], dim=dim)
 
-    layers = [(torch.cat([pad(a.keys, 2), pad(b.keys, 2)]), torch.cat([pad(a.values, 2), pad(b.values, 2)]))
-              for a, b in zip(cache_a.layers, cache_b.layers)]
-    return DynamicCache(ddp_cache_data=layers, config=config), torch.cat([pad(mask_a, 1), pad(mask_b, 1)])
+    _refill(cache_a, [(torch.cat([pad(a.keys, 2), pad(b.keys, 2)]), torch.cat([pad(a.values, 2), pad(b.values, 2)]))
+                      for a, b in zip(cache_a.layers, cache_b.layers)])
+    return torch.cat([pad(mask_a, 1), pad(mask_b, 1)])
