@@ -299,6 +299,7 @@ def main() -> None:
         "benchmark": "vs_trl", "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, load average "
         f"{os.getloadavg()[0]:.1f}", "versions": {"trl": TRL_VERSION, "torch": torch.__version__,
                                                  "transformers": transformers.__version__},
+        "quick": args.quick,  # a smoke test: 6 steps' ratios and accuracies say nothing about the Must-show
         "torch_threads": 1, "steps": args.steps, "batch": args.batch, "group_size_grpo": GROUP, "settings": SETTINGS,
         "eval_samples_per_task": args.eval_samples, "runs": runs, "ratios": ratios,
         "must_show": {"grpo_at_least_1.3x": ratios["grpo_vs_trl"] >= 1.3, "sao_at_least_1.0x": ratios["sao_vs_trl"] >= 1.0,
