@@ -458,12 +458,34 @@ class RunConfig(Strict):
     stages: list[StageConfig] = describe("the stages, run in order", min_length=1)
 
     @model_validator(mode="after")
-    def _check_stages(self) -> "RunConfig":
+    def _validate(self) -> "RunConfig":
+        """The defaults that depend on other settings, filled first; then each check, one concern each."""
+        self._fill_stage_defaults()
+        for check in (self._check_stage_order, self._check_teachers, self._check_devices, self._check_groups,
+                      self._check_eval_domains):
+            check()
+        return self
+
+    def _fill_stage_defaults(self) -> None:
+        """A stage's prompt format is the run's, its DIS band its kind's paper values, its group size 8 for a grouped
+        advantage estimator and 1 otherwise, unless the stage sets them."""
         from opd_sao.algorithms import resolve_algorithm
 
-        _require_device("device" if self.engine.device is None else "engine.device", self.engine_device)
-        seen: list[str] = []
         for stage in self.stages:
+            if "prompt_format" not in stage.rollout.model_fields_set:
+                stage.rollout.prompt_format = self.prompt_format
+            low, high = DIS_BOUNDS_BY_KIND.get(stage.kind, DEFAULT_DIS_BOUNDS)
+            if "eps_low" not in stage.rl.model_fields_set:
+                stage.rl.eps_low = low
+            if "eps_high" not in stage.rl.model_fields_set:
+                stage.rl.eps_high = high
+            if stage.rollout.group_size is None:
+                stage.rollout.group_size = 8 if resolve_algorithm(self.stage_algo(stage), stage.rl).grouped else 1
+
+    def _check_stage_order(self) -> None:
+        """Unique, unreserved names; init_from and critic carry-over name earlier stages."""
+        for i, stage in enumerate(self.stages):
+            seen = [s.name for s in self.stages[:i]]
             if stage.name in seen:
                 raise ValueError(f"stage name {stage.name!r} is used twice; stage names must be unique")
             if stage.name in ("base", "previous", BEST_CHECKPOINT):
@@ -473,6 +495,14 @@ class RunConfig(Strict):
                     f"stage {stage.name!r}: init_from {stage.init_from!r} is not an earlier stage "
                     f"(use 'base', 'previous' or one of {seen})"
                 )
+            if stage.critic_pretrain.carry_over and not any(s.env == stage.env for s in self.stages[:i]):
+                raise ValueError(f"stage {stage.name!r}: critic_pretrain.carry_over needs an earlier stage with env "
+                                 f"{stage.env!r} to take the critic from")
+
+    def _check_teachers(self) -> None:
+        """Every OPD teacher's checkpoint exists or is an earlier stage (`best`: of one domain); every domain taught."""
+        for i, stage in enumerate(self.stages):
+            seen = [s.name for s in self.stages[:i]]
             for teacher in stage.opd.teachers:
                 if teacher.checkpoint == BEST_CHECKPOINT:
                     if not seen or len(teacher.domains) != 1:
@@ -488,12 +518,12 @@ class RunConfig(Strict):
             if stage.opd.teachers and not set(stage.domains) <= taught:
                 raise ValueError(f"stage {stage.name!r}: domains {sorted(set(stage.domains) - taught)} have no teacher "
                                  f"(teachers cover {sorted(taught)})")
-            if "prompt_format" not in stage.rollout.model_fields_set:
-                stage.rollout.prompt_format = self.prompt_format
-            _kind_dis_bounds(stage)
-            if stage.critic_pretrain.carry_over and not any(s.env == stage.env for s in self.stages[:len(seen)]):
-                raise ValueError(f"stage {stage.name!r}: critic_pretrain.carry_over needs an earlier stage with env "
-                                 f"{stage.env!r} to take the critic from")
+
+    def _check_devices(self) -> None:
+        """Every device named (run, engine, each stage's trainer, each teacher) exists on this machine; each stage's
+        trainer overrides are valid trainer settings."""
+        _require_device("device" if self.engine.device is None else "engine.device", self.engine_device)
+        for stage in self.stages:
             try:
                 trainer = self.stage_trainer(stage)
             except ValidationError as err:
@@ -501,25 +531,29 @@ class RunConfig(Strict):
             _require_device(f"stage {stage.name!r}: trainer.device", trainer.device)
             for teacher in stage.opd.teachers:
                 _require_device(f"stage {stage.name!r}: teacher {teacher.name!r} device", teacher.device or self.device)
-            advantage = resolve_algorithm(self.stage_algo(stage), stage.rl).advantage
-            grouped = advantage.grouped
-            if stage.rollout.group_size is None:
-                stage.rollout.group_size = 8 if grouped else 1
-            if grouped and stage.rollout.group_size < 2:
+
+    def _check_groups(self) -> None:
+        """Grouped estimators get groups; compaction none; a batch is whole groups."""
+        from opd_sao.algorithms import resolve_algorithm
+
+        for stage in self.stages:
+            advantage, size = resolve_algorithm(self.stage_algo(stage), stage.rl).advantage, stage.rollout.group_size
+            if advantage.grouped and size < 2:
                 raise ValueError(f"stage {stage.name!r}: {self.stage_algo(stage)} (advantage {advantage.name}) "
                                  f"needs rollout.group_size >= 2")
-            if stage.rollout.compaction and stage.rollout.group_size > 1:
+            if stage.rollout.compaction and size > 1:
                 raise ValueError(f"stage {stage.name!r}: rollout.compaction needs group_size 1 (a compacted episode "
                                  f"is several trajectories, which a group cannot compare)")
-            if trainer.train_batch_size % stage.rollout.group_size:
-                raise ValueError(f"stage {stage.name!r}: trainer.train_batch_size {trainer.train_batch_size} must be "
-                                 f"a multiple of rollout.group_size {stage.rollout.group_size}")
-            seen.append(stage.name)
+            batch = self.stage_trainer(stage).train_batch_size
+            if batch % size:
+                raise ValueError(f"stage {stage.name!r}: trainer.train_batch_size {batch} must be a multiple of "
+                                 f"rollout.group_size {size}")
+
+    def _check_eval_domains(self) -> None:
         envs = {stage.env for stage in self.stages if stage.env}
         if set(self.eval_domains) - envs:
             raise ValueError(f"eval_domains {sorted(set(self.eval_domains) - envs)} are not the env of any stage "
                              f"({sorted(envs)})")
-        return self
 
     def stage_algo(self, stage: StageConfig) -> str:
         return stage.algo or self.algo
@@ -534,15 +568,6 @@ class RunConfig(Strict):
     @property
     def engine_device(self) -> str:
         return self.engine.device or self.device
-
-
-def _kind_dis_bounds(stage: StageConfig) -> None:
-    """Fill the DIS bounds the stage's config left unset with its kind's paper values; explicit values win."""
-    low, high = DIS_BOUNDS_BY_KIND.get(stage.kind, DEFAULT_DIS_BOUNDS)
-    if "eps_low" not in stage.rl.model_fields_set:
-        stage.rl.eps_low = low
-    if "eps_high" not in stage.rl.model_fields_set:
-        stage.rl.eps_high = high
 
 
 def type_name(annotation) -> str:

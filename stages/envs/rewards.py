@@ -85,13 +85,10 @@ def build_reward(name: str, options: Optional[dict] = None) -> Reward:
 
 def check_reward(name: str, options: Optional[dict], *, also: tuple[str, ...] = (),
                  where: str = "reward_options") -> type[Reward]:
-    """The reward class `name`, after refusing (ValueError, one line naming `where`) options its constructor would
-    refuse: unknown or missing keys, or a value not of its annotated type. Nothing is built. `also`: keys the
-    caller consumes itself."""
-    try:
-        cls = REWARDS.get(name)
-    except KeyError as err:
-        raise ValueError(err.args[0]) from None
+    """The reward class `name` (KeyError when none is registered), after refusing (ValueError, one line naming
+    `where`) options its constructor would refuse: unknown or missing keys, or a value not of its annotated type.
+    Nothing is built. `also`: keys the caller consumes itself."""
+    cls = REWARDS.get(name)  # KeyError naming the registered ones
     options = options or {}
     try:
         check_keywords(cls, options, also=also)

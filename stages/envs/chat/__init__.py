@@ -221,6 +221,8 @@ def check_judge(judge: str, options: Optional[dict], where: str = "judge_options
     training or loading anything."""
     try:
         check_reward(judge, options, also=REWARD_MODEL_TRAINING if judge == "reward_model" else (), where=where)
+    except KeyError as err:
+        raise ValueError(f"judge: {err.args[0]}") from None
     except ValueError as err:
         raise ValueError(f"judge: {err}") from None
     if judge == "noisy":

@@ -332,7 +332,9 @@ def inspect_file(path: str, options: dict, n: int = 3) -> tuple[str, int]:
         rows += 1
         if isinstance(row, dict):
             fields.update(f"{key}: {type(value).__name__}" for key, value in row.items())
-    options = {"reward": "judge", **options, "path": path, "max_bad_rows": rows}
+    if "reward" not in options:  # nothing is scored here: the judge reward, never built, requires no field
+        options = {"reward": "judge", "reward_options": {"base_url": "", "model": ""}, **options}
+    options = {**options, "path": path, "max_bad_rows": rows}
     if options.get("chat_template"):
         try:
             _chat_tokenizer(options["chat_template"])
