@@ -21,8 +21,8 @@ from stages.envs.chat import (
     style_of,
     train_chat_reward_model,
 )
-from stages.envs.rewards import build_reward
 from stages.envs.chat.reward_model import RewardModel, best_threshold
+from stages.envs.rewards import build_reward
 from stages.envs.validity import check_environment, play
 from stages.rl import ChatStage
 

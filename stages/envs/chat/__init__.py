@@ -26,8 +26,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from stages.envs.base import Environment, register_env, shuffled
-
-from opd_sao.registry import check_keywords
 from stages.envs.rewards import build_reward, check_reward
 
 from .judges import words_of

@@ -33,7 +33,7 @@ from opd_sao.config import Strict, format_error
 from stages.envs.base import Environment, register_env
 from stages.envs.rewards import REWARDS, build_reward, check_reward
 
-from . import rewards  # noqa: F401 (registers the dataset rewards)
+from . import rewards as dataset_rewards  # noqa: F401 (importing it registers the dataset rewards)
 from .files import BadRow, DatasetError, field, iter_rows, stable_fraction
 
 logger = logging.getLogger(__name__)
