@@ -1,8 +1,10 @@
 """The formulas: DIS, the SAO policy loss, skip-observation GAE, baselines, divergences.
 
 Pure tensor functions (tensors in, tensors out): no I/O, no config objects, no
-imports from the rest of the project, so every trainer and stage can share them
-and each formula can be checked by hand. Notation follows docs/design.md sections 2
+imports from the rest of the project but its name registry, so every trainer and
+stage can share them and each formula can be checked by hand. At the bottom, the
+registered advantage estimators and policy losses read the stage's settings object
+and call these formulas. Notation follows docs/design.md sections 2
 and 4.
 
 Conventions
@@ -28,9 +30,11 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
+
+from opd_sao.registry import Registry
 
 __all__ = [
     "masked_token_mean",
@@ -51,10 +55,14 @@ __all__ = [
     "topk_overlap",
     "domain_shares",
     "AdvantageInputs",
-    "LossParams",
     "Algorithm",
-    "ALGORITHMS",
-    "register_algorithm",
+    "ADVANTAGES",
+    "POLICY_LOSSES",
+    "PRESETS",
+    "register_advantage",
+    "register_policy_loss",
+    "register_preset",
+    "resolve_algorithm",
 ]
 
 
@@ -622,108 +630,184 @@ def lr_multiplier(step: int, schedule: str, warmup: int, total: int, floor: floa
 
 
 # ----------------------------------------------------------------------------
-# The algorithm table (verl's core_algos registry is the model)
+# Advantage estimators and policy losses: two registries, and presets naming a pair
 # ----------------------------------------------------------------------------
 #
-# An algorithm is one row: an advantage estimator and a policy loss, each a pure function with a shared
-# signature, plus whether it needs a critic and whether its rollouts come in groups. The learner
-# (opd_sao/rl/learner.py) and the config's checks read only this table, so adding an algorithm is one
-# formula (if it needs a new one) and one `register_algorithm(...)` row.
+# verl's core_algos is the model. An advantage estimator turns a batch's rewards (and the critic's values, if it
+# reads them) into per-token advantages (and the critic's targets); a policy loss turns the policy's logprobs and
+# those advantages into a loss. Each is a function registered by name with what the learner must know about it,
+# and each takes the stage's `rl:` settings (opd_sao.config.AlgoConfig) whole, so a new setting is one field there
+# read here. A preset (the config's `algo:`) names one estimator and one loss; a stage's `rl.advantage` /
+# `rl.policy_loss` replace either. The learner (opd_sao/rl/learner.py) and the config's checks read only these
+# registries, so adding an algorithm is one decorated function (or two) and, if it deserves a name, one preset.
 
 @dataclass(frozen=True)
 class AdvantageInputs:
-    """Everything an advantage estimator may read. Per-token tensors are ``[B, T]``."""
+    """What an advantage estimator reads besides the settings. Per-token tensors are ``[B, T]``."""
 
     rewards: torch.Tensor
     action_mask: torch.Tensor
-    values: Optional[torch.Tensor] = None  # the critic's V(s_t) (estimators of algorithms with a critic)
-    group_ids: Optional[torch.Tensor] = None  # [B] (grouped algorithms)
+    values: Optional[torch.Tensor] = None  # the critic's V(s_t) (estimators with critic=True)
+    group_ids: Optional[torch.Tensor] = None  # [B] (grouped estimators)
     baseline: float = 0.0  # the running mean of recent rewards
-    gamma: float = 1.0
-    alpha: float = 1.5  # length-adaptive lambda = 1 - 1/(alpha * l)
-    lam: float = 0.95  # fixed GAE lambda
 
 
-@dataclass(frozen=True)
-class LossParams:
-    eps_low: float = 0.3  # DIS band [1 - eps_low, 1 + eps_high]
-    eps_high: float = 5.0
-    clip: float = 0.2  # PPO clip
-
-
-AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, Optional[torch.Tensor]]]
-PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossParams, torch.Tensor],
+AdvantageFn = Callable[[AdvantageInputs, Any], tuple[torch.Tensor, Optional[torch.Tensor]]]
+PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any, torch.Tensor],
                         tuple[torch.Tensor, dict[str, float]]]
 TokenWeightsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (action_mask, group_ids) -> [B, T]
 
 
-def sao_advantages(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Skip-observation GAE with the length-adaptive lambda for the policy; the critic's targets at lambda 1."""
-    lam = length_adaptive_lambda(_as_bool(x.action_mask).sum(-1), x.alpha)
-    advantages, _ = skip_observation_gae(x.rewards, x.values, x.action_mask, x.gamma, lam)
-    _, returns = skip_observation_gae(x.rewards, x.values, x.action_mask, x.gamma, 1.0)
-    return advantages, returns
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """``fn(inputs, rl) -> (advantages [B, T], critic targets [B, T] or None)``."""
+
+    name: str
+    fn: AdvantageFn
+    critic: bool  # reads the critic's values and gives its targets: a value model trains, K updates per policy step
+    grouped: bool  # needs rollouts in groups of rollout.group_size per prompt
+    token_weights: TokenWeightsFn  # the policy loss's normalisation, per token (follows how advantages were formed)
+
+    def __call__(self, x: AdvantageInputs, rl) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return self.fn(x, rl)
 
 
-def gae_advantages(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Skip-observation GAE at a fixed lambda, for the policy and the critic's targets alike (PPO)."""
-    return skip_observation_gae(x.rewards, x.values, x.action_mask, x.gamma, x.lam)
+@dataclass(frozen=True)
+class PolicyLoss:
+    """``fn(logp, behaviour_logp, advantages, action_mask, rl, weights) -> (loss, metrics)``."""
+
+    name: str
+    fn: PolicyLossFn
+    against_rollout: bool  # behaviour logprobs: the engine's (one pass) or pi_old recomputed (rl.update_epochs)
+
+    def __call__(self, logp, behaviour_logp, advantages, action_mask, rl, weights=None):
+        return self.fn(logp, behaviour_logp, advantages, action_mask, rl, weights)
 
 
-def group_advantages(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
-    """GRPO: each trajectory's reward z-scored within its group, on every action token."""
-    return broadcast_sequence_advantage(grpo_advantages(x.rewards.sum(-1), x.group_ids), x.action_mask), None
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    advantage: str
+    policy_loss: str
+    description: str = ""
 
 
-def running_mean_advantages(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
-    """The trajectory's reward minus the running mean of recent rewards, on every action token."""
-    return broadcast_sequence_advantage(x.rewards.sum(-1) - x.baseline, x.action_mask), None
+ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage estimator")
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+PRESETS: Registry[Preset] = Registry("algo")
 
 
-def dis_policy_loss(logp, behaviour_logp, advantages, action_mask, p: LossParams, weights=None):
-    """DIS against the rollout engine's logprobs (`sao_policy_loss`); `weights`: the row's token weights."""
-    return sao_policy_loss(logp, behaviour_logp, advantages, action_mask, p.eps_low, p.eps_high, weights)
+def register_advantage(name: str, *, critic: bool = False, grouped: bool = False,
+                       token_weights: TokenWeightsFn = token_mean_weights) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator: ``fn(inputs: AdvantageInputs, rl)`` becomes the advantage estimator `name` (``rl.advantage``)."""
+    def decorator(fn: AdvantageFn) -> AdvantageFn:
+        ADVANTAGES.register(name)(AdvantageEstimator(name, fn, critic, grouped, token_weights))
+        return fn
+
+    return decorator
 
 
-def ppo_policy_loss(logp, behaviour_logp, advantages, action_mask, p: LossParams, weights=None):
-    """PPO clip against pi_old, the trainer's own logprobs before the update (`ppo_clip_loss`)."""
-    return ppo_clip_loss(logp, behaviour_logp, advantages, action_mask, p.clip, weights)
+def register_policy_loss(name: str, *, against_rollout: bool = True) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: ``fn(logp, behaviour_logp, advantages, action_mask, rl, weights)`` becomes the policy loss `name`
+    (``rl.policy_loss``)."""
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        POLICY_LOSSES.register(name)(PolicyLoss(name, fn, against_rollout))
+        return fn
+
+    return decorator
+
+
+def register_preset(name: str, *, advantage: str, policy_loss: str, description: str = "") -> Preset:
+    """`algo: name` in a config: the estimator and the loss, by their registered names."""
+    ADVANTAGES.get(advantage)  # a typo fails here, at import
+    POLICY_LOSSES.get(policy_loss)
+    preset = Preset(name, advantage, policy_loss, description)
+    PRESETS.register(name)(preset)
+    return preset
 
 
 @dataclass(frozen=True)
 class Algorithm:
-    name: str
-    advantage: AdvantageFn
-    policy_loss: PolicyLossFn
-    critic: bool  # trains a value model (K updates per policy step) whose values the advantage reads
-    grouped: bool  # rollouts come in groups of rollout.group_size per prompt
-    against_rollout: bool = True  # the loss's behaviour logprobs: the engine's (DIS) or recomputed pi_old (PPO)
-    description: str = ""
-    token_weights: TokenWeightsFn = token_mean_weights  # the policy loss's normalisation, per token
+    """What a stage trains with: an estimator and a loss."""
+
+    advantage: AdvantageEstimator
+    policy_loss: PolicyLoss
+
+    @property
+    def critic(self) -> bool:
+        return self.advantage.critic
+
+    @property
+    def grouped(self) -> bool:
+        return self.advantage.grouped
+
+    @property
+    def against_rollout(self) -> bool:
+        return self.policy_loss.against_rollout
+
+    @property
+    def token_weights(self) -> TokenWeightsFn:
+        return self.advantage.token_weights
 
 
-ALGORITHMS: dict[str, Algorithm] = {}
+def resolve_algorithm(algo: str, rl=None) -> Algorithm:
+    """The preset `algo`'s estimator and loss, either replaced by the one ``rl.advantage`` / ``rl.policy_loss``
+    names (unknown names: KeyError listing the registered ones)."""
+    preset = PRESETS.get(algo)
+    return Algorithm(ADVANTAGES.get(getattr(rl, "advantage", None) or preset.advantage),
+                     POLICY_LOSSES.get(getattr(rl, "policy_loss", None) or preset.policy_loss))
 
 
-def register_algorithm(name: str, advantage: AdvantageFn, policy_loss: PolicyLossFn, *, critic: bool, grouped: bool,
-                       against_rollout: bool = True, description: str = "",
-                       token_weights: TokenWeightsFn = token_mean_weights) -> Algorithm:
-    if name in ALGORITHMS:
-        raise ValueError(f"algorithm {name!r} is registered twice")
-    ALGORITHMS[name] = Algorithm(name, advantage, policy_loss, critic, grouped, against_rollout, description,
-                                 token_weights)
-    return ALGORITHMS[name]
+@register_advantage("adaptive_gae", critic=True)
+def sao_advantages(x: AdvantageInputs, rl) -> tuple[torch.Tensor, torch.Tensor]:
+    """Skip-observation GAE with the length-adaptive lambda (rl.alpha) for the policy; the critic's targets at
+    lambda 1."""
+    lam = length_adaptive_lambda(_as_bool(x.action_mask).sum(-1), rl.alpha)
+    advantages, _ = skip_observation_gae(x.rewards, x.values, x.action_mask, rl.gamma, lam)
+    _, returns = skip_observation_gae(x.rewards, x.values, x.action_mask, rl.gamma, 1.0)
+    return advantages, returns
 
 
-register_algorithm("sao", sao_advantages, dis_policy_loss, critic=True, grouped=False,
-                   description="single rollout, critic (frozen attention, K steps), skip-observation GAE, DIS")
-register_algorithm("ppo", gae_advantages, ppo_policy_loss, critic=True, grouped=False, against_rollout=False,
-                   description="GAE (fixed lambda), PPO clip against pi_old")
-register_algorithm("grpo", group_advantages, ppo_policy_loss, critic=False, grouped=True, against_rollout=False,
-                   description="group z-score, PPO clip against pi_old, each group over its total response length",
-                   token_weights=group_length_weights)
-register_algorithm("grpo_dis", group_advantages, dis_policy_loss, critic=False, grouped=True,
-                   description="group z-score, DIS, each group over its total response length",
-                   token_weights=group_length_weights)
-register_algorithm("running_mean", running_mean_advantages, dis_policy_loss, critic=False, grouped=False,
-                   description="reward minus the mean of the last baseline_window rewards, DIS")
+@register_advantage("gae", critic=True)
+def gae_advantages(x: AdvantageInputs, rl) -> tuple[torch.Tensor, torch.Tensor]:
+    """Skip-observation GAE at a fixed lambda (rl.ppo_lambda), for the policy and the critic's targets alike."""
+    return skip_observation_gae(x.rewards, x.values, x.action_mask, rl.gamma, rl.ppo_lambda)
+
+
+@register_advantage("grpo", grouped=True, token_weights=group_length_weights)
+def group_advantages(x: AdvantageInputs, rl) -> tuple[torch.Tensor, None]:
+    """GRPO: each trajectory's reward z-scored within its group, on every action token; the loss divides each
+    group's token sum by the group's total response length."""
+    return broadcast_sequence_advantage(grpo_advantages(x.rewards.sum(-1), x.group_ids), x.action_mask), None
+
+
+@register_advantage("running_mean")
+def running_mean_advantages(x: AdvantageInputs, rl) -> tuple[torch.Tensor, None]:
+    """The trajectory's reward minus the running mean of the last rl.baseline_window rewards, on every action
+    token."""
+    return broadcast_sequence_advantage(x.rewards.sum(-1) - x.baseline, x.action_mask), None
+
+
+@register_policy_loss("dis")
+def dis_policy_loss(logp, behaviour_logp, advantages, action_mask, rl, weights=None):
+    """DIS against the rollout engine's logprobs in the band [1 - rl.eps_low, 1 + rl.eps_high] (`sao_policy_loss`);
+    `weights`: the batch's token weights."""
+    return sao_policy_loss(logp, behaviour_logp, advantages, action_mask, rl.eps_low, rl.eps_high, weights)
+
+
+@register_policy_loss("ppo_clip", against_rollout=False)
+def ppo_policy_loss(logp, behaviour_logp, advantages, action_mask, rl, weights=None):
+    """PPO clip (rl.ppo_clip) against pi_old, the trainer's own logprobs before the update (`ppo_clip_loss`)."""
+    return ppo_clip_loss(logp, behaviour_logp, advantages, action_mask, rl.ppo_clip, weights)
+
+
+register_preset("sao", advantage="adaptive_gae", policy_loss="dis",
+                description="single rollout, critic (frozen attention, K steps), skip-observation GAE, DIS")
+register_preset("ppo", advantage="gae", policy_loss="ppo_clip",
+                description="GAE (fixed lambda), PPO clip against pi_old")
+register_preset("grpo", advantage="grpo", policy_loss="ppo_clip",
+                description="group z-score, PPO clip against pi_old, each group over its total response length")
+register_preset("grpo_dis", advantage="grpo", policy_loss="dis",
+                description="group z-score, DIS, each group over its total response length")
+register_preset("running_mean", advantage="running_mean", policy_loss="dis",
+                description="reward minus the mean of the last baseline_window rewards, DIS")

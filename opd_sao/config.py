@@ -1,6 +1,7 @@
 """The one config schema: it mirrors the YAML, holds every default, and validates before any work starts."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
@@ -22,17 +23,23 @@ Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
 Dtype = Literal["float32", "bfloat16"]
 TrainerDtype = Literal["float32", "bfloat16", "float64"]
 
-
-def algo_name(value: str) -> str:
-    """An algorithm registered in `opd_sao.algorithms.ALGORITHMS` (the table is the one list of algorithms)."""
-    from opd_sao.algorithms import ALGORITHMS
-
-    if value not in ALGORITHMS:
-        raise ValueError(f"unknown algo {value!r}; registered: {', '.join(sorted(ALGORITHMS))}")
-    return value
+log = logging.getLogger(__name__)
 
 
-Algo = Annotated[str, AfterValidator(algo_name)]
+def _registered(registry: str, what: str) -> AfterValidator:
+    """A name registered in `opd_sao.algorithms.<registry>` (the registries are the one list of each)."""
+    def check(value: Optional[str]) -> Optional[str]:
+        import opd_sao.algorithms as A
+
+        names = getattr(A, registry)
+        if value is not None and value not in names:
+            raise ValueError(f"unknown {what} {value!r}; registered: {', '.join(names.names())}")
+        return value
+
+    return AfterValidator(check)
+
+
+Algo = Annotated[str, _registered("PRESETS", "algo")]
 
 
 class ConfigError(ValueError):
@@ -223,8 +230,15 @@ DEFAULT_DIS_BOUNDS = DIS_BOUNDS_BY_KIND["reasoning"]
 
 
 class AlgoConfig(Strict):
-    """Parameters of the learning rules in `opd_sao.algorithms.ALGORITHMS` (the YAML key is `sao`)."""
+    """The RL algorithm of a stage (its `rl:` section): the advantage estimator and policy loss, when not the `algo`
+    preset's, and every setting they read (the registered functions in `opd_sao.algorithms` get this whole)."""
 
+    advantage: Annotated[Optional[str], _registered("ADVANTAGES", "advantage estimator")] = describe(
+        "the advantage estimator, by its name in opd_sao.algorithms.ADVANTAGES (adaptive_gae, gae, grpo, "
+        "running_mean, or one added with register_advantage); null: the `algo` preset's", None)
+    policy_loss: Annotated[Optional[str], _registered("POLICY_LOSSES", "policy loss")] = describe(
+        "the policy loss, by its name in opd_sao.algorithms.POLICY_LOSSES (dis, ppo_clip, or one added with "
+        "register_policy_loss); null: the `algo` preset's", None)
     eps_low: float = describe("DIS: tokens with ratio below 1 - eps_low are masked (unset: the stage kind's paper "
                               "value, agent 0.8, reasoning and others 0.3)", DEFAULT_DIS_BOUNDS[0], ge=0, le=1)
     eps_high: float = describe("DIS: tokens with ratio above 1 + eps_high are masked (unset: the stage kind's paper "
@@ -362,14 +376,16 @@ class StageConfig(Strict):
     env: Optional[str] = describe("an environment registered in stages/envs", None)
     env_options: dict[str, Any] = describe("keyword arguments of the environment", {})
     domains: list[str] = describe("opd, sft: the domains (environments) whose prompts the stage uses", [])
-    algo: Optional[Algo] = describe("the learning rule (default: the run's `algo`)", None)
+    algo: Optional[Algo] = describe("the RL algorithm preset (default: the run's `algo`); `rl.advantage` and "
+                                    "`rl.policy_loss` replace its parts", None)
     steps: int = describe("policy steps", 20, ge=0)
     init_from: str = describe("'base', 'previous', or an earlier stage's name", "previous")
     checkpoint_every: int = describe("policy steps between resumable state saves", 25, ge=1)
     buffer_memory: int = describe("waiting trajectories kept in host memory; the rest spill to disk", 4096, ge=1)
     trainer: dict[str, Any] = describe("overrides of the run's trainer settings for this stage", {})
     rollout: RolloutConfig = describe("sampling and episodes", RolloutConfig())
-    sao: AlgoConfig = describe("parameters of the learning rule (DIS band, GAE, baselines)", AlgoConfig())
+    rl: AlgoConfig = describe("the RL algorithm's parts and settings (DIS band, GAE, clip, baselines); the key was "
+                              "`sao` before (still read, with a warning)", AlgoConfig())
     sft: SFTConfig = describe("the stage's supervised warm start", SFTConfig())
     critic_pretrain: CriticPretrainConfig = describe(
         "RL stages with a critic (sao, ppo): value pre-training before the first step, and critic carry-over",
@@ -378,6 +394,22 @@ class StageConfig(Strict):
     gate: GateConfig = describe("the consistency gate", GateConfig())
     opd: OPDConfig = describe("opd stages: teachers and losses", OPDConfig())
     options: dict[str, Any] = describe("settings of the stage kind itself, validated by its `Options` model", {})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_sections(cls, data: Any) -> Any:
+        """A stage written for an older release still loads: its `sao:` section is read as `rl:`, with a warning."""
+        if isinstance(data, dict) and "sao" in data:
+            log.warning("stage %r: the `sao:` section is deprecated; rename it `rl:` (the RL algorithm's settings)",
+                        data.get("name"))
+            data = dict(data)
+            old, new = data.pop("sao"), data.get("rl", {})
+            if isinstance(old, dict) and isinstance(new, dict):  # an old override beside a new section: both apply
+                if set(old) & set(new):
+                    raise ValueError(f"sao (the old name of rl) and rl both set {sorted(set(old) & set(new))}")
+                old = {**new, **old}
+            data["rl"] = old
+        return data
 
 
 class CheckpointingConfig(Strict):
@@ -411,7 +443,9 @@ class RunConfig(Strict):
     torch_threads: Optional[int] = describe("torch threads per process (tiny models run fastest single-threaded, and "
                                             "the rollout and trainer threads each get a core); null: torch's default",
                                             1, ge=1)
-    algo: Algo = describe("the learning rule of RL stages (a row of opd_sao.algorithms.ALGORITHMS)", "sao")
+    algo: Algo = describe("the RL algorithm preset of every stage (opd_sao.algorithms.PRESETS: sao, ppo, grpo, "
+                          "grpo_dis, running_mean, or one added with register_preset): an advantage estimator and a "
+                          "policy loss", "sao")
     prompt_format: Literal["raw", "chat"] = describe("every stage's rollout.prompt_format unless the stage sets "
                                                      "its own (raw | chat)", "raw")
     run_dir: Optional[str] = describe("the run directory (default: runs/<timestamp>-<config name>)", None)
@@ -424,12 +458,34 @@ class RunConfig(Strict):
     stages: list[StageConfig] = describe("the stages, run in order", min_length=1)
 
     @model_validator(mode="after")
-    def _check_stages(self) -> "RunConfig":
-        from opd_sao.algorithms import ALGORITHMS
+    def _validate(self) -> "RunConfig":
+        """The defaults that depend on other settings, filled first; then each check, one concern each."""
+        self._fill_stage_defaults()
+        for check in (self._check_stage_order, self._check_teachers, self._check_devices, self._check_groups,
+                      self._check_eval_domains):
+            check()
+        return self
 
-        _require_device("device" if self.engine.device is None else "engine.device", self.engine_device)
-        seen: list[str] = []
+    def _fill_stage_defaults(self) -> None:
+        """A stage's prompt format is the run's, its DIS band its kind's paper values, its group size 8 for a grouped
+        advantage estimator and 1 otherwise, unless the stage sets them."""
+        from opd_sao.algorithms import resolve_algorithm
+
         for stage in self.stages:
+            if "prompt_format" not in stage.rollout.model_fields_set:
+                stage.rollout.prompt_format = self.prompt_format
+            low, high = DIS_BOUNDS_BY_KIND.get(stage.kind, DEFAULT_DIS_BOUNDS)
+            if "eps_low" not in stage.rl.model_fields_set:
+                stage.rl.eps_low = low
+            if "eps_high" not in stage.rl.model_fields_set:
+                stage.rl.eps_high = high
+            if stage.rollout.group_size is None:
+                stage.rollout.group_size = 8 if resolve_algorithm(self.stage_algo(stage), stage.rl).grouped else 1
+
+    def _check_stage_order(self) -> None:
+        """Unique, unreserved names; init_from and critic carry-over name earlier stages."""
+        for i, stage in enumerate(self.stages):
+            seen = [s.name for s in self.stages[:i]]
             if stage.name in seen:
                 raise ValueError(f"stage name {stage.name!r} is used twice; stage names must be unique")
             if stage.name in ("base", "previous", BEST_CHECKPOINT):
@@ -439,6 +495,14 @@ class RunConfig(Strict):
                     f"stage {stage.name!r}: init_from {stage.init_from!r} is not an earlier stage "
                     f"(use 'base', 'previous' or one of {seen})"
                 )
+            if stage.critic_pretrain.carry_over and not any(s.env == stage.env for s in self.stages[:i]):
+                raise ValueError(f"stage {stage.name!r}: critic_pretrain.carry_over needs an earlier stage with env "
+                                 f"{stage.env!r} to take the critic from")
+
+    def _check_teachers(self) -> None:
+        """Every OPD teacher's checkpoint exists or is an earlier stage (`best`: of one domain); every domain taught."""
+        for i, stage in enumerate(self.stages):
+            seen = [s.name for s in self.stages[:i]]
             for teacher in stage.opd.teachers:
                 if teacher.checkpoint == BEST_CHECKPOINT:
                     if not seen or len(teacher.domains) != 1:
@@ -454,12 +518,12 @@ class RunConfig(Strict):
             if stage.opd.teachers and not set(stage.domains) <= taught:
                 raise ValueError(f"stage {stage.name!r}: domains {sorted(set(stage.domains) - taught)} have no teacher "
                                  f"(teachers cover {sorted(taught)})")
-            if "prompt_format" not in stage.rollout.model_fields_set:
-                stage.rollout.prompt_format = self.prompt_format
-            _kind_dis_bounds(stage)
-            if stage.critic_pretrain.carry_over and not any(s.env == stage.env for s in self.stages[:len(seen)]):
-                raise ValueError(f"stage {stage.name!r}: critic_pretrain.carry_over needs an earlier stage with env "
-                                 f"{stage.env!r} to take the critic from")
+
+    def _check_devices(self) -> None:
+        """Every device named (run, engine, each stage's trainer, each teacher) exists on this machine; each stage's
+        trainer overrides are valid trainer settings."""
+        _require_device("device" if self.engine.device is None else "engine.device", self.engine_device)
+        for stage in self.stages:
             try:
                 trainer = self.stage_trainer(stage)
             except ValidationError as err:
@@ -467,23 +531,29 @@ class RunConfig(Strict):
             _require_device(f"stage {stage.name!r}: trainer.device", trainer.device)
             for teacher in stage.opd.teachers:
                 _require_device(f"stage {stage.name!r}: teacher {teacher.name!r} device", teacher.device or self.device)
-            grouped = ALGORITHMS[self.stage_algo(stage)].grouped
-            if stage.rollout.group_size is None:
-                stage.rollout.group_size = 8 if grouped else 1
-            if grouped and stage.rollout.group_size < 2:
-                raise ValueError(f"stage {stage.name!r}: {self.stage_algo(stage)} needs rollout.group_size >= 2")
-            if stage.rollout.compaction and stage.rollout.group_size > 1:
+
+    def _check_groups(self) -> None:
+        """Grouped estimators get groups; compaction none; a batch is whole groups."""
+        from opd_sao.algorithms import resolve_algorithm
+
+        for stage in self.stages:
+            advantage, size = resolve_algorithm(self.stage_algo(stage), stage.rl).advantage, stage.rollout.group_size
+            if advantage.grouped and size < 2:
+                raise ValueError(f"stage {stage.name!r}: {self.stage_algo(stage)} (advantage {advantage.name}) "
+                                 f"needs rollout.group_size >= 2")
+            if stage.rollout.compaction and size > 1:
                 raise ValueError(f"stage {stage.name!r}: rollout.compaction needs group_size 1 (a compacted episode "
                                  f"is several trajectories, which a group cannot compare)")
-            if trainer.train_batch_size % stage.rollout.group_size:
-                raise ValueError(f"stage {stage.name!r}: trainer.train_batch_size {trainer.train_batch_size} must be "
-                                 f"a multiple of rollout.group_size {stage.rollout.group_size}")
-            seen.append(stage.name)
+            batch = self.stage_trainer(stage).train_batch_size
+            if batch % size:
+                raise ValueError(f"stage {stage.name!r}: trainer.train_batch_size {batch} must be a multiple of "
+                                 f"rollout.group_size {size}")
+
+    def _check_eval_domains(self) -> None:
         envs = {stage.env for stage in self.stages if stage.env}
         if set(self.eval_domains) - envs:
             raise ValueError(f"eval_domains {sorted(set(self.eval_domains) - envs)} are not the env of any stage "
                              f"({sorted(envs)})")
-        return self
 
     def stage_algo(self, stage: StageConfig) -> str:
         return stage.algo or self.algo
@@ -498,15 +568,6 @@ class RunConfig(Strict):
     @property
     def engine_device(self) -> str:
         return self.engine.device or self.device
-
-
-def _kind_dis_bounds(stage: StageConfig) -> None:
-    """Fill the DIS bounds the stage's config left unset with its kind's paper values; explicit values win."""
-    low, high = DIS_BOUNDS_BY_KIND.get(stage.kind, DEFAULT_DIS_BOUNDS)
-    if "eps_low" not in stage.sao.model_fields_set:
-        stage.sao.eps_low = low
-    if "eps_high" not in stage.sao.model_fields_set:
-        stage.sao.eps_high = high
 
 
 def type_name(annotation) -> str:

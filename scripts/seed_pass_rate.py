@@ -29,8 +29,8 @@ def chat(seed: int, pairs: int, steps: int) -> dict:
 
     from opd_sao.config import TinyModelConfig
     from stages.envs.chat import ChatEnv, train_chat_reward_model
-    from stages.envs.chat.judges import build_judge
     from stages.envs.chat.reward_model import RewardModel
+    from stages.envs.rewards import build_reward
     from stages.envs.validity import check_environment
 
     torch.set_num_threads(1)
@@ -42,7 +42,8 @@ def chat(seed: int, pairs: int, steps: int) -> dict:
         model = RewardModel(out)
         accuracy = model.accuracy(ChatEnv().preference_pairs("eval", 200, seed=7))
         good, bad = model.score([TASK["prompt"]] * 2, [" aww, i love cats so much~", " cats cats cats cats~"]).tolist()
-        judged = build_judge("reward_model", {"path": str(out)}).quality(TASK, " aww, i love cats so much~")
+        judged = build_reward("reward_model", {"path": str(out), "binary": True}).score(
+            TASK, " aww, i love cats so much~").score == 1
     return {"validity_ok": report.ok, "validity_skipped": report.skipped,
             "failures": {k: v for k, v in report.failures.items() if v}, "heldout_accuracy": info["heldout_accuracy"],
             "accuracy_seed7": accuracy, "ranks_example": good > bad, "example_margin": good - bad,

@@ -128,7 +128,7 @@ class Stage(ABC):
         """
         cfg, run, tok = self.cfg, self.ctx.cfg, self.ctx.tokenizer
         gate = ConsistencyGate(cfg.gate, stage=cfg.name, out_dir=self.dir, engine=engine, backend=backend,
-                               make_probe=make_probe, eps_low=cfg.sao.eps_low, eps_high=cfg.sao.eps_high,
+                               make_probe=make_probe, eps_low=cfg.rl.eps_low, eps_high=cfg.rl.eps_high,
                                deterministic=run.engine.deterministic, pad_id=tok.pad_token_id)
         start_step, waiting, resumed = self.resume_point(backend, learner)
         if before_loop is not None and start_step == 0:

@@ -30,7 +30,7 @@ class Domain:
         env_cls = ENVIRONMENTS.get(name)  # raises for an unknown environment, naming the registered ones
         self.name, self.source = name, source.name if source else None
         options = dict(source.env_options) if source else {}
-        if device is not None and getattr(env_cls, "reads_device", False):
+        if device is not None and env_cls.reads_device:
             options.setdefault("device", device)
         self.factory = lambda: env_cls(**options)
         base = source.rollout if source else own.rollout

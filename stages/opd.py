@@ -91,7 +91,7 @@ class OPDStage(Stage):
                                     total_steps=cfg.steps)
             engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device,
                                   attn_implementation=attention)
-            learner = OPDLearner(backend, opd, cfg.sao, targets)
+            learner = OPDLearner(backend, opd, cfg.rl, targets)
             schedule = DomainSchedule(names, opd.target)
             gate, resumed = self._train(domains, backend, engine, learner, trainer_cfg, schedule, registry)
             checkpoint = backend.export_policy(self.dir / "checkpoint", tok)

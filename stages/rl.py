@@ -42,9 +42,9 @@ class RLStage(Stage):
         """`train_step()` (the trainer's step count) goes to environments whose reward follows training."""
         env_cls = ENVIRONMENTS.get(self.cfg.env)
         options = dict(self.cfg.env_options)
-        if train_step is not None and getattr(env_cls, "reads_train_step", False):
+        if train_step is not None and env_cls.reads_train_step:
             options["train_step"] = train_step
-        if getattr(env_cls, "reads_device", False):
+        if env_cls.reads_device:
             options.setdefault("device", self.ctx.cfg.device)
         return lambda: env_cls(**options)
 
@@ -94,14 +94,14 @@ class RLStage(Stage):
         check_prompts(env_factory, pool, tok, cfg.rollout, domain=cfg.env)  # a 50 MB row: refused now, not mid-stage
         start, eval_init, sft_resumed = self.warm_start(self.ctx.resolve_checkpoint(cfg.init_from), env_factory)
         algo, trainer_cfg = run.stage_algo(cfg), run.stage_trainer(cfg)
-        critic = needs_critic(algo)
+        critic = needs_critic(algo, cfg.rl)
         critic_from = self.carried_critic() if critic and cfg.critic_pretrain.carry_over else None
         attention = run.model.attn_implementation  # trainer and engine alike: the gate compares them
         backend = build_backend(trainer_cfg, start, with_critic=critic, critic_from=critic_from,
                                 attn_implementation=attention, total_steps=cfg.steps)
         engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device,
                               attn_implementation=attention)
-        learner = Learner(backend, algo, cfg.sao, critic_steps=trainer_cfg.critic_steps,
+        learner = Learner(backend, algo, cfg.rl, critic_steps=trainer_cfg.critic_steps,
                           critic_warmup_steps=trainer_cfg.critic_warmup_steps)
         train_env = self.env_factory(train_step=lambda: learner.steps_done)
         tasks = sample_tasks(pool, run.seed)
@@ -119,7 +119,7 @@ class RLStage(Stage):
                 report = pretrain_critic(backend, engine, make_episodes, rollouts=pretrain.rollouts,
                                          steps=pretrain.steps,
                                          batch_size=pretrain.batch_size or trainer_cfg.train_batch_size,
-                                         gamma=cfg.sao.gamma, pad_id=tok.pad_token_id, seed=run.seed, progress=bar)
+                                         gamma=cfg.rl.gamma, pad_id=tok.pad_token_id, seed=run.seed, progress=bar)
             write_json(pretrain_record, report)
 
         gate, resumed = self.train(engine=engine, backend=backend, learner=learner, make_episodes=make_episodes,
@@ -134,10 +134,8 @@ class RLStage(Stage):
         history = read_jsonl(self.dir / "metrics.jsonl")  # the whole stage, resumed or not
         summary = {"algo": algo, "steps": len(history), "start_checkpoint": str(start), "train": _train_summary(history),
                    "gate": gate.summary()}
-        env_report = getattr(env_factory(), "training_summary", None)  # chat: steps to recover after style switches
-        if env_report:  # settle: steps whose batches may hold rollouts scored under the previous reward
-            settle = cfg.rollout.max_staleness if cfg.rollout.asynchronous else 0
-            summary.update(env_report([row["reward_mean"] for row in history], settle=settle))
+        settle = cfg.rollout.max_staleness if cfg.rollout.asynchronous else 0  # batches scored under an older reward
+        summary.update(env_factory().training_summary([row["reward_mean"] for row in history], settle=settle))
         if resumed or sft_resumed:
             summary["resume"] = {**sft_resumed, **resumed}
         if critic_from:

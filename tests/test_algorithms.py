@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from opd_sao.algorithms import (
-    ALGORITHMS,
-    LossParams,
     RunningMeanBaseline,
     broadcast_sequence_advantage,
     dis_weights,
@@ -20,6 +18,7 @@ from opd_sao.algorithms import (
     length_adaptive_lambda,
     masked_token_mean,
     ppo_clip_loss,
+    resolve_algorithm,
     reverse_kl_advantage,
     sao_policy_loss,
     skip_observation_gae,
@@ -27,9 +26,10 @@ from opd_sao.algorithms import (
     truncated_divergence,
     value_loss,
 )
+from opd_sao.config import AlgoConfig
 
 D = torch.float64
-LOSS = LossParams(eps_low=0.3, eps_high=5.0, clip=0.2)
+LOSS = AlgoConfig(eps_low=0.3, eps_high=5.0, ppo_clip=0.2)
 
 
 def t(x, dtype=D):
@@ -306,17 +306,18 @@ def test_grpo_loss_divides_each_group_by_its_total_response_length():
     # PPO clip at ratio 1 (no clipping): loss = -sum_t w_t A_t; the batch token mean would be -(1 + 3*2 + 2*4)/6
     logp = torch.zeros(3, 4, dtype=D, requires_grad=True)
     adv = t([[1.0, 0, 0, 0], [2.0, 2.0, 2.0, 0], [0, 4.0, 4.0, 0]])
-    loss, _ = ALGORITHMS["grpo"].policy_loss(logp, logp.detach(), adv, mask, LOSS, w)
+    loss, _ = resolve_algorithm("grpo").policy_loss(logp, logp.detach(), adv, mask, LOSS, w)
     assert loss.item() == pytest.approx(-((1 + 3 * 2) / 4 + (2 * 4) / 2) / 2)  # -4.875, not -2.5
     loss.backward()
     torch.testing.assert_close(logp.grad, -(adv * expected))
     logp.grad = None
-    loss_dis, _ = ALGORITHMS["grpo_dis"].policy_loss(logp, logp.detach(), adv, mask, LOSS, w)
+    loss_dis, _ = resolve_algorithm("grpo_dis").policy_loss(logp, logp.detach(), adv, mask, LOSS, w)
     loss_dis.backward()  # DIS at ratio 1: d loss / d logp_t = -w_t A_t as well
     torch.testing.assert_close(logp.grad, -(adv * expected))
-    # the algorithm rows carry their normalisation: GRPO's per group, SAO's the batch token mean
-    assert ALGORITHMS["grpo"].token_weights is group_length_weights is ALGORITHMS["grpo_dis"].token_weights
-    assert ALGORITHMS["sao"].token_weights is token_mean_weights
+    # the algorithms carry their normalisation: GRPO's per group, SAO's the batch token mean
+    grpo, grpo_dis = resolve_algorithm("grpo"), resolve_algorithm("grpo_dis")
+    assert grpo.token_weights is group_length_weights is grpo_dis.token_weights
+    assert resolve_algorithm("sao").token_weights is token_mean_weights
 
 
 def test_token_weights_split_into_micro_batches_give_the_full_batch_gradient():

@@ -21,8 +21,8 @@ from stages.envs.chat import (
     style_of,
     train_chat_reward_model,
 )
-from stages.envs.chat.judges import build_judge
 from stages.envs.chat.reward_model import RewardModel, best_threshold
+from stages.envs.rewards import build_reward
 from stages.envs.validity import check_environment, play
 from stages.rl import ChatStage
 
@@ -43,7 +43,7 @@ TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads"
     ("", False),
 ])
 def test_rule_judge(response, good):
-    assert build_judge("rule").quality(TASK, response) is good
+    assert build_reward("rule").score(TASK, response).score == float(good)
 
 
 def test_style_markers_and_reward():
@@ -109,11 +109,11 @@ def test_warm_start_data_covers_every_style_and_splits_are_disjoint():
 
 
 def test_preference_pairs_agree_with_the_rule_judge():
-    env, judge, rng = ChatEnv(), build_judge("rule"), random.Random(0)
+    env, judge, rng = ChatEnv(), build_reward("rule"), random.Random(0)
     tasks = {t["prompt"]: t for t in env.make_tasks("train", 10**6, 0)}
     for prompt, chosen, rejected in env.preference_pairs("train", 300, seed=0):
-        assert judge.quality(tasks[prompt], chosen) and not judge.quality(tasks[prompt], rejected)
-    assert not judge.quality(TASK, degrade("i love cats so much~", "cats", rng))
+        assert judge.score(tasks[prompt], chosen).score == 1 and judge.score(tasks[prompt], rejected).score == 0
+    assert judge.score(TASK, degrade("i love cats so much~", "cats", rng)).score == 0
 
 
 def test_best_threshold_separates():
@@ -145,21 +145,22 @@ def test_reward_model_ranks_held_out_pairs(reward_model_dir):
     assert model.accuracy(held_out) >= 0.8
     good, bad = model.score([TASK["prompt"]] * 2, [" aww, i love cats so much~", " cats cats cats cats~"]).tolist()
     assert good > bad
-    judge = build_judge("reward_model", {"path": str(path)})
-    assert judge.quality(TASK, " aww, i love cats so much~") == (good > judge.threshold) and not judge.verifier
+    judge = build_reward("reward_model", {"path": str(path), "binary": True})
+    assert judge.score(TASK, " aww, i love cats so much~").score == float(good > judge.threshold)
+    assert not judge.verifier
 
 
 def test_noisy_judge_rejects_by_topic_harshness():
-    judge = build_judge("noisy", {"miss_rate": 0.8, "seed": 3})
-    assert not any(judge.quality(TASK, "cats cats cats~") for _ in range(50))  # what the inner judge rejects
+    judge = build_reward("noisy", {"miss_rate": 0.8, "seed": 3})
+    assert not any(judge.score(TASK, "cats cats cats~").score for _ in range(50))  # what the inner judge rejects
     for topic in ("cats", "jazz", "rain"):
         task = {**TASK, "prompt": f"user: do you like {topic}?\nbot:", "topic": topic}
-        passed = sum(judge.quality(task, f" aww, i love {topic} so much~") for _ in range(4000)) / 4000
+        passed = sum(judge.score(task, f" aww, i love {topic} so much~").score for _ in range(4000)) / 4000
         assert passed == pytest.approx(1 - 0.8 * judge.harshness(task), abs=0.03)
     rates = {judge.harshness({"topic": t, "prompt": ""}) for t in ("cats", "jazz", "rain")}
     assert len(rates) == 3  # topics differ: expected quality depends on the prompt
     with pytest.raises(ValueError, match="miss_rate must be in"):
-        build_judge("noisy", {"miss_rate": 1.5})
+        build_reward("noisy", {"miss_rate": 1.5})
 
 
 def test_a_noisy_judge_is_validity_checked_by_replaying():
@@ -173,9 +174,9 @@ def test_a_noisy_judge_is_validity_checked_by_replaying():
 
 
 def test_bad_judge_options_are_one_line():
-    with pytest.raises(ValueError, match="judge 'rule': bad judge_options"):
-        build_judge("rule", {"colour": "red"})
-    with pytest.raises(KeyError, match="unknown judge 'oracle'"):
+    with pytest.raises(ValueError, match="reward 'rule': bad reward_options"):
+        build_reward("rule", {"colour": "red"})
+    with pytest.raises(KeyError, match="unknown reward 'oracle'"):
         ChatEnv(judge="oracle")
 
 

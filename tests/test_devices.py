@@ -158,10 +158,10 @@ def _serve(path, tok, tmp):
     RolloutServer(path, device="cuda")
 
 
-def _reward_model_judge(path, tok, tmp):
-    from stages.envs.chat.judges import RewardModelJudge
+def _reward_model(path, tok, tmp):
+    from stages.envs.dataset.rewards import RewardModelReward
 
-    RewardModelJudge(str(path), device="cuda")
+    RewardModelReward(str(path), device="cuda")
 
 
 COMPONENTS = {
@@ -173,7 +173,7 @@ COMPONENTS = {
     "sft": _sft,
     "evaluation": _evaluate,
     "serve": _serve,
-    "reward model judge": _reward_model_judge,
+    "reward model": _reward_model,
 }
 
 

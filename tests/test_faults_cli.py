@@ -68,11 +68,13 @@ def test_an_unknown_env_option_names_the_stage_and_key_before_any_work(tmp_path,
 
 
 @pytest.mark.parametrize("options, needle", [
-    ({"judge": "gpt"}, "unknown judge 'gpt'"),
-    ({"judge_options": {"min_wordz": 2}}, "judge_options of judge 'rule': unknown option 'min_wordz'"),
-    ({"judge": "reward_model"}, "judge_options of judge 'reward_model': missing option 'path'"),
+    ({"judge": "gpt"}, "judge: unknown reward 'gpt'"),
+    ({"judge_options": {"min_wordz": 2}}, "judge_options of 'rule': unknown option 'min_wordz'"),
+    ({"judge": "reward_model"}, "judge_options of 'reward_model': missing option 'path'"),
     ({"judge": "noisy", "judge_options": {"inner_options": {"x": 1}}},
-     "judge_options.inner_options of judge 'rule': unknown option 'x'"),
+     "judge_options.inner_options of 'rule': unknown option 'x'"),
+    ({"judge": "noisy", "judge_options": {"miss_rate": "high"}},
+     "judge_options of 'noisy': miss_rate: Input should be a valid number"),  # options are typed
 ])
 def test_bad_judge_options_are_refused_before_any_work(tmp_path, capsys, options, needle):
     config = _config(tmp_path, env="chat", env_options=options)

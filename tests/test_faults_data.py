@@ -118,7 +118,7 @@ GAMES = {  # each a wrong program (f(x) = 0) that scored 1.0 before (issue 25)
 
 @pytest.mark.parametrize("game", sorted(GAMES))
 def test_code_tests_cannot_be_gamed(game):
-    from stages.envs.dataset.rewards import build_reward
+    from stages.envs.rewards import build_reward
 
     reward = build_reward("code_tests", {})
     assert reward.score(ASSERTS, GAMES[game]).score == 0.0
@@ -128,7 +128,7 @@ def test_code_tests_cannot_be_gamed(game):
 def test_code_tests_output_and_test_count_are_not_the_programs_limit():
     """Before: a correct program printing 100 KB, or passing 50,000 asserts, scored 0 (the tests' results were
     echoed on the program's output, past its 64 KiB)."""
-    from stages.envs.dataset.rewards import build_reward
+    from stages.envs.rewards import build_reward
 
     reward = build_reward("code_tests", {})
     assert reward.score(ASSERTS, RIGHT + "print('x' * 100_000)\n").score == 1.0

@@ -93,7 +93,7 @@ def test_critic_targets_are_monte_carlo_returns(tiny_model_dir, tokenizer):
 def test_dis_ratio_is_taken_against_the_rollout_engines_logprobs(tiny_model_dir, tokenizer, algo):
     """The behaviour logprobs are the engine's (batch.rollout_logp), not a recomputation by the trainer.
     Mutation caught: the DIS ratio against the trainer's recomputed logprobs (every ratio 1, nothing masked)."""
-    backend = TorchTrainer(tiny_model_dir, TrainerConfig(train_batch_size=4), with_critic=A.ALGORITHMS[algo].critic)
+    backend = TorchTrainer(tiny_model_dir, TrainerConfig(train_batch_size=4), with_critic=A.resolve_algorithm(algo).critic)
     learner = Learner(backend, algo, AlgoConfig(eps_low=0.3, eps_high=5.0), critic_steps=1, critic_warmup_steps=0)
     batch = _batch(tokenizer)
     mask = batch.action_mask.bool()

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
 import pytest
 from transformers import AutoModelForCausalLM
 
-from opd_sao.config import parse_config
+from opd_sao.config import ConfigError, parse_config
 from opd_sao.pipeline import run_pipeline
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
@@ -146,16 +147,30 @@ def test_optimizer_settings_reach_both_optimizers_and_bad_betas_are_refused(tiny
 def test_dis_bounds_default_to_the_papers_values_for_the_stage_kind_and_explicit_values_win():
     stages = [{"name": "r", "kind": "reasoning", "env": "arithmetic"},
               {"name": "a", "kind": "agent", "env": "code"},
-              {"name": "a2", "kind": "agent", "env": "code", "sao": {"eps_high": 2.0}},
-              {"name": "r2", "kind": "reasoning", "env": "arithmetic", "sao": {"eps_low": 0.1, "eps_high": 1.0}},
+              {"name": "a2", "kind": "agent", "env": "code", "rl": {"eps_high": 2.0}},
+              {"name": "r2", "kind": "reasoning", "env": "arithmetic", "rl": {"eps_low": 0.1, "eps_high": 1.0}},
               {"name": "c", "kind": "chat", "env": "chat"}]
     cfg = parse_config({"stages": stages})
-    bounds = {s.name: (s.sao.eps_low, s.sao.eps_high) for s in cfg.stages}
+    bounds = {s.name: (s.rl.eps_low, s.rl.eps_high) for s in cfg.stages}
     assert bounds == {"r": (0.3, 5.0), "a": (0.8, 3.0), "a2": (0.8, 2.0), "r2": (0.1, 1.0), "c": (0.3, 5.0)}
-    override = parse_config({"stages": stages[1:2]}, ["stages.a.sao.eps_low=0.5"])
-    assert (override.stages[0].sao.eps_low, override.stages[0].sao.eps_high) == (0.5, 3.0)
+    override = parse_config({"stages": stages[1:2]}, ["stages.a.rl.eps_low=0.5"])
+    assert (override.stages[0].rl.eps_low, override.stages[0].rl.eps_high) == (0.5, 3.0)
     again = parse_config(cfg.model_dump(mode="json"))  # the run dir's config.yaml reads back the same
-    assert {s.name: (s.sao.eps_low, s.sao.eps_high) for s in again.stages} == bounds
+    assert {s.name: (s.rl.eps_low, s.rl.eps_high) for s in again.stages} == bounds
+
+
+def test_the_old_sao_section_still_loads_with_a_one_line_warning(caplog):
+    """`sao:` was the RL settings' key before `rl:`: a config or an override using it still loads."""
+    stage = {"name": "a", "kind": "agent", "env": "code"}
+    with caplog.at_level(logging.WARNING, logger="opd_sao.config"):
+        cfg = parse_config({"stages": [{**stage, "sao": {"eps_high": 2.0}}]})
+    assert (cfg.stages[0].rl.eps_low, cfg.stages[0].rl.eps_high) == (0.8, 2.0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "stage 'a': the `sao:` section is deprecated; rename it `rl:` (the RL algorithm's settings)"]
+    mixed = parse_config({"stages": [{**stage, "rl": {"eps_low": 0.5}}]}, ["stages.a.sao.eps_high=2.0"])
+    assert (mixed.stages[0].rl.eps_low, mixed.stages[0].rl.eps_high) == (0.5, 2.0)
+    with pytest.raises(ConfigError, match=r"sao \(the old name of rl\) and rl both set \['eps_high'\]"):
+        parse_config({"stages": [{**stage, "rl": {"eps_high": 1.0}}]}, ["stages.a.sao.eps_high=2.0"])
 
 
 @pytest.mark.parametrize("teacher, needle", [

@@ -75,4 +75,4 @@ def test_named_files_and_modules_exist():
 def test_the_references_checker_catches_a_stale_path():
     """The checks above can fail: a made-up module and file are reported as missing."""
     assert not _module_exists("opd_sao.distill_old_name") and not _exists("stages/envs/no_such_env.py")
-    assert _module_exists("opd_sao.rl.distill") and _module_exists("opd_sao.algorithms.ALGORITHMS")
+    assert _module_exists("opd_sao.rl.distill") and _module_exists("opd_sao.algorithms.PRESETS")

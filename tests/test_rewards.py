@@ -16,8 +16,8 @@ from stages.envs.dataset.rewards import (
     MathReward,
     RewardFailure,
     RewardModelReward,
-    build_reward,
 )
+from stages.envs.rewards import build_reward
 
 # (prediction, reference, equal): LaTeX fractions, equivalent forms, GSM8K answers, and wrong answers.
 MATH_TABLE = [

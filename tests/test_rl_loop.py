@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from opd_sao import algorithms as A
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.config import AlgoConfig, RolloutConfig, TrainerConfig
 from opd_sao.engines import EmbeddedEngine
@@ -21,7 +22,7 @@ from stages.envs import ENVIRONMENTS
 
 
 def _loop(tmp_path, tiny_model_dir, tokenizer, lengths, *, asynchronous=True, group_size=1, batch=2,
-          max_staleness=8, algo="sao", per_member=False, slowdown_s=0.0):
+          max_staleness=8, algo="sao", rl=None, per_member=False, slowdown_s=0.0):
     """`lengths`: response lengths, one per group (every member the same), or one per member (`per_member`)."""
     env_cls = ENVIRONMENTS.get("arithmetic")
     tasks = itertools.cycle(env_cls().make_tasks("train", 50, seed=0))
@@ -41,8 +42,9 @@ def _loop(tmp_path, tiny_model_dir, tokenizer, lengths, *, asynchronous=True, gr
     engine = EmbeddedEngine(load_causal_lm(tiny_model_dir), eos_id=tokenizer.eos_token_id,
                             pad_id=tokenizer.pad_token_id, max_batch=8)
     cfg = TrainerConfig(train_batch_size=batch, critic_warmup_steps=0)
-    backend = TorchTrainer(tiny_model_dir, cfg, with_critic=needs_critic(algo))
-    learner = Learner(backend, algo, AlgoConfig(), critic_steps=2, critic_warmup_steps=0)
+    rl = rl or AlgoConfig()
+    backend = TorchTrainer(tiny_model_dir, cfg, with_critic=needs_critic(algo, rl))
+    learner = Learner(backend, algo, rl, critic_steps=2, critic_warmup_steps=0)
     rollout = RolloutConfig(asynchronous=asynchronous, group_size=group_size, max_staleness=max_staleness)
     loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes, rollout=rollout,
                   train_batch_size=batch, pad_id=tokenizer.pad_token_id,
@@ -125,25 +127,26 @@ def test_async_grpo_batches_hold_whole_groups_under_long_tailed_lengths_with_dro
     assert {g for g in finished if sum(t.startswith(g + "-") for t in arrivals) == 4} >= set(seen)
 
 
-def test_a_new_algorithm_is_one_formula_and_one_table_row(tmp_path, tiny_model_dir, tokenizer):
-    """REINFORCE without a baseline, added as the README's "Add an algorithm" shows, runs through the same loop."""
+@A.register_advantage("reinforce")  # REINFORCE without a baseline: an algorithm added as a user's own file would
+def raw_reward(x: A.AdvantageInputs, rl):
+    return A.broadcast_sequence_advantage(x.rewards.sum(-1), x.action_mask), None
+
+
+A.register_preset("reinforce", advantage="reinforce", policy_loss="dis")
+
+
+@pytest.mark.parametrize("algo,rl", [("reinforce", AlgoConfig()), ("sao", AlgoConfig(advantage="reinforce"))])
+def test_a_new_algorithm_is_one_registered_function(tmp_path, tiny_model_dir, tokenizer, algo, rl):
+    """A new advantage estimator runs through the same loop, named by a preset or by `rl.advantage` beside the
+    sao preset's DIS loss (no critic: the estimator reads no values)."""
     import torch
 
-    from opd_sao import algorithms as A
-
-    def raw_reward(x: A.AdvantageInputs):  # the formula
-        return A.broadcast_sequence_advantage(x.rewards.sum(-1), x.action_mask), None
-
-    A.register_algorithm("reinforce", raw_reward, A.dis_policy_loss, critic=False, grouped=False)  # the row
-    try:
-        loop, _ = _loop(tmp_path, tiny_model_dir, tokenizer, [2] * 50, algo="reinforce")
-        before = {k: v.clone() for k, v in loop.learner.backend.policy.state_dict().items()}
-        history = loop.run(steps=2)
-        after = loop.learner.backend.policy.state_dict()
-    finally:
-        del A.ALGORITHMS["reinforce"]
+    loop, _ = _loop(tmp_path, tiny_model_dir, tokenizer, [2] * 50, algo=algo, rl=rl)
+    before = {k: v.clone() for k, v in loop.learner.backend.policy.state_dict().items()}
+    history = loop.run(steps=2)
+    after = loop.learner.backend.policy.state_dict()
     assert len(history) == 2 and "policy_loss" in history[-1] and "value_loss" not in history[-1]
-    assert loop.learner.backend.critic is None
+    assert loop.learner.backend.critic is None and loop.learner.algorithm.policy_loss.name == "dis"
     assert any(not torch.equal(before[k], after[k]) for k in before) or all(m["adv_mean"] == 0 for m in history)
 
 
@@ -151,7 +154,6 @@ def test_ttur_order_the_policy_advantages_read_the_critic_after_its_k_updates(ti
     """SAO's K critic updates come first; GAE then reads the updated values (issue: TTUR order)."""
     import torch
 
-    from opd_sao import algorithms as A
     from opd_sao.trajectory import Trajectory, collate
 
     g = torch.Generator().manual_seed(0)
@@ -170,9 +172,9 @@ def test_ttur_order_the_policy_advantages_read_the_critic_after_its_k_updates(ti
     metrics = learner.step(batch, temperature=1.0)
     with torch.no_grad():
         after = backend.critic_values(batch, grad=False)
-    inputs = dict(rewards=batch.rewards, action_mask=batch.action_mask, alpha=AlgoConfig().alpha)
-    used = A.sao_advantages(A.AdvantageInputs(values=after, **inputs))[0]
-    stale = A.sao_advantages(A.AdvantageInputs(values=before, **inputs))[0]
+    inputs = dict(rewards=batch.rewards, action_mask=batch.action_mask)
+    used = A.sao_advantages(A.AdvantageInputs(values=after, **inputs), AlgoConfig())[0]
+    stale = A.sao_advantages(A.AdvantageInputs(values=before, **inputs), AlgoConfig())[0]
     acted = batch.action_mask.bool()
     assert not torch.allclose(before, after)  # the K updates moved the critic
     assert metrics["adv_mean"] == pytest.approx(float(used[acted].mean()), abs=1e-6)

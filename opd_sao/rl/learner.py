@@ -1,8 +1,8 @@
 """One learning step per algorithm: turns a batch of trajectories into policy and critic updates.
 
-The algorithm is a row of `opd_sao.algorithms.ALGORITHMS` (advantage estimator, policy loss, critic or
-not); the forward passes and optimizer steps come from a `TrainerBackend`. This module only composes
-them, the same way for every algorithm and every backend.
+The algorithm is an advantage estimator and a policy loss from `opd_sao.algorithms` (a preset, either part
+replaced by the stage's `rl:` settings, which both read whole); the forward passes and optimizer steps come from
+a `TrainerBackend`. This module only composes them, the same way for every algorithm and every backend.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from opd_sao.trainers.base import TrainerBackend
 from opd_sao.trajectory import Batch
 
 
-def needs_critic(algo: str) -> bool:
-    return A.ALGORITHMS[algo].critic
+def needs_critic(algo: str, rl: AlgoConfig | None = None) -> bool:
+    return A.resolve_algorithm(algo, rl).critic
 
 
 class ResumableLearner:
@@ -39,7 +39,7 @@ class Learner(ResumableLearner):
                  critic_warmup_steps: int):
         super().__init__(cfg.baseline_window)
         self.backend, self.algo, self.cfg = backend, algo, cfg
-        self.algorithm = A.ALGORITHMS[algo]
+        self.algorithm = A.resolve_algorithm(algo, cfg)
         self.critic_steps = critic_steps
         self.critic_warmup_steps = critic_warmup_steps if self.algorithm.critic else 0
 
@@ -53,7 +53,7 @@ class Learner(ResumableLearner):
         seq_rewards = batch.rewards.sum(-1)
         metrics: dict[str, float] = {"reward_mean": float(seq_rewards.mean()), "batch_size": float(len(seq_rewards))}
         values = self._critic_update(batch, metrics) if self.algorithm.critic else None
-        advantages, _ = self.algorithm.advantage(self._inputs(batch, values))
+        advantages, _ = self.algorithm.advantage(self._inputs(batch, values), self.cfg)
         self.baseline.update(seq_rewards)
         acted = mask.bool()
         metrics["adv_mean"] = float(advantages[acted].mean()) if acted.any() else 0.0
@@ -71,8 +71,7 @@ class Learner(ResumableLearner):
 
     def _inputs(self, batch: Batch, values) -> A.AdvantageInputs:
         return A.AdvantageInputs(rewards=batch.rewards, action_mask=batch.action_mask, values=values,
-                                 group_ids=self._group_ids(batch), baseline=self.baseline.value, gamma=self.cfg.gamma,
-                                 alpha=self.cfg.alpha, lam=self.cfg.ppo_lambda)
+                                 group_ids=self._group_ids(batch), baseline=self.baseline.value)
 
     def _critic_update(self, batch: Batch, metrics: dict) -> torch.Tensor:
         """K value-loss steps (TTUR), then the values the policy's advantages are computed from.
@@ -85,7 +84,7 @@ class Learner(ResumableLearner):
         for k in range(self.critic_steps):
             values = self.backend.critic_values(batch, grad=True)
             if k == 0:
-                _, returns = self.algorithm.advantage(self._inputs(batch, values.detach()))
+                _, returns = self.algorithm.advantage(self._inputs(batch, values.detach()), self.cfg)
             loss, value_metrics = A.value_loss(values, returns, mask)
             metrics["critic_grad_norm"] = self.backend.step_critic(loss)
             if k == 0:
@@ -99,7 +98,6 @@ class Learner(ResumableLearner):
         With one pass, pi_old is the policy of that very pass: its logprobs, detached, are pi_old's, so no
         separate no-grad forward is run (the same forward on the same weights gives the same numbers)."""
         mask, cfg, algorithm = batch.action_mask, self.cfg, self.algorithm
-        params = A.LossParams(eps_low=cfg.eps_low, eps_high=cfg.eps_high, clip=cfg.ppo_clip)
         weights = algorithm.token_weights(mask, self._group_ids(batch))  # the whole batch's normalisation, per token
         epochs = 1 if algorithm.against_rollout else cfg.update_epochs
         behaviour = batch.rollout_logp if algorithm.against_rollout else None
@@ -109,7 +107,7 @@ class Learner(ResumableLearner):
             logp = self.backend.policy_logprobs(batch, temperature, grad=True)
             if behaviour is None:
                 behaviour = logp.detach()
-            loss, metrics = algorithm.policy_loss(logp, behaviour, advantages, mask, params, weights)
+            loss, metrics = algorithm.policy_loss(logp, behaviour, advantages, mask, cfg, weights)
             metrics["policy_grad_norm"] = self.backend.step_policy(loss)
         if not algorithm.against_rollout:  # what DIS would have masked, for comparison
             _, keep = A.dis_weights(behaviour, batch.rollout_logp, cfg.eps_low, cfg.eps_high)

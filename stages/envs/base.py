@@ -42,6 +42,12 @@ class Environment(ABC):
     # True when the texts of this domain come from the options (a data file) rather than the class: the
     # pipeline then trains the tiny model's tokenizer on the corpus of every configured instance too.
     corpus_from_options = False
+    # True when the reward follows training progress (the chat env's style schedule): the RL stage passes
+    # `train_step`, a callable giving the trainer's step count, to its training episodes' environments (SFT,
+    # evaluation and validity checks build it without).
+    reads_train_step = False
+    # True when the environment runs a model (a reward-model judge): stages pass the run's `device`.
+    reads_device = False
 
     @classmethod
     def check_options(cls, options: dict) -> None:
@@ -82,6 +88,11 @@ class Environment(ABC):
 
     def noop_action(self, task: dict) -> str:
         return ""
+
+    def training_summary(self, rewards: list[float], settle: int = 0) -> dict:
+        """What the RL stage's summary adds for this environment, given the mean reward of every step (`settle`:
+        the first steps after a change whose batches may hold rollouts scored before it); {} for nothing."""
+        return {}
 
     def corpus(self, n: int = 2000) -> list[str]:
         """Texts typical of this domain, to train the embedded tiny model's tokenizer."""

@@ -1,7 +1,8 @@
 """Chat domain: small-talk prompts, one response, reward = quality x style (docs/design.md §2.6, both binary).
 
-Quality comes from a pluggable judge (`judge: rule` or `judge: reward_model`, see `judges.py`); the
-environment trains the reward model from its own preference pairs when the judge's `path` holds none.
+Quality comes from a pluggable judge: any registered reward (stages/envs/rewards.py), `judge: rule` by default
+(`judges.py`), or `judge: reward_model` (binary at its threshold), which the environment trains from its own
+preference pairs when the judge's `path` holds none.
 Style is whether the response is in the user's preferred style, one of three, decided by the opening
 word where the model commits to it: cute opens "aww", chuunibyou "behold", classical "verily". (Markers
 anywhere in the response, "~" at the end or "doth" in the middle, let RL meet a new style by editing a
@@ -25,10 +26,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from stages.envs.base import Environment, register_env, shuffled
+from stages.envs.rewards import build_reward, check_reward
 
-from opd_sao.registry import check_keywords
-
-from .judges import JUDGES, build_judge, words_of
+from .judges import words_of
 
 STYLES = ("cute", "chuunibyou", "classical")
 RESPONSES = {  # short, so a 2-layer model writes them well; the first word already commits to a style
@@ -99,7 +99,7 @@ class ChatEnv(Environment):
             raise ValueError(f"chat recover_window must be >= 1 (got {recover_window})")
         self.schedule = StyleSchedule(style, switch_every)
         self.recover_level, self.recover_window = recover_level, recover_window
-        self.judge = build_judge(judge, ensure_reward_model(judge, judge_options, device))
+        self.judge = build_reward(judge, ensure_reward_model(judge, judge_options, device))
         self.stochastic_reward = self.judge.stochastic
         self.eval_fraction, self.train_step = eval_fraction, train_step
         self.task = None
@@ -130,8 +130,8 @@ class ChatEnv(Environment):
         return task["prompt"]
 
     def step(self, action: str) -> tuple[str, float, bool]:
-        good = self.judge.quality(self.task, action) and style_of(action) == self.preferred_style()
-        return "", float(good), True
+        quality = self.judge.checked(self.task, action).score
+        return "", quality * float(style_of(action) == self.preferred_style()), True
 
     def training_summary(self, rewards: list[float], settle: int = 0) -> dict:
         """For the stage summary: per style switch, the steps to recover (the default level, 0.3, is about the
@@ -156,7 +156,7 @@ class ChatEnv(Environment):
 
     def oracle_actions(self, task: dict) -> Optional[list[str]]:
         """The references, held to score 1 only by a judge that is a verifier (the rule judge), not by a learned
-        one (`Judge.verifier`)."""
+        one (`Reward.verifier`)."""
         return self.reference_actions(task) if self.judge.verifier else None
 
     def preference_pairs(self, split: str, n: int, seed: int) -> list[tuple[str, str, str]]:
@@ -203,6 +203,7 @@ def ensure_reward_model(judge: str, options: Optional[dict], device: Optional[st
     if judge != "reward_model" or "path" not in options:
         return options
     training = {key: options.pop(key) for key in REWARD_MODEL_TRAINING if key in options}
+    options.setdefault("binary", True)  # quality is good or not (the paper's chat reward is binary)
     if device is not None:
         options.setdefault("device", device)
     with _training_lock:
@@ -214,16 +215,14 @@ def ensure_reward_model(judge: str, options: Optional[dict], device: Optional[st
 
 
 def check_judge(judge: str, options: Optional[dict], where: str = "judge_options") -> None:
-    """Raise ValueError for a judge name or options that ensure_reward_model and build_judge would refuse, without
+    """Raise ValueError for a judge name or options that ensure_reward_model and build_reward would refuse, without
     training or loading anything."""
     try:
-        judge_cls = JUDGES.get(judge)
+        check_reward(judge, options, also=REWARD_MODEL_TRAINING if judge == "reward_model" else (), where=where)
     except KeyError as err:
         raise ValueError(f"judge: {err.args[0]}") from None
-    try:
-        check_keywords(judge_cls, options or {}, also=REWARD_MODEL_TRAINING if judge == "reward_model" else ())
     except ValueError as err:
-        raise ValueError(f"{where} of judge {judge!r}: {err}") from None
+        raise ValueError(f"judge: {err}") from None
     if judge == "noisy":
         check_judge((options or {}).get("inner", "rule"), (options or {}).get("inner_options"), f"{where}.inner_options")
 

@@ -8,7 +8,8 @@ falls under `eval_fraction`. Field mapping: `prompt_key` (or `messages_key` for 
 `metadata_keys` (copied into task["metadata"]). A malformed row is skipped, counted and logged as one line
 naming the file, row and field, up to `max_bad_rows`; one more refuses the file.
 
-Rewards (`rewards.py`): exact, math, code_tests, reward_model, judge, python. A reward that allows another
+Rewards (any registered one, stages/envs/rewards.py; `rewards.py` here: exact, math, code_tests, reward_model,
+judge, python; the chat env's rule and noisy judges work too). A reward that allows another
 turn (code_tests) makes the environment multi-turn as the code environment is: each step's reward is the
 change in score, the observation names the first failing test, the episode ends when everything passes.
 
@@ -30,9 +31,10 @@ from pydantic import Field, ValidationError, model_validator
 
 from opd_sao.config import Strict, format_error
 from stages.envs.base import Environment, register_env
+from stages.envs.rewards import REWARDS, build_reward, check_reward
 
+from . import rewards as dataset_rewards  # noqa: F401 (importing it registers the dataset rewards)
 from .files import BadRow, DatasetError, field, iter_rows, stable_fraction
-from .rewards import REWARDS, build_reward
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,8 @@ class DatasetOptions(Strict):
     chat_template: Optional[str] = Field(None, description="a local HF tokenizer directory whose chat template "
                                                            "renders the prompt (as one user message when plain text)")
     max_bad_rows: int = Field(0, ge=0, description="malformed rows skipped (and counted) before a file is refused")
-    reward: str = Field("exact", description="a registered reward: " + ", ".join(sorted(REWARDS.names())))
+    reward: str = Field("exact", description="a registered reward (stages/envs/rewards.py): exact, math, code_tests, "
+                                             "reward_model, judge, python, rule, noisy, or a plugin's")
     reward_options: dict[str, Any] = Field({}, description="keyword options of the reward")
 
     @model_validator(mode="after")
@@ -151,6 +154,7 @@ class DatasetEnv(Environment):
         reward_cls = REWARDS.get(self.reward_name)
         self.needs = set(reward_cls.needs) | set(self.opts.reward_options.get("needs", ()))
         self.slow_steps = reward_cls.slow or bool(self.opts.reward_options.get("slow", False))
+        self.stochastic_reward = reward_cls.stochastic
         self.task, self.score = None, 0.0
         self.has_files = bool(options)  # only the bare default (the pipeline's corpus of every class) has none
         if self.has_files:
@@ -164,7 +168,7 @@ class DatasetEnv(Environment):
             opts = DatasetOptions(**options)
         except ValidationError as err:
             raise ValueError(f"dataset env option {format_error(err)}") from None
-        REWARDS.get(opts.reward)
+        check_reward(opts.reward, opts.reward_options)
         if options:  # the bare default (the pipeline's corpus of every class) names no file
             for path in opts.files().values():
                 if not Path(path).exists():
@@ -328,7 +332,9 @@ def inspect_file(path: str, options: dict, n: int = 3) -> tuple[str, int]:
         rows += 1
         if isinstance(row, dict):
             fields.update(f"{key}: {type(value).__name__}" for key, value in row.items())
-    options = {"reward": "judge", **options, "path": path, "max_bad_rows": rows}
+    if "reward" not in options:  # nothing is scored here: the judge reward, never built, requires no field
+        options = {"reward": "judge", "reward_options": {"base_url": "", "model": ""}, **options}
+    options = {**options, "path": path, "max_bad_rows": rows}
     if options.get("chat_template"):
         try:
             _chat_tokenizer(options["chat_template"])

@@ -1,16 +1,9 @@
-"""Reward functions for dataset environments, registered by name and chosen in YAML (`reward: math`).
+"""The dataset env's rewards (`reward: math`), on the contract of stages/envs/rewards.py.
 
-A reward scores one response to one task (the task dict of `DatasetEnv`: "prompt" text, "answer",
-"tests", "metadata") and returns a `Verdict`: a score in [0, 1] (a `python:` reward declares its range),
-plus the observation for another turn when the reward allows retries (`multi_turn`: code tests). Every score
-must be a finite number in the reward's `reward_range` ([0, 1]; a python reward declares its own), or the task
-fails loudly, naming it (`Reward.checked`, BadScore). Rewards are
-built once per process per (name, options) by `build_reward`, as judges are: an environment is created per
-episode and must stay cheap, while a reward model is a network and a math checker a worker process.
-
-`verifier` says whether the reference answer must score 1 (the validity check holds a dataset to it):
-true for exact, math, code_tests and (by default) python; false for the reward model and the judge, whose
-scores are opinions that no reference is guaranteed to win.
+Each scores one response to a task dict of `DatasetEnv` ("prompt" text, "answer", "tests", "metadata"):
+exact, math, code_tests (multi-turn: the observation names the first failing test), reward_model, judge (an
+LLM behind an OpenAI-compatible endpoint), python (a user's function, declaring its own range). Verifiers:
+exact, math, code_tests and (by default) python; not the reward model and the judge.
 """
 from __future__ import annotations
 
@@ -23,73 +16,14 @@ import subprocess
 import sys
 import threading
 import time
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from opd_sao.registry import Registry
+from stages.envs.rewards import Reward, RewardFailure, Verdict, register_reward
 
 from .python_worker import import_function
 
 logger = logging.getLogger(__name__)
-
-REWARDS: Registry[type["Reward"]] = Registry("reward")
-register_reward = REWARDS.register
-
-
-class RewardFailure(RuntimeError):
-    """A reward that could not be computed (an LLM judge that kept failing) and was told to stop the run."""
-
-
-class BadScore(ValueError):
-    """A score that is not a finite number in the reward's declared range: the task fails loudly, never trains."""
-
-
-@dataclass
-class Verdict:
-    score: float
-    feedback: str = ""  # the next observation, for a reward that allows another turn
-    info: dict = field(default_factory=dict)
-
-
-class Reward(ABC):
-    verifier = True  # the reference answer must score 1 (validity check)
-    multi_turn = False  # a partial score may be followed by another attempt, with `feedback` as the observation
-    slow = False  # a step takes real time (a sandbox run, a network call): rollouts step it on a worker thread
-    needs: tuple[str, ...] = ()  # task fields every row must have ("answer", "tests")
-    reward_range: tuple[float, float] = (0.0, 1.0)  # every score must be a finite number in it (`checked`)
-
-    @abstractmethod
-    def score(self, task: dict, response: str) -> Verdict: ...
-
-    def reference(self, task: dict) -> Optional[str]:
-        """The oracle response: the row's answer (a code task's reference solution)."""
-        return task.get("answer")
-
-    @classmethod
-    def feedback_examples(cls) -> list[str]:
-        """Observations this reward writes, for the tokenizer corpus."""
-        return []
-
-    def stats(self) -> dict:
-        """Counters for the stage summary (failures, timeouts); {} when there is nothing to report."""
-        return {}
-
-    def checked(self, task: dict, response: str) -> Verdict:
-        """`score`, refusing (BadScore, naming the task) a score that is not a finite number in `reward_range`:
-        NaN passes every comparison, so it would pass the validity check and train."""
-        verdict = self.score(task, response)
-        low, high = self.reward_range
-        if not isinstance(verdict.score, (int, float)) or not low <= verdict.score <= high:
-            raise BadScore(f"{type(self).__name__} scored task {task.get('id')!r} {verdict.score!r}: a score must be "
-                           f"a finite number in reward_range [{low}, {high}]")
-        return verdict
-
-
-def build_reward(name: str, options: Optional[dict] = None) -> Reward:
-    """The process-wide reward for (name, options), built on first use."""
-    return REWARDS.build(name, options)
 
 
 # --------------------------------------------------------------------------------------------- exact
