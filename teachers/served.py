@@ -13,6 +13,14 @@ know where a teacher runs:
 * full is refused: the API returns a distribution only as a top list (a whole 150k vocabulary per token
   would be megabytes of JSON).
 
+A teacher whose embedding has more rows than the shared tokenizer (`TeacherSpec.rows` > `vocab_size`) is masked
+as the in-process one is: the server's top lists run over all of its rows, so the padded ids are dropped and every
+logprob is renormalised over the shared ids, log p - log(1 - the padded ids' listed mass). A list that shows
+padded ids is asked again `rows - vocab_size` entries wider, so it holds the top shared ids the record needs (k, the
+nucleus cap, or 1 at sampled) and every padded id more probable than the last of them; a padded row below that,
+which the list never shows, keeps its mass in the tail (at most (rows - vocab_size) times the last shared id's
+probability; trained models give their padding none).
+
 The teacher's `checkpoint` is a local directory with its config.json and tokenizer (the weights need not be
 there): the vocabulary checks read it and nothing is copied to the disk tier. Its cache identity is what the
 server reports (`/model_info`: model path and weight version), so new weights on the server are a new
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -112,18 +121,46 @@ class ServedTeacher(Teacher):
         return min({"top_k": spec.k, "top_p": spec.max_support}.get(spec.granularity) or 0, spec.vocab_size)
 
     def _action_rows(self, traj: Trajectory) -> tuple[list[float], list[list[int]], list[list[float]]]:
-        """(sampled logprob, top ids, top logprobs) at each action token of `traj`, from one request."""
+        """(sampled logprob, top ids, top logprobs) at each action token of `traj`, over the shared ids only: one
+        request, or two where a top list shows padded ids."""
         acted = [i for i, m in enumerate(traj.action_mask) if m]
         if not acted:
             return [], [], []
         spec, first = self.spec, acted[0]
-        top = self._top_width()
-        start = len(traj.prompt_ids) + first
-        scores = self.client.score(traj.prompt_ids + traj.token_ids, start, top)
+        top, padding = self._top_width(), spec.rows - spec.vocab_size
+        needed = max(top, 1) if padding else top  # shared ids each list must hold
         picked = [i - first for i in acted]
+        scores = self._scores(traj, first, needed, picked)
+        if padding and any(sum(i < spec.vocab_size for i in scores.top_ids[j]) < needed for j in picked):
+            scores = self._scores(traj, first, min(spec.rows, needed + padding), picked)
+        rows = ([scores.token_logprobs[j] for j in picked], [scores.top_ids[j] for j in picked] if top else [],
+                [scores.top_logprobs[j] for j in picked] if top else [])
+        if not padding:
+            return rows
+        masked: tuple[list, list, list] = ([], [], [])
+        for j, sampled in zip(picked, rows[0]):
+            listed = sorted(zip(scores.top_logprobs[j], scores.top_ids[j]), reverse=True)
+            shift = self._padded_mass_log(sum(math.exp(lp) for lp, i in listed if i >= spec.vocab_size))
+            kept = [(lp - shift, i) for lp, i in listed if i < spec.vocab_size][:top]
+            masked[0].append(sampled - shift)
+            masked[1].append([i for _, i in kept])
+            masked[2].append([lp for lp, _ in kept])
+        return masked if top else (masked[0], [], [])
+
+    def _padded_mass_log(self, mass: float) -> float:
+        """log(1 - mass): what renormalising over the shared ids subtracts from each logprob; ServerError where the
+        padding holds nearly all the mass (float32 logprobs cannot say how much is left)."""
+        if mass > 0.999:
+            raise ServerError(f"teacher {self.name!r}: its padded embedding rows (ids {self.spec.vocab_size} and up) "
+                              f"hold {mass:.4f} of a position's probability on {self.spec.url}; the shared ids' "
+                              "share cannot be recovered from top lists: score it in process")
+        return math.log1p(-mass)
+
+    def _scores(self, traj: Trajectory, first: int, top: int, picked: list[int]):
+        """The server's scores from the first action token on, with top lists of `top` at the `picked` positions."""
+        scores = self.client.score(traj.prompt_ids + traj.token_ids, len(traj.prompt_ids) + first, top)
         if len(scores.token_logprobs) != len(traj.token_ids) - first or (top and any(
                 len(scores.top_ids[j]) != top for j in picked)):
             raise ServerError(f"teacher {self.name!r}: {self.spec.url} returned {len(scores.token_logprobs)} scored "
                               f"positions for {len(traj.token_ids) - first} (top lists of {top} asked)")
-        return ([scores.token_logprobs[j] for j in picked], [scores.top_ids[j] for j in picked] if top else [],
-                [scores.top_logprobs[j] for j in picked] if top else [])
+        return scores

@@ -125,3 +125,49 @@ def test_the_server_answers_with_sglangs_input_logprob_positions(served, tokeniz
     assert entries[0][0] is None and tops[0] is None
     assert [e[1] for e in entries] == ids[2:] and all(e[0] is not None for e in entries[1:])
     assert all(len(top) == 3 for top in tops[1:])
+
+
+@pytest.fixture(scope="module")
+def padded_teacher(perturbed_teacher, tmp_path_factory):
+    """The teacher with 8 padded embedding rows past the tokenizer's ids (tied: the lm head too) that carry real
+    probability: every token's embedding gets a large constant component (which shifts a position's logits of the
+    real ids alike), 4 padded rows a slightly larger one (about 40% of each position's mass, above its 12th real
+    id: in every top list) and 4 a negative one (no mass, as trained padding)."""
+    from opd_sao.checkpoints import load_causal_lm, load_tokenizer, save_checkpoint
+
+    tokenizer, model = load_tokenizer(perturbed_teacher), load_causal_lm(perturbed_teacher)
+    vocab = len(tokenizer)
+    model.resize_token_embeddings(vocab + 8, mean_resizing=False)
+    with torch.no_grad():
+        weight = model.get_input_embeddings().weight
+        weight[:vocab, 0] = 20.0
+        weight[vocab:] = 0.0
+        weight[vocab:vocab + 4, 0] = 20.0 + torch.tensor([2.5, 2.6, 2.7, 2.8])
+        weight[vocab + 4:, 0] = -60.0
+    return save_checkpoint(model, tokenizer, tmp_path_factory.mktemp("padded") / "teacher")
+
+
+@pytest.mark.parametrize("granularity", ["sampled", "top_k", "top_p"])
+def test_a_served_teacher_with_padded_rows_scores_the_shared_ids_only(start_server, padded_teacher, tiny_model_dir,
+                                                                       tokenizer, granularity):
+    """The server's top lists run over all 392 rows; the served teacher drops the padded ids and renormalises over
+    the shared 384, as the in-process teacher's lm head cut at the tokenizer does."""
+    url, proc = start_server(padded_teacher)
+    wait_until_healthy(url, lambda: proc.poll() is None)
+    _, remote, local = _teachers(url, padded_teacher, tiny_model_dir, tokenizer, granularity)
+    assert (remote.spec.vocab_size, remote.spec.rows) == (len(tokenizer), len(tokenizer) + 8)
+    trajs = _trajectories(tokenizer)
+    padded = SGLangClient(url).score(trajs[0].prompt_ids + trajs[0].token_ids, 1, 12).top_ids  # what the server lists: the padding among the top
+    assert all(any(i >= len(tokenizer) for i in top) for top in padded)
+    worst = 0.0
+    for got, want in zip(remote.score(trajs), local.score(trajs)):
+        np.testing.assert_allclose(got.sampled_logp, want.sampled_logp, atol=LOGP_ATOL)
+        worst = max(worst, float(np.abs(got.sampled_logp - want.sampled_logp).max()))
+        if granularity == "sampled":
+            continue
+        assert int(got.ids.max()) < len(tokenizer)
+        assert (got.offsets == want.offsets).all() and (got.ids == want.ids).all()
+        np.testing.assert_allclose(got.logp, want.logp, atol=LOGP_ATOL)
+        np.testing.assert_allclose(got.tail_mass, want.tail_mass, atol=TAIL_ATOL)
+        worst = max(worst, float(np.abs(got.logp - want.logp).max()))
+    print(f"\npadded served vs in-process teacher ({granularity}): logprobs differ by at most {worst:.1e}")
