@@ -271,7 +271,8 @@ def sampler_drift(trajectories: list[Trajectory]) -> Optional[dict]:
 
 def check(trajectories: list[Trajectory], model, *, version: int, eps_low: float = 0.3, eps_high: float = 5.0,
           alone: bool = False, trainer: Optional[Callable[[list[Trajectory]], torch.Tensor]] = None) -> ConsistencyReport:
-    """Compare the rollouts' logprobs with `model`'s (the trainer's policy at policy version `version`).
+    """Compare the rollouts' logprobs with `model`'s (the trainer's policy at policy version `version`; None with
+    `trainer` where no rank holds the whole policy: ZeRO-3).
 
     `trainer(trajectories) -> [N]` scores with the trainer's own batched training forward (what the gate
     uses, in every mode: so a fault in the trainer's forward is never hidden by a checker that shares the
@@ -287,8 +288,9 @@ def check(trajectories: list[Trajectory], model, *, version: int, eps_low: float
     if not compared:
         return report
     tokens = ActionTokens.of(compared)
-    was_training = model.training
-    model.eval()
+    was_training = model is not None and model.training
+    if model is not None:
+        model.eval()
     try:
         with torch.no_grad():
             if trainer is not None:
@@ -296,7 +298,8 @@ def check(trajectories: list[Trajectory], model, *, version: int, eps_low: float
             else:
                 trainer_logp = alone_logprobs(model, compared) if alone else chunked_logprobs(model, compared, tokens)
     finally:
-        model.train(was_training)
+        if model is not None:
+            model.train(was_training)
     report.tokens, report.tokens_detail, report.trainer_logp = len(tokens), tokens, trainer_logp
     for key, value in compare(trainer_logp, tokens, eps_low=eps_low, eps_high=eps_high).items():
         setattr(report, key, value)

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
+from opd_sao.checkpoints import load_causal_lm
 from opd_sao.config import GateConfig
 from opd_sao.consistency.check import (
     ActionTokens,
@@ -296,9 +297,8 @@ class ConsistencyGate:
         version, rejoins = self.backend.policy_version, engine.rejoins
         try:
             model = self.backend.policy_model
-        except RuntimeError as err:  # ZeRO-3: the policy is partitioned across ranks
-            raise ValueError(f"stage {self.stage!r}: the consistency gate needs the trainer's policy on one rank "
-                             f"({err}); use ZeRO stage 0-2 or set gate.enabled: false") from None
+        except RuntimeError:  # ZeRO-3: partitioned across ranks; the check scores with the backend's (collective)
+            model = None  # forward, and a diagnosis gathers a copy
         with torch.no_grad():
             trajs = run_episodes(engine, self.make_probe())
         report = check(trajs, model, version=version, eps_low=self.eps_low, eps_high=self.eps_high,
@@ -312,7 +312,7 @@ class ConsistencyGate:
             entry["sampler_drift"] = drift
         self._last_version, self._rejoins_checked = version, rejoins
         if reasons:
-            diagnosis = diagnose(report, model, engine, mean_abs_diff=self.cfg.mean_abs_diff,
+            diagnosis = diagnose(report, model or self._gathered_policy(), engine, mean_abs_diff=self.cfg.mean_abs_diff,
                                  p99_abs_diff=self.cfg.p99_abs_diff, engine_dtype=self.engine_dtype)
             entry.update(reasons=reasons, diagnosis=asdict(diagnosis))
         self.evaluations.append(entry)
@@ -320,6 +320,13 @@ class ConsistencyGate:
         if reasons:
             where = f"for stage {self.stage!r} at {phase}" + (f" (step {step})" if step is not None else "")
             raise GateFailure(failure_message(where, report, reasons, diagnosis, self.path))
+
+    def _gathered_policy(self) -> torch.nn.Module:
+        """A whole copy of a partitioned policy (ZeRO-3) on this rank, for a failure's diagnosis: its weights
+        gathered from every rank (`policy_state_dict`, collective) into the trainer's checkpoint's architecture."""
+        model = load_causal_lm(self.backend.checkpoint, attn_implementation=self.backend.attn_implementation)
+        model.load_state_dict(self.backend.policy_state_dict())
+        return model.to(self.backend.device)
 
     def trainer_logprobs(self, trajectories: list[Trajectory]) -> torch.Tensor:
         """[N] the trainer's logprob of every action token (trajectory order, then position), from the backend's
