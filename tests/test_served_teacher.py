@@ -127,24 +127,29 @@ def test_the_server_answers_with_sglangs_input_logprob_positions(served, tokeniz
     assert all(len(top) == 3 for top in tops[1:])
 
 
-@pytest.fixture(scope="module")
-def padded_teacher(perturbed_teacher, tmp_path_factory):
+def _padded(teacher: Path, out: Path, lift: float) -> Path:
     """The teacher with 8 padded embedding rows past the tokenizer's ids (tied: the lm head too) that carry real
     probability: every token's embedding gets a large constant component (which shifts a position's logits of the
-    real ids alike), 4 padded rows a slightly larger one (about 40% of each position's mass, above its 12th real
-    id: in every top list) and 4 a negative one (no mass, as trained padding)."""
+    real ids alike), 4 padded rows one larger by `lift` (+ 0..0.3) and 4 a negative one (no mass, as trained
+    padding)."""
     from opd_sao.checkpoints import load_causal_lm, load_tokenizer, save_checkpoint
 
-    tokenizer, model = load_tokenizer(perturbed_teacher), load_causal_lm(perturbed_teacher)
+    tokenizer, model = load_tokenizer(teacher), load_causal_lm(teacher)
     vocab = len(tokenizer)
     model.resize_token_embeddings(vocab + 8, mean_resizing=False)
     with torch.no_grad():
         weight = model.get_input_embeddings().weight
         weight[:vocab, 0] = 20.0
         weight[vocab:] = 0.0
-        weight[vocab:vocab + 4, 0] = 20.0 + torch.tensor([2.5, 2.6, 2.7, 2.8])
+        weight[vocab:vocab + 4, 0] = 20.0 + lift + torch.tensor([0.0, 0.1, 0.2, 0.3])
         weight[vocab + 4:, 0] = -60.0
-    return save_checkpoint(model, tokenizer, tmp_path_factory.mktemp("padded") / "teacher")
+    return save_checkpoint(model, tokenizer, out)
+
+
+@pytest.fixture(scope="module")
+def padded_teacher(perturbed_teacher, tmp_path_factory):
+    """Padding lifted 2.5: about 40% of each position's mass, above its 12th real id (in every top list)."""
+    return _padded(perturbed_teacher, tmp_path_factory.mktemp("padded") / "teacher", 2.5)
 
 
 @pytest.mark.parametrize("granularity", ["sampled", "top_k", "top_p"])
@@ -171,3 +176,17 @@ def test_a_served_teacher_with_padded_rows_scores_the_shared_ids_only(start_serv
         np.testing.assert_allclose(got.tail_mass, want.tail_mass, atol=TAIL_ATOL)
         worst = max(worst, float(np.abs(got.logp - want.logp).max()))
     print(f"\npadded served vs in-process teacher ({granularity}): logprobs differ by at most {worst:.1e}")
+
+
+def test_a_served_teacher_whose_padding_holds_nearly_all_the_mass_is_refused(start_server, perturbed_teacher,
+                                                                             tiny_model_dir, tokenizer, tmp_path):
+    """Padding lifted 10 holds over 99.9% of the mass: float32 top lists cannot say the shared ids' share."""
+    from opd_sao.engines.http import ServerError
+
+    teacher = _padded(perturbed_teacher, tmp_path / "teacher", 10.0)
+    url, proc = start_server(teacher)
+    wait_until_healthy(url, lambda: proc.poll() is None)
+    _, remote, _ = _teachers(url, teacher, tiny_model_dir, tokenizer, "top_k")
+    with pytest.raises(ServerError) as err:
+        remote.score(_trajectories(tokenizer))
+    assert "padded embedding rows" in str(err.value) and "\n" not in str(err.value)
