@@ -112,7 +112,7 @@ def vacuous(test: str) -> str:
         body = ast.parse(test).body
     except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
         return f"is not valid Python ({type(err).__name__})"
-    constant = lambda node: isinstance(node, ast.Constant)  # noqa: E731
+    constant = lambda node: isinstance(node, ast.Constant)
     if all(isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and constant(s.value))
            or (isinstance(s, ast.Assert) and constant(s.test)) for s in body):
         return "is empty or vacuous (it runs none of the program: any program would pass it)"
@@ -275,7 +275,7 @@ class DatasetEnv(Environment):
         """Up to n tasks of the split in a seeded order (a seeded hash of the id), holding at most n at a time."""
         if not self.has_files:
             return []
-        order = lambda task: stable_fraction(f"{seed}:{task['id']}")  # noqa: E731
+        order = lambda task: stable_fraction(f"{seed}:{task['id']}")
         return heapq.nsmallest(n, self.scan(split), key=order)
 
     # ---------------------------------------------------------------------------------------- episode

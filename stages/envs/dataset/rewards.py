@@ -207,7 +207,7 @@ class CodeTestsReward(Reward):
             verdict = VERDICTS.run(job, len(labels), self.limits, mode)
         except SandboxUnavailableError:
             raise
-        except Exception as err:  # noqa: BLE001  an infrastructure failure is a failed step, never a crash
+        except Exception as err:  # an infrastructure failure is a failed step, never a crash
             self.counts["sandbox_errors"] += 1
             logger.warning("code_tests reward: sandbox run failed: %r", err)
             return Verdict(0.0, f"# sandbox error: {type(err).__name__}\n")
@@ -246,7 +246,7 @@ class _Batcher:
             if batch:
                 try:
                     scores = self.score_many([b[0] for b in batch], [b[1] for b in batch])
-                except BaseException as err:  # noqa: BLE001  every waiter of the batch sees the failure
+                except BaseException as err:  # every waiter of the batch sees the failure
                     scores = [err] * len(batch)
                 self.batches += 1
                 for b, s in zip(batch, scores):
@@ -389,7 +389,7 @@ class JudgeReward(Reward):
         for attempt in range(self.retries + 1):
             try:
                 return Verdict(self._ask(content), info={"tries": attempt + 1})
-            except Exception as err:  # noqa: BLE001  any failed try is retried, then counted
+            except Exception as err:  # any failed try is retried, then counted
                 self._count("failed_tries")
                 error = err
                 if attempt < self.retries:
