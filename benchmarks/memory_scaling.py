@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from opd_sao.memory import ModelShape, step_memory  # noqa: E402
+from opd_sao.memory import ModelShape, step_memory
 
 FULL = dict(layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, vocab=151_936)  # Qwen2.5-0.5B
 QUICK = dict(layers=4, hidden=128, intermediate=512, heads=4, kv_heads=2, vocab=151_936)

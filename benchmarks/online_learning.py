@@ -28,16 +28,16 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
 
-from opd_sao.checkpoints import load_tokenizer  # noqa: E402
-from opd_sao.config import load_config  # noqa: E402
-from opd_sao.pipeline import ensure_base_model, run_pipeline  # noqa: E402
-from opd_sao.runs.tracking import read_jsonl  # noqa: E402
-from opd_sao.supervised import run_sft, sft_examples  # noqa: E402
-from stages.envs import ENVIRONMENTS  # noqa: E402
-from stages.envs.chat import ChatEnv, StyleSchedule, steps_to_recover  # noqa: E402
+from opd_sao.checkpoints import load_tokenizer
+from opd_sao.config import load_config
+from opd_sao.pipeline import ensure_base_model, run_pipeline
+from opd_sao.runs.tracking import read_jsonl
+from opd_sao.supervised import run_sft, sft_examples
+from stages.envs import ENVIRONMENTS
+from stages.envs.chat import ChatEnv, StyleSchedule, steps_to_recover
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGOS = ("sao", "running_mean")

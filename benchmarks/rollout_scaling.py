@@ -42,7 +42,7 @@ from opd_sao.engines.server import MAX_BODY_BYTES, MAX_NEW_TOKENS, serve
 from stages.envs import ENVIRONMENTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from launchers import free_port, start_sglang_router, wait_until_healthy  # noqa: E402 (tests/ helpers)
+from launchers import free_port, start_sglang_router, wait_until_healthy  # tests/ helpers
 
 SERVER_BATCH = 16  # sequences each server decodes together; also the router's slots per server
 
@@ -122,7 +122,7 @@ class WorkerMeter:
         self.inflight = [sum(s) / max(1, len(s)) for s in self.samples.values()]
 
     def report(self) -> dict:
-        ratio = lambda xs: round(max(xs) / min(xs), 2) if min(xs) > 0 else None  # noqa: E731
+        ratio = lambda xs: round(max(xs) / min(xs), 2) if min(xs) > 0 else None
         return {"tokens_per_worker": self.tokens, "tokens_max_min": ratio(self.tokens),
                 "mean_inflight_tokens_per_worker": [round(x, 1) for x in self.inflight],
                 "inflight_max_min": ratio(self.inflight)}

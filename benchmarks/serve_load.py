@@ -34,7 +34,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from launchers import free_port, wait_until_healthy  # noqa: E402 (tests/ helpers)
+from launchers import free_port, wait_until_healthy  # tests/ helpers
 
 SERVER_CAP = 64  # --max-new-tokens of the server this script starts
 

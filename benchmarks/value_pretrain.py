@@ -62,7 +62,7 @@ def run_arm(start: Path, arm: str, seed: int, steps: int, rollouts: int, fit_ste
 
 def summarise(per_seed: dict[int, dict]) -> dict:
     runs = list(per_seed.values())
-    mean = lambda key: round(statistics.fmean(r[key] for r in runs), 4)  # noqa: E731
+    mean = lambda key: round(statistics.fmean(r[key] for r in runs), 4)
     curve = [round(statistics.fmean(r["reward_by_10_steps"][i] for r in runs), 4)
              for i in range(len(runs[0]["reward_by_10_steps"]))]
     return {"explained_variance_first_policy_step": mean("explained_variance_first_policy_step"),

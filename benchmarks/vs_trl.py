@@ -88,7 +88,7 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     run = run_config(start, algo, steps, batch, seed)
     stage = run.stages[0]
     trainer_cfg, tok = run.stage_trainer(stage), load_tokenizer(start)
-    env_factory = lambda: ENVIRONMENTS.get("arithmetic")(**stage.env_options)  # noqa: E731
+    env_factory = lambda: ENVIRONMENTS.get("arithmetic")(**stage.env_options)
     backend = build_backend(trainer_cfg, start, with_critic=needs_critic(algo), total_steps=steps)
     engine = build_engine(run.engine, start, tok, seed=seed, device=run.device)
     learner = Learner(backend, algo, stage.sao, critic_steps=trainer_cfg.critic_steps,
@@ -144,7 +144,7 @@ def prepare(work: Path, sft_steps: int, seed: int) -> Path:
     texts = [t for name in ENVIRONMENTS.names() for t in ENVIRONMENTS.get(name)().corpus(300)]
     base = build_tiny_model(work / "base", texts, TinyModelConfig(), seed=seed)
     tok = load_tokenizer(base)
-    env_factory = lambda: ENVIRONMENTS.get("arithmetic")(max_operand=SETTINGS["max_operand"])  # noqa: E731
+    env_factory = lambda: ENVIRONMENTS.get("arithmetic")(max_operand=SETTINGS["max_operand"])
     examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=seed, prompt_format=PromptFormat(tok))
     start = run_sft(base, work / "start", examples, tok, SFTConfig(steps=sft_steps, lr=3e-3, batch_size=64), seed,
                     trainer=TrainerConfig(device="cpu"))
@@ -163,7 +163,7 @@ def held_out(checkpoint: Path, samples: int, seed: int) -> float:
     from stages.envs import ENVIRONMENTS
 
     torch.set_num_threads(1)
-    env_factory = lambda: ENVIRONMENTS.get("arithmetic")(max_operand=SETTINGS["max_operand"])  # noqa: E731
+    env_factory = lambda: ENVIRONMENTS.get("arithmetic")(max_operand=SETTINGS["max_operand"])
     n = len(env_factory().all_tasks("eval"))
     rollout = RolloutConfig(temperature=SETTINGS["temperature"], max_new_tokens=SETTINGS["max_new_tokens"])
     return evaluate(checkpoint, env_factory, load_tokenizer(checkpoint), domain="arithmetic", rollout=rollout,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from opd_sao.config import TinyModelConfig
 
-from rollout_scaling import fork_servers  # noqa: E402 (benchmarks/ is the script's directory)
+from rollout_scaling import fork_servers  # benchmarks/ is the script's directory
 
 WORKERS = 2
 SIZES = {  # name: (hidden, intermediate, layers, heads, kv heads)

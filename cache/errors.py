@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from opd_sao.errors import OpdSaoError, UsageError
+
 
 class CorruptRecordError(Exception):
     """Stored records failed their checksum or could not be decoded.
@@ -15,7 +17,7 @@ class CorruptRecordError(Exception):
         super().__init__(f"corrupt logit-cache record(s) {self.traj_ids}: {reason}")
 
 
-class CacheMismatchError(Exception):
+class CacheMismatchError(OpdSaoError):
     """An existing teacher cache was written for a different teacher, checkpoint, tokenizer or format.
 
     ``differences`` maps each differing field to ``(stored, requested)``; ``field`` is the first of them.
@@ -32,7 +34,7 @@ class CacheMismatchError(Exception):
         super().__init__(f"logit cache {path} refused: {detail}")
 
 
-class CacheDamagedError(Exception):
+class CacheDamagedError(OpdSaoError):
     """A teacher store's metadata (a zarr.json, index.log) is missing or unreadable: its records cannot be trusted.
 
     ``problems`` holds one line per damaged file, each starting with its path. The OPD stage rebuilds the
@@ -45,7 +47,7 @@ class CacheDamagedError(Exception):
         super().__init__(f"logit cache {path} is damaged: " + "; ".join(self.problems))
 
 
-class CacheReadOnlyError(ValueError):
+class CacheReadOnlyError(UsageError):
     """A write (gc, storing re-scored records, a rebuild) was needed in a cache directory we may not write.
 
     A ValueError: it is the user's opd.cache_dir that is unusable, so CLIs report it in one line. Reading a

@@ -26,6 +26,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 from transformers.utils import logging as hf_logging
+from opd_sao.errors import UsageError
 
 if TYPE_CHECKING:  # at run time config imports engines (its weight-sync check), and engines import this module
     from opd_sao.config import TinyModelConfig
@@ -106,7 +107,7 @@ def load_tokenizer(path: str | Path):
     tok = AutoTokenizer.from_pretrained(str(path))
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
-            raise ValueError(f"the tokenizer of {path} has neither a pad nor an eos token: set one of them in its "
+            raise UsageError(f"the tokenizer of {path} has neither a pad nor an eos token: set one of them in its "
                              "tokenizer_config.json")
         tok.pad_token = tok.eos_token
     return tok
@@ -139,9 +140,9 @@ class PromptFormat:
 
     def __init__(self, tokenizer, kind: str = "raw", system_prompt: Optional[str] = None):
         if kind not in PROMPT_FORMATS:
-            raise ValueError(f"prompt_format must be one of {list(PROMPT_FORMATS)} (got {kind!r})")
+            raise UsageError(f"prompt_format must be one of {list(PROMPT_FORMATS)} (got {kind!r})")
         if kind == "chat" and not tokenizer.chat_template:
-            raise ValueError(f"prompt_format chat: the tokenizer {tokenizer.name_or_path!r} has no chat template "
+            raise UsageError(f"prompt_format chat: the tokenizer {tokenizer.name_or_path!r} has no chat template "
                              "(use prompt_format raw, or add a chat_template to its tokenizer_config.json)")
         self.tokenizer, self.kind = tokenizer, kind
         self.system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
@@ -197,10 +198,10 @@ def check_attention(attn_implementation: str) -> None:
     import importlib.util
 
     if not torch.cuda.is_available():
-        raise ValueError("model.attn_implementation flash_attention_2 needs a CUDA GPU, and this machine has none "
+        raise UsageError("model.attn_implementation flash_attention_2 needs a CUDA GPU, and this machine has none "
                          "(use sdpa)")
     if importlib.util.find_spec("flash_attn") is None:
-        raise ValueError("model.attn_implementation flash_attention_2 needs the flash_attn package (pip install "
+        raise UsageError("model.attn_implementation flash_attention_2 needs the flash_attn package (pip install "
                          "flash-attn), which is not installed (or use sdpa)")
 
 
@@ -221,7 +222,7 @@ def stop_ids(model: torch.nn.Module, eos_id: Optional[int]) -> frozenset[int]:
     configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
     ids = frozenset(configured + ([eos_id] if eos_id is not None else []))
     if not ids:
-        raise ValueError("the model has no eos token (neither its tokenizer nor its generation config names one), "
+        raise UsageError("the model has no eos token (neither its tokenizer nor its generation config names one), "
                          "so generation could never stop")
     return ids
 
@@ -230,13 +231,13 @@ def describe_model(path: str | Path) -> dict:
     """What opd-sao will use from a model directory (`opd-sao models check`); ValueError naming what is wrong."""
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path} is not an HF-format model directory (no config.json)")
+        raise UsageError(f"{path} is not an HF-format model directory (no config.json)")
     try:
         tokenizer = load_tokenizer(path)
         model = pretrained(AutoModelForCausalLM, path, dtype="auto")
-    except Exception as err:  # noqa: BLE001 (any loading failure is the one-line answer)
+    except Exception as err:  # any loading failure is the one-line answer
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ValueError(f"{path} cannot be loaded as a causal LM: {type(err).__name__}: {reason}") from None
+        raise UsageError(f"{path} cannot be loaded as a causal LM: {type(err).__name__}: {reason}") from None
     vocab = model.get_input_embeddings().num_embeddings
     output = model.get_output_embeddings()
 
@@ -303,7 +304,7 @@ def checkpoint_hash(path: str | Path) -> str:
     """The identity of a checkpoint's weights (the logit cache keys on it): every weight file, any format."""
     files = weight_files(path)
     if not files:
-        raise ValueError(f"checkpoint {str(path)!r} has no weight files to hash ({', '.join(WEIGHT_PATTERNS)})")
+        raise UsageError(f"checkpoint {str(path)!r} has no weight files to hash ({', '.join(WEIGHT_PATTERNS)})")
     return file_hash(*files, root=Path(path))
 
 

@@ -13,8 +13,7 @@ import threading
 from pathlib import Path
 
 from opd_sao.consistency.audit import json_options
-from stages.envs.dataset.rewards import RewardFailure
-from stages.envs.sandbox import SandboxUnavailableError
+from opd_sao.errors import OpdSaoError, UsageError
 
 
 def _cmd_run(args) -> int:
@@ -24,13 +23,13 @@ def _cmd_run(args) -> int:
     if args.resume:
         run_dir = Path(args.resume)
         if args.config or args.overrides:
-            raise ValueError("--resume continues a run with its saved config.yaml; give no config or overrides")
+            raise UsageError("--resume continues a run with its saved config.yaml; give no config or overrides")
         if not (run_dir / "config.yaml").is_file():
-            raise ValueError(f"{run_dir} is not a run directory (no config.yaml)")
+            raise UsageError(f"{run_dir} is not a run directory (no config.yaml)")
         cfg = load_config(run_dir / "config.yaml")
     else:
         if not args.config:
-            raise ValueError("give a config file (opd-sao run CONFIG) or --resume RUN_DIR")
+            raise UsageError("give a config file (opd-sao run CONFIG) or --resume RUN_DIR")
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(args.run_dir or cfg.run_dir or default_run_dir(args.config))
     if int(os.environ.get("RANK", "0")) > 0:  # a further rank of a DeepSpeed launch: rank 0 runs the pipeline
@@ -38,14 +37,14 @@ def _cmd_run(args) -> int:
 
         return follow(cfg)
     if args.allow_config_change and not args.resume:
-        raise ValueError("--allow-config-change only applies with --resume")
+        raise UsageError("--allow-config-change only applies with --resume")
     try:
         summary = run_pipeline(cfg, run_dir, log=lambda msg: print(msg, flush=True), resume=bool(args.resume),
                                allow_config_change=args.allow_config_change)
     except KeyboardInterrupt as stop:
         print(_resume_hint(run_dir, f"stopped by {stop.args[0] if stop.args else 'Ctrl-C (SIGINT)'}"), file=sys.stderr)
         return 128 + (signal.SIGTERM if stop.args else signal.SIGINT)
-    except Exception as err:  # noqa: BLE001  a full or read-only disk is one line; anything else stays a traceback
+    except Exception as err:  # a full or read-only disk is one line; anything else stays a traceback
         why = _disk_error(err, run_dir)
         if why is None:
             raise
@@ -126,7 +125,7 @@ def _cmd_validate_env(args) -> int:
     try:
         env_cls(**options)
     except TypeError as err:
-        raise ValueError(f"--options for environment {args.name!r}: {err}") from None
+        raise UsageError(f"--options for environment {args.name!r}: {err}") from None
     report = check_environment(args.name, lambda: env_cls(**options), n=args.n, seed=args.seed)
     print(json.dumps(report.to_json()))
     if not report.ok:
@@ -164,7 +163,7 @@ def _cmd_models(args) -> int:
     if args.json:
         print(json.dumps(info))
         return 0
-    name = lambda t: "none" if t is None else f"{t['id']} {t['token']!r}"  # noqa: E731
+    name = lambda t: "none" if t is None else f"{t['id']} {t['token']!r}"
     padded = f" (tokenizer {info['tokenizer_size']}, {info['padded_rows']} padded rows)" if info["padded_rows"] else ""
     print(f"{info['path']}: {info['architecture']} ({info['model_type']}), {info['parameters']:,} parameters, "
           f"{info['dtype']}, {'tied' if info['tied_embeddings'] else 'untied'} embeddings\n"
@@ -296,7 +295,12 @@ def _cmd_reward_model(args) -> int:
     return 0
 
 
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError, SandboxUnavailableError, RewardFailure)
+def _user_error(err: BaseException) -> bool:
+    """A user's mistake, reported in one line: an OpdSaoError, a config the schema refused, or a path the user
+    named that does not exist. Anything else (a ValueError or KeyError included) is a bug and keeps its traceback."""
+    from pydantic import ValidationError
+
+    return isinstance(err, (OpdSaoError, ValidationError, FileNotFoundError))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,13 +320,13 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return args.func(args)
-    except USER_ERRORS as err:
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"opd-sao {args.command}: error: {message}", file=sys.stderr)
-        return 2
     except Exception as err:
         from opd_sao.consistency.gate import GateFailure
 
+        if _user_error(err):
+            message = err.args[0] if isinstance(err, KeyError) and err.args else err
+            print(f"opd-sao {args.command}: error: {message}", file=sys.stderr)
+            return 2
         if not isinstance(err, GateFailure):
             raise
         print(f"opd-sao {args.command}: error: {err}", file=sys.stderr)  # the gate's report, not a traceback

@@ -17,6 +17,7 @@ from pydantic import (
 )
 
 from opd_sao.devices import DEVICE_PATTERN, resolve_device
+from opd_sao.errors import UsageError
 
 Granularity = Literal["sampled", "top_k", "top_p", "full"]
 Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
@@ -42,7 +43,7 @@ def _registered(registry: str, what: str) -> AfterValidator:
 Algo = Annotated[str, _registered("PRESETS", "algo")]
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A user mistake in a config file or override, reported as one line."""
 
 

@@ -11,6 +11,8 @@ from typing import ContextManager, Optional
 
 import torch
 
+from opd_sao.errors import UsageError
+
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
 
 
@@ -18,17 +20,17 @@ def resolve_device(spec: Optional[str]) -> torch.device:
     """`auto` (or None): cuda if torch sees a GPU, else cpu; `cpu`; `cuda` / `cuda:N`, refused when absent."""
     spec = spec or "auto"
     if not re.match(DEVICE_PATTERN, spec):
-        raise ValueError(f"device {spec!r} is not one of auto, cpu, cuda, cuda:N")
+        raise UsageError(f"device {spec!r} is not one of auto, cpu, cuda, cuda:N")
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(spec)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"no CUDA device on this machine (torch {torch.__version__}) for device {spec!r}; "
+            raise UsageError(f"no CUDA device on this machine (torch {torch.__version__}) for device {spec!r}; "
                              "use cpu or auto")
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise ValueError(f"this machine has {count} CUDA device(s), so no device {spec!r}")
+            raise UsageError(f"this machine has {count} CUDA device(s), so no device {spec!r}")
     return device
 
 

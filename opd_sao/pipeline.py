@@ -12,6 +12,7 @@ import yaml
 
 from opd_sao.checkpoints import build_tiny_model, check_attention, load_tokenizer
 from opd_sao.engines import check_engine
+from opd_sao.errors import UsageError
 from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, disk_use
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.files import atomic_write, write_json
@@ -53,9 +54,9 @@ def check_before_work(cfg: RunConfig) -> None:
             try:
                 ENVIRONMENTS.get(stage.env).check_options(stage.env_options)
             except (KeyError, ValueError) as err:
-                raise ValueError(f"stage {stage.name!r}: env_options of {stage.env!r}: {err.args[0]}") from None
+                raise UsageError(f"stage {stage.name!r}: env_options of {stage.env!r}: {err.args[0]}") from None
     if cfg.model.path != "tiny" and not (Path(cfg.model.path) / "config.json").is_file():
-        raise ValueError(f"model.path {cfg.model.path!r} is not an HF-format model directory (no config.json)")
+        raise UsageError(f"model.path {cfg.model.path!r} is not an HF-format model directory (no config.json)")
     check_attention(cfg.model.attn_implementation)  # flash_attention_2 without CUDA or flash_attn
     # a rollout fleet that cannot take weights (or sample at a stage's top_p) fails now, not after an SFT warm start
     check_engine(cfg.engine, nucleus=any(stage.rollout.top_p < 1 for stage in cfg.stages))
@@ -88,19 +89,19 @@ def check_teachers(cfg: RunConfig, base: Path, tokenizer) -> None:
         try:
             check_teacher(teacher.name, Path(teacher.checkpoint), base, tokenizer, fingerprint)
         except ValueError as err:
-            raise ValueError(f"stage {stage.name!r}: {err}") from None
+            raise UsageError(f"stage {stage.name!r}: {err}") from None
 
 
 def create_run_dir(run_dir: Path) -> set[str] | None:
     """Make the run directory; returns the names it already held (None when it is new), so that a run that fails
     before any stage output can remove exactly what it made."""
     if run_dir.exists() and not run_dir.is_dir():
-        raise ValueError(f"run directory {str(run_dir)!r} is a file, not a directory")
+        raise UsageError(f"run directory {str(run_dir)!r} is a file, not a directory")
     existing = set(os.listdir(run_dir)) if run_dir.is_dir() else None
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise ValueError(f"cannot create run directory {str(run_dir)!r}: {err.strerror}") from None
+        raise UsageError(f"cannot create run directory {str(run_dir)!r}: {err.strerror}") from None
     return existing
 
 

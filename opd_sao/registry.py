@@ -12,7 +12,13 @@ import pkgutil
 import threading
 from typing import Callable, Generic, TypeVar
 
+from opd_sao.errors import UsageError
+
 T = TypeVar("T")
+
+
+class UnknownName(UsageError, KeyError):
+    """A name no component is registered under (a KeyError to callers that look names up)."""
 
 
 class Registry(Generic[T]):
@@ -34,7 +40,7 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         if name not in self._items:
             known = ", ".join(sorted(self._items)) or "none"
-            raise KeyError(f"unknown {self.what} {name!r}; registered: {known}")
+            raise UnknownName(f"unknown {self.what} {name!r}; registered: {known}")
         return self._items[name]
 
     def build(self, name: str, options: dict | None = None):
@@ -47,7 +53,7 @@ class Registry(Generic[T]):
                 try:
                     self._built[key] = cls(**(options or {}))
                 except TypeError as err:
-                    raise ValueError(f"{self.what} {name!r}: bad {self.what}_options {options}: {err}") from None
+                    raise UsageError(f"{self.what} {name!r}: bad {self.what}_options {options}: {err}") from None
             return self._built[key]
 
     def names(self) -> list[str]:
@@ -72,15 +78,15 @@ def check_keywords(factory: Callable, options: dict, *, also: tuple[str, ...] = 
     a config mistake is then found before any work, not when the object is first built. `also`: further keys
     the caller consumes itself."""
     if not isinstance(options, dict):
-        raise ValueError(f"options must be a mapping (got {options!r})")
+        raise UsageError(f"options must be a mapping (got {options!r})")
     params = [p for p in inspect.signature(factory).parameters.values()
               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(factory).parameters.values()):
         unknown = sorted(set(options) - {p.name for p in params} - set(also))
         if unknown:
             takes = ", ".join([p.name for p in params] + list(also)) or "none"
-            raise ValueError(f"unknown option{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))} "
+            raise UsageError(f"unknown option{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))} "
                              f"(options: {takes})")
     missing = [p.name for p in params if p.default is p.empty and p.name not in options]
     if missing:
-        raise ValueError(f"missing option{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}")
+        raise UsageError(f"missing option{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}")

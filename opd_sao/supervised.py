@@ -12,6 +12,7 @@ from opd_sao.runs.checkpointing import StageState, truncate_step_log
 from opd_sao.runs.tracking import MetricsLogger
 from opd_sao.trainers import build_backend
 from opd_sao.trajectory import Batch, Trajectory, collate
+from opd_sao.errors import UsageError
 
 STATE, LOG = "sft_state", "sft.jsonl"  # in run_sft's work_dir
 
@@ -28,7 +29,7 @@ def sft_examples(env_factory, tokenizer, n: int, seed: int,
             continue
         examples.append((fmt.prompt(env.reset(task)), fmt.answer(actions[0])))
     if not examples:
-        raise ValueError("the environment gives no reference actions, so SFT warm start has nothing to learn from")
+        raise UsageError("the environment gives no reference actions, so SFT warm start has nothing to learn from")
     return examples
 
 

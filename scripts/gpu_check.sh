@@ -3,8 +3,11 @@
 # this machine's first GPU, once per trainer setting, with timings and the consistency-gate figures of
 # every stage written to OUT. Without an NVIDIA GPU it says so in one line and exits 2.
 #
-#   scripts/gpu_check.sh [OUT]          # OUT: the report (default docs/gpu_check.txt)
+#   scripts/gpu_check.sh [OUT [WHEELS]] # OUT: the report (default docs/gpu_check.txt)
 #
+#   WHEELS: offline, on a machine whose Python (PYTHON, default python3) has a CUDA torch 2.4 or newer: a
+#   directory made by scripts/gpu_wheels.sh on a networked machine; its wheels go into build/gpu_check/site with
+#   `pip install --no-index --target` and the check runs from there (PYTHONPATH), with no network.
 #   RUNS="torch-fp32 torch-bf16 deepspeed-bf16 fleet-disk fleet-tensor fleet-distributed"
 #                                                  the settings to run (default: all; the fleet ones only
 #                                                  where `sglang` is importable)
@@ -29,11 +32,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/gpu_check.txt}
+WHEELS=${2:-}
 WORK=build/gpu_check
 RUNS=${RUNS:-torch-fp32 torch-bf16 deepspeed-bf16 fleet-disk fleet-tensor fleet-distributed}
 STEP_TIMEOUT=${STEP_TIMEOUT:-600}
 CONFIG=configs/gpu_check.yaml
 STAGES="reasoning agent chat opd"
+
+if [ -n "$WHEELS" ]; then  # offline: the dependencies from a wheel directory, beside the Python's own torch
+  PYTHON=${PYTHON:-python3}
+  "$PYTHON" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 4))' \
+    || { echo "gpu_check: $PYTHON has no torch 2.4 or newer (the wheel directory holds every dependency but torch)" >&2; exit 2; }
+  ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "gpu_check: no wheels in $WHEELS (make them with scripts/gpu_wheels.sh)" >&2; exit 2; }
+  rm -rf "$WORK/site"
+  # the set gpu_wheels.sh resolved, as is (--no-deps: DeepSpeed asks for torch, which is the Python's own)
+  "$PYTHON" -m pip install -q --disable-pip-version-check --no-index --find-links "$WHEELS" --no-deps \
+    --target "$WORK/site" "$WHEELS"/*.whl || { echo "gpu_check: installing $WHEELS into $WORK/site failed" >&2; exit 2; }
+  export PYTHONPATH=$PWD/$WORK/site${PYTHONPATH:+:$PYTHONPATH}
+  "$PYTHON" -c 'import opd_sao.pipeline, deepspeed' \
+    || { echo "gpu_check: opd-sao does not import with the wheels of $WHEELS" >&2; exit 2; }
+  echo "gpu_check: $(ls "$WHEELS"/*.whl | wc -l) wheels installed into $WORK/site from $WHEELS (no network)"
+fi
 
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
   echo "gpu_check: no NVIDIA GPU on this machine (nvidia-smi is missing or lists no device); nothing to check" >&2

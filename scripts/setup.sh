@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-DS_BUILD_OPS=0 .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[test,deepspeed]"
+# ruff comes with the test extra (.ci/run lints before the tests)
+DS_BUILD_OPS=0 .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[test,deepspeed,wandb]"
 # SGLang's own server-side Python for the fleet tests (tests/sglang_code.py loads pieces of it): its wheel pins a
 # CUDA torch, so without its dependencies (pip skips it once installed)
 .venv/bin/pip install -q --disable-pip-version-check --no-deps "sglang==0.5.23"

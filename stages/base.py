@@ -17,6 +17,7 @@ from opd_sao.rl.loop import RLLoop
 from opd_sao.runs.checkpointing import StageState, truncate_step_log
 from opd_sao.runs.tracking import MetricsLogger
 from opd_sao.supervised import discard_sft_state, run_sft, sft_resume_step
+from opd_sao.errors import UsageError
 
 STAGES: Registry[type["Stage"]] = Registry("stage kind")
 register_stage = STAGES.register
@@ -63,7 +64,7 @@ class RunContext:
             return self.checkpoints[ref]
         if Path(ref).is_dir():
             return Path(ref)
-        raise ValueError(f"checkpoint {ref!r} is not a completed stage ({list(self.checkpoints)}) or a directory")
+        raise UsageError(f"checkpoint {ref!r} is not a completed stage ({list(self.checkpoints)}) or a directory")
 
 
 class Stage(ABC):
@@ -90,7 +91,7 @@ class Stage(ABC):
         except ValidationError as err:
             first = err.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
-            raise ValueError(f"stage {cfg.name!r} ({cfg.kind}): options.{where}: {first['msg']}") from None
+            raise UsageError(f"stage {cfg.name!r} ({cfg.kind}): options.{where}: {first['msg']}") from None
 
     @classmethod
     def check(cls, cfg: StageConfig) -> None:

@@ -13,6 +13,7 @@ from typing import Optional
 from opd_sao.config import EvalConfig, RolloutConfig, StageConfig
 
 from .envs import ENVIRONMENTS
+from opd_sao.errors import UsageError
 
 EPISODE_FIELDS = ("max_new_tokens", "max_turns", "max_context_tokens", "compaction", "compaction_budget",
                   "compaction_instruction", "prompt_format", "system_prompt")
@@ -26,7 +27,7 @@ class Domain:
         """`device`: the run's, for environments that run a model (`reads_device`, e.g. a reward-model judge)."""
         source = next((s for s in stages if s.env == name and (own is None or s.kind != own.kind)), None)
         if source is None and own is None:
-            raise ValueError(f"no stage trains on domain {name!r}")
+            raise UsageError(f"no stage trains on domain {name!r}")
         env_cls = ENVIRONMENTS.get(name)  # raises for an unknown environment, naming the registered ones
         self.name, self.source = name, source.name if source else None
         options = dict(source.env_options) if source else {}

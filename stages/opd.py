@@ -47,6 +47,7 @@ from teachers.routing import describe
 from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .domains import Domain
 from .envs import ENVIRONMENTS, sample_tasks
+from opd_sao.errors import UsageError
 
 PROBE_SEED_OFFSET = 1  # probes sample the held-out split with seed + this: the final evaluation's samples stay unseen
 
@@ -64,7 +65,7 @@ class OPDStage(Stage):
         super().check(cfg)
         names = cls.domain_names(cfg)
         if not names:
-            raise ValueError(f"stage {cfg.name!r} (opd) needs `domains:` or teachers with domains")
+            raise UsageError(f"stage {cfg.name!r} (opd) needs `domains:` or teachers with domains")
         for name in names:  # that every domain has a teacher is checked by the config schema
             ENVIRONMENTS.get(name)
 

@@ -25,6 +25,7 @@ from stages.envs.validity import require_valid
 
 from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .envs import ENVIRONMENTS, sample_tasks
+from opd_sao.errors import UsageError
 
 CRITIC_DIR = "critic"  # next to checkpoint/: the critic a later stage of the same env carries over
 VALIDITY_TASKS = 16  # tasks the oracle / no-op / initial-state check samples at stage start
@@ -35,7 +36,7 @@ class RLStage(Stage):
     def check(cls, cfg) -> None:
         super().check(cfg)
         if not cfg.env:
-            raise ValueError(f"stage {cfg.name!r} ({cfg.kind}) needs `env:` (one of {ENVIRONMENTS.names()})")
+            raise UsageError(f"stage {cfg.name!r} ({cfg.kind}) needs `env:` (one of {ENVIRONMENTS.names()})")
         ENVIRONMENTS.get(cfg.env)
 
     def env_factory(self, train_step=None):
@@ -75,7 +76,7 @@ class RLStage(Stage):
         earlier = [s for s in self.ctx.cfg.stages[:self.ctx.cfg.stages.index(self.cfg)] if s.env == self.cfg.env]
         path = self.ctx.stage_dir(earlier[-1].name) / CRITIC_DIR if earlier else None
         if path is None or not (path / "config.json").is_file():
-            raise ValueError(f"stage {self.cfg.name!r}: critic_pretrain.carry_over: no critic saved by an earlier "
+            raise UsageError(f"stage {self.cfg.name!r}: critic_pretrain.carry_over: no critic saved by an earlier "
                              f"stage with env {self.cfg.env!r} ({path or 'no such stage'}; a stage saves its "
                              f"critic only if it trains one)")
         return path
@@ -151,7 +152,7 @@ def _train_summary(history: list[dict]) -> dict:
     if not history:
         return {}
     tail = history[-max(1, len(history) // 4):]
-    mean = lambda key, rows: statistics.fmean(r.get(key, 0.0) for r in rows)  # noqa: E731
+    mean = lambda key, rows: statistics.fmean(r.get(key, 0.0) for r in rows)
     return {
         "reward_first_quarter": mean("reward_mean", history[: max(1, len(history) // 4)]),
         "reward_last_quarter": mean("reward_mean", tail),

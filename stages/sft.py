@@ -17,6 +17,7 @@ from opd_sao.supervised import sft_examples
 from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .domains import Domain
 from .envs import ENVIRONMENTS
+from opd_sao.errors import UsageError
 
 
 @register_stage("sft")
@@ -25,9 +26,9 @@ class SFTStage(Stage):
     def check(cls, cfg) -> None:
         super().check(cfg)
         if not cfg.domains:
-            raise ValueError(f"stage {cfg.name!r} (sft) needs `domains:` (environment names to learn)")
+            raise UsageError(f"stage {cfg.name!r} (sft) needs `domains:` (environment names to learn)")
         if not cfg.sft.steps:
-            raise ValueError(f"stage {cfg.name!r} (sft) needs `sft: {{steps: N}}` with N > 0")
+            raise UsageError(f"stage {cfg.name!r} (sft) needs `sft: {{steps: N}}` with N > 0")
         for name in cfg.domains:
             ENVIRONMENTS.get(name)
 

@@ -17,12 +17,13 @@ from cache import CacheMeta, TeacherRecord
 from opd_sao.checkpoints import checkpoint_hash
 from opd_sao.registry import Registry
 from opd_sao.trajectory import Trajectory
+from opd_sao.errors import UsageError
 
 TEACHER_KINDS: Registry[type["Teacher"]] = Registry("teacher kind")
 register_teacher = TEACHER_KINDS.register
 
 
-class TeacherIncompatibleError(ValueError):
+class TeacherIncompatibleError(UsageError):
     """A teacher does not share the student's tokenizer or vocabulary (OPD compares token ids)."""
 
 

@@ -15,6 +15,7 @@ from opd_sao.trajectory import Trajectory
 
 from .base import Teacher, register_teacher
 from .scoring import score_rows
+from opd_sao.errors import UsageError
 
 
 @register_teacher("in_process")
@@ -29,7 +30,7 @@ class InProcessTeacher(Teacher):
         for param in model.parameters():
             param.requires_grad_(False)
         if model.config.vocab_size != self.spec.rows:
-            raise ValueError(f"teacher {self.name!r}: {local_dir} has vocab size {model.config.vocab_size}, "
+            raise UsageError(f"teacher {self.name!r}: {local_dir} has vocab size {model.config.vocab_size}, "
                              f"expected {self.spec.rows}")
         self.model = model
 

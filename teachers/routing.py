@@ -20,6 +20,7 @@ from typing import Callable, Optional
 from opd_sao.checkpoints import file_hash, load_tokenizer
 from opd_sao.config import BEST_CHECKPOINT, OPDConfig
 from teachers.base import TEACHER_KINDS, Teacher, TeacherIncompatibleError, TeacherSpec
+from opd_sao.errors import UsageError
 
 
 def vocab_fingerprint(tokenizer) -> str:
@@ -45,7 +46,7 @@ def model_vocab_size(checkpoint: Path) -> int:
     """The model's embedding rows (config.json's vocab_size), padding included."""
     config = Path(checkpoint) / "config.json"
     if not config.is_file():
-        raise ValueError(f"{checkpoint} is not an HF-format model directory (no config.json)")
+        raise UsageError(f"{checkpoint} is not an HF-format model directory (no config.json)")
     return int(json.loads(config.read_text())["vocab_size"])
 
 
@@ -104,7 +105,7 @@ def best_stage(stage_scores: dict[str, dict[str, float]], domain: str) -> tuple[
     """
     scored = [(scores[domain], i, name) for i, (name, scores) in enumerate(stage_scores.items()) if domain in scores]
     if not scored:
-        raise ValueError(f"teacher checkpoint 'best' for domain {domain!r}: no completed stage has a held-out score "
+        raise UsageError(f"teacher checkpoint 'best' for domain {domain!r}: no completed stage has a held-out score "
                          f"on it (stages scored: {list(stage_scores)})")
     score, _, name = max(scored)
     return name, score
@@ -122,7 +123,7 @@ class TeacherSet:
         for spec in specs:
             for domain in spec.domains:
                 if domain in self._by_domain:
-                    raise ValueError(f"domain {domain!r} has two teachers ({self._by_domain[domain]!r}, {spec.name!r})")
+                    raise UsageError(f"domain {domain!r} has two teachers ({self._by_domain[domain]!r}, {spec.name!r})")
                 self._by_domain[domain] = spec.name
 
     @classmethod
@@ -135,7 +136,7 @@ class TeacherSet:
         domain) picks the `checkpoint: best` teachers.
         """
         if not opd.teachers:
-            raise ValueError("an OPD stage needs at least one teacher (opd.teachers)")
+            raise UsageError("an OPD stage needs at least one teacher (opd.teachers)")
         student_print = check_student(student_checkpoint, student_tokenizer)
         specs, chosen = [], {}
         for teacher in opd.teachers:
@@ -143,7 +144,7 @@ class TeacherSet:
                 TEACHER_KINDS.get(teacher.kind)  # raises with the registered kinds
             unused = sorted(set(teacher.domains) - set(domains))
             if unused:
-                raise ValueError(f"teacher {teacher.name!r} teaches {unused}, which are not among the stage's "
+                raise UsageError(f"teacher {teacher.name!r} teaches {unused}, which are not among the stage's "
                                  f"domains {domains}")
             ref = teacher.checkpoint
             if ref == BEST_CHECKPOINT:

@@ -136,7 +136,7 @@ def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         return ScoredRows(sampled_logp=sampled, logp=full.cpu())
     if granularity == "sampled":
         return ScoredRows(sampled_logp=sampled)
-    cat = lambda xs, dtype: torch.cat(xs).cpu() if xs else torch.empty(0, dtype=dtype)  # noqa: E731
+    cat = lambda xs, dtype: torch.cat(xs).cpu() if xs else torch.empty(0, dtype=dtype)
     return ScoredRows(sampled_logp=sampled, ids=cat(ids_out, torch.long), logp=cat(logp_out, torch.float32),
                       row_len=cat(len_out, torch.long), tail_mass=cat(tail_out, torch.float32))
 

@@ -43,13 +43,14 @@ from opd_sao.trajectory import Trajectory
 
 from .base import Teacher, register_teacher
 from .scoring import ScoredRows, nucleus_rows
+from opd_sao.errors import UsageError
 
 TINY = torch.finfo(torch.float32).tiny
 
 
 def _client(teacher, url: Optional[str]) -> SGLangClient:
     if not url:
-        raise ValueError(f"teacher {teacher!r} (kind sglang) needs `url:` (the server's address, "
+        raise UsageError(f"teacher {teacher!r} (kind sglang) needs `url:` (the server's address, "
                          "e.g. http://10.0.0.5:30000)")
     return SGLangClient(url)
 
@@ -67,14 +68,14 @@ class ServedTeacher(Teacher):
         """The server's model path and weight version (GET /model_info), hashed; ValueError for a granularity
         the API cannot return or a server that does not answer."""
         if granularity == "full":
-            raise ValueError(f"teacher {teacher.name!r} (kind sglang): granularity full needs the whole distribution "
+            raise UsageError(f"teacher {teacher.name!r} (kind sglang): granularity full needs the whole distribution "
                              "per token, which an SGLang server returns only as a top list; use top_k, top_p or "
                              "sampled")
         client = _client(teacher.name, teacher.url)
         try:
             info = client.model_info()
         except (ServerDown, ServerError) as err:
-            raise ValueError(f"teacher {teacher.name!r}: {err}") from None
+            raise UsageError(f"teacher {teacher.name!r}: {err}") from None
         served = [info.get("model_path"), info.get("weight_version")]
         return hashlib.sha256(json.dumps(served).encode()).hexdigest()[:16]
 

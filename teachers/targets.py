@@ -38,6 +38,7 @@ from opd_sao.trajectory import Trajectory
 from teachers.routing import TeacherSet
 
 from .prefetch import Prefetcher
+from opd_sao.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class TeacherTargets:
             try:
                 self.caches[name] = self.cache.open_teacher(spec.cache_meta)
             except CacheMismatchError as err:
-                raise ValueError(f"{err} (teacher {name!r}: delete that directory or set opd.cache_dir "
+                raise UsageError(f"{err} (teacher {name!r}: delete that directory or set opd.cache_dir "
                                  f"to a fresh one)") from None
             except CacheDamagedError as err:
                 self._rebuild(name, err)

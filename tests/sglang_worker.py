@@ -18,11 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import sglang_code  # noqa: E402
+import sglang_code
 
-from opd_sao.engines.weight_sync import WEIGHT_SYNCS  # noqa: E402
-from opd_sao.engines.weight_sync.distributed import DistributedSync  # noqa: E402
-from opd_sao.engines.weight_sync.tensor import TensorSync  # noqa: E402
+from opd_sao.engines.weight_sync import WEIGHT_SYNCS
+from opd_sao.engines.weight_sync.distributed import DistributedSync
+from opd_sao.engines.weight_sync.tensor import TensorSync
 
 REQUEST_MODELS = {"/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
                   "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",

@@ -44,7 +44,7 @@ def python_reward(tmp_path: Path, otherwise: str, *, oracle: str = "1.0", empty:
 def test_a_reward_outside_its_range_fails_the_validity_check_naming_the_tasks(tmp_path, value):
     """Before: NaN (and -1e308 from a no-op) passed the check, since every comparison with NaN is false."""
     function = python_reward(tmp_path, "0.0", oracle=value)
-    env = lambda: DatasetEnv(path=str(rows_file(tmp_path)), reward="python", reward_options={"function": function})  # noqa: E731
+    env = lambda: DatasetEnv(path=str(rows_file(tmp_path)), reward="python", reward_options={"function": function})
     report = check_environment("dataset", env)
     assert not report.ok and len(report.failures["reward"]) == len(report.tasks) == 16
     assert "finite number in reward_range [0.0, 1.0]" in report.describe() and "q" in report.describe()
@@ -58,7 +58,7 @@ def test_a_declared_reward_range_is_honoured(tmp_path):
     assert env.step("nonsense")[1] == -1.0
     with pytest.raises(ValueError, match="reward_range must be"):
         DatasetEnv(path=str(rows_file(tmp_path)), reward="python",
-                   reward_options={"function": function, "reward_range": [1, "nan"]}).reward  # noqa: B018
+                   reward_options={"function": function, "reward_range": [1, "nan"]}).reward
 
 
 def _run_config(tmp_path: Path, env_options: dict, **stage) -> dict:
@@ -218,7 +218,7 @@ def test_empty_files_splits_and_shared_rows_are_refused_before_any_work(tmp_path
     empty.write_text("")
     for options in ({"path": str(empty)}, {"train_path": str(empty), "eval_path": str(rows_file(tmp_path))},
                     {"train_path": str(rows_file(tmp_path)), "eval_path": str(empty)}):
-        report = check_environment("dataset", lambda: DatasetEnv(**options))  # noqa: B023
+        report = check_environment("dataset", lambda: DatasetEnv(**options))
         assert not report.ok and "empty.jsonl has no usable rows" in report.describe()
     shared = rows_file(tmp_path, ROWS[30:] + [{"id": "new", "prompt": "1+1=", "answer": "2"}], "eval.jsonl")
     report = check_environment("dataset", lambda: DatasetEnv(train_path=str(rows_file(tmp_path)), eval_path=str(shared)))

@@ -383,7 +383,7 @@ def test_the_gate_checks_again_after_a_server_rejoins(server, tiny_model_dir, to
     proxy = FaultyProxy(server)
     engine = Fleet(proxy.url, checkpoint=tiny_model_dir, max_inflight=4)
     trainer = TorchTrainer(tiny_model_dir, TrainerConfig(), with_critic=False)
-    probe = lambda: probe_episodes(ENVIRONMENTS.get("arithmetic"), tokenizer,  # noqa: E731
+    probe = lambda: probe_episodes(ENVIRONMENTS.get("arithmetic"), tokenizer,
                                    RolloutConfig(max_new_tokens=4), domain="arithmetic", n=2, seed=0)
     gate = ConsistencyGate(GateConfig(every=0), stage="probe", out_dir=tmp_path, engine=engine, backend=trainer,
                            make_probe=probe, eps_low=0.3, eps_high=5.0, pad_id=tokenizer.pad_token_id)

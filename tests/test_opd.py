@@ -191,7 +191,7 @@ def test_high_entropy_teacher_at_a_large_vocabulary_keeps_at_most_max_support(tm
     teacher.load(tmp_path / "teacher")
     rng = np.random.default_rng(0)
     trajs = [Trajectory(traj_id=f"t{i}", domain="d", prompt_ids=rng.integers(0, vocab, 3).tolist(),
-                        token_ids=(tokens := rng.integers(0, vocab, 5).tolist()), action_mask=[1] * 5,
+                        token_ids=rng.integers(0, vocab, 5).tolist(), action_mask=[1] * 5,
                         rollout_logp=[0.0] * 5, versions=[0] * 5, rewards=[0.0] * 5) for i in range(3)]
     records = teacher.score(trajs)
     model = teacher.model

@@ -42,6 +42,8 @@ def _module_exists(dotted: str) -> bool:
     if parts[0] == "stages" and not (ROOT / "stages" / f"{parts[1]}.py").is_file() \
             and not (ROOT / "stages" / parts[1]).is_dir():
         return True
+    if len(parts) > 1 and parts[0] == "opd_sao" and parts[1] in ("stages", "teachers", "cache"):
+        parts = parts[1:]  # the top-level folders install as opd_sao.stages, ... (setup.py's package_dir)
     for cut in range(len(parts), 0, -1):
         base = ROOT.joinpath(*parts[:cut])
         source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
@@ -76,3 +78,4 @@ def test_the_references_checker_catches_a_stale_path():
     """The checks above can fail: a made-up module and file are reported as missing."""
     assert not _module_exists("opd_sao.distill_old_name") and not _exists("stages/envs/no_such_env.py")
     assert _module_exists("opd_sao.rl.distill") and _module_exists("opd_sao.algorithms.PRESETS")
+    assert _module_exists("opd_sao.stages.envs.sandbox") and not _module_exists("opd_sao.stages.no_such_module")

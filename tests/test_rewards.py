@@ -290,7 +290,7 @@ def test_a_reward_model_trained_from_a_file_is_retrained_when_the_file_changes(t
     prefs = tmp_path / "prefs.jsonl"
     prefs.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "rm"
-    recorded = lambda: json.loads((out / "config.json").read_text())["reward_model"]["trained_from"]  # noqa: E731
+    recorded = lambda: json.loads((out / "config.json").read_text())["reward_model"]["trained_from"]
     assert train_from_file(prefs, out, steps=2)["train_pairs"] > 0
     first = recorded()
     assert train_from_file(prefs, out, steps=2) == {} and recorded() == first  # current: reused as it is

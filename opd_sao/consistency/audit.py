@@ -12,6 +12,7 @@ from pathlib import Path
 
 from opd_sao.config import AlgoConfig, GateConfig
 from opd_sao.runs.files import write_json
+from opd_sao.errors import UsageError
 
 PROMPT_ENV = "prompts-file"
 
@@ -70,9 +71,9 @@ def json_options(text: str, flag: str = "--options") -> dict:
     try:
         options = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{flag} is not valid JSON: {err}") from None
+        raise UsageError(f"{flag} is not valid JSON: {err}") from None
     if not isinstance(options, dict):
-        raise ValueError(f"{flag} must be a JSON object (got {text!r})")
+        raise UsageError(f"{flag} must be a JSON object (got {text!r})")
     return options
 
 
@@ -88,10 +89,10 @@ def read_prompts(path: Path) -> list[str]:
         try:
             row = json.loads(line)
         except (ValueError, RecursionError):
-            raise ValueError(f"--prompts-file {str(path)!r}: line {number} is not JSON") from None
+            raise UsageError(f"--prompts-file {str(path)!r}: line {number} is not JSON") from None
         prompt = row.get("prompt") if isinstance(row, dict) else row
         if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f"--prompts-file {str(path)!r}: line {number} is neither a string nor an object with "
+            raise UsageError(f"--prompts-file {str(path)!r}: line {number} is neither a string nor an object with "
                              f"a non-empty \"prompt\" string")
         prompts.append(prompt)
     return prompts
@@ -101,7 +102,7 @@ def _env_factory(args):
     if args.prompts_file:
         prompts = read_prompts(Path(args.prompts_file))
         if not prompts:
-            raise ValueError(f"--prompts-file {args.prompts_file!r} has no prompts")
+            raise UsageError(f"--prompts-file {args.prompts_file!r} has no prompts")
         return PROMPT_ENV, lambda: PromptFileEnv(prompts)
     env_cls, options = args.environment(args.env), json_options(args.env_options, "--env-options")
     env_cls.check_options(options)
@@ -117,11 +118,11 @@ def _engine(args, checkpoint: Path, tokenizer):
     elif args.engine.startswith(("http://", "https://")):
         cfg = EngineConfig(kind="http", urls=[args.engine])
     else:
-        raise ValueError(f"--engine must be 'embedded' or an http(s):// URL (got {args.engine!r})")
+        raise UsageError(f"--engine must be 'embedded' or an http(s):// URL (got {args.engine!r})")
     try:
         return build_engine(cfg, checkpoint, tokenizer, seed=args.seed)
     except NotImplementedError:
-        raise ValueError(f"--engine {args.engine}: no HTTP rollout engine is available in this installation "
+        raise UsageError(f"--engine {args.engine}: no HTTP rollout engine is available in this installation "
                          "(opd_sao/engines/http.py); use --engine embedded") from None
 
 
@@ -141,11 +142,11 @@ def run_audit(args) -> dict:
     if not (checkpoint / "config.json").is_file():
         raise FileNotFoundError(f"checkpoint {str(checkpoint)!r} is not an HF-format model directory (no config.json)")
     if args.deterministic and args.dtype != "float32":
-        raise ValueError("--deterministic needs --dtype float32")
+        raise UsageError("--deterministic needs --dtype float32")
     if args.deterministic and args.engine != "embedded":
-        raise ValueError("--deterministic is a mode of the embedded engine; rollout servers have none")
+        raise UsageError("--deterministic is a mode of the embedded engine; rollout servers have none")
     if args.prompts < 1 or args.max_new_tokens < 1:
-        raise ValueError("--prompts and --max-new-tokens must be at least 1")
+        raise UsageError("--prompts and --max-new-tokens must be at least 1")
     out = Path(args.out) if args.out else checkpoint.parent / "audit"
     domain, env_factory = _env_factory(args)
     tokenizer = load_tokenizer(checkpoint)

@@ -31,6 +31,7 @@ from opd_sao.modeling import lm_head, token_logprobs
 from opd_sao.rl.rollout import Episode, run_episodes
 from opd_sao.runs.files import write_json
 from opd_sao.trajectory import Trajectory, collate
+from opd_sao.errors import UsageError
 
 # Temperatures (as multiples of the rollout's) tried when the drift may be a temperature mismatch.
 TEMPERATURE_FACTORS = (0.5, 2 / 3, 0.8, 1.25, 1.5, 2.0)
@@ -265,7 +266,7 @@ def probe_episodes(env_factory, tokenizer, rollout, *, domain: str, n: int, seed
 
     tasks = env_factory().make_tasks("eval", n, seed=seed) or env_factory().make_tasks("train", n, seed=seed)
     if not tasks:
-        raise ValueError(f"environment {domain!r} has no tasks to probe the consistency gate with")
+        raise UsageError(f"environment {domain!r} has no tasks to probe the consistency gate with")
     repeats = -(-n // len(tasks))
     episodes = make_episodes(env_factory, tasks, tokenizer, rollout, domain=domain, temperature=rollout.temperature,
                              repeats=repeats)

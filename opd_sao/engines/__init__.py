@@ -1,5 +1,6 @@
 from .base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 from .embedded import EmbeddedEngine
+from opd_sao.errors import UsageError
 
 __all__ = ["GenerationRequest", "GenerationResult", "RolloutEngine", "SamplingParams", "EmbeddedEngine"]
 
@@ -15,7 +16,7 @@ def check_engine(cfg, nucleus: bool = False) -> None:
         from .fleet import discover_fleet
 
         if not cfg.urls:
-            raise ValueError("engine.kind http needs engine.urls (the rollout servers, e.g. opd-sao serve or SGLang)")
+            raise UsageError("engine.kind http needs engine.urls (the rollout servers, e.g. opd-sao serve or SGLang)")
         targets, _ = discover_fleet(cfg.urls, cfg.workers, timeout=30.0, **_client_options(cfg))
         if nucleus:
             for client, _ in targets:
@@ -42,7 +43,7 @@ def build_engine(cfg, checkpoint, tokenizer, seed: int, device=None, attn_implem
         from .weight_sync import SyncSettings
 
         if not cfg.urls:
-            raise ValueError("engine.kind http needs engine.urls (the rollout servers, e.g. opd-sao serve or SGLang)")
+            raise UsageError("engine.kind http needs engine.urls (the rollout servers, e.g. opd-sao serve or SGLang)")
         sync = SyncSettings(address=cfg.weight_sync_address, bucket_bytes=int(cfg.weight_sync_bucket_mb * (1 << 20)),
                             group_timeout_s=cfg.weight_sync_timeout_s)
         return Fleet(cfg.urls, checkpoint=checkpoint, weights_dir=cfg.weights_dir, max_inflight=cfg.max_batch,

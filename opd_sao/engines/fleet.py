@@ -38,6 +38,7 @@ from .base import GenerationRequest, ResultCallback, RolloutEngine
 from .http import Aborted, PromptLogprobs, ServerDown, ServerError, SGLangClient
 from .retry import ROUTER_TRANSIENT_STATUS
 from .weight_sync import WEIGHT_SYNCS, SyncSettings
+from opd_sao.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +61,10 @@ def discover_fleet(urls: Iterable[str], workers: Iterable[str] = (), timeout: fl
     for url in urls:
         client = SGLangClient(url, timeout, **client_options)
         if not client.health():
-            raise ValueError(f"rollout server {client.url} is not answering /health")
+            raise UsageError(f"rollout server {client.url} is not answering /health")
         behind = client.router_workers()
         if behind is not None and not (listed or behind):
-            raise ValueError(f"engine.urls: {client.url} is a router with no workers registered and engine.workers "
+            raise UsageError(f"engine.urls: {client.url} is a router with no workers registered and engine.workers "
                              "is empty: weight syncs need the workers' URLs")
         if behind is not None:
             client.transient = ROUTER_TRANSIENT_STATUS
@@ -72,7 +73,7 @@ def discover_fleet(urls: Iterable[str], workers: Iterable[str] = (), timeout: fl
     servers = [client.url for client, is_router in targets if not is_router]
     for url in listed or discovered:
         if url not in servers and not SGLangClient(url, timeout, **client_options).health():
-            raise ValueError(f"rollout worker {url} is not answering /health")
+            raise UsageError(f"rollout worker {url} is not answering /health")
     return targets, list(dict.fromkeys(servers + (listed or discovered)))
 
 
@@ -123,9 +124,9 @@ class Fleet(RolloutEngine):
                  **client_options):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
-            raise ValueError("the fleet needs at least one rollout server URL (engine.urls)")
+            raise UsageError("the fleet needs at least one rollout server URL (engine.urls)")
         if routing not in ROUTING:
-            raise ValueError(f"routing {routing!r}: use one of {sorted(ROUTING)}")
+            raise UsageError(f"routing {routing!r}: use one of {sorted(ROUTING)}")
         mode_cls = WEIGHT_SYNCS.get(weight_sync)
         self.down_timeout, self.probe_s, self._route = down_timeout, probe_s, ROUTING[routing]
         self._servers = []

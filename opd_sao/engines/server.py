@@ -461,7 +461,7 @@ class RolloutServer:
             raise WeightSyncRefused(f"model_path {path[:200]!r} is not an HF model directory")
         try:
             return load_causal_lm(resolved, self.dtype).state_dict()
-        except Exception as err:  # noqa: BLE001 (a broken checkpoint is the request's fault)
+        except Exception as err:  # a broken checkpoint is the request's fault
             raise WeightSyncRefused(f"{resolved} could not be loaded: {type(err).__name__}: {err}") from None
 
     def session_open(self) -> bool:
@@ -795,7 +795,8 @@ async def _body(request: Request) -> dict:
     return body
 
 
-def build_app(server: RolloutServer, *, max_body_bytes: int = MAX_BODY_BYTES, api_key: Optional[str] = None,
+def build_app(server: RolloutServer, *,  # noqa: C901  a flat list of routes, each branch one route's binding
+              max_body_bytes: int = MAX_BODY_BYTES, api_key: Optional[str] = None,
               admin_api_key: Optional[str] = None) -> "_Guard":
     """The routes, each a thin binding of a RolloutServer endpoint (run in a thread: they block)."""
     app = FastAPI(title="opd-sao serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -814,7 +815,7 @@ def build_app(server: RolloutServer, *, max_body_bytes: int = MAX_BODY_BYTES, ap
             return _json(400, {"success": False, "message": str(err)} if weight else {"error": {"message": str(err)}})
         except ClientGone:
             return Response(status_code=499)
-        except Exception as err:  # noqa: BLE001 (a server answers, it does not die)
+        except Exception as err:  # a server answers, it does not die
             return _json(500, {"error": {"message": f"{type(err).__name__}: {err}"}})
         finally:
             if watcher is not None:
@@ -834,7 +835,7 @@ def build_app(server: RolloutServer, *, max_body_bytes: int = MAX_BODY_BYTES, ap
         if request.url.path == "/health_generate":
             try:
                 await anyio.to_thread.run_sync(server.health_generate, limiter=limiter)
-            except Exception:  # noqa: BLE001 (the answer is the status)
+            except Exception:  # the answer is the status
                 pass
         return Response(status_code=200 if server.healthy else 503)
 

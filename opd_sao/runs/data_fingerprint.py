@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from opd_sao.runs.files import write_json
+from opd_sao.errors import UsageError
 
 RECORD = "data.fingerprint.json"
 
@@ -56,5 +57,5 @@ def check_data_record(stage_files: dict[str, list[str]], run_dir: Path) -> None:
             if old is None or new is None or (old["size"], old["sha256"]) != (new["size"], new["sha256"]):
                 what = "is gone" if new is None else "is new" if old is None else \
                     f"changed (size {old['size']} -> {new['size']}, sha256 {old['sha256'][:12]} -> {new['sha256'][:12]})"
-                raise ValueError(f"stage {stage!r}: data file {file} {what} since the run started; a resume continues "
+                raise UsageError(f"stage {stage!r}: data file {file} {what} since the run started; a resume continues "
                                  f"on the data it started with (restore the file, or start a new run)")

@@ -11,6 +11,7 @@ from opd_sao.engines.embedded import EmbeddedEngine
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.devices import resolve_device
 from opd_sao.rl.rollout import Episode, episodes_for, run_episodes
+from opd_sao.errors import UsageError
 
 
 def make_episodes(env_factory, tasks, tokenizer, rollout: RolloutConfig, *, domain: str, temperature: float,
@@ -31,7 +32,7 @@ def evaluate(checkpoint: Path, env_factory, tokenizer, *, domain: str, rollout: 
     """
     tasks = env_factory().make_tasks("eval", eval_cfg.num_tasks, seed=seed)
     if not tasks:
-        raise ValueError(f"environment {domain!r} has no eval tasks")
+        raise UsageError(f"environment {domain!r} has no eval tasks")
     model = load_causal_lm(checkpoint, device=resolve_device(device), attn_implementation=attn_implementation)
     engine = EmbeddedEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, max_batch=64,
                             seed=seed)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from opd_sao.runs.files import write_json
+from opd_sao.errors import UsageError
 
 RECORD = "config.fingerprint.json"
 SAFE_ON_RESUME = ("logging.",)  # prefixes of dotted fields that change how a run reports, not what it trains
@@ -103,7 +104,7 @@ def check_resume(config: dict, run_dir: Path, *, allow_change: bool = False) -> 
         named = ", ".join(f"{key} ({a!r} -> {b!r})" for key, a, b in shown[:SHOWN])
         more = f" and {len(shown) - SHOWN} more" if len(shown) > SHOWN else ""
         hint = "start a new run for these" if unsafe else "resume with --allow-config-change for these"
-        raise ValueError(f"{Path(run_dir) / 'config.yaml'} was changed since the run started: {named}{more}; "
+        raise UsageError(f"{Path(run_dir) / 'config.yaml'} was changed since the run started: {named}{more}; "
                          f"a resume continues with the config it started with ({hint}; --allow-config-change "
                          f"allows only {', '.join(p + '*' for p in SAFE_ON_RESUME)}, and stages not started yet "
                          f"may be edited freely)")

@@ -15,11 +15,12 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+from opd_sao.errors import UsageError
 
 LOCK = ".lock"
 
 
-class RunDirLocked(ValueError):
+class RunDirLocked(UsageError):
     """Another live run holds the directory (one line naming it)."""
 
 

@@ -1,4 +1,5 @@
-"""The run report: report.md with matplotlib plots, from summary.json and the stages' logs.
+"""The run report: report.md with matplotlib plots (tables only where matplotlib is not installed, as on a GPU
+machine set up offline by scripts/gpu_wheels.sh), from summary.json and the stages' logs.
 
 The domain x stage table is the anti-forgetting evidence: every domain's held-out score after every
 stage, the best any earlier stage reached, and what the last stage brought back.
@@ -8,13 +9,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import matplotlib
+try:
+    import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    plt = None
 
-from opd_sao.runs.tracking import read_jsonl  # noqa: E402
-from opd_sao.runs.files import atomic_write  # noqa: E402
+from opd_sao.runs.tracking import read_jsonl
+from opd_sao.runs.files import atomic_write
 
 CURVES = [
     ("reward_mean", "reward"),
@@ -127,10 +131,11 @@ def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     plots = run_dir / "plots"
-    plots.mkdir(exist_ok=True)
-    _plot_curves(run_dir, summary["stages"], plots / "training.png")
-    _plot_domains(summary, plots / "domains.png")
-    has_gates = _plot_gates(summary, plots / "gates.png")
+    if plt is not None:
+        plots.mkdir(exist_ok=True)
+        _plot_curves(run_dir, summary["stages"], plots / "training.png")
+        _plot_domains(summary, plots / "domains.png")
+        has_gates = _plot_gates(summary, plots / "gates.png")
 
     columns, domains, rows = domain_table(summary)
     lines = [f"# Run report: {run_dir.name}", "", "## Held-out score of every domain after every stage", "",
@@ -157,10 +162,13 @@ def write_report(run_dir: Path) -> Path:
                      f"{s.get('wall_s', '-')} | {verdict} | {resumed} |")
     for s in summary["stages"]:
         lines += _schedule_lines(s)
-    lines += ["", "## Plots", "", "![domains](plots/domains.png)", "",
-              "![training: reward, value loss, explained variance, DIS masked fraction, staleness](plots/training.png)"]
-    if has_gates:
-        lines += ["", "![gates](plots/gates.png)"]
+    if plt is None:
+        lines += ["", "## Plots", "", "None: matplotlib is not installed."]
+    else:
+        lines += ["", "## Plots", "", "![domains](plots/domains.png)", "",
+                  "![training: reward, value loss, explained variance, DIS masked fraction, staleness](plots/training.png)"]
+        if has_gates:
+            lines += ["", "![gates](plots/gates.png)"]
     report = run_dir / "report.md"
     atomic_write(report, "\n".join(lines) + "\n")
     return report

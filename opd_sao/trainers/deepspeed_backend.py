@@ -41,6 +41,7 @@ from .micro_batches import Deferred, Outputs, Rows, micro_forward, widen
 from .base import (SupportLogprobs, TrainerBackend, action_rows_of, action_support_logprobs, adamw, lr_scheduler,
                    prepare, require_finite, split, weights_dtype)
 from .critic import ValueModel
+from opd_sao.errors import UsageError
 
 # Followers block in a broadcast while rank 0 runs SFT, evaluations or rollouts; those can take hours.
 COLLECTIVE_TIMEOUT = timedelta(hours=6)
@@ -99,16 +100,16 @@ def deepspeed_config(cfg: TrainerConfig, lr: float) -> dict:
     ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("zero_optimization", {"stage": 2})
     if ds["zero_optimization"].get("stage", 0) not in (1, 2, 3):
-        raise ValueError("trainer.deepspeed_config.zero_optimization.stage must be 1, 2 or 3 "
+        raise UsageError("trainer.deepspeed_config.zero_optimization.stage must be 1, 2 or 3 "
                          "(for unsharded single-process training use trainer.backend: torch)")
     if ds["gradient_accumulation_steps"] != 1:
-        raise ValueError("trainer.deepspeed_config.gradient_accumulation_steps must be 1: "
+        raise UsageError("trainer.deepspeed_config.gradient_accumulation_steps must be 1: "
                          "one Learner step is one optimizer step")
     if ds.get("fp16", {}).get("enabled"):
-        raise ValueError("trainer.deepspeed_config.fp16 is not supported; use trainer.dtype: bfloat16")
+        raise UsageError("trainer.deepspeed_config.fp16 is not supported; use trainer.dtype: bfloat16")
     bf16 = bool(ds.get("bf16", {}).get("enabled", cfg.dtype == "bfloat16"))
     if bf16 != (cfg.dtype == "bfloat16"):
-        raise ValueError(f"trainer.deepspeed_config.bf16.enabled={bf16} contradicts trainer.dtype={cfg.dtype}")
+        raise UsageError(f"trainer.deepspeed_config.bf16.enabled={bf16} contradicts trainer.dtype={cfg.dtype}")
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": bf16}
     if "optimizer" in ds:  # DeepSpeed builds it (e.g. DeepSpeedCPUAdam for offload); the lr is ours
         ds["optimizer"].setdefault("params", {})["lr"] = lr
@@ -135,7 +136,7 @@ class DeepSpeedTrainer(TrainerBackend):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(get_accelerator().current_device_name())
         if self.device.type != wanted.type:
-            raise ValueError(f"trainer.device {cfg.device!r} is {wanted}, but DeepSpeed's accelerator runs on "
+            raise UsageError(f"trainer.device {cfg.device!r} is {wanted}, but DeepSpeed's accelerator runs on "
                              f"{self.device} (DS_ACCELERATOR={wanted.type} chooses it)")
         self._announce("init", checkpoint=self.checkpoint, cfg=cfg.model_dump(), with_critic=with_critic,
                        critic_from=critic_from, attn_implementation=attn_implementation, total_steps=total_steps)
@@ -495,7 +496,7 @@ def follow(run_cfg=None) -> int:
     `run_cfg` (the pipeline's RunConfig) lets a rank that would wait for nothing fail at once.
     """
     if run_cfg is not None and not any(run_cfg.stage_trainer(s).backend == "deepspeed" for s in run_cfg.stages):
-        raise ValueError(f"launched as rank {os.environ.get('RANK')} of a multi-process run, but no stage uses "
+        raise UsageError(f"launched as rank {os.environ.get('RANK')} of a multi-process run, but no stage uses "
                          "trainer.backend: deepspeed (only DeepSpeed training uses the other ranks)")
     init_distributed()
     if dist.get_rank() == 0:

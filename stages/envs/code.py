@@ -68,7 +68,7 @@ class CodeEnv(Environment):
         try:
             verdict = VERDICTS.run(job, len(inputs), self.limits, sandbox_mode(self.allow_rlimit_only))
             passed, observation = verdict[0], feedback(verdict, [f"x={x}" for x in inputs])
-        except Exception as err:  # noqa: BLE001  an infrastructure failure is a failed step, never a crash
+        except Exception as err:  # an infrastructure failure is a failed step, never a crash
             logger.warning("code env: sandbox run failed: %r", err)
             passed, observation = 0, f"# sandbox error: {type(err).__name__}\n"
         score = passed / len(self.task["inputs"])

@@ -13,6 +13,7 @@ import itertools
 import random
 
 from .base import ExactAnswerEnv, register_env
+from opd_sao.errors import UsageError
 
 
 class DigitTaskEnv(ExactAnswerEnv):
@@ -20,7 +21,7 @@ class DigitTaskEnv(ExactAnswerEnv):
 
     def __init__(self, min_len: int = 3, max_len: int = 4, eval_fraction: float = 0.2):
         if not 1 <= min_len <= max_len <= 6:
-            raise ValueError(f"need 1 <= min_len <= max_len <= 6, got {min_len}, {max_len}")
+            raise UsageError(f"need 1 <= min_len <= max_len <= 6, got {min_len}, {max_len}")
         self.min_len, self.max_len, self.eval_fraction = min_len, max_len, eval_fraction
 
     @staticmethod

@@ -23,12 +23,13 @@ from pydantic import ValidationError, create_model
 
 from opd_sao.config import format_error
 from opd_sao.registry import Registry, check_keywords
+from opd_sao.errors import OpdSaoError, UsageError
 
 REWARDS: Registry[type["Reward"]] = Registry("reward")
 register_reward = REWARDS.register
 
 
-class RewardFailure(RuntimeError):
+class RewardFailure(OpdSaoError, RuntimeError):
     """A reward that could not be computed (an LLM judge that kept failing) and was told to stop the run."""
 
 
@@ -93,11 +94,11 @@ def check_reward(name: str, options: Optional[dict], *, also: tuple[str, ...] = 
     try:
         check_keywords(cls, options, also=also)
     except ValueError as err:
-        raise ValueError(f"{where} of {name!r}: {err}") from None
+        raise UsageError(f"{where} of {name!r}: {err}") from None
     hints = typing.get_type_hints(cls.__init__)
     typed = {key: (hints[key], ...) for key in options if key in hints}
     try:
         create_model(f"{cls.__name__}Options", **typed).model_validate({key: options[key] for key in typed})
     except ValidationError as err:
-        raise ValueError(f"{where} of {name!r}: {format_error(err)}") from None
+        raise UsageError(f"{where} of {name!r}: {format_error(err)}") from None
     return cls

@@ -34,6 +34,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import Literal
+from opd_sao.errors import OpdSaoError
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ while True:
 """
 
 
-class SandboxUnavailableError(RuntimeError):
+class SandboxUnavailableError(OpdSaoError, RuntimeError):
     """The sandbox cannot be built here; running anyway would be unsafe or meaningless."""
 
 

@@ -13,6 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from stages.envs.rewards import BadScore
+from opd_sao.errors import UsageError
 
 STOCHASTIC_REPLAYS = 64  # a noisy judge passing a good answer 1 time in 5 still misses all 64 with p ~ 1e-6
 CHECKS = {"oracle": "the oracle does not score 1", "noop": "a no-op scores above 0",
@@ -96,5 +97,5 @@ def require_valid(name: str, env_factory, n: int = 16, seed: int = 0) -> Validit
     """Stage start: refuse (one line, naming the failing task ids) an environment that fails the check."""
     report = check_environment(name, env_factory, n, seed)
     if not report.ok:
-        raise ValueError(report.describe() + "; refusing to train on it (see `opd-sao validate-env`)")
+        raise UsageError(report.describe() + "; refusing to train on it (see `opd-sao validate-env`)")
     return report

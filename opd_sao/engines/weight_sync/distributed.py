@@ -183,7 +183,7 @@ class DistributedSync(WeightSyncMode):
             group = self.init_group(backend=backend, init_method=f"tcp://{address}:{port}",
                                     timeout=datetime.timedelta(seconds=self.settings.group_timeout_s),
                                     world_size=world, rank=rank, group_name=name)
-        except Exception as err:  # noqa: BLE001 (torch raises several types for an unreachable store)
+        except Exception as err:  # torch raises several types for an unreachable store
             raise WeightSyncRefused(f"Failed to initialize custom process group: {type(err).__name__}: "
                                     f"{str(err).splitlines()[0][:200] if str(err) else ''}") from None
         self.groups[name] = group
@@ -217,7 +217,7 @@ class DistributedSync(WeightSyncMode):
                        "names, dtypes and shapes")
         try:
             state = dict(self.receive(self.groups[name], names, dtypes, shapes, load_format))
-        except Exception as err:  # noqa: BLE001 (a failed collective: the trainer or the group is gone)
+        except Exception as err:  # a failed collective: the trainer or the group is gone
             raise WeightSyncRefused(f"Failed to receive weights: {type(err).__name__}: {str(err)[:200]}") from None
         check_finite(state, "the broadcast weights")
         target.install(state, version)

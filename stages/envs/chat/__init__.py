@@ -29,6 +29,7 @@ from stages.envs.base import Environment, register_env, shuffled
 from stages.envs.rewards import build_reward, check_reward
 
 from .judges import words_of
+from opd_sao.errors import UsageError
 
 STYLES = ("cute", "chuunibyou", "classical")
 RESPONSES = {  # short, so a 2-layer model writes them well; the first word already commits to a style
@@ -57,9 +58,9 @@ class StyleSchedule:
 
     def __init__(self, first: str = "cute", switch_every: int = 0):
         if first not in STYLES:
-            raise ValueError(f"chat style {first!r} is not one of {list(STYLES)}")
+            raise UsageError(f"chat style {first!r} is not one of {list(STYLES)}")
         if switch_every < 0:
-            raise ValueError(f"chat switch_every must be >= 0 (got {switch_every})")
+            raise UsageError(f"chat switch_every must be >= 0 (got {switch_every})")
         self.first, self.switch_every = first, switch_every
 
     def style_at(self, step: int) -> str:
@@ -94,9 +95,9 @@ class ChatEnv(Environment):
                  eval_fraction: float = 0.2, train_step: Optional[Callable[[], int]] = None,
                  device: Optional[str] = None):
         if not 0 < recover_level <= 1:
-            raise ValueError(f"chat recover_level must be in (0, 1] (got {recover_level})")
+            raise UsageError(f"chat recover_level must be in (0, 1] (got {recover_level})")
         if recover_window < 1:
-            raise ValueError(f"chat recover_window must be >= 1 (got {recover_window})")
+            raise UsageError(f"chat recover_window must be >= 1 (got {recover_window})")
         self.schedule = StyleSchedule(style, switch_every)
         self.recover_level, self.recover_window = recover_level, recover_window
         self.judge = build_reward(judge, ensure_reward_model(judge, judge_options, device))
@@ -220,9 +221,9 @@ def check_judge(judge: str, options: Optional[dict], where: str = "judge_options
     try:
         check_reward(judge, options, also=REWARD_MODEL_TRAINING if judge == "reward_model" else (), where=where)
     except KeyError as err:
-        raise ValueError(f"judge: {err.args[0]}") from None
+        raise UsageError(f"judge: {err.args[0]}") from None
     except ValueError as err:
-        raise ValueError(f"judge: {err}") from None
+        raise UsageError(f"judge: {err}") from None
     if judge == "noisy":
         check_judge((options or {}).get("inner", "rule"), (options or {}).get("inner_options"), f"{where}.inner_options")
 

@@ -13,6 +13,7 @@ import threading
 from collections import Counter
 
 from stages.envs.rewards import Reward, Verdict, build_reward, register_reward
+from opd_sao.errors import UsageError
 
 ENDINGS = ".!?~"
 
@@ -52,7 +53,7 @@ class NoisyReward(Reward):
     def __init__(self, inner: str = "rule", inner_options: dict | None = None, miss_rate: float = 0.5,
                  seed: int = 0):
         if not 0 <= miss_rate <= 1:
-            raise ValueError(f"noisy judge: miss_rate must be in [0, 1] (got {miss_rate})")
+            raise UsageError(f"noisy judge: miss_rate must be in [0, 1] (got {miss_rate})")
         self.inner = build_reward(inner, inner_options)
         self.verifier, self.needs = self.inner.verifier, self.inner.needs
         self.miss_rate, self.rng, self.rng_lock = miss_rate, random.Random(seed), threading.Lock()

@@ -17,6 +17,7 @@ from transformers import AutoModelForSequenceClassification
 
 from opd_sao.checkpoints import encode_text, load_tokenizer, pretrained, save_checkpoint
 from opd_sao.devices import resolve_device
+from opd_sao.errors import UsageError
 
 Pair = tuple[str, str, str]  # (prompt, chosen response, rejected response)
 
@@ -84,7 +85,7 @@ def train_reward_model(init: str | Path, out: str | Path, pairs: list[Pair], hel
     accuracy etc. (also saved in the model's config as `reward_model`, with `trained_from`: what the pairs
     came from, so a later run can tell whether the model is still current)."""
     if not pairs or not heldout:
-        raise ValueError("training a reward model needs training and held-out preference pairs")
+        raise UsageError("training a reward model needs training and held-out preference pairs")
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(init)
     model = pretrained(AutoModelForSequenceClassification, init, num_labels=1,

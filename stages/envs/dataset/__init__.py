@@ -35,6 +35,7 @@ from stages.envs.rewards import REWARDS, build_reward, check_reward
 
 from . import rewards as dataset_rewards  # noqa: F401 (importing it registers the dataset rewards)
 from .files import BadRow, DatasetError, field, iter_rows, stable_fraction
+from opd_sao.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +70,11 @@ class DatasetOptions(Strict):
         try:
             names = [name for _, name, _, _ in string.Formatter().parse(self.prompt_template) if name is not None]
         except ValueError as err:
-            raise ValueError(f"prompt_template {self.prompt_template!r} is not a valid template: {err}") from None
+            raise UsageError(f"prompt_template {self.prompt_template!r} is not a valid template: {err}") from None
         allowed = {"prompt", *self.metadata_keys}
         bad = [name for name in names if name not in allowed]
         if bad:
-            raise ValueError(f"prompt_template {self.prompt_template!r} names {{{bad[0]}}}; it may name only "
+            raise UsageError(f"prompt_template {self.prompt_template!r} names {{{bad[0]}}}; it may name only "
                              f"{{prompt}} and metadata_keys {self.metadata_keys}")
         return self
 
@@ -83,7 +84,7 @@ class DatasetOptions(Strict):
             return {"train": self.path, "eval": self.path}
         if self.train_path and self.eval_path and not self.path:
             return {"train": self.train_path, "eval": self.eval_path}
-        raise ValueError("dataset env: give `path` (split by eval_fraction) or both `train_path` and `eval_path`")
+        raise UsageError("dataset env: give `path` (split by eval_fraction) or both `train_path` and `eval_path`")
 
 
 @functools.cache
@@ -92,7 +93,7 @@ def _chat_tokenizer(path: str):
 
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"dataset env: the tokenizer at {path!r} has no chat template (leave chat_template unset "
+        raise UsageError(f"dataset env: the tokenizer at {path!r} has no chat template (leave chat_template unset "
                          f"to show prompts as plain 'role: text' lines)")
     return tokenizer
 
@@ -111,7 +112,7 @@ def vacuous(test: str) -> str:
         body = ast.parse(test).body
     except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
         return f"is not valid Python ({type(err).__name__})"
-    constant = lambda node: isinstance(node, ast.Constant)  # noqa: E731
+    constant = lambda node: isinstance(node, ast.Constant)
     if all(isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and constant(s.value))
            or (isinstance(s, ast.Assert) and constant(s.test)) for s in body):
         return "is empty or vacuous (it runs none of the program: any program would pass it)"
@@ -167,7 +168,7 @@ class DatasetEnv(Environment):
         try:
             opts = DatasetOptions(**options)
         except ValidationError as err:
-            raise ValueError(f"dataset env option {format_error(err)}") from None
+            raise UsageError(f"dataset env option {format_error(err)}") from None
         check_reward(opts.reward, opts.reward_options)
         if options:  # the bare default (the pipeline's corpus of every class) names no file
             for path in opts.files().values():
@@ -274,7 +275,7 @@ class DatasetEnv(Environment):
         """Up to n tasks of the split in a seeded order (a seeded hash of the id), holding at most n at a time."""
         if not self.has_files:
             return []
-        order = lambda task: stable_fraction(f"{seed}:{task['id']}")  # noqa: E731
+        order = lambda task: stable_fraction(f"{seed}:{task['id']}")
         return heapq.nsmallest(n, self.scan(split), key=order)
 
     # ---------------------------------------------------------------------------------------- episode

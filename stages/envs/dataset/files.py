@@ -13,15 +13,16 @@ import hashlib
 import json
 from pathlib import Path
 from typing import Any, Iterator, Optional
+from opd_sao.errors import UsageError
 
 BATCH_ROWS = 1024  # rows per Parquet / Arrow batch
 
 
-class DatasetError(ValueError):
+class DatasetError(UsageError):
     """A file that cannot be read as a dataset, or that holds more malformed rows than allowed (one line)."""
 
 
-class BadRow(ValueError):
+class BadRow(UsageError):
     """One malformed row; the message names the file, the row and the field."""
 
 
@@ -96,7 +97,7 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
 
     try:
         table = pq.ParquetFile(path)
-    except Exception as err:  # noqa: BLE001  pyarrow raises several kinds for a file that is not Parquet
+    except Exception as err:  # pyarrow raises several kinds for a file that is not Parquet
         raise DatasetError(f"{path}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
     number = 0
     for batch in table.iter_batches(batch_size=BATCH_ROWS):

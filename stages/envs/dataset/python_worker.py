@@ -44,7 +44,7 @@ if __name__ == "__main__":
         try:
             answer = {"out": function(job["task"], job["response"])}
             text = json.dumps(answer, default=float)  # numpy scalars too
-        except Exception as err:  # noqa: BLE001  the reward's own failure, reported to the run
+        except Exception as err:  # the reward's own failure, reported to the run
             text = json.dumps({"error": f"{type(err).__name__}: {err}".splitlines()[0][:300]})
         sys.stdout.write(text + "\n")
         sys.stdout.flush()

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 from stages.envs.rewards import Reward, RewardFailure, Verdict, register_reward
 
 from .python_worker import import_function
+from opd_sao.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class MathReward(Reward):
 
     def __init__(self, timeout_s: int = 5, startup_s: float = 60.0, strict: bool = False):
         if timeout_s < 1:
-            raise ValueError(f"math reward: timeout_s must be >= 1 (got {timeout_s})")
+            raise UsageError(f"math reward: timeout_s must be >= 1 (got {timeout_s})")
         self.timeout_s, self.checker, self.strict = int(timeout_s), Worker("math_worker.py", startup_s=startup_s), strict
         self._cache: dict[tuple[str, str], bool] = {}
         self.counts = {"checks": 0, "timeouts": 0, "no_answer": 0}
@@ -206,7 +207,7 @@ class CodeTestsReward(Reward):
             verdict = VERDICTS.run(job, len(labels), self.limits, mode)
         except SandboxUnavailableError:
             raise
-        except Exception as err:  # noqa: BLE001  an infrastructure failure is a failed step, never a crash
+        except Exception as err:  # an infrastructure failure is a failed step, never a crash
             self.counts["sandbox_errors"] += 1
             logger.warning("code_tests reward: sandbox run failed: %r", err)
             return Verdict(0.0, f"# sandbox error: {type(err).__name__}\n")
@@ -245,7 +246,7 @@ class _Batcher:
             if batch:
                 try:
                     scores = self.score_many([b[0] for b in batch], [b[1] for b in batch])
-                except BaseException as err:  # noqa: BLE001  every waiter of the batch sees the failure
+                except BaseException as err:  # every waiter of the batch sees the failure
                     scores = [err] * len(batch)
                 self.batches += 1
                 for b, s in zip(batch, scores):
@@ -283,7 +284,7 @@ class RewardModelReward(Reward):
             train_from_file(Path(train_from), Path(path), prompt_key=prompt_key, chosen_key=chosen_key,
                             rejected_key=rejected_key, steps=train_steps, seed=seed)
         elif not (Path(path) / "config.json").is_file():
-            raise ValueError(f"reward_model reward: no model at {path!r} and no `train_from` preference file")
+            raise UsageError(f"reward_model reward: no model at {path!r} and no `train_from` preference file")
         self.model = RewardModel(path, device=device)
         self.binary = binary
         self.threshold = self.model.threshold if threshold is None else float(threshold)
@@ -334,19 +335,19 @@ class JudgeReward(Reward):
         import openai
 
         if on_failure not in ("raise", "zero"):
-            raise ValueError(f"judge reward: on_failure must be 'raise' or 'zero' (got {on_failure!r})")
+            raise UsageError(f"judge reward: on_failure must be 'raise' or 'zero' (got {on_failure!r})")
         if max_score <= 0 or concurrency < 1 or retries < 0:
-            raise ValueError("judge reward: need max_score > 0, concurrency >= 1, retries >= 0")
+            raise UsageError("judge reward: need max_score > 0, concurrency >= 1, retries >= 0")
         try:
             template.format(prompt="", response="", reference="")
         except (KeyError, IndexError) as err:
-            raise ValueError(f"judge reward: template may only use {{prompt}}, {{response}}, {{reference}} "
+            raise UsageError(f"judge reward: template may only use {{prompt}}, {{response}}, {{reference}} "
                              f"(found {err})") from None
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0)
         try:
             self.pattern = re.compile(score_pattern) if score_pattern else None
         except re.error as err:
-            raise ValueError(f"judge reward: score_pattern {score_pattern!r} is not a regular expression: {err}") from None
+            raise UsageError(f"judge reward: score_pattern {score_pattern!r} is not a regular expression: {err}") from None
         self.model, self.template = model, template
         self.backoff_s, self.max_wait_s = backoff_s, max_wait_s
         self.max_score, self.retries, self.on_failure = max_score, retries, on_failure
@@ -388,7 +389,7 @@ class JudgeReward(Reward):
         for attempt in range(self.retries + 1):
             try:
                 return Verdict(self._ask(content), info={"tries": attempt + 1})
-            except Exception as err:  # noqa: BLE001  any failed try is retried, then counted
+            except Exception as err:  # any failed try is retried, then counted
                 self._count("failed_tries")
                 error = err
                 if attempt < self.retries:
@@ -443,9 +444,9 @@ class PythonReward(Reward):
         self.verifier, self.multi_turn, self.slow, self.needs = verifier, multi_turn, slow, tuple(needs)
         if (len(reward_range) != 2 or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in reward_range)
                 or reward_range[0] >= reward_range[1]):
-            raise ValueError(f"python reward: reward_range must be [low, high], finite, low < high (got {reward_range!r})")
+            raise UsageError(f"python reward: reward_range must be [low, high], finite, low < high (got {reward_range!r})")
         if not timeout_s > 0:
-            raise ValueError(f"python reward: timeout_s must be > 0 (got {timeout_s})")
+            raise UsageError(f"python reward: timeout_s must be > 0 (got {timeout_s})")
         self.reward_range = (float(reward_range[0]), float(reward_range[1]))
         self.timeout_s = float(timeout_s)
         self.worker = Worker("python_worker.py", (json.dumps(sys.path), function), startup_s, isolated=False)
