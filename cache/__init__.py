@@ -19,12 +19,15 @@ API:
   encode_top_k(logp_rows, k, sampled_ids), encode_top_p(logp_rows, p, sampled_ids, max_support),
   encode_full(logp_rows, sampled_ids), record_from_logprobs(meta, logp_rows, sampled_ids) -> TeacherRecord
   capped_nucleus_size(logp_desc, p, max_support), nucleus_cut(row_len, tail_mass, p, max_support): the top-p cap
+  quantised(meta, record): what the cache will return for record, without the byte coding
+  BackgroundWriter(teacher_cache).submit(records) / get(traj_id) / flush() / close(): commits beside the trainer
   cache.cli: inspect(path), verify(path), gc(path), main(argv)
 
 The byte encoding and its error bounds are documented in ``cache.encoding``; the storage layout and commit
 protocol in ``cache.store``.
 """
 
+from .encoding import quantised
 from .errors import CacheDamagedError, CacheMismatchError, CacheReadOnlyError, CorruptRecordError
 from .records import CacheMeta, TeacherRecord
 from .store import LogitCache, TeacherCache
@@ -36,8 +39,10 @@ from .support import (
     nucleus_cut,
     record_from_logprobs,
 )
+from .writer import BackgroundWriter
 
 __all__ = [
+    "BackgroundWriter",
     "CacheDamagedError",
     "CacheMeta",
     "CacheMismatchError",
@@ -51,5 +56,6 @@ __all__ = [
     "encode_top_k",
     "encode_top_p",
     "nucleus_cut",
+    "quantised",
     "record_from_logprobs",
 ]

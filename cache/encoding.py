@@ -395,16 +395,27 @@ def _support_gaps(meta: CacheMeta, record: TeacherRecord) -> np.ndarray:
     return gaps
 
 
+def full_codes(meta: CacheMeta, record: TeacherRecord) -> np.ndarray:
+    """uint8 [n, vocab_size]: a full record's logprobs as the cache codes them (its codes when it holds them)."""
+    shape = (record.n_positions, meta.vocab_size)
+    if record.logp_codes is not None:
+        codes = np.asarray(record.logp_codes)
+        _require(codes.dtype == np.uint8 and codes.shape == shape, "full logp_codes must be uint8 [n, vocab_size]")
+        return codes
+    _require(record.logp is not None, "full records need logp or logp_codes")
+    logp = np.asarray(record.logp)
+    _require(logp.shape == shape, "full logp must be [n, vocab_size]")
+    _require(not np.isnan(logp).any(), "logp holds NaN")
+    return quantise_logp(logp)
+
+
 def to_streams(meta: CacheMeta, record: TeacherRecord) -> dict[str, np.ndarray]:
     """Quantise and pack ``record``; raises ValueError when it does not fit ``meta``."""
     sampled = np.asarray(record.sampled_logp, dtype=np.float64)
     _require(sampled.ndim == 1 and not np.isnan(sampled).any(), "sampled_logp must be [n] without NaN")
     streams = {"sampled_logp": _to_fixed_point(-sampled)}
     if meta.granularity == "full":
-        logp = np.asarray(record.logp)
-        _require(logp.shape == (record.n_positions, meta.vocab_size), "full logp must be [n, vocab_size]")
-        _require(not np.isnan(logp).any(), "logp holds NaN")
-        streams["logp"] = quantise_logp(logp.reshape(-1))
+        streams["logp"] = full_codes(meta, record).reshape(-1)
     elif meta.granularity in ("top_k", "top_p"):
         _support_gaps(meta, record)  # validates
         _require(not np.isnan(record.logp).any(), "logp holds NaN")
@@ -422,8 +433,7 @@ def from_streams(meta: CacheMeta, n_positions: int, streams: dict[str, np.ndarra
     if meta.granularity == "sampled":
         return TeacherRecord(sampled_logp=sampled)
     if meta.granularity == "full":
-        logp = dequantise_logp(streams["logp"])
-        return TeacherRecord(sampled_logp=sampled, logp=logp.reshape(n_positions, meta.vocab_size))
+        return TeacherRecord(sampled_logp=sampled, logp_codes=streams["logp"].reshape(n_positions, meta.vocab_size))
     if meta.granularity == "top_k":
         row_len = np.full(n_positions, meta.k, dtype=np.int64)
     else:
@@ -432,6 +442,29 @@ def from_streams(meta: CacheMeta, n_positions: int, streams: dict[str, np.ndarra
     ids, logp = _decode_support(streams["ids"], streams["logp"], row_len, meta.vocab_size)
     tail = np.exp(-_from_fixed_point(streams["tail_mass"])).astype(np.float32)
     return TeacherRecord(sampled_logp=sampled, ids=ids, logp=logp, offsets=offsets, tail_mass=tail)
+
+
+def quantised(meta: CacheMeta, record: TeacherRecord) -> TeacherRecord:
+    """What the cache returns for ``record`` (``from_streams(to_streams(record))``, equal to the bit), without the
+    byte coding: the trainer trains on this while the record is committed beside it (``cache.writer``).
+    Raises ValueError where ``to_streams`` would."""
+    sampled = np.asarray(record.sampled_logp, dtype=np.float64)
+    _require(sampled.ndim == 1 and not np.isnan(sampled).any(), "sampled_logp must be [n] without NaN")
+    sampled = (-_from_fixed_point(_to_fixed_point(-sampled))).astype(np.float32)
+    if meta.granularity == "sampled":
+        return TeacherRecord(sampled_logp=sampled)
+    if meta.granularity == "full":
+        return TeacherRecord(sampled_logp=sampled, logp_codes=full_codes(meta, record))
+    _require(record.logp is not None and not np.isnan(record.logp).any(), "logp holds NaN")
+    _support_gaps(meta, record)  # validates
+    row_len = np.diff(np.asarray(record.offsets, dtype=np.int64))
+    step = np.repeat(sqrt_step(row_len), row_len)
+    logp = dequantise_sqrt_p(quantise_sqrt_p(record.logp, step), step)
+    with np.errstate(divide="ignore"):
+        depth = _to_fixed_point(-np.log(np.clip(np.asarray(record.tail_mass, np.float64), 0, 1)))
+    tail = np.exp(-_from_fixed_point(depth)).astype(np.float32)
+    return TeacherRecord(sampled_logp=sampled, ids=np.asarray(record.ids, np.int64), logp=logp,
+                         offsets=np.concatenate([[0], np.cumsum(row_len)]), tail_mass=tail)
 
 
 def checksum(streams: dict[str, np.ndarray]) -> int:

@@ -65,6 +65,8 @@ class TeacherRecord:
     logp:         float32 [total] teacher logprobs of ``ids`` (top_k, top_p), or [n, vocab] (full).
     offsets:      int64 [n + 1], position i owns ids[offsets[i]:offsets[i + 1]] (top_k, top_p).
     tail_mass:    float32 [n], 1 - the probability kept in the support (top_k, top_p).
+    logp_codes:   uint8 [n, vocab] (full, instead of logp): the cache's own codes of -logp
+                  (``encoding.LOGP_DEPTHS``), a quarter of the float32 bytes; what reading a full record returns.
     """
 
     sampled_logp: np.ndarray
@@ -72,6 +74,7 @@ class TeacherRecord:
     logp: np.ndarray | None = None
     offsets: np.ndarray | None = None
     tail_mass: np.ndarray | None = None
+    logp_codes: np.ndarray | None = None
 
     @property
     def n_positions(self) -> int:

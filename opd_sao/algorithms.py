@@ -534,6 +534,34 @@ def truncated_divergence(
     return beta * _kl(P_t, log_P_t, log_P_m, bucket_mask) + (1.0 - beta) * _kl(P_s, log_P_s, log_P_m, bucket_mask)
 
 
+def pointwise_divergence(
+    student_logp: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    kind: str = "forward_kl",
+    beta: float = 0.5,
+) -> torch.Tensor:
+    """Per-entry terms ``[N, C]`` of a divergence over the whole vocabulary: their sum over all V columns is
+    ``truncated_divergence`` of full rows without the (rounding-level) tail bucket, so a streamed kernel sums
+    it one vocabulary chunk at a time (``modeling.streamed_divergence``). Same floors, same kinds: forward KL
+    ``p_t (log p_t - log p_s)``, reverse KL ``p_s (log p_s - log p_t)``, JSD ``beta p_t (log p_t - log m) +
+    (1 - beta) p_s (log p_s - log m)``, ``m = beta p_t + (1 - beta) p_s``. Teacher detached."""
+    if kind not in ("forward_kl", "reverse_kl", "jsd"):
+        raise ValueError(f"unknown divergence kind {kind!r}; expected forward_kl, reverse_kl or jsd")
+    dtype = torch.float64 if student_logp.dtype == torch.float64 else torch.float32
+    tiny = torch.finfo(dtype).tiny
+    log_floor = math.log(tiny)
+    s_lp, t_lp = student_logp.to(dtype), teacher_logp.detach().to(dtype)
+    p_s, p_t = s_lp.exp(), t_lp.exp()
+    log_s, log_t = s_lp.clamp(min=log_floor), t_lp.clamp(min=log_floor)
+    if kind == "forward_kl":
+        return p_t * (log_t - log_s)
+    if kind == "reverse_kl":
+        return p_s * (log_s - log_t)
+    p_m = beta * p_t + (1.0 - beta) * p_s
+    log_m = p_m.clamp(min=tiny).log()
+    return beta * p_t * (log_t - log_m) + (1.0 - beta) * p_s * (log_s - log_m)
+
+
 def renormalize_support(
     teacher_logp_support: torch.Tensor,
     support_mask: torch.Tensor,

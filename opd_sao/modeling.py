@@ -9,6 +9,7 @@ batch the model itself handles in megabytes. On top of the chunks:
   recomputes each chunk in the backward pass (memory: row_block x vocab_chunk, not N x V);
 - `sequence_logprobs`: the trainer's view of a batch (RL, and SFT's loss: `algorithms.sft_loss`);
 - `support_logprobs`: the OPD student's logprobs on a teacher's support plus the exact tail mass;
+- `streamed_divergence`: OPD's full-vocabulary divergence, student and teacher read chunk by chunk together;
 - teachers read the same chunks for their top-k / top-p supports (`teachers/scoring.py`).
 
 One function computes a token's logprob, so engine and trainer agree by construction wherever they can
@@ -446,6 +447,99 @@ def support_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     support_logp, tail_logp, top_ids = _ChunkedSupportLogprob.apply(hidden, weight, ids, support_mask.bool(),
                                                                     vocab_chunk, row_block, top_k)
     return support_logp, tail_logp, top_ids if top_k else None
+
+
+class _StreamedDivergence(torch.autograd.Function):
+    """Per row, sum over the whole vocabulary of `terms(student logp, teacher logp)`, student and teacher read
+    together one vocabulary chunk at a time: never [N, V] in either direction.
+
+    Forward: one pass for the student's logsumexp (and its top-k ids), one for the terms; it keeps per row the
+    logsumexp and G = sum_v g_v, g_v = d terms / d log p_s(v) (autograd on each chunk's elementwise terms).
+    Backward recomputes each chunk: d/dz_v = g_v - p_v G (log p_s = z - lse), times the row's output gradient.
+    `report` (no grad) sums other terms beside (the learner's reverse-KL metric) in the same pass.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher_chunk, terms, report, vocab_chunk, row_block, top_k):
+        n, acc, dev = hidden.shape[0], acc_dtype(weight), hidden.device
+        lse, total = torch.empty(n, dtype=acc, device=dev), torch.zeros(n, dtype=acc, device=dev)
+        out, extra = torch.zeros(n, dtype=acc, device=dev), torch.zeros(n, dtype=acc, device=dev)
+        top_ids = torch.zeros((n, min(top_k, weight.shape[0])), dtype=torch.long, device=dev)
+        for rows in _row_blocks(n, row_block):
+            block_lse = torch.full((rows.stop - rows.start,), MASKED, dtype=acc, device=dev)
+            top = RunningTopK(rows.stop - rows.start, top_k, block_lse) if top_k else None
+            for start, logits in logit_chunks(hidden[rows], weight, None, vocab_chunk):
+                if top is not None:
+                    top.add(logits, start)
+                block_lse = torch.logaddexp(block_lse, fused_logsumexp(logits))
+            lse[rows] = block_lse
+            if top is not None:
+                top_ids[rows] = top.result()[1]
+            for start, logits in logit_chunks(hidden[rows], weight, None, vocab_chunk):
+                student = logits.sub_(block_lse.unsqueeze(1))
+                teacher = teacher_chunk(rows, start, start + student.shape[1]).to(student)
+                value, grad = _terms_and_grad(terms, student, teacher)
+                out[rows] += value.sum(1)
+                total[rows] += grad.sum(1)
+                if report is not None:
+                    extra[rows] += report(student, teacher).sum(1)
+        ctx.save_for_backward(hidden, weight, lse, total)
+        ctx.teacher_chunk, ctx.terms = teacher_chunk, terms
+        ctx.vocab_chunk, ctx.row_block, ctx.autocast = vocab_chunk, row_block, autocast_state(hidden.device)
+        ctx.mark_non_differentiable(extra, top_ids)
+        return out, extra, top_ids
+
+    @staticmethod
+    def backward(ctx, grad_out, _extra, _top):
+        device_type, enabled, dtype = ctx.autocast
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            return _StreamedDivergence._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
+        hidden, weight, lse_all, total_all = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        acc = acc_dtype(weight)
+        grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_out = grad_out.to(acc)
+        for rows in _row_blocks(hidden.shape[0], ctx.row_block):
+            h, g_row = hidden[rows].to(weight.dtype), grad_out[rows].unsqueeze(1)
+            lse, total = lse_all[rows].unsqueeze(1), total_all[rows].unsqueeze(1)
+            for start, logits in logit_chunks(h, weight, None, ctx.vocab_chunk):
+                student = logits.sub_(lse)
+                end = start + student.shape[1]
+                _, grad = _terms_and_grad(ctx.terms, student, ctx.teacher_chunk(rows, start, end).to(student))
+                coef = grad.sub_(student.exp_().mul_(total)).mul_(g_row)
+                _add_chunk_grads(coef, h, weight, rows, start, end, grad_h, grad_w)
+        return (grad_h.to(hidden.dtype) if need_h else None, grad_w.to(weight.dtype) if need_w else None,
+                None, None, None, None, None, None)
+
+
+def _terms_and_grad(terms, student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(terms(student, teacher), d sum(terms) / d student) of one chunk."""
+    with torch.enable_grad():
+        leaf = student.detach().requires_grad_()
+        value = terms(leaf, teacher)
+        (grad,) = torch.autograd.grad(value.sum(), leaf)
+    return value.detach(), grad
+
+
+def streamed_divergence(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], teacher_chunk,
+                        terms, *, report=None, vocab_chunk: int = VOCAB_CHUNK, top_k: int = 0,
+                        row_block: int = ROW_BLOCK) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Per row, sum over the whole vocabulary of the elementwise `terms(student logp, teacher logp)` (e.g.
+    `algorithms.pointwise_divergence`): OPD's `full` granularity without an [N, V] tensor.
+
+    hidden [N, H] (with grad), weight [V, H]; `teacher_chunk(rows, start, end)` gives the teacher's logprobs
+    [rows, end - start] of those vocabulary columns. Returns (divergence [N], differentiable in hidden, weight
+    and bias; the sum of `report` terms [N] (zeros without one), no grad; the student's top-k ids [N, k] or
+    None). Memory: a few row_block x vocab_chunk buffers in both directions.
+    """
+    hidden, weight = _fold_bias(hidden, weight, bias, torch.ones(hidden.shape[0], device=hidden.device))
+    div, extra, top_ids = _StreamedDivergence.apply(hidden, weight, teacher_chunk, terms, report, vocab_chunk,
+                                                    row_block, top_k)
+    return div, extra, top_ids if top_k else None
 
 
 def dense_support_logprobs(logits: torch.Tensor, support_ids: torch.Tensor, support_mask: torch.Tensor, *,

@@ -81,7 +81,7 @@ class OPDStage(Stage):
         bandwidth = opd.copy_bandwidth_mb_s * 1e6 if opd.copy_bandwidth_mb_s else None
         prefetcher = Prefetcher(registry.build_all(), local_dir=Path(opd.local_dir or self.dir / "teacher_tier"),
                                 max_resident=opd.max_resident, enabled=opd.prefetch, copy_bandwidth=bandwidth)
-        engine = None
+        engine = targets = None
         self._scores: dict[tuple[str, str], float] = {}
         try:
             targets = TeacherTargets(registry, prefetcher, Path(opd.cache_dir or self.dir / "logit_cache"))
@@ -100,6 +100,8 @@ class OPDStage(Stage):
             if engine is not None:
                 engine.close()
             prefetcher.close(remove_copies=True)  # the tier is a per-stage cache of the sources
+            if targets is not None:
+                targets.close()  # every record trained on is committed before the stage is recorded
         history = read_jsonl(self.dir / "metrics.jsonl")
         summary = {
             "algo": "opd", "steps": len(history), "start_checkpoint": str(start),

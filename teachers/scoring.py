@@ -3,7 +3,8 @@
 A teacher scores a student trajectory by one forward pass to its final hidden states; the lm head is
 then applied to the action rows only, `row_block` rows by `vocab_chunk` columns at a time, so peak memory
 is row_block x vocab_chunk floats however long the sequences and however large the vocabulary (the
-`full` granularity's output is [n, V] by definition; nothing else is).
+`full` granularity's output is [n, V] by definition: one byte per entry, the logit cache's code of the
+logprob, written chunk by chunk in a second pass once the row's logsumexp is known).
 
 One pass over the chunks gives, per row: the logit of the sampled token and, for truncated supports, a
 running candidate set (`modeling.RunningTopK`: the top-k, or the top `max_support` tokens for top-p: the
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from cache import TeacherRecord, capped_nucleus_size
+from cache.encoding import quantise_logp
 from opd_sao.modeling import MASKED, ROW_BLOCK, VOCAB_CHUNK, RunningTopK, fused_logsumexp, logit_chunks
 
 NEG_INF = float("-inf")
@@ -36,9 +38,10 @@ class ScoredRows:
 
     sampled_logp: torch.Tensor  # float32 [N]
     ids: Optional[torch.Tensor] = None  # int64 [total] ascending within each row (top_k, top_p)
-    logp: Optional[torch.Tensor] = None  # float32 [total] (top_k, top_p) or [N, V] (full)
+    logp: Optional[torch.Tensor] = None  # float32 [total] (top_k, top_p)
     row_len: Optional[torch.Tensor] = None  # int64 [N] (top_k, top_p)
     tail_mass: Optional[torch.Tensor] = None  # float32 [N] (top_k, top_p)
+    logp_codes: Optional[torch.Tensor] = None  # uint8 [N, V] (full): the logit cache's codes of -logp
 
     def split(self, counts: list[int]) -> list[TeacherRecord]:
         """One record per trajectory; counts = action rows of each trajectory."""
@@ -54,8 +57,8 @@ class ScoredRows:
                     logp=self.logp[flat:flat + total].numpy().astype(np.float32), offsets=offsets,
                     tail_mass=self.tail_mass[row:row + n].numpy().astype(np.float32)))
                 flat += total
-            elif self.logp is not None:
-                records.append(TeacherRecord(sampled_logp=sampled, logp=self.logp[row:row + n].numpy()))
+            elif self.logp_codes is not None:
+                records.append(TeacherRecord(sampled_logp=sampled, logp_codes=self.logp_codes[row:row + n].numpy()))
             else:
                 records.append(TeacherRecord(sampled_logp=sampled))
             row += n
@@ -97,7 +100,7 @@ def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     keep = {"top_k": k, "top_p": min(max_support or 0, vocab)}.get(granularity)
     dev = hidden.device
     sampled = torch.empty(n, dtype=torch.float32, device=dev)
-    full = torch.empty((n, vocab), dtype=torch.float32, device=dev) if granularity == "full" else None
+    full = np.empty((n, vocab), dtype=np.uint8) if granularity == "full" else None
     ids_out, logp_out, len_out, tail_out = [], [], [], []
     for first in range(0, n, row_block):
         h, t = hidden[first:first + row_block], targets[first:first + row_block]
@@ -108,8 +111,6 @@ def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         for start, logits in logit_chunks(h, weight, bias, vocab_chunk):
             inside = (t >= start) & (t < start + logits.shape[1])
             picked[inside] = logits[inside, t[inside] - start]
-            if full is not None:
-                full[first:first + rows, start:start + logits.shape[1]] = logits
             outside = fused_logsumexp(logits) if top is None else _rest(logits, *top.add(logits, start))
             rest = torch.logaddexp(rest, outside)
         if top is not None:
@@ -119,8 +120,10 @@ def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         else:
             lse = rest
         sampled[first:first + rows] = picked - lse
-        if full is not None:
-            full[first:first + rows] -= lse.unsqueeze(1)
+        if full is not None:  # a second pass, coding each chunk as the cache stores it: no [N, V] floats
+            for start, logits in logit_chunks(h, weight, bias, vocab_chunk):
+                logp = logits.sub_(lse.unsqueeze(1)).cpu().numpy()
+                full[first:first + rows, start:start + logits.shape[1]] = quantise_logp(logp)
         elif granularity == "top_k":
             order = cand_ids.argsort(dim=1)
             ids_out.append(cand_ids.gather(1, order).reshape(-1))
@@ -133,7 +136,7 @@ def score_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                 out.append(part)
     sampled = sampled.cpu()
     if full is not None:
-        return ScoredRows(sampled_logp=sampled, logp=full.cpu())
+        return ScoredRows(sampled_logp=sampled, logp_codes=torch.from_numpy(full))
     if granularity == "sampled":
         return ScoredRows(sampled_logp=sampled)
     cat = lambda xs, dtype: torch.cat(xs).cpu() if xs else torch.empty(0, dtype=dtype)

@@ -89,7 +89,7 @@ def _score(name: str, trajectories: list[Trajectory], granularity: str, k: Optio
     if rank != 0:
         return None
     return ScoredRows(*(None if getattr(parts[0], f) is None else torch.cat([getattr(x, f) for x in parts])
-                        for f in ("sampled_logp", "ids", "logp", "row_len", "tail_mass")))
+                        for f in ("sampled_logp", "ids", "logp", "row_len", "tail_mass", "logp_codes")))
 
 
 @register_teacher("zero3")

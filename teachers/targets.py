@@ -1,16 +1,22 @@
-"""Teacher targets for a batch of student trajectories, always through the logit cache.
+"""Teacher targets for a batch of student trajectories, persisted in the logit cache beside the trainer.
 
-For each trajectory: its domain's teacher; if the teacher's cache has no record for it, the teacher scores
-it (teachers one after another, the next one prefetched while the current one scores) and the record is
-written to the cache; then every record is read back from the cache, so the trainer trains on exactly
-what the cache holds. A record that fails verification (`CorruptRecordError`) is never used: the teacher's
-cache is garbage-collected (every failing record and the chunks only they used are dropped, since a damaged
-chunk cannot even be appended to) and those trajectories are re-scored and read back. A valid record is
-reused: records are keyed by a hash of the trajectory's tokens and action mask, so a trajectory the
-student samples again (or one replayed after a resume) costs no teacher forward, and a record can never
-be applied to a different token sequence. A teacher store whose metadata is damaged (`CacheDamagedError`:
-a zarr.json or index.log missing or unreadable, met when opening or reading it) is rebuilt empty, with a
-one-line warning, and its trajectories re-scored: the stage goes on.
+For each trajectory: its domain's teacher; if neither the teacher's cache nor its writer's queue has a record
+for it, the teacher scores it (teachers one after another, the next one prefetched while the current one
+scores). A fresh record is quantised in memory (`cache.quantised`: exactly what the cache will return for it)
+and handed to the trainer at once, while the teacher's `cache.BackgroundWriter` commits it beside the training
+(encoding, checksum and zarr appends, batched over steps). So the trainer trains on what the cache holds, never
+on the teacher's raw float output, whether the record was just scored or read back. `flush` (the OPD learner's
+resumable-state saves, the stage's end) returns once every record is on disk: a crash loses at most the
+records since the last flush, which a resume finds missing and re-scores.
+
+A record read back that fails verification (`CorruptRecordError`) is never used: the teacher's cache is
+garbage-collected (every failing record and the chunks only they used are dropped, since a damaged chunk
+cannot even be appended to) and those trajectories are re-scored. A valid record is reused: records are keyed
+by a hash of the trajectory's tokens and action mask, so a trajectory the student samples again (or one
+replayed after a resume) costs no teacher forward, and a record can never be applied to a different token
+sequence. A teacher store whose metadata is damaged (`CacheDamagedError`: a zarr.json or index.log missing or
+unreadable, met when opening or reading it) is rebuilt empty, with a one-line warning, and its trajectories
+re-scored: the stage goes on.
 
 Teacher order within a batch: teachers already in host memory first (least recently used first), then
 the others in config order; right after a teacher is taken, the next one that has work is prefetched.
@@ -27,12 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cache import (
+    BackgroundWriter,
     CacheDamagedError,
     CacheMismatchError,
     CorruptRecordError,
     LogitCache,
     TeacherCache,
     TeacherRecord,
+    quantised,
 )
 from opd_sao.trajectory import Trajectory
 from teachers.routing import TeacherSet
@@ -54,14 +62,14 @@ class Targets:
     """Teacher outputs aligned with a batch's trajectories, and what it took to get them."""
 
     teachers: list[str]  # teacher name per trajectory
-    records: list[TeacherRecord]  # per trajectory, as read back from the cache
+    records: list[TeacherRecord]  # per trajectory, as the cache holds it (read back, or quantised in memory)
     hits: int = 0  # trajectories whose record was already cached (and valid)
     misses: int = 0  # trajectories the teachers scored for this batch
     corrupt_rescored: int = 0  # records that failed verification on read and were re-scored
     stall_s: float = 0.0  # time spent waiting for a teacher to be loaded
     score_s: float = 0.0  # teacher forward passes
-    cache_write_s: float = 0.0
-    cache_read_s: float = 0.0
+    cache_write_s: float = 0.0  # quantising fresh records and queueing them (the commit runs beside)
+    cache_read_s: float = 0.0  # reading back the records of sequences seen before
 
     @property
     def hit_rate(self) -> float:
@@ -74,6 +82,7 @@ class TeacherTargets:
         self.registry, self.prefetcher = registry, prefetcher
         self.cache = LogitCache(cache_dir)
         self.caches: dict[str, TeacherCache] = {}
+        self.writers: dict[str, BackgroundWriter] = {}
         for name, spec in registry.specs.items():
             try:
                 self.caches[name] = self.cache.open_teacher(spec.cache_meta)
@@ -82,12 +91,31 @@ class TeacherTargets:
                                  f"to a fresh one)") from None
             except CacheDamagedError as err:
                 self._rebuild(name, err)
+            else:
+                self.writers[name] = _writer(self.caches[name])
 
     def _rebuild(self, name: str, err: CacheDamagedError) -> None:
-        """Replace teacher ``name``'s damaged store by an empty one: its trajectories are scored again."""
+        """Replace teacher ``name``'s damaged store by an empty one: its trajectories are scored again (the
+        records its writer still held are dropped with it)."""
         logger.warning("logit cache: %s; rebuilding teacher %r's store, its trajectories are re-scored",
                        err, name)
+        if name in self.writers:
+            try:
+                self.writers.pop(name).close()
+            except Exception:  # noqa: BLE001 - its commits failed on the damaged store, which is being replaced
+                pass
         self.caches[name] = self.cache.rebuild_teacher(self.registry.specs[name].cache_meta)
+        self.writers[name] = _writer(self.caches[name])
+
+    def flush(self) -> None:
+        """Return once every record handed to the trainer is committed to the cache."""
+        for writer in self.writers.values():
+            writer.flush()
+
+    def close(self) -> None:
+        """Flush and stop the writers (the stage's end)."""
+        for writer in self.writers.values():
+            writer.close()
 
     def _damaged_teacher(self, err: CacheDamagedError) -> str:
         """The teacher whose store ``err`` is about (it names the store or a file in it)."""
@@ -107,7 +135,8 @@ class TeacherTargets:
             self.prefetcher.prefetch(name)
         self.prefetcher.stage_to_disk(names[self.prefetcher.max_resident:])
 
-    def _score_into_cache(self, name: str, trajs: list[Trajectory], out: Targets, next_name: str | None) -> None:
+    def _score_into_cache(self, name: str, trajs: list[Trajectory], out: Targets,
+                          next_name: str | None) -> dict[str, TeacherRecord]:
         stall_before = self.prefetcher.stats["stall_s"]
         with self.prefetcher.use(name) as teacher:
             if next_name is not None:
@@ -117,8 +146,11 @@ class TeacherTargets:
             out.score_s += time.perf_counter() - t0
         out.stall_s += self.prefetcher.stats["stall_s"] - stall_before
         t0 = time.perf_counter()
-        self.caches[name].put_many({cache_key(traj): record for traj, record in zip(trajs, records)})
+        meta = self.caches[name].meta
+        held = {cache_key(traj): quantised(meta, record) for traj, record in zip(trajs, records)}
+        self.writers[name].submit(held)
         out.cache_write_s += time.perf_counter() - t0
+        return held
 
     def fetch(self, trajectories: list[Trajectory]) -> Targets:
         """Targets of every trajectory, read back from the cache; a store found damaged on the way is rebuilt
@@ -138,32 +170,42 @@ class TeacherTargets:
         names = [self.registry.teacher_for(t.domain).name for t in trajectories]
         keys = [cache_key(t) for t in trajectories]
         out = Targets(teachers=names, records=[None] * len(trajectories))  # type: ignore[list-item]
-        missing = [i for i, (name, key) in enumerate(zip(names, keys)) if key not in self.caches[name]]
+        stored, missing = [], []
+        for i, (name, key) in enumerate(zip(names, keys)):
+            held = self.writers[name].get(key)  # scored, its commit under way
+            if held is not None:
+                out.records[i] = held
+            elif key in self.caches[name]:
+                stored.append(i)
+            else:
+                missing.append(i)
         out.misses = len(missing)
         self._score(trajectories, names, keys, missing, out)
-        corrupt = self._read(names, keys, range(len(trajectories)), out)
+        corrupt = self._read(names, keys, stored, out)
         if corrupt:
             # Drop every record that fails verification and the chunks only they used (a damaged chunk cannot
-            # even be appended to), then re-score them; a second failure propagates: the disk is failing.
+            # even be appended to), then re-score them.
             for name in sorted({names[i] for i in corrupt}):
+                self.writers[name].flush()
                 self.caches[name].collect_garbage()
             out.corrupt_rescored = len(corrupt)
             self._score(trajectories, names, keys, corrupt, out)
-            still = self._read(names, keys, corrupt, out)
-            if still:
-                raise CorruptRecordError([keys[i] for i in still], "re-scored records fail verification again")
         out.hits = len(trajectories) - out.misses - out.corrupt_rescored
         return out
 
     def _score(self, trajectories, names, keys, index: list[int], out: Targets) -> None:
-        """Score trajectories[index] teacher by teacher (next one prefetched) and commit them to the cache."""
+        """Score trajectories[index] teacher by teacher (next one prefetched) into out.records, and queue them
+        for commit."""
         by_teacher: dict[str, dict[str, Trajectory]] = {}
         for i in index:  # a batch may hold the same sequence twice: scored once
             by_teacher.setdefault(names[i], {})[keys[i]] = trajectories[i]
         order = self.order(set(by_teacher))
+        held = {}
         for j, name in enumerate(order):
-            self._score_into_cache(name, list(by_teacher[name].values()), out,
-                                   order[j + 1] if j + 1 < len(order) else None)
+            held[name] = self._score_into_cache(name, list(by_teacher[name].values()), out,
+                                                order[j + 1] if j + 1 < len(order) else None)
+        for i in index:
+            out.records[i] = held[names[i]][keys[i]]
 
     def _read(self, names, keys, index, out: Targets) -> list[int]:
         """Read records back from the cache into out.records; returns the indices that failed verification."""
@@ -183,3 +225,10 @@ class TeacherTargets:
                 out.records[i] = record
         out.cache_read_s += time.perf_counter() - t0
         return sorted(corrupt)
+
+
+def _writer(cache: TeacherCache) -> BackgroundWriter:
+    """A teacher's writer: full-vocabulary records are ~V bytes per position, so fewer of them wait."""
+    if cache.meta.granularity == "full":
+        return BackgroundWriter(cache, batch_records=8, max_pending=32)
+    return BackgroundWriter(cache)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cache import (
+    BackgroundWriter,
     CacheDamagedError,
     CacheMeta,
     CacheMismatchError,
@@ -27,6 +28,7 @@ from cache import (
     encode_top_k,
     encode_top_p,
     nucleus_cut,
+    quantised,
     record_from_logprobs,
 )
 from cache.cli import gc, inspect, main, verify
@@ -125,7 +127,8 @@ def test_round_trip_every_granularity(tmp_path, granularity):
     if granularity == "sampled":
         return
     if granularity == "full":
-        assert back.logp.shape == (40, VOCAB)
+        assert back.logp is None and back.logp_codes.shape == (40, VOCAB)  # read back as the cache's codes
+        back.logp = dequantise_logp(back.logp_codes)
         exact = rows.numpy()
     else:
         assert (back.ids == record.ids).all() and (back.offsets == record.offsets).all()
@@ -520,3 +523,105 @@ def test_read_only_cache_is_readable_and_writes_say_so(tmp_path, capsys):
             teacher.put("b", encode_top_k(rows, 16, sampled))
         with pytest.raises(CacheReadOnlyError, match="creating the store of teacher 'other'"):
             LogitCache(root).open_teacher(make_meta("top_k", teacher="other"))
+
+
+# ----------------------------------------------------------------------------
+# committing beside the trainer: the in-memory record equals the stored one; batched, flushed, crash-safe
+# ----------------------------------------------------------------------------
+
+def _fields(record: TeacherRecord) -> dict:
+    return {name: value for name, value in vars(record).items() if value is not None}
+
+
+@pytest.mark.parametrize("granularity", ["sampled", "top_k", "top_p", "full"])
+def test_quantised_record_is_what_the_cache_returns_and_stores_the_same_bytes(granularity):
+    """The trainer trains on `quantised(record)` while the writer commits it: it must equal the read-back record
+    bit for bit, and storing it must write exactly the bytes storing the raw record writes."""
+    meta = make_meta(granularity)
+    rows, sampled = teacher_rows(40, seed=3)
+    record = record_from_logprobs(meta, rows, sampled)
+    if granularity == "top_p":
+        record = ragged_record(np.random.default_rng(0), 40)
+        meta = make_meta("top_p", max_support=40)
+    held = quantised(meta, record)
+    streams = to_streams(meta, record)
+    back = from_streams(meta, record.n_positions, streams)
+    assert _fields(held).keys() == _fields(back).keys()
+    for name, value in _fields(back).items():
+        assert getattr(held, name).dtype == value.dtype, name
+        np.testing.assert_array_equal(getattr(held, name), value, err_msg=name)
+    again = to_streams(meta, held)
+    assert again.keys() == streams.keys()
+    for name in streams:
+        np.testing.assert_array_equal(again[name], streams[name], err_msg=name)
+    if granularity in ("top_k", "top_p"):  # what to_streams refuses, quantised refuses
+        record.ids[[0, 1]] = record.ids[[1, 0]]
+        with pytest.raises(ValueError, match="strictly ascending"):
+            quantised(meta, record)
+
+
+def _small_records(first: int, count: int) -> dict[str, TeacherRecord]:
+    return {f"traj-{i}": TeacherRecord(sampled_logp=np.full(3, -(i + 1) / 8, np.float32),
+                                       ids=np.tile(np.arange(4) * 5 + i % 7, 3), logp=np.full(12, -2.0, np.float32),
+                                       offsets=np.arange(4) * 4, tail_mass=np.full(3, 0.5, np.float32))
+            for i in range(first, first + count)}
+
+
+def test_background_writer_batches_commits_and_flush_puts_everything_on_disk(tmp_path):
+    meta = make_meta("top_k", k=4)
+    teacher = LogitCache(tmp_path).open_teacher(meta)
+    writer = BackgroundWriter(teacher, batch_records=10, max_pending=40)
+    for step in range(6):  # 6 trainer steps of 3 records: 18 records, committed in batches of >= 10
+        batch = _small_records(3 * step, 3)
+        writer.submit(batch)
+        for key in batch:  # visible at once, before or after its commit
+            assert writer.get(key) is not None or key in teacher
+    writer.flush()
+    assert len(writer) == 0 and len(teacher) == 18
+    assert 1 <= writer.commits <= 2  # not one commit per step
+    fresh = LogitCache(tmp_path).open_teacher(meta)
+    assert fresh.verify() == [] and fresh.get("traj-17").sampled_logp[0] == pytest.approx(-18 / 8, abs=1e-3)
+    writer.submit(_small_records(100, 1))
+    writer.close()
+    assert "traj-100" in LogitCache(tmp_path).open_teacher(meta)
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.submit(_small_records(200, 1))
+
+
+def test_background_writer_raises_the_stores_error_to_the_trainer(tmp_path):
+    meta = make_meta("top_k", k=4)
+    teacher = LogitCache(tmp_path).open_teacher(meta)
+    writer = BackgroundWriter(teacher, batch_records=1, max_pending=4)
+    (teacher.path / "index.log").unlink()  # damaged metadata: the commit fails in the writer thread
+    writer.submit(_small_records(0, 1))
+    with pytest.raises(CacheDamagedError, match="index.log"):
+        writer.flush()
+    with pytest.raises(CacheDamagedError):
+        writer.submit(_small_records(1, 1))
+
+
+CRASHING_TRAINER = """
+import os, sys
+import numpy as np
+sys.path.insert(0, "tests")
+from test_logit_cache import _small_records, make_meta
+from cache import BackgroundWriter, LogitCache
+writer = BackgroundWriter(LogitCache(sys.argv[1]).open_teacher(make_meta("top_k", k=4)), batch_records=1000,
+                          max_pending=4000)
+writer.submit(_small_records(0, 30))
+writer.flush()  # acknowledged: a resumable-state save
+writer.submit(_small_records(30, 20))  # the unflushed tail
+os._exit(9)  # a crash: no flush, no clean exit
+"""
+
+
+def test_a_crash_loses_only_the_unflushed_tail(tmp_path):
+    """What was flushed is on disk and verifies; what was submitted after is simply absent (a resume finds it
+    missing and re-scores it), never half there."""
+    done = subprocess.run([sys.executable, "-c", CRASHING_TRAINER, str(tmp_path)], cwd=Path(__file__).parents[1])
+    assert done.returncode == 9
+    teacher = LogitCache(tmp_path).open_teacher(make_meta("top_k", k=4))
+    assert teacher.verify() == [] and teacher.bad_index_lines() == []
+    assert sorted(teacher.traj_ids(), key=lambda k: int(k.split("-")[1])) == [f"traj-{i}" for i in range(30)]
+    teacher.put_many(_small_records(30, 20))  # the re-scored tail commits after the crash
+    assert len(teacher) == 50 and teacher.verify() == []

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import math
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +19,8 @@ from opd_sao.config import (
     TrainerConfig,
     parse_config,
 )
-from opd_sao.algorithms import domain_shares
-from opd_sao.modeling import dense_support_logprobs, sequence_logprobs, support_logprobs
+from opd_sao.algorithms import domain_shares, pointwise_divergence, truncated_divergence
+from opd_sao.modeling import dense_support_logprobs, sequence_logprobs, streamed_divergence, support_logprobs
 from opd_sao.pipeline import run_pipeline
 from opd_sao.rl.distill import DomainSchedule, OPDLearner, padded_support
 from opd_sao.trainers import TorchTrainer
@@ -123,6 +125,41 @@ def test_student_support_covering_the_vocabulary_or_dominating_it_stays_finite()
     (ref.sum() + ref_tail[1].exp()).backward()
     assert torch.allclose(s_logp, ref, atol=1e-5) and torch.allclose(tail[1], ref_tail[1], rtol=1e-4)
     assert torch.allclose(got[0], hidden.grad, atol=1e-4) and torch.allclose(got[1], weight.grad, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
+@pytest.mark.parametrize("with_bias,row_block", [(False, 1024), (True, 4)])
+def test_streamed_full_divergence_equals_the_unstreamed_formula(kind, with_bias, row_block):
+    """`full` streamed (student and teacher read one vocabulary chunk at a time) against what the learner computed
+    before: the [N, V] log-softmax into `truncated_divergence` with a whole-vocabulary support. Float64, values
+    and gradients; a teacher with near-zero mass (-200 nats) on part of a row, and the reverse-KL report."""
+    torch.manual_seed(2)
+    n, h, v = 9, 6, 301  # vocab not a multiple of the chunk
+    hidden = torch.randn(n, h, dtype=torch.float64, requires_grad=True)
+    weight = (torch.randn(v, h, dtype=torch.float64) * 0.7).requires_grad_()
+    bias = (torch.randn(v, dtype=torch.float64) * 0.3).requires_grad_() if with_bias else None
+    params = [hidden, weight] + ([bias] if with_bias else [])
+    teacher = torch.randn(n, v, dtype=torch.float64) * 2
+    teacher[0, :50] = -200.0
+    teacher = torch.log_softmax(teacher, dim=-1)
+    coef = torch.randn(n, dtype=torch.float64)
+
+    got, rkl, top = streamed_divergence(hidden, weight, bias, lambda rows, a, b: teacher[rows, a:b],
+                                        partial(pointwise_divergence, kind=kind),
+                                        report=partial(pointwise_divergence, kind="reverse_kl"),
+                                        vocab_chunk=64, row_block=row_block, top_k=5)
+    grads = torch.autograd.grad((got * coef).sum(), params)
+
+    logp = torch.log_softmax(hidden @ weight.T + (0 if bias is None else bias), dim=-1)
+    every = torch.ones(n, v, dtype=torch.bool)
+    tail = torch.full((n,), math.log(torch.finfo(torch.float32).tiny), dtype=torch.float64)  # the old path's
+    ref = truncated_divergence(logp, teacher, every, tail, kind=kind)
+    ref_grads = torch.autograd.grad((ref * coef).sum(), params)
+    assert torch.allclose(got, ref, rtol=1e-10, atol=1e-12) and float(ref.min()) > 0
+    for mine, theirs in zip(grads, ref_grads):
+        assert torch.allclose(mine, theirs, rtol=1e-8, atol=1e-10)
+    assert torch.allclose(rkl, truncated_divergence(logp, teacher, every, tail, kind="reverse_kl"), atol=1e-12)
+    assert not rkl.requires_grad and torch.equal(top, logp.topk(5, dim=-1).indices)
 
 
 def test_padded_support_layout():

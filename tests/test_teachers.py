@@ -396,6 +396,7 @@ def test_targets_write_then_read_back_and_reuse(tiny_model_dir, tokenizer, tmp_p
     trajs = _trajectories(tokenizer)
     first = targets.fetch(trajs)
     assert (first.hits, first.misses) == (0, 5) and CountingTeacher.scored == 5
+    targets.flush()  # the commits run beside the trainer; flushed, they are on disk
     assert all(cache_key(t) in targets.caches["rev"] for t in trajs)
     # what the trainer gets is what the cache holds (quantised), not the teacher's raw float output
     raw = targets.prefetcher.teachers["rev"]
@@ -413,6 +414,7 @@ def test_corrupt_record_is_rescored_never_used(tiny_model_dir, tokenizer, tmp_pa
     targets = _targets(tiny_model_dir, tokenizer, tmp_path / "cache", tmp_path)
     trajs = _trajectories(tokenizer)
     good = targets.fetch(trajs)
+    targets.flush()
     chunks = [f for f in (tmp_path / "cache" / "rev").rglob("c/*") if f.is_file()]
     assert chunks
     for chunk in chunks:  # flip bytes in every chunk file
@@ -440,6 +442,7 @@ def test_damaged_teacher_store_is_rebuilt_and_rescored(tiny_model_dir, tokenizer
     targets = _targets(tiny_model_dir, tokenizer, tmp_path / "cache", tmp_path)
     trajs = _trajectories(tokenizer)
     good = targets.fetch(trajs)
+    targets.flush()
     damaged = tmp_path / "cache" / "rev" / damage.split()[0]
     if damage.endswith("garbage"):
         damaged.write_text("{ garbage")

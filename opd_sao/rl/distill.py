@@ -2,7 +2,8 @@
 
 `OPDLearner.step(batch)` is what `RLLoop` calls in an OPD stage (it is Learner-shaped: `backend`,
 `step`, `state`, `restore`). It gets each trajectory's teacher record through `TeacherTargets` (scored
-if missing, written to the logit cache, read back from it) and then, per the teacher's granularity:
+if missing and quantised in memory as the cache stores it, committed to the logit cache beside the step; read
+back from the cache when seen before) and then, per the teacher's granularity:
 
 * `sampled`: the per-token reverse-KL advantage `-(logp_student - logp_teacher)` on the sampled token
   (optionally plus `reward_weight` x (task reward - running mean)), through the SAO policy loss, so
@@ -10,12 +11,14 @@ if missing, written to the logit cache, read back from it) and then, per the tea
 * `top_k`, `top_p`: `truncated_divergence` between teacher and student on the teacher's stored support
   plus one tail bucket (the stored tail mass; the student's tail is summed exactly over the logits
   outside the support), forward KL, reverse KL or JSD (`opd.divergence`).
-* `full`: the same divergence over the whole vocabulary.
+* `full`: the same divergence over the whole vocabulary, streamed: student and teacher read together one
+  vocabulary chunk at a time (`TrainerBackend.policy_full_divergence`), the teacher's rows kept as the cache's
+  one-byte codes (`FullTeacher`), so no [N, V] float tensor exists on either side.
 
 The student's support log-probs come from the trainer backend (`policy_support_logprobs`, as the sampled
 path's come from `policy_logprobs`, so OPD trains the same under torch and DeepSpeed): its final hidden
 states and the lm head one vocabulary chunk at a time, recomputed in the backward, so neither pass
-keeps an [N, V] logits tensor alive (`full` excepted: its target is [N, V] by definition).
+keeps an [N, V] logits tensor alive.
 
 Temperatures, one choice for every granularity: what is matched is student and teacher at temperature 1 (the
 models themselves; teacher records are scored at T = 1). The divergence rows are at T = 1; the sampled path's
@@ -37,12 +40,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import numpy as np
 import torch
 
 from cache import nucleus_cut
+from cache.encoding import dequantise_logp
 from opd_sao import algorithms as A
 from opd_sao.config import AlgoConfig, OPDConfig
 from opd_sao.rl.learner import ResumableLearner
@@ -72,6 +77,37 @@ def padded_support(records, device=None) -> tuple[torch.Tensor, torch.Tensor, to
     mask = torch.zeros((n, width), dtype=torch.bool)
     ids_pad[row, col], logp_pad[row, col], mask[row, col] = ids, logp, True
     return ids_pad.to(device), logp_pad.to(device), mask.to(device), tail.to(device)
+
+
+class FullTeacher:
+    """Full-vocabulary teacher rows held as the cache's one-byte codes [N, V] (a quarter of float32's bytes),
+    decoded one vocabulary chunk at a time for `TrainerBackend.policy_full_divergence`: log-probs renormalised
+    per row (the decoded levels sum to 1 only up to the quantisation), as a log-softmax of the row would."""
+
+    BLOCK = 64  # rows per pass of the per-row sums (an int64 temporary of BLOCK x V)
+
+    def __init__(self, codes: np.ndarray, device):
+        self.codes = torch.from_numpy(np.ascontiguousarray(codes))
+        self.levels = torch.from_numpy(dequantise_logp(np.arange(256, dtype=np.uint8))).double()
+        counts = torch.zeros((len(self.codes), 256), dtype=torch.float64)
+        for first in range(0, len(self.codes), self.BLOCK):
+            block = self.codes[first:first + self.BLOCK].long()
+            counts[first:first + self.BLOCK].scatter_add_(1, block, torch.ones(block.shape, dtype=torch.float64))
+        self.lse = torch.logsumexp(self.levels + counts.log(), dim=1)  # logsumexp of each row's decoded logprobs
+        self.device = device
+
+    def __call__(self, rows: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        rows = rows.cpu()
+        logp = self.levels[self.codes[rows, start:end].long()] - self.lse[rows].unsqueeze(1)
+        return logp.float().to(self.device)
+
+    def overlap(self, student_top: torch.Tensor) -> torch.Tensor:
+        """`algorithms.topk_overlap` on full rows: the share of the student's top-k ids the teacher ranks in its
+        own top k (ties count: a code at most the teacher's k-th smallest)."""
+        k = student_top.shape[1]
+        kth = torch.cat([block.to(torch.int16).kthvalue(k, dim=1).values for block in self.codes.split(self.BLOCK)])
+        picked = self.codes.gather(1, student_top.cpu()).to(torch.int16)
+        return (picked <= kth.unsqueeze(1)).float().mean(1).to(student_top.device)
 
 
 # ----------------------------------------------------------------------------
@@ -207,6 +243,12 @@ class OPDLearner(ResumableLearner):
         self.backend, self.opd, self.sao, self.targets = backend, opd, sao, targets
         self.overlap_k = overlap_k or opd.top_k
 
+    def state(self) -> dict:
+        """Resumable state; the records trained on so far are committed to the cache first, so a resume finds
+        every one it was acknowledged (a crash before this loses only the records since the last save)."""
+        self.targets.flush()
+        return super().state()
+
     def step(self, batch: Batch, temperature: float) -> dict:
         fetched = self.targets.fetch(batch.trajectories)
         rows = Rows.of(batch, fetched, self.targets.registry.specs)
@@ -249,7 +291,8 @@ class OPDLearner(ResumableLearner):
         return pg_loss * (float(pg_mask.sum()) / rows.n)
 
     def _divergence(self, rows: Rows, stats: RowStats, metrics: dict) -> torch.Tensor:
-        """The divergence between student and teacher on each row's stored support plus the tail bucket."""
+        """The divergence between student and teacher per granularity: on the stored support plus the tail bucket
+        (top_k, top_p), or over the whole vocabulary, streamed (full)."""
         opd = self.opd
         dev = rows.device
         total = torch.zeros((), device=dev)
@@ -263,36 +306,48 @@ class OPDLearner(ResumableLearner):
             sub = rows.batch.select(traj_sel)
             recs = [rows.records[i] for i in traj_sel.nonzero().squeeze(1).tolist()]
             if gran == "full":
-                s_logp, s_tail, top_ids = self.backend.policy_support_logprobs(
-                    sub, None, None, vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k, vocab_size=vocab)
-                t_logp = torch.log_softmax(torch.from_numpy(np.concatenate([r.logp for r in recs])).float().to(dev),
-                                           dim=-1)
-                ids = torch.arange(s_logp.shape[1], device=dev).expand(len(s_logp), -1)
-                support = torch.ones(t_logp.shape, dtype=torch.bool, device=dev)
-                mass = torch.ones(len(s_logp), device=dev)
+                div, rkl, overlap = self._full_divergence(sub, recs, vocab)
+                mass, size = torch.ones(len(div), device=dev), float(vocab)
             else:
-                ids, t_raw, support, tail = padded_support(recs, dev)
-                t_logp = A.renormalize_support(t_raw, support, tail)
-                s_logp, s_tail, top_ids = self.backend.policy_support_logprobs(
-                    sub, ids, support, vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k, vocab_size=vocab)
-                mass = 1.0 - tail
-                if gran == "top_p":  # the share of positions whose nucleus opd.max_support cut
-                    cut = nucleus_cut(support.sum(1), tail, opd.top_p, opd.max_support)
-                    metrics["nucleus_cap_hit_rate"] = float(cut.float().mean())
-            div = A.truncated_divergence(s_logp, t_logp, support, s_tail, kind=opd.divergence, beta=opd.jsd_beta)
+                div, rkl, overlap, mass, size = self._support_divergence(sub, recs, vocab, gran, metrics)
             total = total + div.sum() / rows.n
             div_sum, div_rows = div_sum + float(div.detach().sum()), div_rows + len(div)
-            with torch.no_grad():
-                if opd.divergence == "reverse_kl":
-                    rkl = div.detach()
-                else:
-                    rkl = A.truncated_divergence(s_logp.detach(), t_logp, support, s_tail.detach(), kind="reverse_kl")
-                stats.kl[sel] = rkl.float()
-                stats.mass[sel] = mass.float()
-                stats.overlap[sel] = A.topk_overlap(top_ids, t_logp, ids, support, self.overlap_k)
-                metrics[f"support_size_{gran}"] = float(support.sum(1).float().mean())
+            stats.kl[sel] = (div.detach() if opd.divergence == "reverse_kl" else rkl).float()
+            stats.mass[sel] = mass.float()
+            stats.overlap[sel] = overlap
+            metrics[f"support_size_{gran}"] = size
         metrics["divergence"] = div_sum / max(1, div_rows)
         return total
+
+    def _support_divergence(self, sub: Batch, records, vocab: int, gran: str, metrics: dict):
+        """The divergence on each row's stored support plus the tail bucket: (divergence [N], reverse KL [N] (no
+        grad), top-k overlap [N], teacher mass on the support [N], mean support size)."""
+        opd, dev = self.opd, self.backend.device
+        ids, t_raw, support, tail = padded_support(records, dev)
+        t_logp = A.renormalize_support(t_raw, support, tail)
+        s_logp, s_tail, top_ids = self.backend.policy_support_logprobs(
+            sub, ids, support, vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k, vocab_size=vocab)
+        if gran == "top_p":  # the share of positions whose nucleus opd.max_support cut
+            cut = nucleus_cut(support.sum(1), tail, opd.top_p, opd.max_support)
+            metrics["nucleus_cap_hit_rate"] = float(cut.float().mean())
+        div = A.truncated_divergence(s_logp, t_logp, support, s_tail, kind=opd.divergence, beta=opd.jsd_beta)
+        with torch.no_grad():
+            rkl = None if opd.divergence == "reverse_kl" else A.truncated_divergence(
+                s_logp.detach(), t_logp, support, s_tail.detach(), kind="reverse_kl")
+            overlap = A.topk_overlap(top_ids, t_logp, ids, support, self.overlap_k)
+        return div, rkl, overlap, 1.0 - tail, float(support.sum(1).float().mean())
+
+    def _full_divergence(self, sub: Batch, records, vocab: int):
+        """The divergence over the whole vocabulary, student and teacher streamed together chunk by chunk (the
+        teacher's rows stay the cache's one-byte codes): (divergence [N], reverse KL [N], top-k overlap [N])."""
+        opd, dev = self.opd, self.backend.device
+        teacher = FullTeacher(np.concatenate([r.logp_codes for r in records]), dev)
+        terms = partial(A.pointwise_divergence, kind=opd.divergence, beta=opd.jsd_beta)
+        report = None if opd.divergence == "reverse_kl" else partial(A.pointwise_divergence, kind="reverse_kl")
+        div, rkl, top_ids = self.backend.policy_full_divergence(sub, teacher, terms, report=report,
+                                                                vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k,
+                                                                vocab_size=vocab)
+        return div, rkl, teacher.overlap(top_ids)
 
     def _report(self, metrics: dict, fetched, rows: Rows, stats: RowStats) -> None:
         trajs = rows.batch.trajectories

@@ -21,6 +21,7 @@ from ..modeling import (
     hidden_states,
     lm_head,
     logit_chunks,
+    streamed_divergence,
     support_logprobs,
     vocab_rows,
 )
@@ -116,6 +117,19 @@ def action_support_logprobs(model, input_ids: torch.Tensor, attention_mask: torc
     return logp, tail, top
 
 
+def action_full_divergence(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor,
+                           teacher, terms, *, report=None, vocab_chunk: int, top_k: int,
+                           vocab_size: Optional[int] = None) -> tuple[torch.Tensor, ...]:
+    """`TrainerBackend.policy_full_divergence` on a model and the tensors of a batch, streamed over the vocabulary
+    (`modeling.streamed_divergence`): (divergence [N], report [N], top-k ids [N, k] when top_k)."""
+    b, t = action_mask.bool().nonzero(as_tuple=True)
+    hidden = hidden_states(model, input_ids, attention_mask)[b, t - 1]
+    weight, bias = vocab_rows(*lm_head(model), vocab_size)
+    div, extra, top = streamed_divergence(hidden, weight, bias, teacher, terms, report=report,
+                                          vocab_chunk=vocab_chunk, top_k=top_k)
+    return (div, extra) if top is None else (div, extra, top)
+
+
 class TrainerBackend(ABC):
     policy_version: int = 0
     device: torch.device  # where the models run and where the returned logprobs / values live; the Learner
@@ -139,6 +153,24 @@ class TrainerBackend(ABC):
         `support_ids` None is the whole vocabulary: the [N, V] log-softmax and a tail of log(tiny).
         `vocab_size`: the distribution over the first vocab_size ids only (rows past the tokenizer's ids are
         embedding padding, masked as the teacher's are)."""
+
+    def policy_full_divergence(self, batch: Batch, teacher, terms, *, report=None, vocab_chunk: int, top_k: int,
+                               vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                          Optional[torch.Tensor]]:
+        """OPD's `full` granularity: per action row of `batch` (trajectory order, then position), the sum over the
+        whole vocabulary of `terms(student logp, teacher logp)` (elementwise; differentiable for the next
+        `step_policy`), the same sum of `report`'s terms (no grad; zeros without one) and the student's top_k
+        most probable ids (None when top_k is 0). `teacher(rows, start, end)` gives the teacher's logprobs of
+        action rows `rows` (an index tensor) on vocabulary columns [start, end).
+
+        This default reads the policy's whole [N, V] log-softmax (`policy_support_logprobs`), for a backend whose
+        lm head cannot be streamed (ZeRO-3: its weight exists only inside the model's forward); the torch
+        backend streams it, chunk by chunk, never [N, V] (`modeling.streamed_divergence`)."""
+        logp, _, top = self.policy_support_logprobs(batch, None, None, vocab_chunk=vocab_chunk, top_k=top_k,
+                                                    vocab_size=vocab_size)
+        target = teacher(torch.arange(len(logp), device=logp.device), 0, logp.shape[1]).to(logp)
+        extra = report(logp.detach(), target).sum(1) if report is not None else torch.zeros(len(logp))
+        return terms(logp, target).sum(1), extra.to(logp.device), top
 
     @abstractmethod
     def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:

@@ -15,8 +15,8 @@ from ..devices import mixed_precision, resolve_device
 from ..modeling import sequence_logprobs
 from ..trajectory import Batch
 from .micro_batches import Deferred, Outputs, Rows, micro_forward, widen
-from .base import (SupportLogprobs, TrainerBackend, action_rows_of, action_support_logprobs, adamw, lr_scheduler,
-                   prepare, require_finite, split, weights_dtype)
+from .base import (SupportLogprobs, TrainerBackend, action_full_divergence, action_rows_of, action_support_logprobs,
+                   adamw, lr_scheduler, prepare, require_finite, split, weights_dtype)
 from .critic import ValueModel
 
 
@@ -90,6 +90,25 @@ class TorchTrainer(TrainerBackend):
 
         outputs = self._run("policy", forward, rows, True, support=True)
         return outputs[0], outputs[1], outputs[2] if len(outputs) > 2 else None
+
+    def policy_full_divergence(self, batch: Batch, teacher, terms, *, report=None, vocab_chunk: int, top_k: int,
+                               vocab_size=None):
+        rows = Rows.of(batch, actions=True)
+
+        def forward(part, where):
+            r = rows.take(part, self.device)
+            index = where.nonzero().squeeze(1) if where.dtype == torch.bool else where
+
+            def local(block, start, end):  # the kernel's rows are this micro-batch's
+                return teacher(index[block], start, end)
+
+            with self.precision():
+                return action_full_divergence(self.policy, r.input_ids, r.attention_mask, r.action_mask, local, terms,
+                                              report=report, vocab_chunk=vocab_chunk, top_k=top_k,
+                                              vocab_size=vocab_size)
+
+        outputs = self._run("policy", forward, rows, True, support=True)
+        return outputs[0], outputs[1].detach(), outputs[2] if len(outputs) > 2 else None
 
     def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:
         if self.critic is None:
