@@ -5,10 +5,12 @@
 Each (vocabulary, granularity) runs in its own child process at one torch thread (as opd-sao's trainer runs on
 a CPU): the real `OPDLearner` over a real `TeacherTargets` (an in-process teacher, a fresh logit cache), one
 teacher, forward KL, on batches of fresh random trajectories, so every step scores its trajectories and
-commits their records (an on-policy stage replays nothing). Per step, CPU-seconds of the whole process (the
-trainer's thread and the cache's writer thread: `time.process_time`), and the step's own breakdown (teacher
-forward, quantising and queueing the records, reading back); `amortised_cpu_s` adds the final flush (every
-record on disk) spread over the steps. `peak_mb` is the child's peak RSS over its resident set once the
+commits their records (an on-policy stage replays nothing). Per step: `step_cpu_s`, the CPU-seconds of the
+trainer's thread in `OPDLearner.step` (`time.thread_time`; median, and the mean), what the step costs the
+trainer; `writer_cpu_s_per_step`, the CPU the cache's writer thread spent committing the records beside it
+(encoding, checksums, zarr appends), final flush included; `process_cpu_s_per_step`, the whole process over the
+loop and the final flush (both threads, and anything else); and the step's own breakdown in wall seconds
+(teacher forward, quantising and queueing the records, reading back). `peak_mb` is the child's peak RSS over its resident set once the
 models are loaded (the teacher's load in the first step included).
 
 Models: at vocabulary 384 the project's tiny model (its own BPE tokenizer, the environments' corpora) and a
@@ -109,19 +111,20 @@ def measure(vocab: int, granularity: str, steps: int, work: Path) -> dict:
     learner.step(batch(), 1.0)  # warm-up: teacher load, optimizer state, allocator
     targets.flush()
     metrics, cpu = [], []
-    start = time.process_time()
+    writer = targets.writers["t"]
+    writer_before, start = writer.cpu_s, time.process_time()
     for _ in range(steps):
         b = batch()
-        c0 = time.process_time()
+        c0 = time.thread_time()
         metrics.append(learner.step(b, 1.0))
-        cpu.append(time.process_time() - c0)
-    loop = time.process_time() - start
+        cpu.append(time.thread_time() - c0)
     targets.flush()
-    flushed = time.process_time() - start
+    process = time.process_time() - start
     targets.close()
     prefetcher.close()
-    out = {"cpu_s_per_step": round(statistics.median(cpu), 4), "amortised_cpu_s": round(flushed / steps, 4),
-           "flush_cpu_s": round(flushed - loop, 3), "peak_mb": round(_peak_mb() - base, 1),
+    out = {"step_cpu_s": round(statistics.median(cpu), 4), "step_cpu_s_mean": round(statistics.mean(cpu), 4),
+           "writer_cpu_s_per_step": round((writer.cpu_s - writer_before) / steps, 4),
+           "process_cpu_s_per_step": round(process / steps, 4), "peak_mb": round(_peak_mb() - base, 1),
            "trajectories": n_trajectories, "action_tokens": n_actions}
     for key in ("teacher_score_s", "cache_write_s", "cache_read_s"):  # wall seconds inside the step
         out[key] = round(statistics.mean(m[key] for m in metrics), 4)
@@ -139,7 +142,7 @@ def run_child(vocab: int, granularity: str, steps: int, work: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="vocabulary 384 only, top_k, 10 steps")
+    parser.add_argument("--quick", action="store_true", help="vocabulary 384 only, top_k, 16 steps")
     parser.add_argument("--vocab", default="384,151936", help="comma-separated: 384, 151936")
     parser.add_argument("--granularities", default="top_k,full", help="comma-separated OPD granularities")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per child (vocabulary 151,936: a fifth)")
@@ -150,7 +153,7 @@ def main() -> None:
         print(json.dumps(measure(int(args.child[0]), args.child[1], args.steps, args.work)))
         return
     if args.quick:
-        args.vocab, args.granularities, args.steps = "384", "top_k", 10
+        args.vocab, args.granularities, args.steps = "384", "top_k", 16
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="opd-step-") as tmp:
         for vocab in map(int, args.vocab.split(",")):

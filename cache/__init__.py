@@ -19,7 +19,7 @@ API:
   encode_top_k(logp_rows, k, sampled_ids), encode_top_p(logp_rows, p, sampled_ids, max_support),
   encode_full(logp_rows, sampled_ids), record_from_logprobs(meta, logp_rows, sampled_ids) -> TeacherRecord
   capped_nucleus_size(logp_desc, p, max_support), nucleus_cut(row_len, tail_mass, p, max_support): the top-p cap
-  quantised(meta, record): what the cache will return for record, without the byte coding
+  quantised(meta, record), quantised_many(meta, records): what the cache will return, without the byte coding
   BackgroundWriter(teacher_cache).submit(records) / get(traj_id) / flush() / close(): commits beside the trainer
   cache.cli: inspect(path), verify(path), gc(path), main(argv)
 
@@ -27,7 +27,7 @@ The byte encoding and its error bounds are documented in ``cache.encoding``; the
 protocol in ``cache.store``.
 """
 
-from .encoding import quantised
+from .encoding import quantised, quantised_many
 from .errors import CacheDamagedError, CacheMismatchError, CacheReadOnlyError, CorruptRecordError
 from .records import CacheMeta, TeacherRecord
 from .store import LogitCache, TeacherCache
@@ -57,5 +57,6 @@ __all__ = [
     "encode_top_p",
     "nucleus_cut",
     "quantised",
+    "quantised_many",
     "record_from_logprobs",
 ]

@@ -16,6 +16,7 @@ records submitted since the last flush, which a resume finds missing and re-scor
 from __future__ import annotations
 
 import threading
+import time
 
 from .records import TeacherRecord
 from .store import TeacherCache
@@ -33,6 +34,7 @@ class BackgroundWriter:
         self._error: BaseException | None = None
         self._closed = False
         self.commits = 0
+        self.cpu_s = 0.0  # the thread's own CPU time (encoding, checksums, zarr writes)
         self._thread = threading.Thread(target=self._run, name=f"cache-writer-{cache.meta.teacher}", daemon=True)
         self._thread.start()
 
@@ -89,6 +91,7 @@ class BackgroundWriter:
                 if not self._pending:  # closed, nothing left
                     return
                 self._writing, self._pending = self._pending, {}
+            started = time.thread_time()
             try:
                 self.cache.put_many(self._writing)
             except BaseException as error:  # kept for the trainer's next call; the records stay uncommitted
@@ -99,4 +102,5 @@ class BackgroundWriter:
             with self._cond:
                 self._writing = {}
                 self.commits += 1
+                self.cpu_s += time.thread_time() - started
                 self._cond.notify_all()

@@ -40,7 +40,7 @@ from cache import (
     LogitCache,
     TeacherCache,
     TeacherRecord,
-    quantised,
+    quantised_many,
 )
 from opd_sao.trajectory import Trajectory
 from teachers.routing import TeacherSet
@@ -147,7 +147,7 @@ class TeacherTargets:
         out.stall_s += self.prefetcher.stats["stall_s"] - stall_before
         t0 = time.perf_counter()
         meta = self.caches[name].meta
-        held = {cache_key(traj): quantised(meta, record) for traj, record in zip(trajs, records)}
+        held = dict(zip(map(cache_key, trajs), quantised_many(meta, records)))
         self.writers[name].submit(held)
         out.cache_write_s += time.perf_counter() - t0
         return held

@@ -29,6 +29,7 @@ from cache import (
     encode_top_p,
     nucleus_cut,
     quantised,
+    quantised_many,
     record_from_logprobs,
 )
 from cache.cli import gc, inspect, main, verify
@@ -550,6 +551,9 @@ def test_quantised_record_is_what_the_cache_returns_and_stores_the_same_bytes(gr
     for name, value in _fields(back).items():
         assert getattr(held, name).dtype == value.dtype, name
         np.testing.assert_array_equal(getattr(held, name), value, err_msg=name)
+    for one, many in zip([held, quantised(meta, record)], quantised_many(meta, [held, record])):  # batched
+        for name, value in _fields(one).items():
+            np.testing.assert_array_equal(getattr(many, name), value, err_msg=name)
     again = to_streams(meta, held)
     assert again.keys() == streams.keys()
     for name in streams:
