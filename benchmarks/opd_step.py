@@ -10,8 +10,8 @@ trainer's thread in `OPDLearner.step` (`time.thread_time`; median, and the mean)
 trainer; `writer_cpu_s_per_step`, the CPU the cache's writer thread spent committing the records beside it
 (encoding, checksums, zarr appends), final flush included; `process_cpu_s_per_step`, the whole process over the
 loop and the final flush (both threads, and anything else); and the step's own breakdown in wall seconds
-(teacher forward, quantising and queueing the records, reading back). `peak_mb` is the child's peak RSS over its resident set once the
-models are loaded (the teacher's load in the first step included).
+(teacher forward, quantising and queueing the records, reading back). `peak_mb` is the child's peak RSS over
+its resident set once the models are loaded (the teacher's load in the first step included).
 
 Models: at vocabulary 384 the project's tiny model (its own BPE tokenizer, the environments' corpora) and a
 perturbed copy as the teacher, batch 64 x 6 action tokens (the `vs_trl` comparison's OPD row); at 151,936 a
