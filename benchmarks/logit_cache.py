@@ -365,8 +365,8 @@ def run(quick: bool, workdir: Path) -> dict:
             got, seconds = _timed(reader.get, traj_id)
             read_s += seconds
             exact = records[name][traj_id]
-            if name == "full":
-                kl.append(full_kl(exact.logp, got.logp))
+            if name == "full":  # read back as the cache's one-byte codes
+                kl.append(full_kl(exact.logp, dequantise_logp(got.logp_codes)))
             elif name == "raw_fp32":
                 kl.append(full_kl(exact.logp, got["logp"].reshape(exact.logp.shape)))
             elif name in CACHED:

@@ -12,6 +12,7 @@ import torch
 
 from cache import encode_full, encode_top_k, encode_top_p
 from cache.cli import verify
+from cache.encoding import LOGP_HALF_STEP, dequantise_logp
 from opd_sao.checkpoints import (
     build_tiny_model,
     load_causal_lm,
@@ -100,11 +101,21 @@ def test_tied_logits_give_the_dense_values(granularity):
     np.testing.assert_allclose(rec.sampled_logp, dense.gather(1, targets[:, None])[:, 0].numpy(), atol=2e-5)
 
 
+def _assert_codes_match(codes: np.ndarray, exact: np.ndarray, atol: float) -> None:
+    """Full rows come as the cache's codes: each decodes to within its level's half step of the exact logprob
+    (plus the scoring's float error; deeper than the last level, -48.05, reads back as it)."""
+    decoded = dequantise_logp(codes)
+    assert codes.shape == exact.shape
+    within = np.abs(decoded - exact) <= LOGP_HALF_STEP[codes] + atol
+    assert within[exact >= -48.0].all()
+
+
 def test_full_and_sampled_match_dense(dense_case):
     hidden, weight, bias, targets, dense = dense_case
     full = score_rows(hidden, weight, bias, targets, granularity="full", vocab_chunk=50).split([10, 19])
     ref = encode_full(dense, targets)
-    np.testing.assert_allclose(np.concatenate([r.logp for r in full]), ref.logp, atol=2e-5)
+    assert all(r.logp is None and r.logp_codes.dtype == np.uint8 for r in full)  # the cache's codes, no floats
+    _assert_codes_match(np.concatenate([r.logp_codes for r in full]), ref.logp, atol=2e-5)
     sampled = score_rows(hidden, weight, None, targets, granularity="sampled", vocab_chunk=50).split([29])[0]
     no_bias = torch.log_softmax(hidden @ weight.T, -1).gather(1, targets[:, None])[:, 0]
     np.testing.assert_allclose(sampled.sampled_logp, no_bias.numpy(), atol=2e-5)
@@ -179,7 +190,7 @@ def test_in_process_teacher_scores_action_tokens(tiny_model_dir, tokenizer, gran
         if granularity == "top_p":
             assert (rec.offsets == encode_top_p(dense, 0.5, targets, 256).offsets).all()
         if granularity == "full":
-            np.testing.assert_allclose(rec.logp, dense.numpy(), atol=1e-4)
+            _assert_codes_match(rec.logp_codes, dense.numpy(), atol=1e-4)
     teacher.unload()
     assert not teacher.loaded
 
