@@ -24,6 +24,7 @@ from opd_sao.modeling import dense_support_logprobs, sequence_logprobs, streamed
 from opd_sao.pipeline import run_pipeline
 from opd_sao.rl.distill import DomainSchedule, OPDLearner, padded_support
 from opd_sao.trainers import TorchTrainer
+from opd_sao.trainers.base import TrainerBackend
 from opd_sao.trajectory import Trajectory, collate
 from teachers import Prefetcher, TeacherSet, TeacherTargets
 
@@ -160,6 +161,34 @@ def test_streamed_full_divergence_equals_the_unstreamed_formula(kind, with_bias,
         assert torch.allclose(mine, theirs, rtol=1e-8, atol=1e-10)
     assert torch.allclose(rkl, truncated_divergence(logp, teacher, every, tail, kind="reverse_kl"), atol=1e-12)
     assert not rkl.requires_grad and torch.equal(top, logp.topk(5, dim=-1).indices)
+
+
+@pytest.mark.parametrize("micro_batch_size", [None, 2])
+def test_streamed_full_divergence_through_the_backend_equals_the_dense_default(tiny_model_dir, tokenizer,
+                                                                                micro_batch_size):
+    """The torch backend's streamed `policy_full_divergence` (in micro-batches too: the teacher's rows follow each
+    micro-batch's action rows) against the base class's default, the [N, V] log-softmax that ZeRO-3 keeps: the
+    same divergences, reverse-KL report and top-k ids, and the same update (gradient norm after one step)."""
+    batch = collate(_trajectories(load_causal_lm(tiny_model_dir), tokenizer, ["digits_reverse", "digits_sort"]),
+                    tokenizer.pad_token_id)
+    n, vocab = int(batch.action_mask.sum()), len(tokenizer)
+    teacher = torch.log_softmax(torch.randn(n, vocab, generator=torch.Generator().manual_seed(0)) * 3, dim=-1)
+
+    def teacher_chunk(rows, start, end):
+        return teacher[rows, start:end]
+
+    outputs = []
+    for method in (TorchTrainer.policy_full_divergence, TrainerBackend.policy_full_divergence):
+        backend = TorchTrainer(tiny_model_dir, TrainerConfig(policy_lr=1e-3, micro_batch_size=micro_batch_size),
+                               with_critic=False)
+        div, rkl, top = method(backend, batch, teacher_chunk, partial(pointwise_divergence, kind="jsd"),
+                               report=partial(pointwise_divergence, kind="reverse_kl"), vocab_chunk=100, top_k=4,
+                               vocab_size=vocab)
+        outputs.append((div.detach(), rkl, top, backend.step_policy(div.sum() / n)))
+    (s_div, s_rkl, s_top, s_norm), (d_div, d_rkl, d_top, d_norm) = outputs
+    assert torch.allclose(s_div, d_div, atol=1e-5) and float(d_div.min()) > 0
+    assert torch.allclose(s_rkl, d_rkl, atol=1e-5) and torch.equal(s_top, d_top)
+    assert s_norm == pytest.approx(d_norm, rel=1e-4)
 
 
 def test_padded_support_layout():
