@@ -80,34 +80,42 @@ def padded_support(records, device=None) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 class FullTeacher:
-    """Full-vocabulary teacher rows held as the cache's one-byte codes [N, V] (a quarter of float32's bytes),
-    decoded one vocabulary chunk at a time for `TrainerBackend.policy_full_divergence`: log-probs renormalised
-    per row (the decoded levels sum to 1 only up to the quantisation), as a log-softmax of the row would."""
+    """Full-vocabulary teacher rows held as the cache's one-byte codes, one [n, V] array per trajectory (as the
+    records hold them: never concatenated, never floats), decoded one vocabulary chunk at a time for
+    `TrainerBackend.policy_full_divergence`: log-probs renormalised per row (the decoded levels sum to 1 only up
+    to the quantisation), as a log-softmax of the row would."""
 
-    BLOCK = 64  # rows per pass of the per-row sums (an int64 temporary of BLOCK x V)
-
-    def __init__(self, codes: np.ndarray, device):
-        self.codes = torch.from_numpy(np.ascontiguousarray(codes))
+    def __init__(self, codes: list[np.ndarray], device):
+        self.parts = [torch.from_numpy(np.ascontiguousarray(c)) for c in codes]
+        self.first = torch.tensor([0] + [len(c) for c in codes]).cumsum(0)  # each part's first row
         self.levels = torch.from_numpy(dequantise_logp(np.arange(256, dtype=np.uint8))).double()
-        counts = torch.zeros((len(self.codes), 256), dtype=torch.float64)
-        for first in range(0, len(self.codes), self.BLOCK):
-            block = self.codes[first:first + self.BLOCK].long()
-            counts[first:first + self.BLOCK].scatter_add_(1, block, torch.ones(block.shape, dtype=torch.float64))
+        counts = torch.cat([torch.zeros((len(c), 256), dtype=torch.float64).scatter_add_(
+            1, c.long(), torch.ones(c.shape, dtype=torch.float64)) for c in self.parts])
         self.lse = torch.logsumexp(self.levels + counts.log(), dim=1)  # logsumexp of each row's decoded logprobs
         self.device = device
 
+    def codes(self, rows: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """uint8 [len(rows), end - start]: the codes of (global) rows on vocabulary columns [start, end)."""
+        part = torch.searchsorted(self.first, rows, right=True) - 1
+        out = torch.empty((len(rows), end - start), dtype=torch.uint8)
+        for p in part.unique().tolist():
+            sel = part == p
+            out[sel] = self.parts[p][rows[sel] - self.first[p], start:end]
+        return out
+
     def __call__(self, rows: torch.Tensor, start: int, end: int) -> torch.Tensor:
         rows = rows.cpu()
-        logp = self.levels[self.codes[rows, start:end].long()] - self.lse[rows].unsqueeze(1)
+        logp = self.levels[self.codes(rows, start, end).long()] - self.lse[rows].unsqueeze(1)
         return logp.float().to(self.device)
 
     def overlap(self, student_top: torch.Tensor) -> torch.Tensor:
         """`algorithms.topk_overlap` on full rows: the share of the student's top-k ids the teacher ranks in its
         own top k (ties count: a code at most the teacher's k-th smallest)."""
         k = student_top.shape[1]
-        kth = torch.cat([block.to(torch.int16).kthvalue(k, dim=1).values for block in self.codes.split(self.BLOCK)])
-        picked = self.codes.gather(1, student_top.cpu()).to(torch.int16)
-        return (picked <= kth.unsqueeze(1)).float().mean(1).to(student_top.device)
+        kth = torch.cat([c.to(torch.int16).kthvalue(k, dim=1).values for c in self.parts])
+        top = student_top.cpu()
+        picked = torch.cat([c.gather(1, top[a:b]) for c, a, b in zip(self.parts, self.first, self.first[1:])])
+        return (picked.to(torch.int16) <= kth.unsqueeze(1)).float().mean(1).to(student_top.device)
 
 
 # ----------------------------------------------------------------------------
@@ -341,7 +349,7 @@ class OPDLearner(ResumableLearner):
         """The divergence over the whole vocabulary, student and teacher streamed together chunk by chunk (the
         teacher's rows stay the cache's one-byte codes): (divergence [N], reverse KL [N], top-k overlap [N])."""
         opd, dev = self.opd, self.backend.device
-        teacher = FullTeacher(np.concatenate([r.logp_codes for r in records]), dev)
+        teacher = FullTeacher([r.logp_codes for r in records], dev)
         terms = partial(A.pointwise_divergence, kind=opd.divergence, beta=opd.jsd_beta)
         report = None if opd.divergence == "reverse_kl" else partial(A.pointwise_divergence, kind="reverse_kl")
         div, rkl, top_ids = self.backend.policy_full_divergence(sub, teacher, terms, report=report,
