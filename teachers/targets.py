@@ -102,7 +102,7 @@ class TeacherTargets:
         if name in self.writers:
             try:
                 self.writers.pop(name).close()
-            except Exception:  # noqa: BLE001 - its commits failed on the damaged store, which is being replaced
+            except Exception:  # its commits failed on the damaged store, which is being replaced
                 pass
         self.caches[name] = self.cache.rebuild_teacher(self.registry.specs[name].cache_meta)
         self.writers[name] = _writer(self.caches[name])
