@@ -83,7 +83,11 @@ class OPDStage(Stage):
         prefetcher = Prefetcher(registry.build_all(), local_dir=Path(opd.local_dir or self.dir / "teacher_tier"),
                                 max_resident=opd.max_resident, enabled=opd.prefetch, copy_bandwidth=bandwidth)
         engine = None
-        self._scores: dict[tuple[str, str], float] = {}
+        # the pipeline's scores of the completed stages: the same evaluation (settings, seed), so a teacher or the
+        # start checkpoint is not scored again
+        self._scores: dict[tuple[str, str, int], float] = {
+            (str(Path(ckpt).resolve()), name, 0): score for stage, ckpt in self.ctx.checkpoints.items()
+            for name, score in self.ctx.scores.get(stage, {}).items() if name in domains}
         try:
             targets = TeacherTargets(registry, prefetcher, Path(opd.cache_dir or self.dir / "logit_cache"))
             targets.warm_up()  # teachers copy and load in the background from here on: trainer and engine
