@@ -620,16 +620,21 @@ def topk_overlap(
     return torch.where(m > 0, hits / m.clamp(min=1).float(), torch.zeros_like(hits))
 
 
-def domain_shares(recovered: dict[str, float], target: float) -> dict[str, float]:
+def domain_shares(recovered: dict[str, float], target: float, floor: float = 0.0) -> dict[str, float]:
     """Each OPD domain's share of the student's rollouts from its measured recovery (student score / teacher score).
 
-    A domain at or above ``target`` is done (share 0); the others share the rollouts in proportion to their gap to
-    the teacher, ``1 - recovered``: a domain at 50% of its teacher draws twice the rollouts of one at 75%. All
-    zeros when every domain is done.
+    A domain at or above ``target`` is done; the domains not done share the rollouts in proportion to their gap to
+    the teacher, ``1 - recovered``: a domain at 50% of its teacher draws twice the rollouts of one at 75%. With
+    ``floor`` > 0 every domain, done or not, first gets ``floor`` (rehearsal: a done domain that draws nothing
+    slips while the others train), and the rest, ``1 - n floor``, goes by the gaps (all of it to the floors
+    when only done domains are left). All zeros when every domain is done (the stage ends).
     """
     gaps = {d: (1.0 - r if r < target else 0.0) for d, r in recovered.items()}
     total = sum(gaps.values())
-    return {d: (g / total if total > 0 else 0.0) for d, g in gaps.items()}
+    if total <= 0:
+        return dict.fromkeys(recovered, 0.0)
+    free = 1.0 - floor * len(recovered)
+    return {d: floor + free * g / total for d, g in gaps.items()}
 
 
 # ----------------------------------------------------------------------------

@@ -354,6 +354,9 @@ class OPDConfig(Strict):
                                 "eval split scored as the pipeline scores it, another sampling seed); each domain's "
                                 "share of the rollouts follows its gap to its teacher (1 - score / teacher score); 0: "
                                 "no probes, every domain drawn round robin for all `steps`", 25, ge=0)
+    min_share: float = describe("with probes: every domain's floor share of the rollouts, done or not (rehearsal: "
+                                "a domain that draws nothing slips while the others train); the rest follows the "
+                                "gaps. At most 1 / the number of domains", 0.0, ge=0, lt=1)
 
     @model_validator(mode="after")
     def _one_teacher_per_domain(self) -> "OPDConfig":

@@ -9,7 +9,7 @@ The stage finishes the job rather than a step count: every `opd.probe_every` pol
 the student is exported and each domain's held-out split scored (as the pipeline scores it, with another
 sampling seed), against its teacher's score (the pipeline's own seed: the score `checkpoint: best` chose it
 by). Each domain's share of the next rollouts follows its gap to its teacher (`rl.distill.DomainSchedule`);
-a domain within `opd.target` of its teacher draws none, and the stage ends when every domain is there, or
+a domain within `opd.target` of its teacher draws only `opd.min_share` (every domain gets that floor), and the stage ends when every domain is there, or
 after `steps` (the budget). The probes, shares and rollouts per domain go to summary.json (`schedule`) and
 the report.
 
@@ -68,6 +68,8 @@ class OPDStage(Stage):
             raise UsageError(f"stage {cfg.name!r} (opd) needs `domains:` or teachers with domains")
         for name in names:  # that every domain has a teacher is checked by the config schema
             ENVIRONMENTS.get(name)
+        if cfg.opd.min_share * len(names) > 1:
+            raise ValueError(f"stage {cfg.name!r}: opd.min_share {cfg.opd.min_share} x {len(names)} domains is over 1")
 
     def run(self) -> StageResult:
         cfg, run, tok, opd = self.cfg, self.ctx.cfg, self.ctx.tokenizer, self.cfg.opd
@@ -82,7 +84,11 @@ class OPDStage(Stage):
         prefetcher = Prefetcher(registry.build_all(), local_dir=Path(opd.local_dir or self.dir / "teacher_tier"),
                                 max_resident=opd.max_resident, enabled=opd.prefetch, copy_bandwidth=bandwidth)
         engine = targets = None
-        self._scores: dict[tuple[str, str], float] = {}
+        # the pipeline's scores of the completed stages: the same evaluation (settings, seed), so a teacher or the
+        # start checkpoint is not scored again
+        self._scores: dict[tuple[str, str, int], float] = {
+            (str(Path(ckpt).resolve()), name, 0): score for stage, ckpt in self.ctx.checkpoints.items()
+            for name, score in self.ctx.scores.get(stage, {}).items() if name in domains}
         try:
             targets = TeacherTargets(registry, prefetcher, Path(opd.cache_dir or self.dir / "logit_cache"))
             targets.warm_up()  # teachers copy and load in the background from here on: trainer and engine
@@ -93,7 +99,7 @@ class OPDStage(Stage):
             engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device,
                                   attn_implementation=attention)
             learner = OPDLearner(backend, opd, cfg.rl, targets)
-            schedule = DomainSchedule(names, opd.target)
+            schedule = DomainSchedule(names, opd.target, opd.min_share)
             gate, resumed = self._train(domains, backend, engine, learner, trainer_cfg, schedule, registry)
             checkpoint = backend.export_policy(self.dir / "checkpoint", tok)
         finally:

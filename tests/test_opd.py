@@ -21,7 +21,7 @@ from opd_sao.config import (
 )
 from opd_sao.algorithms import domain_shares, pointwise_divergence, truncated_divergence
 from opd_sao.modeling import dense_support_logprobs, sequence_logprobs, streamed_divergence, support_logprobs
-from opd_sao.pipeline import run_pipeline
+from opd_sao.pipeline import check_before_work, run_pipeline
 from opd_sao.rl.distill import DomainSchedule, OPDLearner, padded_support
 from opd_sao.trainers import TorchTrainer
 from opd_sao.trainers.base import TrainerBackend
@@ -520,6 +520,24 @@ def test_domain_shares_by_hand():
     assert domain_shares({"x": 0.2, "y": 0.6, "z": 1.1}, 0.95) == pytest.approx({"x": 2 / 3, "y": 1 / 3, "z": 0.0})
     assert domain_shares({"x": 0.95, "y": 0.99}, 0.95) == {"x": 0.0, "y": 0.0}
     assert domain_shares({"x": 0.9}, 0.8) == {"x": 0.0}  # at 90% with a target of 80%: done
+    # a floor of 0.2 each: z (done) keeps 0.2; the other 0.4 goes by the gaps 0.8 : 0.4
+    assert domain_shares({"x": 0.2, "y": 0.6, "z": 1.1}, 0.95, floor=0.2) == pytest.approx(
+        {"x": 0.2 + 0.4 * 2 / 3, "y": 0.2 + 0.4 / 3, "z": 0.2})
+    assert domain_shares({"x": 0.95, "y": 0.99}, 0.95, floor=0.3) == {"x": 0.0, "y": 0.0}  # all done: the end
+
+
+def test_domain_schedule_keeps_a_done_domain_at_its_floor():
+    schedule = DomainSchedule(["a", "b"], target=1.0, min_share=0.25)
+    schedule.update(0, {"a": 0.4, "b": 0.9}, {"a": 0.8, "b": 0.8})  # b above its teacher: done, yet rehearsed
+    assert schedule.shares == pytest.approx({"a": 0.75, "b": 0.25}) and not schedule.done
+    dealt = [schedule.next_domain() for _ in range(40)]
+    assert dealt.count("b") == 10 and schedule.summary()["min_share"] == 0.25
+
+
+def test_a_floor_over_the_domains_is_refused():
+    cfg = _run_config(min_share=0.6)  # two domains x 0.6 > 1
+    with pytest.raises(ValueError, match=r"opd.min_share 0.6 x 2 domains is over 1"):
+        check_before_work(parse_config(cfg))
 
 
 def test_config_checks_domains_and_teachers():

@@ -125,15 +125,15 @@ class FullTeacher:
 class DomainSchedule:
     """The OPD stage's per-domain schedule: each domain's share of the student's rollouts follows its measured gap
     to its teacher (`algorithms.domain_shares` of the held-out probe scores over the teachers' scores), a domain
-    at `target` draws none, and `done` says every domain is there.
+    at `target` draws only `min_share`, and `done` says every domain is there.
 
     Rollouts are dealt by smooth weighted round robin over the shares (deterministic, and every prefix of the
     sequence is within one rollout of its shares); equal shares, before the first probe, are plain round robin.
     `next_domain` runs on the rollout worker's thread, `update` on the trainer's.
     """
 
-    def __init__(self, domains: list[str], target: float):
-        self.domains, self.target = list(domains), target
+    def __init__(self, domains: list[str], target: float, min_share: float = 0.0):
+        self.domains, self.target, self.min_share = list(domains), target, min_share
         self.teacher_scores: dict[str, float] = {}
         self.shares = {d: 1.0 / len(self.domains) for d in self.domains}
         self.recovered: dict[str, float] = {}
@@ -157,7 +157,7 @@ class DomainSchedule:
         """A probe at `step` (policy steps done): held-out scores of the student and of each domain's teacher.
         A teacher scoring 0 leaves nothing to recover (the domain counts as done)."""
         recovered = {d: scores[d] / teacher_scores[d] if teacher_scores[d] > 0 else 1.0 for d in self.domains}
-        shares = A.domain_shares(recovered, self.target)
+        shares = A.domain_shares(recovered, self.target, self.min_share)
         with self._lock:
             self.teacher_scores, self.recovered, self.shares = dict(teacher_scores), recovered, shares
             self._credit = dict.fromkeys(self.domains, 0.0)
@@ -173,7 +173,7 @@ class DomainSchedule:
         """For summary.json: the probes, the rollouts each domain drew, the step each first reached the target."""
         reached = {d: next((p["step"] for p in self.probes if p["recovered"][d] >= self.target), None)
                    for d in self.domains}
-        return {"target": self.target, "teacher_scores": self.teacher_scores, "probes": self.probes,
+        return {"target": self.target, "min_share": self.min_share, "teacher_scores": self.teacher_scores, "probes": self.probes,
                 "rollouts": dict(self.drawn), "reached_target_at_step": reached,
                 "ended": "target" if self.done else "budget"}
 

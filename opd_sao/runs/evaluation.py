@@ -30,6 +30,15 @@ def evaluate(checkpoint: Path, env_factory, tokenizer, *, domain: str, rollout: 
     `device`: where the model generates (the run's engine device; None: auto); `attn_implementation`: the
     engine's (model.attn_implementation).
     """
+    rewards = episode_rewards(checkpoint, env_factory, tokenizer, domain=domain, rollout=rollout, eval_cfg=eval_cfg,
+                              seed=seed, device=device, attn_implementation=attn_implementation)
+    return sum(r for per_task in rewards.values() for r in per_task) / sum(len(r) for r in rewards.values())
+
+
+def episode_rewards(checkpoint: Path, env_factory, tokenizer, *, domain: str, rollout: RolloutConfig,
+                    eval_cfg: EvalConfig, seed: int, device: Optional[str] = None,
+                    attn_implementation: str = "eager") -> dict[str, list[float]]:
+    """Every eval episode's reward, per task (eval_cfg.samples_per_task each): the score and its sampling noise."""
     tasks = env_factory().make_tasks("eval", eval_cfg.num_tasks, seed=seed)
     if not tasks:
         raise UsageError(f"environment {domain!r} has no eval tasks")
@@ -40,4 +49,7 @@ def evaluate(checkpoint: Path, env_factory, tokenizer, *, domain: str, rollout: 
                              repeats=eval_cfg.samples_per_task)
     with torch.no_grad():
         trajs = run_episodes(engine, episodes)
-    return sum(t.total_reward for t in trajs) / len(trajs)
+    rewards: dict[str, list[float]] = {str(task["id"]): [] for task in tasks}
+    for episode, traj in zip(episodes, trajs):
+        rewards[str(episode.task["id"])].append(traj.total_reward)
+    return rewards

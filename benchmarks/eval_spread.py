@@ -1,0 +1,79 @@
+"""How repeatable is the held-out evaluation? One checkpoint of a finished run scored on every domain under
+several evaluation sampling seeds, at the run's samples per task.
+
+The pipeline scores every checkpoint with the run's seed, so the same checkpoint always gets the same score
+(the seed fixes the samples); what this measures is how far that score is from the checkpoint's expected score,
+i.e. how much of a difference between two stages' scores (or a "best earlier" score picked from five) is the
+sampling's. Two measures: the spread of the scores over the seeds, and, from each evaluation alone, the
+standard error of its score from the variance between a task's samples (the task set is fixed, so only the
+sampling is noise): sqrt(sum_i s_i^2 / k) / n for n tasks of k samples, s_i^2 task i's sample variance; the
+same sum at k = 1 is the standard error of a one-sample-per-task evaluation.
+
+    python benchmarks/eval_spread.py RUN_DIR [--stage warmup] [--seeds 3] [--quick]
+
+`--quick`: one seed (the standard errors only). Prints one JSON object on its last line: per domain, the scores, their mean, standard
+deviation and range, the standard errors (at the run's k and at k = 1) and the seconds the evaluations took.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from opd_sao.checkpoints import load_tokenizer
+from opd_sao.config import load_config
+from opd_sao.pipeline import eval_domains
+from opd_sao.runs.evaluation import episode_rewards
+from stages.domains import Domain
+
+
+def standard_error(rewards: dict[str, list[float]], k: int) -> float:
+    """The mean's standard error from within-task sample variances, for k samples per task."""
+    variances = [statistics.variance(r) for r in rewards.values() if len(r) > 1]
+    return (sum(variances) / k) ** 0.5 / len(variances)
+
+
+def spread(run_dir: Path, stage: str, seeds: list[int]) -> dict:
+    cfg = load_config(run_dir / "config.yaml")
+    tokenizer = load_tokenizer(run_dir / "base_model")
+    checkpoint = run_dir / "stages" / stage / "checkpoint"
+    out = {}
+    for name in eval_domains(cfg):
+        d = Domain(name, None, cfg.stages, cfg.device)
+        if d.eval_cfg.samples_per_task < 2:
+            raise SystemExit(f"{name}: eval.samples_per_task is 1; a task's sample variance needs at least 2")
+        start, scores, errors, errors_1 = time.perf_counter(), [], [], []
+        for seed in seeds:
+            rewards = episode_rewards(checkpoint, d.factory, tokenizer, domain=name, rollout=d.eval_rollout,
+                                      eval_cfg=d.eval_cfg, seed=seed, device=cfg.engine_device,
+                                      attn_implementation=cfg.model.attn_implementation)
+            scores.append(round(statistics.fmean(r for per_task in rewards.values() for r in per_task), 4))
+            errors.append(standard_error(rewards, d.eval_cfg.samples_per_task))
+            errors_1.append(standard_error(rewards, 1))
+        out[name] = {
+            "tasks": len(rewards), "samples_per_task": d.eval_cfg.samples_per_task, "scores": scores,
+            "mean": round(statistics.fmean(scores), 4),
+            "stdev": round(statistics.stdev(scores), 4) if len(scores) > 1 else None,
+            "range": round(max(scores) - min(scores), 4), "standard_error": round(statistics.fmean(errors), 4),
+            "standard_error_one_sample": round(statistics.fmean(errors_1), 4),
+            "wall_s": round(time.perf_counter() - start, 1)}
+        print(name, out[name], flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--stage", default="warmup", help="whose checkpoint (a finished stage of the run)")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one seed")
+    args = parser.parse_args()
+    seeds = list(range(100, 100 + (1 if args.quick else args.seeds)))  # none of them a quickstart run's seed
+    print(json.dumps({"run_dir": str(args.run_dir), "stage": args.stage, "seeds": seeds,
+                      "domains": spread(args.run_dir, args.stage, seeds)}))
+
+
+if __name__ == "__main__":
+    main()
