@@ -115,7 +115,7 @@ def multinode(seed: int, args) -> dict:
             stage.pop("trainer")
         run = Path(tmp) / "run"
         run_pipeline(parse_config(cfg), run, log=lambda m: None)
-        read = lambda stage, name: [json.loads(line) for line in  # noqa: E731
+        read = lambda stage, name: [json.loads(line) for line in
                                     (run / "stages" / stage / name).read_text().splitlines()]
         warm, sao = read("warm", "sft.jsonl"), read("add", "metrics.jsonl")
     rewards = [m["reward_mean"] for m in sao]

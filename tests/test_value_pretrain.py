@@ -14,9 +14,9 @@ from opd_sao.engines.base import SamplingParams
 from opd_sao.pipeline import run_pipeline
 from opd_sao.rl.rollout import Episode
 from opd_sao.rl.value_pretrain import critic_error, monte_carlo_returns, pretrain_critic, rollout_corpus
-from opd_sao.trajectory import collate
 from opd_sao.trainers import TorchTrainer
 from opd_sao.trainers.critic import ValueModel
+from opd_sao.trajectory import collate
 from stages.envs import register_env
 from stages.envs.arithmetic import ArithmeticEnv
 
