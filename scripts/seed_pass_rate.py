@@ -9,6 +9,13 @@ over `--seeds` seeds and prints one JSON line per seed, then one summary line: `
                  (a learned judge is no verifier: the check is skipped, reported), and
                  tests/test_chat.py::test_reward_model_ranks_held_out_pairs' accuracies and ranking on the same model
   train_from     tests/test_rewards.py's reward model trained from a preference file (no quality margin asserted)
+  sft_loss       tests/test_deepspeed_sft.py's torch reference run (its examples and run seed): the loss falls
+                 from the first step to the last and the weights move past 100x the comparison's tolerance (the
+                 ZeRO-3 run matches this one to 1e-5, so its outcome is this one's)
+  multinode      tests/test_multinode.py's SFT and SAO stages (its own config) on the torch backend in one
+                 process, run seed = the seed: the SFT loss falls, the SAO stage sees a reward and a gradient
+
+Tests that take the `train_seed` fixture need no target here: `pytest --train-seeds 20 TEST` runs them.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def chat(seed: int, pairs: int, steps: int) -> dict:
+def chat(seed: int, args) -> dict:
     import torch
     from test_chat import TASK, TINY
 
@@ -36,7 +43,8 @@ def chat(seed: int, pairs: int, steps: int) -> dict:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rm"
-        info = train_chat_reward_model(out, n_pairs=pairs, steps=steps, seed=seed, shape=TinyModelConfig(**TINY))
+        info = train_chat_reward_model(out, n_pairs=args.pairs, steps=args.steps, seed=seed,
+                                       shape=TinyModelConfig(**TINY))
         options = {"judge": "reward_model", "judge_options": {"path": str(out)}}
         report = check_environment("chat", lambda: ChatEnv(**options), n=16, seed=1)
         model = RewardModel(out)
@@ -51,7 +59,7 @@ def chat(seed: int, pairs: int, steps: int) -> dict:
             and accuracy >= 0.8 and good > bad}
 
 
-def train_from(seed: int, pairs: int, steps: int) -> dict:
+def train_from(seed: int, args) -> dict:
     """tests/test_rewards.py::test_a_reward_model_trained_from_a_file_is_retrained_when_the_file_changes at `seed`."""
     from stages.envs.dataset.preferences import train_from_file
 
@@ -65,7 +73,58 @@ def train_from(seed: int, pairs: int, steps: int) -> dict:
     return {"passed": first["train_pairs"] > 0 and again == {}}
 
 
-TARGETS = {"chat": chat, "train_from": train_from}
+def sft_loss(seed: int, args) -> dict:
+    """tests/test_deepspeed_sft.py's reference (torch) run with its examples and run seed at `seed`."""
+    import torch
+    from test_deepspeed_sft import WEIGHT_ATOL, _sft_cfg
+
+    from opd_sao.checkpoints import PromptFormat, load_causal_lm, load_tokenizer
+    from opd_sao.runs.tracking import read_jsonl
+    from opd_sao.supervised import run_sft, sft_examples
+    from stages.envs import ENVIRONMENTS
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = args.tiny
+        tokenizer = load_tokenizer(tiny)
+        examples = sft_examples(ENVIRONMENTS.get("arithmetic"), tokenizer, n=40, seed=seed,
+                                prompt_format=PromptFormat(tokenizer))
+        ref = Path(tmp) / "torch"
+        run_sft(tiny, ref / "checkpoint", examples, tokenizer, _sft_cfg(), seed, work_dir=ref)
+        losses = [r["loss"] for r in read_jsonl(ref / "sft.jsonl")]
+        start, end = (load_causal_lm(d).state_dict() for d in (tiny, ref / "checkpoint"))
+        moved = max(float((end[k] - start[k]).abs().max()) for k in end)
+    return {"first_loss": losses[0], "last_loss": losses[-1], "loss_drop_rel": 1 - losses[-1] / losses[0],
+            "moved": moved, "passed": losses[-1] < losses[0] and moved > 100 * WEIGHT_ATOL}
+
+
+def multinode(seed: int, args) -> dict:
+    """tests/test_multinode.py's `warm` (SFT) and `add` (SAO) stages, torch backend, run seed `seed`."""
+    import torch
+    from test_multinode import _config
+
+    from opd_sao.config import parse_config
+    from opd_sao.pipeline import run_pipeline
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = args.tiny
+        cfg = _config(tiny, tiny, "http://127.0.0.1:1")  # the OPD stages (the served teacher) are left out
+        cfg.update(seed=seed, stages=cfg["stages"][:2])
+        for stage in cfg["stages"]:
+            stage.pop("trainer")
+        run = Path(tmp) / "run"
+        run_pipeline(parse_config(cfg), run, log=lambda m: None)
+        read = lambda stage, name: [json.loads(line) for line in
+                                    (run / "stages" / stage / name).read_text().splitlines()]
+        warm, sao = read("warm", "sft.jsonl"), read("add", "metrics.jsonl")
+    rewards = [m["reward_mean"] for m in sao]
+    grad = max(m["policy_grad_norm"] for m in sao)
+    return {"sft_loss": [warm[0]["loss"], warm[-1]["loss"]], "sao_rewards": rewards, "max_policy_grad_norm": grad,
+            "passed": warm[-1]["loss"] < warm[0]["loss"] and sum(rewards) > 0 and grad > 0}
+
+
+TARGETS = {"chat": chat, "train_from": train_from, "sft_loss": sft_loss, "multinode": multinode}
 
 
 def main() -> None:
@@ -75,10 +134,17 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--pairs", type=int, default=1500, help="chat: the reward model's training pairs")
     parser.add_argument("--steps", type=int, default=200, help="chat: the reward model's training steps")
+    parser.add_argument("--tiny", type=Path, help="sft_loss, multinode: the tests' tiny model, built once here "
+                        "if not given (tests/conftest.py: build_tiny)")
     args = parser.parse_args()
+    models = tempfile.TemporaryDirectory()
+    if args.target in ("sft_loss", "multinode") and args.tiny is None:
+        from conftest import build_tiny
+
+        args.tiny = build_tiny(Path(models.name) / "tiny")
     passed = 0
     for seed in range(args.first, args.first + args.seeds):
-        row = TARGETS[args.target](seed, args.pairs, args.steps)
+        row = TARGETS[args.target](seed, args)
         passed += bool(row["passed"])
         print(json.dumps({"seed": seed, **row}), flush=True)
     print(json.dumps({"target": args.target, "passed": passed, "of": args.seeds}))

@@ -13,8 +13,27 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 torch.set_num_threads(1)  # tiny models: one thread is fastest, and the rollout and trainer threads get a core each
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
+def pytest_addoption(parser):
+    parser.addoption("--train-seeds", type=int, default=0, metavar="N",
+                     help="run every test that takes the `train_seed` fixture once per training seed 0..N-1: the "
+                          "margin sweep of docs/reliability.md (another seed moves a trained model as much as "
+                          "another machine's floating point does)")
+
+
+def pytest_generate_tests(metafunc):
+    seeds = metafunc.config.getoption("train_seeds")
+    if seeds and "train_seed" in metafunc.fixturenames:
+        metafunc.parametrize("train_seed", range(seeds), ids=lambda s: f"seed{s}")
+
+
+@pytest.fixture
+def train_seed() -> int:
+    """The seed of a model-training test's margin-bearing part: 0, or each of 0..N-1 under --train-seeds N."""
+    return 0
+
+
+def build_tiny(out):
+    """The session's tiny model (also built by scripts/seed_pass_rate.py): 2 layers, 32 wide, every domain's text."""
     from opd_sao.checkpoints import build_tiny_model
     from opd_sao.config import TinyModelConfig
     from stages.envs import ENVIRONMENTS
@@ -23,20 +42,29 @@ def tiny_model_dir(tmp_path_factory):
     for name in ENVIRONMENTS.names():
         texts.extend(ENVIRONMENTS.get(name)().corpus(300))
     shape = TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1)
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", texts, shape, seed=0)
+    return build_tiny_model(out, texts, shape, seed=0)
 
 
-@pytest.fixture(scope="session")
-def perturbed_teacher(tiny_model_dir, tmp_path_factory):
+def build_perturbed_teacher(tiny, out):
     """A real OPD teacher that disagrees with the student: the tiny model with every weight perturbed."""
     from opd_sao.checkpoints import load_causal_lm, load_tokenizer, save_checkpoint
 
     torch.manual_seed(1)
-    model = load_causal_lm(tiny_model_dir)
+    model = load_causal_lm(tiny)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.3)
-    return save_checkpoint(model, load_tokenizer(tiny_model_dir), tmp_path_factory.mktemp("teacher") / "ckpt")
+    return save_checkpoint(model, load_tokenizer(tiny), out)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def perturbed_teacher(tiny_model_dir, tmp_path_factory):
+    return build_perturbed_teacher(tiny_model_dir, tmp_path_factory.mktemp("teacher") / "ckpt")
 
 
 @pytest.fixture(scope="session")

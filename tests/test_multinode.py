@@ -6,6 +6,11 @@ ZeRO-3 (gloo on CPU): an SFT stage, a SAO reasoning stage warm-started by SFT, a
 is served by an `opd-sao serve` (kind sglang, scored with SGLang's input-logprob semantics) and feeds the
 logit cache, beside a second domain's teacher partitioned over both ranks (kind zero3), and an OPD stage on
 the same server's top-k lists.
+
+Margins (that the SFT and SAO stages learnt): 20 of 20 seeds pass (scripts/seed_pass_rate.py multinode: these
+two stages from this file's config on the torch backend in one process, run seed varied): the SFT loss fell to
+0.22-0.23 of its start, the SAO stage answered 3 to 8 of its 24 rollouts right (asserted: at least one), and its
+largest policy gradient norm was 0.23 or more (asserted: above 0).
 """
 from __future__ import annotations
 

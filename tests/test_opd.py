@@ -360,27 +360,49 @@ def test_sampled_path_matches_student_and_teacher_at_one_temperature(tiny_model_
     assert m["distill_temperature"] == 1.0 and m["sampling_temperature"] == temperature
 
 
-def test_sampled_path_moves_the_student_towards_its_teacher(tiny_model_dir, tokenizer, perturbed_teacher, tmp_path):
-    """The sampled-token advantage -(logp_student - logp_teacher): its sign is what makes the reverse KL fall."""
+def _squared_log_ratio(student, teacher, trajs) -> float:
+    """Mean (log p_student - log p_teacher)^2 over the trajectories' tokens."""
+    gaps = []
+    with torch.no_grad():
+        for t in trajs:
+            seq = torch.tensor([t.prompt_ids + t.token_ids])
+            s, te = (sequence_logprobs(m, seq, torch.ones_like(seq))[0, len(t.prompt_ids):] for m in (student, teacher))
+            gaps.append((s - te) ** 2)
+    return float(torch.cat(gaps).mean())
+
+
+def test_sampled_path_moves_the_student_towards_its_teacher(tiny_model_dir, tokenizer, perturbed_teacher, tmp_path,
+                                                           train_seed):
+    """The sampled-token advantage -(logp_student - logp_teacher) weighting grad logp_student is, at ratio 1, the
+    gradient of -(1/2)(logp_student - logp_teacher)^2: its sign is what moves the student towards the teacher, so
+    the squared log-ratio on the trained tokens falls (with the sign flipped the update would ascend it). (The mean
+    log-ratio, the k1 estimate reported as `kl`, was asserted before: on these fixed, not student-sampled tokens it
+    need not fall, and it rose for 4 of 20 seeds.) 20 of 20 seeds pass (pytest --train-seeds 20: the batch's
+    tokens); after 6 steps the squared log-ratio was 0.29-0.75 of its start (asserted: below 0.9)."""
     learner, pf = _learner(tiny_model_dir, {"digits_reverse": (perturbed_teacher, {})}, tokenizer, tmp_path, lr=3e-3,
                            granularity="sampled")
-    batch = collate(_trajectories(load_causal_lm(tiny_model_dir), tokenizer, ["digits_reverse"], n_per=4),
-                    tokenizer.pad_token_id)
+    trajs = _trajectories(load_causal_lm(tiny_model_dir), tokenizer, ["digits_reverse"], n_per=4, seed=train_seed)
+    batch, teacher = collate(trajs, tokenizer.pad_token_id), load_causal_lm(perturbed_teacher)
+    before = _squared_log_ratio(learner.backend.policy, teacher, trajs)
     first = learner.step(batch, 1.0)
     assert first["adv_mean"] == pytest.approx(-first["kl"], abs=1e-5)  # A = -(k1 estimate) on the sampled tokens
-    history = [first] + [learner.step(batch, 1.0) for _ in range(5)]
+    for _ in range(5):
+        learner.step(batch, 1.0)
     pf.close()
-    assert history[-1]["kl"] < 0.9 * history[0]["kl"]
+    after = _squared_log_ratio(learner.backend.policy, teacher, trajs)
+    assert after < 0.9 * before
 
 
 @pytest.mark.parametrize("granularity,divergence", [("top_k", "forward_kl"), ("top_p", "jsd"),
                                                     ("full", "reverse_kl")])
 def test_learner_reduces_divergence_and_reuses_cache(tiny_model_dir, tokenizer, perturbed_teacher, tmp_path,
-                                                     granularity, divergence):
+                                                     granularity, divergence, train_seed):
+    """6 steps on one batch lower the divergence by 10%+ and the reverse KL: 20 of 20 seeds pass for each of the
+    three settings (pytest --train-seeds 20: the batch's tokens)."""
     learner, pf = _learner(tiny_model_dir, {"digits_reverse": (perturbed_teacher, {})}, tokenizer, tmp_path, lr=3e-3,
                            granularity=granularity, divergence=divergence)
-    batch = collate(_trajectories(load_causal_lm(tiny_model_dir), tokenizer, ["digits_reverse"], n_per=4),
-                    tokenizer.pad_token_id)
+    batch = collate(_trajectories(load_causal_lm(tiny_model_dir), tokenizer, ["digits_reverse"], n_per=4,
+                                  seed=train_seed), tokenizer.pad_token_id)
     history = [learner.step(batch, 1.0) for _ in range(6)]
     pf.close()
     assert history[-1]["divergence"] < 0.9 * history[0]["divergence"]

@@ -5,6 +5,7 @@ import itertools
 import json
 import math
 import random
+import threading
 
 import pytest
 
@@ -22,8 +23,11 @@ from stages.envs import ENVIRONMENTS
 
 
 def _loop(tmp_path, tiny_model_dir, tokenizer, lengths, *, asynchronous=True, group_size=1, batch=2,
-          max_staleness=8, algo="sao", rl=None, per_member=False, slowdown_s=0.0):
-    """`lengths`: response lengths, one per group (every member the same), or one per member (`per_member`)."""
+          max_staleness=8, algo="sao", rl=None, per_member=False, late=None):
+    """`lengths`: response lengths, one per group (every member the same), or one per member (`per_member`).
+    `late`: response length of stragglers held back (one at a time, so that the rest keep the trainer fed) until
+    the policy is past the staleness bound for them, as on a machine whose engine is slow next to its trainer
+    (whether a 200-token rollout finishes within a step or two is otherwise a matter of the machine's load)."""
     env_cls = ENVIRONMENTS.get("arithmetic")
     tasks = itertools.cycle(env_cls().make_tasks("train", 50, seed=0))
     lengths = iter(lengths)
@@ -46,12 +50,34 @@ def _loop(tmp_path, tiny_model_dir, tokenizer, lengths, *, asynchronous=True, gr
     backend = TorchTrainer(tiny_model_dir, cfg, with_critic=needs_critic(algo, rl))
     learner = Learner(backend, algo, rl, critic_steps=2, critic_warmup_steps=0)
     rollout = RolloutConfig(asynchronous=asynchronous, group_size=group_size, max_staleness=max_staleness)
+    held, lock = [], threading.Lock()
+
+    def release(step):  # after each step: the held stragglers now past the bound arrive
+        with lock:
+            due = [t for t in held if loop.backend.policy_version - t.min_version > max_staleness]
+            held[:] = [t for t in held if t not in due]
+        for traj in due:
+            arrive(traj)
+
     loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes, rollout=rollout,
                   train_batch_size=batch, pad_id=tokenizer.pad_token_id,
                   logger=MetricsLogger(tmp_path / "metrics.jsonl", stage="t"), trained_log=tmp_path / "trained.jsonl",
-                  slowdown_s=slowdown_s)
+                  after_step=release)
     put = loop.buffer.put
-    loop.buffer.put = lambda traj: (arrivals.append(traj.traj_id), put(traj))
+
+    def arrive(traj):
+        arrivals.append(traj.traj_id)
+        put(traj)
+
+    def put_or_hold(traj):
+        with lock:
+            hold = late is not None and traj.traj_id.endswith(f"-len{late}") and not held
+            if hold:
+                held.append(traj)
+        if not hold:
+            arrive(traj)
+
+    loop.buffer.put = put_or_hold
     return loop, arrivals
 
 
@@ -96,9 +122,11 @@ def _metrics(tmp_path) -> list[dict]:
 
 
 def test_staleness_bound_drops_old_trajectories(tmp_path, tiny_model_dir, tokenizer):
-    """Variable lengths: a straggler finishes after the policy moved on, and is dropped, not trained on."""
+    """Variable lengths: a straggler finishes after the policy moved on, and is dropped, not trained on. (Which
+    stragglers were late used to be up to the machine's load: a loaded run once saw none; now the 200-token ones
+    arrive late by construction.)"""
     loop, arrivals = _loop(tmp_path, tiny_model_dir, tokenizer, _long_tailed(400, every=6), max_staleness=1,
-                           batch=4, slowdown_s=0.05)
+                           batch=4, late=200)
     loop.run(steps=12)
     metrics = _metrics(tmp_path)
     assert all(m["staleness_max"] <= 1 for m in metrics)
@@ -112,7 +140,7 @@ def test_async_grpo_batches_hold_whole_groups_under_long_tailed_lengths_with_dro
                                                                                  tokenizer, algo):
     """A group with one stale member is dropped whole; every batch is whole groups (z-scores over whole groups)."""
     loop, arrivals = _loop(tmp_path, tiny_model_dir, tokenizer, _long_tailed(2000, seed=1), group_size=4, batch=8,
-                           max_staleness=1, algo=algo, per_member=True, slowdown_s=0.1)
+                           max_staleness=1, algo=algo, per_member=True, late=200)
     loop.run(steps=10)
     metrics, trained = _metrics(tmp_path), _trained(tmp_path)
     for step in trained:
