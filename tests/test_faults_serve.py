@@ -336,7 +336,10 @@ def test_a_one_server_run_survives_a_transient_reset(server, tiny_model_dir, pro
     from opd_sao.engines.fleet import Fleet
 
     proxy = FaultyProxy(server)
-    engine = Fleet(proxy.url, checkpoint=tiny_model_dir, max_inflight=4)
+    # 4 faults could all land on one request (4 attempts at the default 3 retries) when the others are slow to
+    # come back, as on a loaded machine: then that request fails and /health decides; with 6 retries every
+    # distribution of the faults over the requests is absorbed by the retries alone
+    engine = Fleet(proxy.url, checkpoint=tiny_model_dir, max_inflight=4, retries=6)
     proxy.reset_next, proxy.unavailable_next = 2, 2
     results = engine.generate_all([GenerationRequest(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))
                                    for _ in range(6)])
