@@ -445,7 +445,7 @@ class RunConfig(Strict):
         "extensions imported before the rest of the config is validated, each a Python file (path/to/my_reward.py, "
         "relative to the working directory) or an importable module name; a plugin registers stage kinds, "
         "environments, rewards, teachers, weight-sync modes or algorithms by the same decorators as the built-in "
-        "ones (installed packages' entry points are loaded too: docs/plugins.md)", [])
+        "ones (installed packages' entry points are loaded too: docs/extending.md)", [])
     seed: int = describe("seed of every random choice", 0, ge=0, lt=SEED_LIMIT)
     device: str = describe_device("run-wide device of every model and batch: auto (cuda when torch sees a GPU, else "
                                   "cpu), cpu, cuda or cuda:N; engine.device, trainer.device and a teacher's device "
