@@ -47,9 +47,13 @@ class Registry(Generic[T]):
         if name not in self._items:
             load_plugins()  # an installed package's entry point may register it (commands that read no config)
         if name not in self._items:
-            known = ", ".join(sorted(self._items)) or "none"
-            raise UnknownName(f"unknown {self.what} {name!r}; registered: {known}")
+            raise UnknownName(self.unknown(name))
         return self._items[name]
+
+    def unknown(self, name: str) -> str:
+        """What a lookup of an unregistered `name` says: the registered names, and where plugins come from."""
+        known = ", ".join(sorted(self._items)) or "none"
+        return f"unknown {self.what} {name!r}; registered: {known} (a plugin of yours: name its file in `plugins:`)"
 
     def build(self, name: str, options: dict | None = None):
         """The process-wide instance of `name` with `options`, built on first use (judges and rewards: an

@@ -114,3 +114,16 @@ def test_an_installed_packages_entry_points_register_its_plugins(tmp_path):
     assert out.stdout.split() == ["acme_teacher"]
     without = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert "unknown teacher kind 'acme'" in without.stderr  # not installed: not found (the test is not vacuous)
+
+
+def test_an_unknown_teacher_kind_is_refused_before_any_work(tmp_path, monkeypatch):
+    """A teacher kind is looked up when the config is checked (a plugin not named in `plugins:` is then found
+    missing at once), not when its OPD stage starts after the earlier stages have run."""
+    from opd_sao.pipeline import check_before_work
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    cfg = parse_config({"stages": [STAGE, _teacher_stage("in_proces_bf16", "ckpt")]})
+    with pytest.raises(ValueError, match=r"^stage 'opd': teacher 't': unknown teacher kind 'in_proces_bf16'; "
+                                         r"registered: .*in_process, .*name its file in `plugins:`\)$"):
+        check_before_work(cfg)
