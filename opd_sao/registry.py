@@ -93,10 +93,10 @@ def import_submodules(package_name: str, package_path) -> list[str]:
 PLUGIN_GROUPS = {
     "opd_sao.stage": "stage kinds (stages.register_stage)",
     "opd_sao.environment": "environments (stages.envs.register_env)",
-    "opd_sao.reward": "rewards (stages.envs.dataset.rewards.register_reward)",
+    "opd_sao.reward": "rewards and judges (stages.envs.rewards.register_reward)",
     "opd_sao.teacher": "teacher kinds (teachers.register_teacher)",
     "opd_sao.weight_sync": "weight-sync modes (opd_sao.engines.weight_sync.WEIGHT_SYNCS.register)",
-    "opd_sao.algorithm": "algorithms (opd_sao.algorithms)",
+    "opd_sao.algorithm": "advantage estimators, policy losses and algo presets (opd_sao.algorithms)",
 }
 _plugin_lock = threading.RLock()
 _loaded_plugins: dict[str, object] = {}  # entry point / resolved file / module name -> what it loaded
