@@ -9,6 +9,7 @@ on the command line: a tiny checkpoint and a free port."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -129,8 +130,15 @@ def test_the_weight_sync_recipe(tmp_path, tiny_model_dir, start_server):
 
 
 def test_the_algorithm_recipe(tmp_path):
+    """The advantages are the raw binary rewards on every action token: with p the share of action tokens in
+    rewarded trajectories, their mean is p and their (unbiased) std sqrt(p (1 - p) n / (n - 1)); a baseline, a
+    critic or a group z-score would break that identity."""
     summary, run = _recipe_run("algorithm", tmp_path)
-    stage = summary["stages"][0]
-    assert stage["algo"] == "reinforce"
+    assert summary["stages"][0]["algo"] == "reinforce"
     steps = [json.loads(line) for line in (run / "stages" / "reasoning" / "metrics.jsonl").open()]
-    assert len(steps) == 3 and not any("value_loss" in s for s in steps)  # its row: no critic
+    assert len(steps) == 3 and not any("value_loss" in s for s in steps)  # no critic
+    assert any(s["reward_mean"] > 0 for s in steps), steps  # the warm start solves some tasks: not a vacuous check
+    for s in steps:
+        p, n = s["adv_mean"], s["action_tokens"]
+        assert 0 <= p <= 1 and (p > 0) == (s["reward_mean"] > 0)
+        assert abs(s["adv_std"] - math.sqrt(p * (1 - p) * n / (n - 1))) < 1e-5, s
