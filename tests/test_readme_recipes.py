@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
-
 from launchers import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
