@@ -27,6 +27,10 @@ class UnknownName(UsageError, KeyError):
     """A name no component is registered under (a KeyError to callers that look names up)."""
 
 
+class DuplicateName(UsageError):
+    """A second component registered under a taken name (a plugin's name clashing with a built-in's, say)."""
+
+
 class Registry(Generic[T]):
     def __init__(self, what: str):
         self.what = what
@@ -37,7 +41,7 @@ class Registry(Generic[T]):
     def register(self, name: str) -> Callable[[T], T]:
         def decorator(obj: T) -> T:
             if name in self._items and self._items[name] is not obj:
-                raise ValueError(f"{self.what} {name!r} is registered twice")
+                raise DuplicateName(f"{self.what} {name!r} is registered twice")
             self._items[name] = obj
             return obj
 
@@ -105,7 +109,7 @@ _loaded_plugins: dict[str, object] = {}  # entry point / resolved file / module 
 def load_plugins(plugins: Iterable[str] = ()) -> None:
     """Import every installed plugin (the entry points of PLUGIN_GROUPS), then `plugins`: Python files (a path
     ending in .py, relative to the working directory) or importable module names. Each is imported once per
-    process. A plugin that cannot be found or imported raises ValueError in one line; an error raised by the
+    process. A plugin that cannot be found or imported, or that takes a registered name, raises UsageError (an OpdSaoError: one line); an error raised by the
     plugin's own code while it runs keeps its traceback (a bug in it, not a config mistake)."""
     with _plugin_lock:
         for group in PLUGIN_GROUPS:
@@ -114,9 +118,8 @@ def load_plugins(plugins: Iterable[str] = ()) -> None:
                 if key not in _loaded_plugins:
                     try:
                         _loaded_plugins[key] = entry.load()
-                    except ImportError as err:
-                        raise ValueError(f"plugin {entry.name!r} (entry point {group}: {entry.value}) cannot be "
-                                         f"imported: {err}") from None
+                    except (ImportError, DuplicateName) as err:
+                        raise UsageError(f"plugin {entry.name!r} (entry point {group}: {entry.value}): {err}") from None
         for plugin in plugins:
             key = str(Path(plugin).resolve()) if plugin.endswith(".py") else plugin
             if key not in _loaded_plugins:
@@ -129,11 +132,11 @@ def _import_plugin(plugin: str):
         try:
             return importlib.import_module(plugin)
         except ImportError as err:
-            raise ValueError(f"plugins: cannot import {plugin!r} ({err}; a plugin is a .py file or a module name)"
+            raise UsageError(f"plugins: cannot import {plugin!r} ({err}; a plugin is a .py file or a module name)"
                              ) from None
     path = Path(plugin)
     if not path.is_file():
-        raise ValueError(f"plugins: {plugin!r} is not a file (paths are relative to the working directory, "
+        raise UsageError(f"plugins: {plugin!r} is not a file (paths are relative to the working directory, "
                          f"{Path.cwd()})")
     name = f"opd_sao_plugin_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
@@ -141,10 +144,10 @@ def _import_plugin(plugin: str):
     sys.modules[name] = module  # classes defined there pickle and resolve their module, as any module's do
     try:
         spec.loader.exec_module(module)
-    except (SyntaxError, ImportError) as err:
+    except (SyntaxError, ImportError, DuplicateName) as err:
         del sys.modules[name]
         where = f"{plugin}:{err.lineno}: {err.msg}" if isinstance(err, SyntaxError) else f"{plugin}: {err}"
-        raise ValueError(f"plugins: {where}") from None
+        raise UsageError(f"plugins: {where}") from None
     except BaseException:
         del sys.modules[name]
         raise

@@ -72,7 +72,7 @@ class OPDStage(Stage):
             raise ValueError(f"stage {cfg.name!r}: opd.min_share {cfg.opd.min_share} x {len(names)} domains is over 1")
         for teacher in cfg.opd.teachers:  # a teacher kind (a plugin's) named wrongly fails now, not after earlier stages
             if teacher.kind not in TEACHER_KINDS:
-                raise ValueError(f"stage {cfg.name!r}: teacher {teacher.name!r}: {TEACHER_KINDS.unknown(teacher.kind)}")
+                raise UsageError(f"stage {cfg.name!r}: teacher {teacher.name!r}: {TEACHER_KINDS.unknown(teacher.kind)}")
 
     def run(self) -> StageResult:
         cfg, run, tok, opd = self.cfg, self.ctx.cfg, self.ctx.tokenizer, self.cfg.opd

@@ -62,6 +62,8 @@ def test_a_plugin_module_by_name(tmp_path, monkeypatch):
     ("broken.py", "x = 1\ndef f(:\n", r"^plugins: broken.py:2: invalid syntax"),
     ("needs.py", "import no_such_module_here\n", r"^plugins: needs.py: No module named 'no_such_module_here'$"),
     ("no_such_pkg.module", None, r"^plugins: cannot import 'no_such_pkg.module' \(No module named 'no_such_pkg'; "),
+    ("clash.py", TEACHER_PLUGIN.format(kind="in_process"),
+     r"^plugins: clash.py: teacher kind 'in_process' is registered twice$"),
 ])
 def test_a_plugin_that_cannot_be_imported_is_one_line(tmp_path, monkeypatch, plugin, source, message):
     monkeypatch.chdir(tmp_path)
