@@ -110,7 +110,10 @@ def test_an_installed_packages_entry_points_register_its_plugins(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                     "--target", str(site), str(src)], check=True, capture_output=True, timeout=300)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
-    script = "from teachers import TEACHER_KINDS; print(TEACHER_KINDS.get('acme').__module__)"
+    script = textwrap.dedent('''
+        from teachers import TEACHER_KINDS
+        print(TEACHER_KINDS.get("acme").__module__)
+    ''')
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["acme_teacher"]
