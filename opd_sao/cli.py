@@ -248,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--weights-root", action="append", default=None,
                        help="/update_weights_from_disk loads only under this directory, symlinks resolved "
                             "(repeatable; default: the checkpoint's parent and the system temporary directory)")
+    serve.add_argument("--plugin", action="append", default=[],
+                       help="a .py file or module to import first, e.g. a weight-sync mode's server side "
+                            "(repeatable; a run names it in `plugins:`)")
     serve.set_defaults(func=_cmd_serve)
     config = sub.add_parser("config", help="every config setting: dotted path, type, default and what it does")
     config.add_argument("prefix", nargs="?", default="", help="only settings under this path, e.g. stages[].opd")
@@ -277,6 +280,9 @@ def _cmd_config(args) -> int:
 
 
 def _cmd_serve(args) -> int:  # the server module imports torch: only when serving
+    from opd_sao.registry import load_plugins
+
+    load_plugins(args.plugin)  # before the server binds its routes: a plugin's weight-sync mode adds some
     from opd_sao.engines.server import serve
 
     return serve(args)

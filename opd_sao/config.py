@@ -18,6 +18,7 @@ from pydantic import (
 
 from opd_sao.devices import DEVICE_PATTERN, resolve_device
 from opd_sao.errors import UsageError
+from opd_sao.registry import load_plugins
 
 Granularity = Literal["sampled", "top_k", "top_p", "full"]
 Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
@@ -440,6 +441,11 @@ SEED_LIMIT = 2**32  # numpy, torch and random all take seeds below this (and sma
 class RunConfig(Strict):
     """A whole run: the base model, the engine, the trainer and the stages in order."""
 
+    plugins: list[str] = describe(
+        "extensions imported before the rest of the config is validated, each a Python file (path/to/my_reward.py, "
+        "relative to the working directory) or an importable module name; a plugin registers stage kinds, "
+        "environments, rewards, teachers, weight-sync modes or algorithms by the same decorators as the built-in "
+        "ones (installed packages' entry points are loaded too: docs/extending.md)", [])
     seed: int = describe("seed of every random choice", 0, ge=0, lt=SEED_LIMIT)
     device: str = describe_device("run-wide device of every model and batch: auto (cuda when torch sees a GPU, else "
                                   "cpu), cpu, cuda or cuda:N; engine.device, trainer.device and a teacher's device "
@@ -671,6 +677,13 @@ def parse_config(data: dict, overrides: list[str] = ()) -> RunConfig:
         raise ConfigError("config must be a YAML mapping at the top level")
     for item in overrides:
         _apply_override(data, item)
+    plugins = data.get("plugins", [])
+    if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
+        raise ConfigError(f"plugins: a list of .py files or module names (got {plugins!r})")
+    try:
+        load_plugins(plugins)  # what they register (an algo, a stage kind) is then known to validation
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:

@@ -1,16 +1,22 @@
-"""Name -> class registries, so YAML can pick stages, environments, rewards and teachers by name.
+"""Name -> class registries, so YAML can pick stages, environments, rewards and teachers by name; and plugins.
 
-Adding a component is one decorated class in one new file: `import_submodules` imports every module of
-a component package, so the file registers itself just by being there; nothing else in the project changes.
+Adding a component is one decorated class in one file. Inside the project, `import_submodules` imports every
+module of a component package, so the file registers itself just by being there. Outside it, the file is a
+plugin: named in the config (`plugins: [my_reward.py]`) or declared by an installed package as an entry point
+in one of PLUGIN_GROUPS; `load_plugins` imports it, and its decorators register it. Nothing else changes.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import importlib.util
 import inspect
 import json
 import pkgutil
+import sys
 import threading
-from typing import Callable, Generic, TypeVar
+from pathlib import Path
+from typing import Callable, Generic, Iterable, TypeVar
 
 from opd_sao.errors import UsageError
 
@@ -19,6 +25,10 @@ T = TypeVar("T")
 
 class UnknownName(UsageError, KeyError):
     """A name no component is registered under (a KeyError to callers that look names up)."""
+
+
+class DuplicateName(UsageError):
+    """A second component registered under a taken name (a plugin's name clashing with a built-in's, say)."""
 
 
 class Registry(Generic[T]):
@@ -31,7 +41,7 @@ class Registry(Generic[T]):
     def register(self, name: str) -> Callable[[T], T]:
         def decorator(obj: T) -> T:
             if name in self._items and self._items[name] is not obj:
-                raise ValueError(f"{self.what} {name!r} is registered twice")
+                raise DuplicateName(f"{self.what} {name!r} is registered twice")
             self._items[name] = obj
             return obj
 
@@ -39,9 +49,15 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         if name not in self._items:
-            known = ", ".join(sorted(self._items)) or "none"
-            raise UnknownName(f"unknown {self.what} {name!r}; registered: {known}")
+            load_plugins()  # an installed package's entry point may register it (commands that read no config)
+        if name not in self._items:
+            raise UnknownName(self.unknown(name))
         return self._items[name]
+
+    def unknown(self, name: str) -> str:
+        """What a lookup of an unregistered `name` says: the registered names, and where plugins come from."""
+        known = ", ".join(sorted(self._items)) or "none"
+        return f"unknown {self.what} {name!r}; registered: {known} (a plugin of yours: name its file in `plugins:`)"
 
     def build(self, name: str, options: dict | None = None):
         """The process-wide instance of `name` with `options`, built on first use (judges and rewards: an
@@ -60,6 +76,8 @@ class Registry(Generic[T]):
         return sorted(self._items)
 
     def __contains__(self, name: str) -> bool:
+        if name not in self._items:
+            load_plugins()
         return name in self._items
 
 
@@ -71,6 +89,69 @@ def import_submodules(package_name: str, package_path) -> list[str]:
             importlib.import_module(f"{package_name}.{info.name}")
             names.append(info.name)
     return names
+
+
+# entry-point groups an installed package declares its plugins in (setup.py `entry_points=`, or pyproject's
+# `[project.entry-points."opd_sao.reward"]`), each `name = "my_pkg.module"`: loading imports the module, whose
+# decorators register its classes; the group says what kind of plugin it holds
+PLUGIN_GROUPS = {
+    "opd_sao.stage": "stage kinds (stages.register_stage)",
+    "opd_sao.environment": "environments (stages.envs.register_env)",
+    "opd_sao.reward": "rewards and judges (stages.envs.rewards.register_reward)",
+    "opd_sao.teacher": "teacher kinds (teachers.register_teacher)",
+    "opd_sao.weight_sync": "weight-sync modes (opd_sao.engines.weight_sync.WEIGHT_SYNCS.register)",
+    "opd_sao.algorithm": "advantage estimators, policy losses and algo presets (opd_sao.algorithms)",
+}
+_plugin_lock = threading.RLock()
+_loaded_plugins: dict[str, object] = {}  # entry point / resolved file / module name -> what it loaded
+
+
+def load_plugins(plugins: Iterable[str] = ()) -> None:
+    """Import every installed plugin (the entry points of PLUGIN_GROUPS), then `plugins`: Python files (a path
+    ending in .py, relative to the working directory) or importable module names. Each is imported once per
+    process. A plugin that cannot be found or imported, or that takes a registered name, raises UsageError (an OpdSaoError: one line); an error raised by the
+    plugin's own code while it runs keeps its traceback (a bug in it, not a config mistake)."""
+    with _plugin_lock:
+        for group in PLUGIN_GROUPS:
+            for entry in importlib.metadata.entry_points(group=group):
+                key = f"{group}:{entry.name}={entry.value}"
+                if key not in _loaded_plugins:
+                    try:
+                        _loaded_plugins[key] = entry.load()
+                    except (ImportError, DuplicateName) as err:
+                        raise UsageError(f"plugin {entry.name!r} (entry point {group}: {entry.value}): {err}") from None
+        for plugin in plugins:
+            key = str(Path(plugin).resolve()) if plugin.endswith(".py") else plugin
+            if key not in _loaded_plugins:
+                _loaded_plugins[key] = _import_plugin(plugin)
+
+
+def _import_plugin(plugin: str):
+    """A .py file (imported as module `opd_sao_plugin_<stem>`) or a module name."""
+    if not plugin.endswith(".py"):
+        try:
+            return importlib.import_module(plugin)
+        except ImportError as err:
+            raise UsageError(f"plugins: cannot import {plugin!r} ({err}; a plugin is a .py file or a module name)"
+                             ) from None
+    path = Path(plugin)
+    if not path.is_file():
+        raise UsageError(f"plugins: {plugin!r} is not a file (paths are relative to the working directory, "
+                         f"{Path.cwd()})")
+    name = f"opd_sao_plugin_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # classes defined there pickle and resolve their module, as any module's do
+    try:
+        spec.loader.exec_module(module)
+    except (SyntaxError, ImportError, DuplicateName) as err:
+        del sys.modules[name]
+        where = f"{plugin}:{err.lineno}: {err.msg}" if isinstance(err, SyntaxError) else f"{plugin}: {err}"
+        raise UsageError(f"plugins: {where}") from None
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def check_keywords(factory: Callable, options: dict, *, also: tuple[str, ...] = ()) -> None:

@@ -14,7 +14,7 @@ DS_BUILD_OPS=0 .venv/bin/pip install -q --disable-pip-version-check "torch==2.13
 if ! command -v bwrap >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     (apt-get install -y -q bubblewrap >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1)) \
-      || echo "warning: could not install bubblewrap; agent tasks need it (see README, Sandbox)" >&2
+      || echo "warning: could not install bubblewrap; agent tasks need it (see docs/reliability.md, Sandbox)" >&2
   else
     echo "warning: bubblewrap (bwrap) is missing; install it (apt-get install bubblewrap) for the agent sandbox" >&2
   fi

@@ -41,7 +41,7 @@ from opd_sao.rl.rollout import Episode, episodes_for
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.tracking import read_jsonl
 from opd_sao.trainers import build_backend
-from teachers import Prefetcher, TeacherSet, TeacherTargets
+from teachers import TEACHER_KINDS, Prefetcher, TeacherSet, TeacherTargets
 from teachers.routing import describe
 
 from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
@@ -70,6 +70,9 @@ class OPDStage(Stage):
             ENVIRONMENTS.get(name)
         if cfg.opd.min_share * len(names) > 1:
             raise ValueError(f"stage {cfg.name!r}: opd.min_share {cfg.opd.min_share} x {len(names)} domains is over 1")
+        for teacher in cfg.opd.teachers:  # a teacher kind (a plugin's) named wrongly fails now, not after earlier stages
+            if teacher.kind not in TEACHER_KINDS:
+                raise UsageError(f"stage {cfg.name!r}: teacher {teacher.name!r}: {TEACHER_KINDS.unknown(teacher.kind)}")
 
     def run(self) -> StageResult:
         cfg, run, tok, opd = self.cfg, self.ctx.cfg, self.ctx.tokenizer, self.cfg.opd

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from opd_sao.registry import PLUGIN_GROUPS
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [p for top in ("opd_sao", "stages", "teachers", "cache", "benchmarks", "tests", "scripts")
            for p in (ROOT / top).rglob("*") if p.suffix in {".py", ".sh"}]
@@ -38,6 +40,8 @@ def _exists(ref: str) -> bool:
 def _module_exists(dotted: str) -> bool:
     """A module (file or package) named by the dotted path, or an attribute of one (at most two levels deep).
     `stages.<name>.<field>` that is no module is a config key (the run's stages by name), not a reference."""
+    if dotted in PLUGIN_GROUPS:  # an entry-point group plugins are declared in (opd_sao.registry), not a module
+        return True
     parts = dotted.split(".")
     if parts[0] == "stages" and not (ROOT / "stages" / f"{parts[1]}.py").is_file() \
             and not (ROOT / "stages" / parts[1]).is_dir():
