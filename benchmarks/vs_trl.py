@@ -134,7 +134,7 @@ def prepare(work: Path, sft_steps: int, seed: int) -> Path:
     import torch
 
     from opd_sao.checkpoints import PromptFormat, build_tiny_model, load_tokenizer
-    from opd_sao.config import RolloutConfig, SFTConfig, TinyModelConfig, TrainerConfig
+    from opd_sao.config import SFTConfig, TinyModelConfig, TrainerConfig
     from opd_sao.supervised import run_sft, sft_examples
     from stages.base import TRAIN_TASK_POOL
     from stages.envs import ENVIRONMENTS

@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from opd_sao.config import TinyModelConfig
-
 from rollout_scaling import fork_servers  # benchmarks/ is the script's directory
+
+from opd_sao.config import TinyModelConfig
 
 WORKERS = 2
 SIZES = {  # name: (hidden, intermediate, layers, heads, kv heads)

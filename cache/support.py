@@ -13,7 +13,6 @@ import torch
 from .records import CacheMeta, TeacherRecord
 
 
-
 def _rows(logp_rows) -> torch.Tensor:
     rows = torch.as_tensor(logp_rows)
     if rows.ndim != 2:

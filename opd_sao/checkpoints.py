@@ -26,6 +26,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 from transformers.utils import logging as hf_logging
+
 from opd_sao.errors import UsageError
 
 if TYPE_CHECKING:  # at run time config imports engines (its weight-sync check), and engines import this module

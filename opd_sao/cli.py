@@ -290,9 +290,8 @@ def _cmd_serve(args) -> int:  # the server module imports torch: only when servi
 
 def _cmd_reward_model(args) -> int:
     """`opd-sao reward-model --out DIR`: train the chat environment's reward model, print its figures as JSON."""
-    from stages.envs.chat import train_chat_reward_model
-
     from opd_sao.devices import resolve_device
+    from stages.envs.chat import train_chat_reward_model
 
     resolve_device(args.device)  # a device this machine lacks stops here, before the training pairs are built
     info = train_chat_reward_model(Path(args.out), n_pairs=args.pairs, steps=args.steps, seed=args.seed,

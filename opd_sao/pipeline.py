@@ -14,9 +14,9 @@ from opd_sao.checkpoints import build_tiny_model, check_attention, load_tokenize
 from opd_sao.engines import check_engine
 from opd_sao.errors import UsageError
 from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, disk_use
+from opd_sao.runs.data_fingerprint import check_data_record, write_data_record
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.files import atomic_write, write_json
-from opd_sao.runs.data_fingerprint import check_data_record, write_data_record
 from opd_sao.runs.fingerprint import check_resume, started_stages, write_record
 from opd_sao.runs.lock import locked_run_dir
 from opd_sao.runs.report import forgetting, write_report

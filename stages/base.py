@@ -11,13 +11,13 @@ from tqdm import tqdm
 
 from opd_sao.config import RunConfig, StageConfig, TrainerConfig
 from opd_sao.consistency.gate import ConsistencyGate
+from opd_sao.errors import UsageError
 from opd_sao.registry import Registry
 from opd_sao.rl.buffer import TrajectoryBuffer, recover
 from opd_sao.rl.loop import RLLoop
 from opd_sao.runs.checkpointing import StageState, truncate_step_log
 from opd_sao.runs.tracking import MetricsLogger
 from opd_sao.supervised import discard_sft_state, run_sft, sft_resume_step
-from opd_sao.errors import UsageError
 
 STAGES: Registry[type["Stage"]] = Registry("stage kind")
 register_stage = STAGES.register

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Optional
 
 from opd_sao.config import EvalConfig, RolloutConfig, StageConfig
+from opd_sao.errors import UsageError
 
 from .envs import ENVIRONMENTS
-from opd_sao.errors import UsageError
 
 EPISODE_FIELDS = ("max_new_tokens", "max_turns", "max_context_tokens", "compaction", "compaction_budget",
                   "compaction_instruction", "prompt_format", "system_prompt")

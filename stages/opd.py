@@ -36,6 +36,7 @@ from pathlib import Path
 
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
+from opd_sao.errors import UsageError
 from opd_sao.rl.distill import DISTILL_TEMPERATURE, DomainSchedule, OPDLearner
 from opd_sao.rl.rollout import Episode, episodes_for
 from opd_sao.runs.evaluation import evaluate
@@ -47,7 +48,6 @@ from teachers.routing import describe
 from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .domains import Domain
 from .envs import ENVIRONMENTS, sample_tasks
-from opd_sao.errors import UsageError
 
 PROBE_SEED_OFFSET = 1  # probes sample the held-out split with seed + this: the final evaluation's samples stay unseen
 
@@ -69,7 +69,7 @@ class OPDStage(Stage):
         for name in names:  # that every domain has a teacher is checked by the config schema
             ENVIRONMENTS.get(name)
         if cfg.opd.min_share * len(names) > 1:
-            raise ValueError(f"stage {cfg.name!r}: opd.min_share {cfg.opd.min_share} x {len(names)} domains is over 1")
+            raise UsageError(f"stage {cfg.name!r}: opd.min_share {cfg.opd.min_share} x {len(names)} domains is over 1")
         for teacher in cfg.opd.teachers:  # a teacher kind (a plugin's) named wrongly fails now, not after earlier stages
             if teacher.kind not in TEACHER_KINDS:
                 raise UsageError(f"stage {cfg.name!r}: teacher {teacher.name!r}: {TEACHER_KINDS.unknown(teacher.kind)}")

@@ -13,6 +13,7 @@ from pathlib import Path
 from opd_sao.checkpoints import PromptFormat
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
+from opd_sao.errors import UsageError
 from opd_sao.rl.learner import Learner, needs_critic
 from opd_sao.rl.rollout import Episode, check_prompts, episodes_for
 from opd_sao.rl.value_pretrain import pretrain_critic
@@ -25,7 +26,6 @@ from stages.envs.validity import require_valid
 
 from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .envs import ENVIRONMENTS, sample_tasks
-from opd_sao.errors import UsageError
 
 CRITIC_DIR = "critic"  # next to checkpoint/: the critic a later stage of the same env carries over
 VALIDITY_TASKS = 16  # tasks the oracle / no-op / initial-state check samples at stage start

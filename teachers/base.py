@@ -15,9 +15,9 @@ from typing import Optional
 
 from cache import CacheMeta, TeacherRecord
 from opd_sao.checkpoints import checkpoint_hash
+from opd_sao.errors import UsageError
 from opd_sao.registry import Registry
 from opd_sao.trajectory import Trajectory
-from opd_sao.errors import UsageError
 
 TEACHER_KINDS: Registry[type["Teacher"]] = Registry("teacher kind")
 register_teacher = TEACHER_KINDS.register

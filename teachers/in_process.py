@@ -10,12 +10,12 @@ from cache import TeacherRecord
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.consistency.check import action_hidden_states
 from opd_sao.devices import resolve_device
+from opd_sao.errors import UsageError
 from opd_sao.modeling import lm_head, vocab_rows
 from opd_sao.trajectory import Trajectory
 
 from .base import Teacher, register_teacher
 from .scoring import score_rows
-from opd_sao.errors import UsageError
 
 
 @register_teacher("in_process")

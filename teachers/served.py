@@ -39,11 +39,11 @@ import torch
 
 from cache import TeacherRecord
 from opd_sao.engines.http import ServerDown, ServerError, SGLangClient
+from opd_sao.errors import UsageError
 from opd_sao.trajectory import Trajectory
 
 from .base import Teacher, register_teacher
 from .scoring import ScoredRows, nucleus_rows
-from opd_sao.errors import UsageError
 
 TINY = torch.finfo(torch.float32).tiny
 

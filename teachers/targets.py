@@ -42,11 +42,11 @@ from cache import (
     TeacherRecord,
     quantised_many,
 )
+from opd_sao.errors import UsageError
 from opd_sao.trajectory import Trajectory
 from teachers.routing import TeacherSet
 
 from .prefetch import Prefetcher
-from opd_sao.errors import UsageError
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,7 @@ from opd_sao.runs.evaluation import make_episodes
 from opd_sao.trainers import TorchTrainer
 from opd_sao.trajectory import Trajectory, collate
 from stages import RunContext
-from stages.envs import ENVIRONMENTS, register_env
-from stages.envs import grading
+from stages.envs import ENVIRONMENTS, grading, register_env
 from stages.envs.arithmetic import ArithmeticEnv
 from stages.envs.validity import check_environment
 from stages.rl import AgentStage

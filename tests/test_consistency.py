@@ -172,6 +172,7 @@ def test_top_p_ratios_are_one_at_equal_versions_on_the_embedded_engine(peaked_di
 
 def test_top_p_ratios_are_one_at_equal_versions_behind_opd_sao_serve(peaked_dir, tokenizer, start_server):
     from launchers import wait_until_healthy
+
     from opd_sao.engines.fleet import Fleet
 
     url, proc = start_server(peaked_dir)

@@ -36,7 +36,7 @@ def worker(args: dict) -> None:
     trainer = DeepSpeedTrainer(model, cfg, with_critic=False, attn_implementation="sdpa")
     engine = EmbeddedEngine(load_causal_lm(model, attn_implementation="sdpa"), eos_id=tokenizer.eos_token_id,
                             pad_id=tokenizer.pad_token_id)
-    probe = lambda: probe_episodes(ENVIRONMENTS.get("arithmetic"), tokenizer,  # noqa: E731
+    probe = lambda: probe_episodes(ENVIRONMENTS.get("arithmetic"), tokenizer,
                                    RolloutConfig(max_new_tokens=6), domain="arithmetic", n=4, seed=0)
     gate = ConsistencyGate(GateConfig(), stage="zero3", out_dir=out, engine=engine, backend=trainer,
                            make_probe=probe, eps_low=0.3, eps_high=5.0, pad_id=tokenizer.pad_token_id)

@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,6 +79,7 @@ def _trainer_cfg(**kw):
 def worker(args: dict) -> None:
     """Rank 0: the OPD steps at ZeRO-2, then again at ZeRO-3; the other rank follows."""
     from launchers import deepspeed_rank0_batch
+
     from opd_sao.trainers.deepspeed_backend import DeepSpeedTrainer
 
     rank0 = deepspeed_rank0_batch(args["student"], args["batch"])

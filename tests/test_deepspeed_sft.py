@@ -21,8 +21,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 STEPS, SAVE_EVERY, INTERRUPT_AFTER = 5, 2, 3
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-5

@@ -15,8 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd_sao.config import AlgoConfig, ConfigError, EngineConfig, EvalConfig, RolloutConfig, SFTConfig, TrainerConfig
-from opd_sao.config import parse_config
+from opd_sao.config import (
+    AlgoConfig,
+    ConfigError,
+    EngineConfig,
+    EvalConfig,
+    RolloutConfig,
+    SFTConfig,
+    TrainerConfig,
+    parse_config,
+)
 from opd_sao.devices import resolve_device
 
 ROOT = Path(__file__).resolve().parents[1]

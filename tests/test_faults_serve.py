@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+from launchers import wait_until_healthy
 
 from opd_sao.engines.base import GenerationRequest, SamplingParams
-from launchers import wait_until_healthy
 
 MAX_NEW_TOKENS = 1000  # the server's cap in these tests (the tiny model has 1024 positions)
 

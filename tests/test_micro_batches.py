@@ -220,6 +220,7 @@ def worker(args: dict) -> None:
     """Rank 0: every step at the ZeRO stage asked for, over 2 ranks; the other rank follows. Each rank saves the
     gradients its optimizer steps applied."""
     from launchers import deepspeed_rank0_batch
+
     from opd_sao.trainers.deepspeed_backend import DeepSpeedTrainer
 
     steps = record_optimizer_steps()

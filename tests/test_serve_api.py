@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import requests
-import torch
-
 import sglang_code
+import torch
 from launchers import wait_until_healthy
 
 

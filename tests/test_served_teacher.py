@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from launchers import wait_until_healthy
+
 from opd_sao.config import OPDConfig
 from opd_sao.engines.http import SGLangClient
 from opd_sao.trajectory import Trajectory

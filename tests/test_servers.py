@@ -14,9 +14,9 @@ import time
 import pytest
 import requests
 import torch
+from launchers import wait_until_healthy
 
 from opd_sao.engines.base import GenerationRequest, SamplingParams
-from launchers import wait_until_healthy
 
 N_SERVERS = 3
 

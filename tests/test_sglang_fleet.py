@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import sglang_code
 import torch
-
 from launchers import free_port, wait_until_healthy
 
 pytestmark = pytest.mark.skipif(not sglang_code.installed(),

@@ -17,9 +17,9 @@ import time
 import pytest
 import requests
 import torch
+from launchers import start_sglang_router, wait_until_healthy
 
 from opd_sao.engines.base import GenerationRequest, SamplingParams
-from launchers import start_sglang_router, wait_until_healthy
 
 pytest.importorskip("sglang_router", reason="sglang-router is a test extra: pip install -e .[test]")
 

@@ -11,8 +11,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from opd_sao.config import AlgoConfig, GateConfig
-from opd_sao.runs.files import write_json
 from opd_sao.errors import UsageError
+from opd_sao.runs.files import write_json
 
 PROMPT_ENV = "prompts-file"
 
@@ -133,8 +133,8 @@ def run_audit(args) -> dict:
     from opd_sao.checkpoints import load_causal_lm, load_tokenizer
     from opd_sao.config import RolloutConfig
     from opd_sao.consistency.check import check, sampler_drift
-    from opd_sao.devices import resolve_device
     from opd_sao.consistency.gate import diagnose, over_threshold, probe_episodes
+    from opd_sao.devices import resolve_device
     from opd_sao.rl.rollout import run_episodes
 
     checkpoint = Path(args.checkpoint)

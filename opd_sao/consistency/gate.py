@@ -27,11 +27,11 @@ from opd_sao.consistency.check import (
     sampler_drift,
 )
 from opd_sao.engines.base import GenerationRequest, RolloutEngine, SamplingParams
+from opd_sao.errors import UsageError
 from opd_sao.modeling import lm_head, token_logprobs
 from opd_sao.rl.rollout import Episode, run_episodes
 from opd_sao.runs.files import write_json
 from opd_sao.trajectory import Trajectory, collate
-from opd_sao.errors import UsageError
 
 # Temperatures (as multiples of the rollout's) tried when the drift may be a temperature mismatch.
 TEMPERATURE_FACTORS = (0.5, 2 / 3, 0.8, 1.25, 1.5, 2.0)

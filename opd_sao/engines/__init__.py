@@ -1,6 +1,7 @@
+from opd_sao.errors import UsageError
+
 from .base import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 from .embedded import EmbeddedEngine
-from opd_sao.errors import UsageError
 
 __all__ = ["GenerationRequest", "GenerationResult", "RolloutEngine", "SamplingParams", "EmbeddedEngine"]
 

@@ -34,11 +34,12 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from opd_sao.errors import UsageError
+
 from .base import GenerationRequest, ResultCallback, RolloutEngine
 from .http import Aborted, PromptLogprobs, ServerDown, ServerError, SGLangClient
 from .retry import ROUTER_TRANSIENT_STATUS
 from .weight_sync import WEIGHT_SYNCS, SyncSettings
-from opd_sao.errors import UsageError
 
 log = logging.getLogger(__name__)
 

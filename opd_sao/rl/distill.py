@@ -53,7 +53,6 @@ from opd_sao.config import AlgoConfig, OPDConfig
 from opd_sao.rl.learner import ResumableLearner
 from opd_sao.trajectory import Batch
 
-
 DISTILL_TEMPERATURE = 1.0  # student and teacher are matched at this temperature (teacher records are scored at it)
 
 # ----------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from opd_sao.rl.buffer import TrajectoryBuffer
 from opd_sao.rl.learner import Learner
 from opd_sao.rl.rollout import Episode, RolloutWorker
 from opd_sao.runs.tracking import MetricsLogger
-from opd_sao.trajectory import Trajectory, collate
 from opd_sao.trainers.base import NonFiniteError
+from opd_sao.trajectory import Trajectory, collate
 
 StepHook = Callable[[int], None]
 StopCheck = Callable[[int], bool]  # (policy steps done) -> stop training now

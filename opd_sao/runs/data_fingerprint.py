@@ -10,8 +10,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from opd_sao.runs.files import write_json
 from opd_sao.errors import UsageError
+from opd_sao.runs.files import write_json
 
 RECORD = "data.fingerprint.json"
 

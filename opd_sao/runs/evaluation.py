@@ -6,12 +6,12 @@ from typing import Optional
 
 import torch
 
-from opd_sao.config import EvalConfig, RolloutConfig
-from opd_sao.engines.embedded import EmbeddedEngine
 from opd_sao.checkpoints import load_causal_lm
+from opd_sao.config import EvalConfig, RolloutConfig
 from opd_sao.devices import resolve_device
-from opd_sao.rl.rollout import Episode, episodes_for, run_episodes
+from opd_sao.engines.embedded import EmbeddedEngine
 from opd_sao.errors import UsageError
+from opd_sao.rl.rollout import Episode, episodes_for, run_episodes
 
 
 def make_episodes(env_factory, tasks, tokenizer, rollout: RolloutConfig, *, domain: str, temperature: float,

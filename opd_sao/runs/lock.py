@@ -15,6 +15,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
 from opd_sao.errors import UsageError
 
 LOCK = ".lock"

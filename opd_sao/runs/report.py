@@ -17,8 +17,8 @@ try:
 except ImportError:
     plt = None
 
-from opd_sao.runs.tracking import read_jsonl
 from opd_sao.runs.files import atomic_write
+from opd_sao.runs.tracking import read_jsonl
 
 CURVES = [
     ("reward_mean", "reward"),

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
-
-import sys
 
 
 class MetricsLogger:

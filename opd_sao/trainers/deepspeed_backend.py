@@ -33,15 +33,25 @@ import torch
 import torch.distributed as dist
 
 from opd_sao.checkpoints import load_causal_lm, save_checkpoint
+from opd_sao.errors import UsageError
 
 from ..config import TrainerConfig
 from ..devices import resolve_device
 from ..modeling import sequence_logprobs
-from .micro_batches import Deferred, Outputs, Rows, micro_forward, widen
-from .base import (SupportLogprobs, TrainerBackend, action_rows_of, action_support_logprobs, adamw, lr_scheduler,
-                   prepare, require_finite, split, weights_dtype)
+from .base import (
+    SupportLogprobs,
+    TrainerBackend,
+    action_rows_of,
+    action_support_logprobs,
+    adamw,
+    lr_scheduler,
+    prepare,
+    require_finite,
+    split,
+    weights_dtype,
+)
 from .critic import ValueModel
-from opd_sao.errors import UsageError
+from .micro_batches import Deferred, Outputs, Rows, micro_forward, widen
 
 # Followers block in a broadcast while rank 0 runs SFT, evaluations or rollouts; those can take hours.
 COLLECTIVE_TIMEOUT = timedelta(hours=6)

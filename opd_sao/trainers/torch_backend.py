@@ -14,10 +14,21 @@ from ..config import TrainerConfig
 from ..devices import mixed_precision, resolve_device
 from ..modeling import sequence_logprobs
 from ..trajectory import Batch
-from .micro_batches import Deferred, Outputs, Rows, micro_forward, widen
-from .base import (SupportLogprobs, TrainerBackend, action_full_divergence, action_rows_of, action_support_logprobs,
-                   adamw, lr_scheduler, prepare, require_finite, split, weights_dtype)
+from .base import (
+    SupportLogprobs,
+    TrainerBackend,
+    action_full_divergence,
+    action_rows_of,
+    action_support_logprobs,
+    adamw,
+    lr_scheduler,
+    prepare,
+    require_finite,
+    split,
+    weights_dtype,
+)
 from .critic import ValueModel
+from .micro_batches import Deferred, Outputs, Rows, micro_forward, widen
 
 
 class TorchTrainer(TrainerBackend):

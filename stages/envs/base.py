@@ -17,7 +17,6 @@ from typing import Optional
 from opd_sao.registry import Registry, check_keywords
 
 
-
 class EnvironmentRegistry(Registry):
     """Looks `name:label` up as `name` (the label only tells domains of one class apart)."""
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import itertools
 import random
 
-from .base import ExactAnswerEnv, register_env
 from opd_sao.errors import UsageError
+
+from .base import ExactAnswerEnv, register_env
 
 
 class DigitTaskEnv(ExactAnswerEnv):

@@ -22,8 +22,8 @@ from typing import Optional
 from pydantic import ValidationError, create_model
 
 from opd_sao.config import format_error
-from opd_sao.registry import Registry, check_keywords
 from opd_sao.errors import OpdSaoError, UsageError
+from opd_sao.registry import Registry, check_keywords
 
 REWARDS: Registry[type["Reward"]] = Registry("reward")
 register_reward = REWARDS.register

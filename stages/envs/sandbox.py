@@ -34,6 +34,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import Literal
+
 from opd_sao.errors import OpdSaoError
 
 logger = logging.getLogger(__name__)

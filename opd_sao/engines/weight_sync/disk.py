@@ -10,8 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .base import WEIGHT_SYNCS, WeightSyncMode, WeightSyncRefused, check_finite, check_incoming, untied, \
-    weight_version
+from .base import WEIGHT_SYNCS, WeightSyncMode, WeightSyncRefused, check_finite, check_incoming, untied, weight_version
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 

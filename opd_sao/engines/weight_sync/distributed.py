@@ -24,8 +24,18 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .base import DTYPES, WEIGHT_SYNCS, WeightSyncMode, WeightSyncRefused, buckets, check_finite, check_incoming, \
-    dtype_name, untied, weight_version
+from .base import (
+    DTYPES,
+    WEIGHT_SYNCS,
+    WeightSyncMode,
+    WeightSyncRefused,
+    buckets,
+    check_finite,
+    check_incoming,
+    dtype_name,
+    untied,
+    weight_version,
+)
 
 BACKENDS = ("gloo", "nccl")
 

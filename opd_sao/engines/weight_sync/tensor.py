@@ -23,8 +23,16 @@ from typing import Optional
 
 import torch
 
-from .base import WEIGHT_SYNCS, WeightSyncMode, WeightSyncRefused, buckets, check_finite, check_incoming, \
-    untied, weight_version
+from .base import (
+    WEIGHT_SYNCS,
+    WeightSyncMode,
+    WeightSyncRefused,
+    buckets,
+    check_finite,
+    check_incoming,
+    untied,
+    weight_version,
+)
 
 LOAD_FORMATS = (None, "flattened_bucket")
 

@@ -25,11 +25,11 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional
 
+from opd_sao.errors import UsageError
 from stages.envs.base import Environment, register_env, shuffled
 from stages.envs.rewards import build_reward, check_reward
 
 from .judges import words_of
-from opd_sao.errors import UsageError
 
 STYLES = ("cute", "chuunibyou", "classical")
 RESPONSES = {  # short, so a 2-layer model writes them well; the first word already commits to a style

@@ -12,8 +12,8 @@ import string
 import threading
 from collections import Counter
 
-from stages.envs.rewards import Reward, Verdict, build_reward, register_reward
 from opd_sao.errors import UsageError
+from stages.envs.rewards import Reward, Verdict, build_reward, register_reward
 
 ENDINGS = ".!?~"
 

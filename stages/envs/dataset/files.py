@@ -13,6 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 from typing import Any, Iterator, Optional
+
 from opd_sao.errors import UsageError
 
 BATCH_ROWS = 1024  # rows per Parquet / Arrow batch

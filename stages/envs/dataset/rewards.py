@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from opd_sao.errors import UsageError
 from stages.envs.rewards import Reward, RewardFailure, Verdict, register_reward
 
 from .python_worker import import_function
-from opd_sao.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
