@@ -29,8 +29,8 @@ from opd_sao.rl.learner import Learner, needs_critic
 from opd_sao.rl.loop import RLLoop
 from opd_sao.rl.rollout import Episode
 from opd_sao.runs.tracking import MetricsLogger
+from opd_sao.stages.envs import ENVIRONMENTS
 from opd_sao.trainers import TorchTrainer
-from stages.envs import ENVIRONMENTS
 
 SIGMA = math.log(10) / 2.326  # p99 / p50 = 10 for a lognormal
 

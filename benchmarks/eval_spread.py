@@ -26,7 +26,7 @@ from opd_sao.checkpoints import load_tokenizer
 from opd_sao.config import load_config
 from opd_sao.pipeline import eval_domains
 from opd_sao.runs.evaluation import episode_rewards
-from stages.domains import Domain
+from opd_sao.stages.domains import Domain
 
 
 def standard_error(rewards: dict[str, list[float]], k: int) -> float:

@@ -48,7 +48,7 @@ import zarr
 from numcodecs import LZ4, Blosc
 from zarr.storage import LocalStore
 
-from cache import (
+from opd_sao.cache import (
     CacheMeta,
     LogitCache,
     TeacherRecord,
@@ -56,8 +56,8 @@ from cache import (
     encode_top_k,
     encode_top_p,
 )
-from cache.cli import inspect
-from cache.encoding import (
+from opd_sao.cache.cli import inspect
+from opd_sao.cache.encoding import (
     LOGP_DEPTHS,
     dequantise_logp,
     exp_golomb_encode,
@@ -65,7 +65,7 @@ from cache.encoding import (
     quantise_logp,
     to_streams,
 )
-from cache.store import COMPRESSORS, chunk_elements
+from opd_sao.cache.store import COMPRESSORS, chunk_elements
 
 VOCAB = 151_936
 CACHED = {

@@ -140,8 +140,8 @@ def child(point: dict) -> dict:
     else:
         from opd_sao.checkpoints import checkpoint_hash
         from opd_sao.rl.distill import OPDLearner
-        from teachers import Prefetcher, TeacherSet, TeacherTargets
-        from teachers.base import TeacherSpec
+        from opd_sao.teachers import Prefetcher, TeacherSet, TeacherTargets
+        from opd_sao.teachers.base import TeacherSpec
 
         spec = TeacherSpec(name="t", kind="in_process", checkpoint=model_dir, domains=("d",), granularity="top_k",
                            k=TOP_K, p=None, checkpoint_hash=checkpoint_hash(model_dir), vocab_size=point["vocab"],

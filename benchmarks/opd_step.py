@@ -52,7 +52,7 @@ def build_models(vocab: int, work: Path) -> Path:
 
     from opd_sao.checkpoints import build_tiny_model, load_causal_lm, load_tokenizer, save_checkpoint
     from opd_sao.config import TinyModelConfig
-    from stages.envs import ENVIRONMENTS
+    from opd_sao.stages.envs import ENVIRONMENTS
 
     if vocab == 384:
         texts = [t for name in ENVIRONMENTS.names() for t in ENVIRONMENTS.get(name)().corpus(300)]
@@ -79,9 +79,9 @@ def measure(vocab: int, granularity: str, steps: int, work: Path) -> dict:
     from opd_sao.checkpoints import load_tokenizer
     from opd_sao.config import AlgoConfig, OPDConfig, TrainerConfig
     from opd_sao.rl.distill import OPDLearner
+    from opd_sao.teachers import Prefetcher, TeacherSet, TeacherTargets
     from opd_sao.trainers import TorchTrainer
     from opd_sao.trajectory import Trajectory, collate
-    from teachers import Prefetcher, TeacherSet, TeacherTargets
 
     torch.set_num_threads(1)
     student = work / "student"

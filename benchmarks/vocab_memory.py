@@ -10,7 +10,7 @@ its own child process, so its peak RSS growth is its own; the two methods altern
 
 The `opd_top_p` kind is an OPD step at granularity top_p (p 0.95) from a random-init teacher (the
 nucleus would be most of the vocabulary) with the nucleus capped at `opd.max_support` (256): teacher
-scoring (`teachers.scoring.score_rows`), the cache's padded support, the student's support logprobs and
+scoring (`opd_sao.teachers.scoring.score_rows`), the cache's padded support, the student's support logprobs and
 the divergence's backward; chunked only (there is no naive OPD path). The `critic` kind is the trainer's
 critic step (`ValueModel`, frozen fused (sdpa) attention, value loss, backward, AdamW); it has no lm head.
 `--vocab 384` gives the tiny model's vocabulary for comparison.
@@ -126,7 +126,7 @@ def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: i
 
     from opd_sao import algorithms as A
     from opd_sao.modeling import hidden_states, lm_head, sequence_logprobs, support_logprobs
-    from teachers.scoring import score_rows
+    from opd_sao.teachers.scoring import score_rows
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

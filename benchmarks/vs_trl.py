@@ -79,9 +79,9 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     from opd_sao.rl.rollout import episodes_for
     from opd_sao.runs.checkpointing import StageState
     from opd_sao.runs.tracking import MetricsLogger
+    from opd_sao.stages.base import TRAIN_TASK_POOL
+    from opd_sao.stages.envs import ENVIRONMENTS, sample_tasks
     from opd_sao.trainers import build_backend
-    from stages.base import TRAIN_TASK_POOL
-    from stages.envs import ENVIRONMENTS, sample_tasks
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
@@ -135,9 +135,9 @@ def prepare(work: Path, sft_steps: int, seed: int) -> Path:
 
     from opd_sao.checkpoints import PromptFormat, build_tiny_model, load_tokenizer
     from opd_sao.config import SFTConfig, TinyModelConfig, TrainerConfig
+    from opd_sao.stages.base import TRAIN_TASK_POOL
+    from opd_sao.stages.envs import ENVIRONMENTS
     from opd_sao.supervised import run_sft, sft_examples
-    from stages.base import TRAIN_TASK_POOL
-    from stages.envs import ENVIRONMENTS
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
@@ -160,7 +160,7 @@ def held_out(checkpoint: Path, samples: int, seed: int) -> float:
     from opd_sao.checkpoints import load_tokenizer
     from opd_sao.config import EvalConfig, RolloutConfig
     from opd_sao.runs.evaluation import evaluate
-    from stages.envs import ENVIRONMENTS
+    from opd_sao.stages.envs import ENVIRONMENTS
 
     torch.set_num_threads(1)
     env_factory = lambda: ENVIRONMENTS.get("arithmetic")(max_operand=SETTINGS["max_operand"])

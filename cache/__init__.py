@@ -21,10 +21,10 @@ API:
   capped_nucleus_size(logp_desc, p, max_support), nucleus_cut(row_len, tail_mass, p, max_support): the top-p cap
   quantised(meta, record), quantised_many(meta, records): what the cache will return, without the byte coding
   BackgroundWriter(teacher_cache).submit(records) / get(traj_id) / flush() / close(): commits beside the trainer
-  cache.cli: inspect(path), verify(path), gc(path), main(argv)
+  opd_sao.cache.cli: inspect(path), verify(path), gc(path), main(argv)
 
-The byte encoding and its error bounds are documented in ``cache.encoding``; the storage layout and commit
-protocol in ``cache.store``.
+The byte encoding and its error bounds are documented in ``opd_sao.cache.encoding``; the storage layout and commit
+protocol in ``opd_sao.cache.store``.
 """
 
 from .encoding import quantised, quantised_many

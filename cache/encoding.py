@@ -1,6 +1,6 @@
 """Byte encoding of a ``TeacherRecord`` into flat streams, and back. Pure functions, no I/O.
 
-A record becomes up to five streams, each appended to a per-teacher zarr array by ``cache.store``:
+A record becomes up to five streams, each appended to a per-teacher zarr array by ``opd_sao.cache.store``:
 
 ``sampled_logp``  uint16 [n]: ``round(-logp * 1024)`` clamped to 65535. Error <= 1/2048 nats for
                   logp >= -64; lower logprobs read back as -63.999 (the OPD advantage needs precision here).
@@ -446,7 +446,7 @@ def from_streams(meta: CacheMeta, n_positions: int, streams: dict[str, np.ndarra
 
 def quantised(meta: CacheMeta, record: TeacherRecord) -> TeacherRecord:
     """What the cache returns for ``record`` (``from_streams(to_streams(record))``, equal to the bit), without the
-    byte coding: the trainer trains on this while the record is committed beside it (``cache.writer``).
+    byte coding: the trainer trains on this while the record is committed beside it (``opd_sao.cache.writer``).
     Raises ValueError where ``to_streams`` would."""
     sampled = np.asarray(record.sampled_logp, dtype=np.float64)
     _require(sampled.ndim == 1 and not np.isnan(sampled).any(), "sampled_logp must be [n] without NaN")

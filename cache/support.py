@@ -60,7 +60,7 @@ def capped_nucleus_size(logp_desc: torch.Tensor, p: float, max_support: int) -> 
 
     ``logp_desc`` [n, w]: normalised log-probs sorted descending, at least the top min(max_support, vocab)
     of each row (the capped nucleus never reaches further). The one definition teacher scoring
-    (teachers.scoring) and the dense encoder below share.
+    (opd_sao.teachers.scoring) and the dense encoder below share.
     """
     cumulative = logp_desc.double().exp().cumsum(-1)
     return ((cumulative < p).sum(-1) + 1).clamp(max=min(max_support, logp_desc.shape[-1]))

@@ -45,8 +45,8 @@ def check_before_work(cfg: RunConfig) -> None:
     every stage's kind and the settings that kind needs, every environment's options and the files they name (a
     dataset path of the last stage fails before the first stage), the model path, and an http engine's fleet (every
     URL answers, every router has workers). Teachers are checked once the base model exists (`check_teachers`)."""
-    from stages import STAGES
-    from stages.envs import ENVIRONMENTS
+    from opd_sao.stages import STAGES
+    from opd_sao.stages.envs import ENVIRONMENTS
 
     for stage in cfg.stages:
         STAGES.get(stage.kind).check(stage)
@@ -64,7 +64,7 @@ def check_before_work(cfg: RunConfig) -> None:
 
 def stage_data_files(cfg: RunConfig) -> dict[str, list[str]]:
     """Stage name -> the data files its environment reads (`Environment.data_files`), for the data record."""
-    from stages.envs import ENVIRONMENTS
+    from opd_sao.stages.envs import ENVIRONMENTS
 
     found = {}
     for stage in cfg.stages:
@@ -78,7 +78,7 @@ def stage_data_files(cfg: RunConfig) -> dict[str, list[str]]:
 def check_teachers(cfg: RunConfig, base: Path, tokenizer) -> None:
     """Every OPD teacher given as a directory shares the base model's tokenizer (so every stage's: they all start
     from it): checked once the base model exists, before the first stage, not when its OPD stage starts."""
-    from teachers.routing import check_student, check_teacher
+    from opd_sao.teachers.routing import check_student, check_teacher
 
     external = [(stage, t) for stage in cfg.stages for t in stage.opd.teachers
                 if t.checkpoint != BEST_CHECKPOINT and t.checkpoint not in {s.name for s in cfg.stages}]
@@ -121,7 +121,7 @@ def remove_if_no_stage_output(run_dir: Path, existing: set[str] | None) -> None:
 def ensure_base_model(cfg: RunConfig, run_dir: Path) -> Path:
     if cfg.model.path != "tiny":  # check_before_work has checked it is a model directory
         return Path(cfg.model.path)
-    from stages.envs import ENVIRONMENTS
+    from opd_sao.stages.envs import ENVIRONMENTS
 
     texts = []
     for name in ENVIRONMENTS.names():  # every domain, so later stages' text tokenizes well too
@@ -137,7 +137,7 @@ class Evaluator:
     """Scores checkpoints on every domain, remembering results so a checkpoint is scored once."""
 
     def __init__(self, cfg: RunConfig, tokenizer):
-        from stages.domains import Domain
+        from opd_sao.stages.domains import Domain
 
         self.cfg, self.tokenizer = cfg, tokenizer
         self.domains = {name: Domain(name, None, cfg.stages, cfg.device) for name in eval_domains(cfg)}
@@ -163,7 +163,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
     has written a file leaves nothing behind. A resume refuses a config that differs from the one the run started
     with (runs/fingerprint.py); `allow_config_change` lets through changes that cannot change what is trained.
     """
-    from stages import discover
+    from opd_sao.stages import discover
 
     discover()
     run_dir = Path(run_dir)
@@ -192,7 +192,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
 
 
 def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
-    from stages import STAGES, RunContext
+    from opd_sao.stages import STAGES, RunContext
 
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)

@@ -110,7 +110,7 @@ from pathlib import Path
 
 from opd_sao.checkpoints import build_tiny_model
 from opd_sao.config import TinyModelConfig
-from stages.envs import ENVIRONMENTS
+from opd_sao.stages.envs import ENVIRONMENTS
 
 corpus = [t for name in ENVIRONMENTS.names() for t in ENVIRONMENTS.get(name)().corpus(300)]
 build_tiny_model(Path(sys.argv[1]), corpus, TinyModelConfig(hidden_size=256, intermediate_size=768, num_layers=4,

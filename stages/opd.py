@@ -14,7 +14,7 @@ after `steps` (the budget). The probes, shares and rollouts per domain go to sum
 the report.
 
 Per domain, episodes use the environment options and rollout lengths of the stage of the run that trained
-on that environment (stages.domains.Domain); temperature and top_p are this stage's (one policy
+on that environment (opd_sao.stages.domains.Domain); temperature and top_p are this stage's (one policy
 temperature per batch).
 
 Teachers are scored in the trainer thread, one after another, with the next teacher prefetched (copied
@@ -41,9 +41,9 @@ from opd_sao.rl.distill import DISTILL_TEMPERATURE, DomainSchedule, OPDLearner
 from opd_sao.rl.rollout import Episode, episodes_for
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.tracking import read_jsonl
+from opd_sao.teachers import TEACHER_KINDS, Prefetcher, TeacherSet, TeacherTargets
+from opd_sao.teachers.routing import describe
 from opd_sao.trainers import build_backend
-from teachers import TEACHER_KINDS, Prefetcher, TeacherSet, TeacherTargets
-from teachers.routing import describe
 
 from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .domains import Domain

@@ -20,9 +20,9 @@ from opd_sao.rl.value_pretrain import pretrain_critic
 from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.files import write_json
 from opd_sao.runs.tracking import read_jsonl
+from opd_sao.stages.envs.validity import require_valid
 from opd_sao.supervised import sft_examples
 from opd_sao.trainers import build_backend
-from stages.envs.validity import require_valid
 
 from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .envs import ENVIRONMENTS, sample_tasks

@@ -2,7 +2,7 @@
 
 A real post-training run starts its RL stages from a model that already has some skill in every domain;
 this stage gives the tiny model that start. Domains are environment names (`domains:`), mixed in equal
-shares; each uses the environment options of the stage that trains on it (stages.domains.Domain).
+shares; each uses the environment options of the stage that trains on it (opd_sao.stages.domains.Domain).
 Settings are the `sft:` block (steps, lr, batch_size). An interrupted SFT stage continues from its last saved
 state (every `checkpoint_every` steps, Stage.sft); its checkpoint is written atomically, so a completed one is
 never half there.

@@ -7,7 +7,7 @@
     batch_targets = targets.fetch(trajectories)   # scored if missing, written to and read back from the cache
 
 A new way to score is one file in teachers/ with a class registered by `@register_teacher("kind")`
-(see `teachers.base.Teacher`); every module here is imported.
+(see `opd_sao.teachers.base.Teacher`); every module here is imported.
 """
 import importlib
 import pkgutil
@@ -23,7 +23,7 @@ from .base import (
 for _module in pkgutil.iter_modules(__path__):  # every module here is imported, so a new teacher kind is one file
     if not _module.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_module.name}")
-from teachers.routing import TeacherSet, vocab_fingerprint
+from opd_sao.teachers.routing import TeacherSet, vocab_fingerprint
 
 from .in_process import InProcessTeacher
 from .prefetch import Prefetcher, copy_checkpoint

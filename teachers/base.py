@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from cache import CacheMeta, TeacherRecord
+from opd_sao.cache import CacheMeta, TeacherRecord
 from opd_sao.checkpoints import checkpoint_hash
 from opd_sao.errors import UsageError
 from opd_sao.registry import Registry

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from cache import TeacherRecord
+from opd_sao.cache import TeacherRecord
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.consistency.check import action_hidden_states
 from opd_sao.devices import resolve_device

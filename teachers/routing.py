@@ -20,7 +20,7 @@ from typing import Callable, Optional
 from opd_sao.checkpoints import file_hash, load_tokenizer
 from opd_sao.config import BEST_CHECKPOINT, OPDConfig
 from opd_sao.errors import UsageError
-from teachers.base import TEACHER_KINDS, Teacher, TeacherIncompatibleError, TeacherSpec
+from opd_sao.teachers.base import TEACHER_KINDS, Teacher, TeacherIncompatibleError, TeacherSpec
 
 
 def vocab_fingerprint(tokenizer) -> str:

@@ -25,8 +25,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from cache import TeacherRecord, capped_nucleus_size
-from cache.encoding import quantise_logp
+from opd_sao.cache import TeacherRecord, capped_nucleus_size
+from opd_sao.cache.encoding import quantise_logp
 from opd_sao.modeling import MASKED, ROW_BLOCK, VOCAB_CHUNK, RunningTopK, fused_logsumexp, logit_chunks
 
 NEG_INF = float("-inf")

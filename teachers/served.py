@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from cache import TeacherRecord
+from opd_sao.cache import TeacherRecord
 from opd_sao.engines.http import ServerDown, ServerError, SGLangClient
 from opd_sao.errors import UsageError
 from opd_sao.trajectory import Trajectory

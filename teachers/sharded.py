@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from cache import TeacherRecord
+from opd_sao.cache import TeacherRecord
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.consistency.check import action_hidden_states
 from opd_sao.modeling import lm_head, vocab_rows
@@ -29,7 +29,7 @@ from opd_sao.trajectory import Trajectory
 from .base import Teacher, register_teacher
 from .scoring import ScoredRows, score_rows
 
-HERE = "teachers.sharded"
+HERE = "opd_sao.teachers.sharded"
 _ENGINES: dict[str, torch.nn.Module] = {}  # this rank's partition of each built teacher, by name
 _DROPPED: set[str] = set()  # rank 0: evicted teachers whose engines the next collective call frees
 

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cache import (
+from opd_sao.cache import (
     BackgroundWriter,
     CacheDamagedError,
     CacheMismatchError,
@@ -43,8 +43,8 @@ from cache import (
     quantised_many,
 )
 from opd_sao.errors import UsageError
+from opd_sao.teachers.routing import TeacherSet
 from opd_sao.trajectory import Trajectory
-from teachers.routing import TeacherSet
 
 from .prefetch import Prefetcher
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-import stages
+from opd_sao import stages
 from opd_sao.config import parse_config
 from opd_sao.pipeline import run_pipeline
 
@@ -13,8 +13,8 @@ STAGE_FILE = '''
 from pydantic import BaseModel, Field
 
 from opd_sao.supervised import run_sft, sft_examples
-from stages.base import Stage, StageResult, register_stage
-from stages.envs import ENVIRONMENTS
+from opd_sao.stages.base import Stage, StageResult, register_stage
+from opd_sao.stages.envs import ENVIRONMENTS
 
 
 @register_stage("sft_teacher")

@@ -24,13 +24,13 @@ from opd_sao.rl.compaction import Compaction, propagate_returns
 from opd_sao.rl.learner import Learner
 from opd_sao.rl.rollout import Episode, run_episodes
 from opd_sao.runs.evaluation import make_episodes
+from opd_sao.stages import RunContext
+from opd_sao.stages.envs import ENVIRONMENTS, grading, register_env
+from opd_sao.stages.envs.arithmetic import ArithmeticEnv
+from opd_sao.stages.envs.validity import check_environment
+from opd_sao.stages.rl import AgentStage
 from opd_sao.trainers import TorchTrainer
 from opd_sao.trajectory import Trajectory, collate
-from stages import RunContext
-from stages.envs import ENVIRONMENTS, grading, register_env
-from stages.envs.arithmetic import ArithmeticEnv
-from stages.envs.validity import check_environment
-from stages.rl import AgentStage
 
 OPTIONS = {"allow_rlimit_only": True}  # bubblewrap where it exists; rlimits only where it is missing
 

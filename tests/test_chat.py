@@ -11,8 +11,8 @@ from transformers import AutoModelForSequenceClassification
 
 from opd_sao.config import TinyModelConfig, parse_config
 from opd_sao.pipeline import run_pipeline
-from stages import RunContext
-from stages.envs.chat import (
+from opd_sao.stages import RunContext
+from opd_sao.stages.envs.chat import (
     STYLES,
     ChatEnv,
     StyleSchedule,
@@ -21,10 +21,10 @@ from stages.envs.chat import (
     style_of,
     train_chat_reward_model,
 )
-from stages.envs.chat.reward_model import RewardModel, best_threshold
-from stages.envs.rewards import build_reward
-from stages.envs.validity import check_environment, play
-from stages.rl import ChatStage
+from opd_sao.stages.envs.chat.reward_model import RewardModel, best_threshold
+from opd_sao.stages.envs.rewards import build_reward
+from opd_sao.stages.envs.validity import check_environment, play
+from opd_sao.stages.rl import ChatStage
 
 TASK = {"id": "t", "prompt": "user: do you like cats?\nbot:", "topic": "cats", "style": "cute"}
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}

@@ -29,9 +29,9 @@ from opd_sao.engines.base import GenerationRequest, SamplingParams
 from opd_sao.engines.embedded import EmbeddedEngine
 from opd_sao.modeling import sequence_logprobs
 from opd_sao.rl.rollout import run_episodes
+from opd_sao.stages.envs import ENVIRONMENTS
 from opd_sao.trainers.torch_backend import TorchTrainer
 from opd_sao.trajectory import Trajectory, collate
-from stages.envs import ENVIRONMENTS
 
 ENV = ENVIRONMENTS.get("arithmetic")
 ROLLOUT = RolloutConfig(max_new_tokens=6)

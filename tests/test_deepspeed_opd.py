@@ -45,7 +45,7 @@ def _learner(backend, setting: dict, student: str, teacher: str, tokenizer, work
     """An OPD learner on `backend` with one teacher per domain (the same checkpoint), scored into `work`."""
     from opd_sao.config import AlgoConfig, OPDConfig
     from opd_sao.rl.distill import OPDLearner
-    from teachers import Prefetcher, TeacherSet, TeacherTargets
+    from opd_sao.teachers import Prefetcher, TeacherSet, TeacherTargets
 
     setting = dict(setting)
     per_teacher = setting.pop("teachers", {})

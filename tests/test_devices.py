@@ -136,8 +136,8 @@ def _engine(path, tok, tmp, engine_device="cuda", run_device="cpu"):
 
 
 def _teacher(path, tok, tmp):
-    from teachers import InProcessTeacher, TeacherSpec
-    from teachers.routing import model_vocab_size
+    from opd_sao.teachers import InProcessTeacher, TeacherSpec
+    from opd_sao.teachers.routing import model_vocab_size
 
     spec = TeacherSpec(name="t", kind="in_process", checkpoint=path, domains=("d",), granularity="sampled", k=None,
                        p=None, checkpoint_hash="h", vocab_size=model_vocab_size(path), tokenizer_hash="t",
@@ -154,7 +154,7 @@ def _sft(path, tok, tmp):
 
 def _evaluate(path, tok, tmp):
     from opd_sao.runs.evaluation import evaluate
-    from stages.envs import ENVIRONMENTS
+    from opd_sao.stages.envs import ENVIRONMENTS
 
     evaluate(path, ENVIRONMENTS.get("arithmetic"), tok, domain="arithmetic", rollout=RolloutConfig(),
              eval_cfg=EvalConfig(num_tasks=1), seed=0, device="cuda")
@@ -167,7 +167,7 @@ def _serve(path, tok, tmp):
 
 
 def _reward_model(path, tok, tmp):
-    from stages.envs.dataset.rewards import RewardModelReward
+    from opd_sao.stages.envs.dataset.rewards import RewardModelReward
 
     RewardModelReward(str(path), device="cuda")
 

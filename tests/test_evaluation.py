@@ -7,7 +7,7 @@ import statistics
 from opd_sao.checkpoints import load_tokenizer
 from opd_sao.config import EvalConfig, RolloutConfig
 from opd_sao.runs.evaluation import episode_rewards, evaluate
-from stages.envs.arithmetic import ArithmeticEnv
+from opd_sao.stages.envs.arithmetic import ArithmeticEnv
 
 
 class AnyDigitEnv(ArithmeticEnv):

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from opd_sao import cli
-from stages.envs import register_env
-from stages.envs.arithmetic import ArithmeticEnv
+from opd_sao.stages.envs import register_env
+from opd_sao.stages.envs.arithmetic import ArithmeticEnv
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from cache import (
+from opd_sao.cache import (
     BackgroundWriter,
     CacheDamagedError,
     CacheMeta,
@@ -32,8 +32,8 @@ from cache import (
     quantised_many,
     record_from_logprobs,
 )
-from cache.cli import gc, inspect, main, verify
-from cache.encoding import (
+from opd_sao.cache.cli import gc, inspect, main, verify
+from opd_sao.cache.encoding import (
     LOGP_HALF_STEP,
     dequantise_logp,
     dequantise_sqrt_p,
@@ -45,7 +45,7 @@ from cache.encoding import (
     sqrt_step,
     to_streams,
 )
-from cache.store import _CommitLog
+from opd_sao.cache.store import _CommitLog
 
 VOCAB = 384
 FIXED_POINT_ERROR = 1 / 2048 + 1e-6
@@ -236,7 +236,7 @@ def test_concurrent_reader_only_sees_complete_records(tmp_path):
 
 READER_PROCESS = """
 import sys, time, numpy as np
-from cache import CacheMeta, LogitCache
+from opd_sao.cache import CacheMeta, LogitCache
 meta = CacheMeta("reasoning-rl", "ckpt-1", 384, "tok-1", "top_k", k=4)
 teacher, seen = LogitCache(sys.argv[1]).open_teacher(meta), set()
 while len(seen) < 40:
@@ -609,7 +609,7 @@ import os, sys
 import numpy as np
 sys.path.insert(0, "tests")
 from test_logit_cache import _small_records, make_meta
-from cache import BackgroundWriter, LogitCache
+from opd_sao.cache import BackgroundWriter, LogitCache
 writer = BackgroundWriter(LogitCache(sys.argv[1]).open_teacher(make_meta("top_k", k=4)), batch_records=1000,
                           max_pending=4000)
 writer.submit(_small_records(0, 30))

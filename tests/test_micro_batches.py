@@ -77,7 +77,7 @@ def learner(backend, algo: str, student: str, teacher: str, tokenizer, work: Pat
     if algo != "opd_top_k":
         return Learner(backend, algo, AlgoConfig(), critic_steps=2, critic_warmup_steps=0), None
     from opd_sao.rl.distill import OPDLearner
-    from teachers import Prefetcher, TeacherSet, TeacherTargets
+    from opd_sao.teachers import Prefetcher, TeacherSet, TeacherTargets
 
     teachers = [{"name": f"t_{d}", "checkpoint": teacher, "domains": [d]} for d in DOMAINS]
     cfg = OPDConfig(teachers=teachers, granularity="top_k", top_k=8, vocab_chunk=100, reward_weight=0.5)

@@ -24,7 +24,7 @@ import numpy as np
 import yaml
 from launchers import wait_until_healthy
 
-from cache.cli import inspect
+from opd_sao.cache.cli import inspect
 
 REPO = Path(__file__).resolve().parents[1]
 ZERO3 = {"backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"stage": 3}}}

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from cache import LogitCache
 from opd_sao.algorithms import domain_shares, pointwise_divergence, truncated_divergence
+from opd_sao.cache import LogitCache
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.config import (
     AlgoConfig,
@@ -23,10 +23,10 @@ from opd_sao.config import (
 from opd_sao.modeling import dense_support_logprobs, sequence_logprobs, streamed_divergence, support_logprobs
 from opd_sao.pipeline import check_before_work, run_pipeline
 from opd_sao.rl.distill import DomainSchedule, OPDLearner, padded_support
+from opd_sao.teachers import Prefetcher, TeacherSet, TeacherTargets
 from opd_sao.trainers import TorchTrainer
 from opd_sao.trainers.base import TrainerBackend
 from opd_sao.trajectory import Trajectory, collate
-from teachers import Prefetcher, TeacherSet, TeacherTargets
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
 
@@ -192,7 +192,7 @@ def test_streamed_full_divergence_through_the_backend_equals_the_dense_default(t
 
 
 def test_padded_support_layout():
-    from cache import TeacherRecord
+    from opd_sao.cache import TeacherRecord
 
     a = TeacherRecord(sampled_logp=np.zeros(2, np.float32), ids=np.array([3, 7, 1]), logp=np.array([-1, -2, -0.5]),
                       offsets=np.array([0, 2, 3]), tail_mass=np.array([0.1, 0.2], np.float32))
@@ -213,8 +213,8 @@ def test_capped_top_p_divergence_matches_a_hand_computed_case():
     0.3 in the tail. Student (0.25, 0.25, 0.2, 0.1, 0.1, 0.1): buckets (0.25, 0.25, 0.5)."""
     import math
 
-    from cache import encode_top_p, nucleus_cut
     from opd_sao import algorithms as A
+    from opd_sao.cache import encode_top_p, nucleus_cut
 
     teacher = torch.tensor([[0.4, 0.3, 0.1, 0.1, 0.05, 0.05]], dtype=torch.float64).log()
     record = encode_top_p(teacher, 0.85, torch.tensor([2]), max_support=2)
@@ -240,9 +240,9 @@ def test_high_entropy_teacher_at_a_large_vocabulary_keeps_at_most_max_support(tm
     ids per position, and they are the 64 most probable with the exact tail."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cache import nucleus_cut
+    from opd_sao.cache import nucleus_cut
     from opd_sao.checkpoints import MODEL_INIT_LOCK
-    from teachers import InProcessTeacher, TeacherSpec
+    from opd_sao.teachers import InProcessTeacher, TeacherSpec
 
     vocab, cap = 50_000, 64
     torch.manual_seed(0)

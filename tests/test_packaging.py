@@ -16,7 +16,7 @@ from packaging.requirements import Requirement
 
 from opd_sao import cli
 from opd_sao.errors import OpdSaoError, UsageError
-from stages.base import Stage, register_stage
+from opd_sao.stages.base import Stage, register_stage
 
 ROOT = Path(__file__).resolve().parents[1]
 MOVED = ("stages", "teachers", "cache")  # the top-level folders installed as opd_sao.stages, ...
@@ -121,12 +121,12 @@ def test_an_opd_sao_error_from_a_plugin_stage_is_one_line(tmp_path, tiny_model_d
 
 
 def test_user_error_classes_share_the_base():
-    from cache.errors import CacheMismatchError, CacheReadOnlyError
+    from opd_sao.cache.errors import CacheMismatchError, CacheReadOnlyError
     from opd_sao.config import ConfigError
     from opd_sao.registry import UnknownName
     from opd_sao.runs.lock import RunDirLocked
-    from stages.envs.dataset.files import DatasetError
-    from teachers.base import TeacherIncompatibleError
+    from opd_sao.stages.envs.dataset.files import DatasetError
+    from opd_sao.teachers.base import TeacherIncompatibleError
 
     for cls in (ConfigError, RunDirLocked, DatasetError, TeacherIncompatibleError, CacheMismatchError,
                 CacheReadOnlyError, UnknownName):

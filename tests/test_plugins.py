@@ -15,8 +15,8 @@ from opd_sao.config import ConfigError, parse_config
 STAGE = {"name": "r", "kind": "reasoning", "env": "arithmetic"}
 
 TEACHER_PLUGIN = '''
-from teachers.base import register_teacher
-from teachers.in_process import InProcessTeacher
+from opd_sao.teachers.base import register_teacher
+from opd_sao.teachers.in_process import InProcessTeacher
 
 
 @register_teacher("{kind}")
@@ -31,7 +31,7 @@ def _teacher_stage(kind: str, checkpoint: str) -> dict:
 
 
 def test_a_plugin_file_is_imported_before_validation_and_only_once(tmp_path, monkeypatch):
-    from teachers import TEACHER_KINDS
+    from opd_sao.teachers import TEACHER_KINDS
 
     monkeypatch.chdir(tmp_path)  # paths are relative to the working directory, as every path in a config
     (tmp_path / "my_teacher.py").write_text(TEACHER_PLUGIN.format(kind="plugin_file_teacher"))
@@ -46,7 +46,7 @@ def test_a_plugin_file_is_imported_before_validation_and_only_once(tmp_path, mon
 
 
 def test_a_plugin_module_by_name(tmp_path, monkeypatch):
-    from teachers import TEACHER_KINDS
+    from opd_sao.teachers import TEACHER_KINDS
 
     (tmp_path / "my_pkg").mkdir()
     (tmp_path / "my_pkg" / "__init__.py").write_text("")
@@ -111,7 +111,7 @@ def test_an_installed_packages_entry_points_register_its_plugins(tmp_path):
                     "--target", str(site), str(src)], check=True, capture_output=True, timeout=300)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
     script = textwrap.dedent('''
-        from teachers import TEACHER_KINDS
+        from opd_sao.teachers import TEACHER_KINDS
         print(TEACHER_KINDS.get("acme").__module__)
     ''')
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)

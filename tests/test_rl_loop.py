@@ -18,8 +18,8 @@ from opd_sao.rl.learner import Learner, needs_critic
 from opd_sao.rl.loop import RLLoop
 from opd_sao.rl.rollout import Episode
 from opd_sao.runs.tracking import MetricsLogger
+from opd_sao.stages.envs import ENVIRONMENTS
 from opd_sao.trainers import TorchTrainer
-from stages.envs import ENVIRONMENTS
 
 
 def _loop(tmp_path, tiny_model_dir, tokenizer, lengths, *, asynchronous=True, group_size=1, batch=2,

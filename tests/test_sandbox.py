@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.envs import sandbox
-from stages.envs.sandbox import (
+from opd_sao.stages.envs import sandbox
+from opd_sao.stages.envs.sandbox import (
     SandboxLimits,
     SandboxUnavailableError,
     detect_mode,

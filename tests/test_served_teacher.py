@@ -18,8 +18,8 @@ from launchers import wait_until_healthy
 
 from opd_sao.config import OPDConfig
 from opd_sao.engines.http import SGLangClient
+from opd_sao.teachers import TeacherSet
 from opd_sao.trajectory import Trajectory
-from teachers import TeacherSet
 
 LOGP_ATOL, TAIL_ATOL = 1e-5, 1e-5
 

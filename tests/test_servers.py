@@ -113,8 +113,8 @@ def test_stage_trains_through_the_router_and_a_killed_server_loses_no_trajectory
     from opd_sao.rl.loop import RLLoop
     from opd_sao.rl.rollout import Episode
     from opd_sao.runs.tracking import MetricsLogger
+    from opd_sao.stages.envs import ENVIRONMENTS
     from opd_sao.trainers import TorchTrainer
-    from stages.envs import ENVIRONMENTS
 
     urls = [url for url, _ in fleet]
     victim_url, victim = fleet[-1]

@@ -25,10 +25,10 @@ ATOL = 1e-5
 def worker(args: dict) -> None:
     from opd_sao.checkpoints import load_tokenizer
     from opd_sao.config import OPDConfig
+    from opd_sao.teachers import TeacherSet
+    from opd_sao.teachers.sharded import _ENGINES
     from opd_sao.trainers.deepspeed_backend import follow, init_distributed
     from opd_sao.trajectory import Trajectory
-    from teachers import TeacherSet
-    from teachers.sharded import _ENGINES
 
     init_distributed()
     if int(os.environ["RANK"]) != 0:

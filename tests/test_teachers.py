@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from cache import encode_full, encode_top_k, encode_top_p
-from cache.cli import verify
-from cache.encoding import LOGP_HALF_STEP, dequantise_logp
+from opd_sao.cache import encode_full, encode_top_k, encode_top_p
+from opd_sao.cache.cli import verify
+from opd_sao.cache.encoding import LOGP_HALF_STEP, dequantise_logp
 from opd_sao.checkpoints import (
     build_tiny_model,
     load_causal_lm,
@@ -21,8 +21,7 @@ from opd_sao.checkpoints import (
 )
 from opd_sao.config import OPDConfig
 from opd_sao.modeling import forward_logits
-from opd_sao.trajectory import Trajectory
-from teachers import (
+from opd_sao.teachers import (
     InProcessTeacher,
     Prefetcher,
     Teacher,
@@ -34,8 +33,9 @@ from teachers import (
     register_teacher,
     score_rows,
 )
-from teachers.base import TeacherSpec
-from teachers.routing import describe
+from opd_sao.teachers.base import TeacherSpec
+from opd_sao.teachers.routing import describe
+from opd_sao.trajectory import Trajectory
 
 # ----------------------------------------------------------------------------
 # chunked scoring == dense reference
@@ -463,7 +463,7 @@ def test_damaged_teacher_store_is_rebuilt_and_rescored(tiny_model_dir, tokenizer
         targets.prefetcher.close()
         targets = _targets(tiny_model_dir, tokenizer, tmp_path / "cache", tmp_path)
     CountingTeacher.scored = 0
-    with caplog.at_level(logging.WARNING, logger="teachers.targets"):
+    with caplog.at_level(logging.WARNING, logger="opd_sao.teachers.targets"):
         again = targets.fetch(trajs)
     assert (again.misses, CountingTeacher.scored) == (5, 5)
     for a, b in zip(good.records, again.records):
@@ -519,7 +519,7 @@ def test_a_checkpoint_without_weight_files_is_refused(tmp_path):
 
 
 def test_best_teacher_is_the_highest_scoring_completed_stage(tiny_model_dir, tokenizer, tmp_path):
-    from teachers.routing import best_stage
+    from opd_sao.teachers.routing import best_stage
 
     summary = {"stages": [  # a crafted summary.json: held-out scores after each stage
         {"name": "warmup", "eval_after": {"arithmetic": 0.5, "code": 0.98, "chat": 0.3}},

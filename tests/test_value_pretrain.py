@@ -14,11 +14,11 @@ from opd_sao.engines.base import SamplingParams
 from opd_sao.pipeline import run_pipeline
 from opd_sao.rl.rollout import Episode
 from opd_sao.rl.value_pretrain import critic_error, monte_carlo_returns, pretrain_critic, rollout_corpus
+from opd_sao.stages.envs import register_env
+from opd_sao.stages.envs.arithmetic import ArithmeticEnv
 from opd_sao.trainers import TorchTrainer
 from opd_sao.trainers.critic import ValueModel
 from opd_sao.trajectory import collate
-from stages.envs import register_env
-from stages.envs.arithmetic import ArithmeticEnv
 
 
 @register_env("any_digit_test")

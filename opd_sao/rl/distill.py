@@ -46,9 +46,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from cache import nucleus_cut
-from cache.encoding import dequantise_logp
 from opd_sao import algorithms as A
+from opd_sao.cache import nucleus_cut
+from opd_sao.cache.encoding import dequantise_logp
 from opd_sao.config import AlgoConfig, OPDConfig
 from opd_sao.rl.learner import ResumableLearner
 from opd_sao.trajectory import Batch

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from opd_sao.errors import UsageError
-from stages.envs.rewards import BadScore
+from opd_sao.stages.envs.rewards import BadScore
 
 STOCHASTIC_REPLAYS = 64  # a noisy judge passing a good answer 1 time in 5 still misses all 64 with p ~ 1e-6
 CHECKS = {"oracle": "the oracle does not score 1", "noop": "a no-op scores above 0",

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from opd_sao.errors import UsageError
-from stages.envs.base import Environment, register_env, shuffled
-from stages.envs.rewards import build_reward, check_reward
+from opd_sao.stages.envs.base import Environment, register_env, shuffled
+from opd_sao.stages.envs.rewards import build_reward, check_reward
 
 from .judges import words_of
 

@@ -13,7 +13,7 @@ import threading
 from collections import Counter
 
 from opd_sao.errors import UsageError
-from stages.envs.rewards import Reward, Verdict, build_reward, register_reward
+from opd_sao.stages.envs.rewards import Reward, Verdict, build_reward, register_reward
 
 ENDINGS = ".!?~"
 

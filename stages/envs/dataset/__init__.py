@@ -31,8 +31,8 @@ from pydantic import Field, ValidationError, model_validator
 
 from opd_sao.config import Strict, format_error
 from opd_sao.errors import UsageError
-from stages.envs.base import Environment, register_env
-from stages.envs.rewards import REWARDS, build_reward, check_reward
+from opd_sao.stages.envs.base import Environment, register_env
+from opd_sao.stages.envs.rewards import REWARDS, build_reward, check_reward
 
 from . import rewards as dataset_rewards  # noqa: F401 (importing it registers the dataset rewards)
 from .files import BadRow, DatasetError, field, iter_rows, stable_fraction

@@ -46,7 +46,7 @@ def train_from_file(path: Path, out: Path, *, prompt_key: str = "prompt", chosen
 
     from opd_sao.checkpoints import build_tiny_model, file_hash
     from opd_sao.config import TinyModelConfig
-    from stages.envs.chat.reward_model import train_reward_model
+    from opd_sao.stages.envs.chat.reward_model import train_reward_model
 
     source = {"sha256": file_hash(path), "keys": [prompt_key, chosen_key, rejected_key], "steps": steps,
               "seed": seed}

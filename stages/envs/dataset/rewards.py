@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from opd_sao.errors import UsageError
-from stages.envs.rewards import Reward, RewardFailure, Verdict, register_reward
+from opd_sao.stages.envs.rewards import Reward, RewardFailure, Verdict, register_reward
 
 from .python_worker import import_function
 
@@ -175,7 +175,7 @@ class CodeTestsReward(Reward):
 
     def __init__(self, allow_rlimit_only: bool = False, wall_s: float = 5.0, cpu_s: int = 2, memory_mb: int = 256,
                  strip_fences: bool = True):
-        from stages.envs.sandbox import SandboxLimits
+        from opd_sao.stages.envs.sandbox import SandboxLimits
 
         self.allow_rlimit_only, self.strip_fences = allow_rlimit_only, strip_fences
         self.limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, max_processes=8,
@@ -190,8 +190,8 @@ class CodeTestsReward(Reward):
         return response
 
     def score(self, task: dict, response: str) -> Verdict:
-        from stages.envs.grading import VERDICTS, feedback, sandbox_mode
-        from stages.envs.sandbox import SandboxUnavailableError
+        from opd_sao.stages.envs.grading import VERDICTS, feedback, sandbox_mode
+        from opd_sao.stages.envs.sandbox import SandboxUnavailableError
 
         tests, source = task["tests"], self.program(response)
         self.counts["runs"] += 1
@@ -276,7 +276,7 @@ class RewardModelReward(Reward):
                  threshold: Optional[float] = None, train_from: Optional[str] = None, prompt_key: str = "prompt",
                  chosen_key: str = "chosen", rejected_key: str = "rejected", train_steps: int = 200, seed: int = 0,
                  batch_wait_s: float = 0.005):
-        from stages.envs.chat.reward_model import RewardModel
+        from opd_sao.stages.envs.chat.reward_model import RewardModel
 
         if train_from:
             from .preferences import train_from_file
