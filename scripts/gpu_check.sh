@@ -12,6 +12,9 @@
 #                                                  the settings to run (default: all; the fleet ones only
 #                                                  where `sglang` is importable)
 #   STEP_TIMEOUT=600                               seconds each run may take before it is stopped
+#   RUNS=memory (opt-in, not in the default)       benchmarks/memory_scaling.py --device cuda on the 0.5B
+#                                                  Qwen2 shape (issue #24's sweep; MEMORY_ARGS, default
+#                                                  "--limit-gb 120", adds options, e.g. --seqs 512 4096)
 #   PYTHON=/path/to/python                         the interpreter (default: .venv, then python3, if its
 #                                                  torch sees CUDA; else build/venv-gpu is built from PyPI)
 #
@@ -94,8 +97,9 @@ overrides_for() {  # the config overrides of one run setting
     fleet-distributed) if [ "$(nvidia-smi -L | wc -l)" -gt 1 ]; then echo "device=cuda engine.weight_sync=distributed";
                        else echo "device=cuda trainer.device=cpu engine.weight_sync=distributed"; fi ;;
     fleet-*) echo "device=cuda engine.weight_sync=${1#fleet-}" ;;
+    memory) echo "" ;;
     *) echo "gpu_check: unknown run setting $1 (torch-fp32, torch-bf16, deepspeed-bf16, fleet-disk, fleet-tensor," \
-            "fleet-distributed)" >&2; return 1 ;;
+            "fleet-distributed, memory)" >&2; return 1 ;;
   esac
 }
 
@@ -166,6 +170,15 @@ for run in $RUNS; do
     printf '%s\tskipped\t0\t0\t%s\n' "$run" "$run_dir" >> "$RESULTS"
     continue
   fi
+  if [[ $run == memory ]]; then  # peak CUDA memory against sequence length; its last line is the checks' JSON
+    echo "gpu_check: memory (log: $log, at most ${STEP_TIMEOUT}s)"
+    start=$(date +%s)
+    # shellcheck disable=SC2086  # the options are separate words
+    timeout --kill-after=30 "$STEP_TIMEOUT" "$PY" benchmarks/memory_scaling.py --device cuda ${MEMORY_ARGS:---limit-gb 120} \
+      > "$log" 2>&1 || status="failed (exit $?)"
+    printf '%s\t%s\t%s\t%s\t%s\n' "$run" "$status" "$start" "$(date +%s)" "$log" >> "$RESULTS"
+    continue
+  fi
   if [[ $run == fleet-* ]]; then
     if ! timeout 300 "$PY" -c 'import sglang.srt.entrypoints.http_server' >/dev/null 2>&1; then
       echo "gpu_check: $run skipped: sglang is not importable by $PY" | tee "$log"
@@ -215,6 +228,12 @@ for line in results.read_text().splitlines():
     print(f"\n{run}: {status}" + (f", {int(end) - int(start)} s wall (model build, every stage, every evaluation)"
                                    if status != "skipped" else ""))
     failed += status not in ("ok", "skipped")
+    if run == "memory":  # run_dir is the benchmark's log: its table, then one JSON line with the checks
+        lines = Path(run_dir).read_text().splitlines() if Path(run_dir).is_file() else []
+        print("\n".join("  " + line for line in lines if line.startswith("|")))
+        checks = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+        print(f"  checks {checks.get('checks')}; within 25%: {checks.get('within_25pct')}")
+        continue
     summary = Path(run_dir) / "summary.json"
     if not summary.is_file():
         continue
