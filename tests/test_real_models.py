@@ -191,8 +191,11 @@ def test_logit_cache_keeps_padded_vocabulary_ids(tmp_path, granularity):
     cache.put("a", record_from_logprobs(meta, logp, sampled))
     back = cache.get("a")
     np.testing.assert_allclose(back.sampled_logp, logp[torch.arange(n), sampled].numpy(), atol=2e-2)
-    if granularity == "full":
-        assert back.logp.shape == (n, QWEN25_VOCAB_SIZE)
+    if granularity == "full":  # stored and returned as the cache's one-byte codes of every id's logprob
+        from opd_sao.cache.encoding import dequantise_logp
+
+        assert back.logp_codes.shape == (n, QWEN25_VOCAB_SIZE)
+        assert set(dequantise_logp(back.logp_codes).argmax(-1).tolist()) <= set(padded.tolist())
     else:
         assert set(back.ids[back.offsets[0]:back.offsets[1]].tolist()) <= set(padded.tolist())
 
