@@ -97,7 +97,6 @@ overrides_for() {  # the config overrides of one run setting
     fleet-distributed) if [ "$(nvidia-smi -L | wc -l)" -gt 1 ]; then echo "device=cuda engine.weight_sync=distributed";
                        else echo "device=cuda trainer.device=cpu engine.weight_sync=distributed"; fi ;;
     fleet-*) echo "device=cuda engine.weight_sync=${1#fleet-}" ;;
-    memory) echo "" ;;
     *) echo "gpu_check: unknown run setting $1 (torch-fp32, torch-bf16, deepspeed-bf16, fleet-disk, fleet-tensor," \
             "fleet-distributed, memory)" >&2; return 1 ;;
   esac
@@ -160,6 +159,15 @@ STAMP=$(date +%Y%m%d-%H%M%S)
 RESULTS="$WORK/results-$STAMP.tsv"
 : > "$RESULTS"
 for run in $RUNS; do
+  if [[ $run == memory ]]; then  # peak CUDA memory against sequence length; its last line is the checks' JSON
+    echo "gpu_check: memory (log: $WORK/memory.log, at most ${STEP_TIMEOUT}s)"
+    start=$(date +%s) status=ok
+    # shellcheck disable=SC2086  # the options are separate words
+    timeout --kill-after=30 "$STEP_TIMEOUT" "$PY" benchmarks/memory_scaling.py --device cuda ${MEMORY_ARGS:---limit-gb 120} \
+      > "$WORK/memory.log" 2>&1 || status="failed (exit $?)"
+    printf '%s\t%s\t%s\t%s\t%s\n' "$run" "$status" "$start" "$(date +%s)" "$WORK/memory.log" >> "$RESULTS"
+    continue
+  fi
   overrides=$(overrides_for "$run") || exit 2
   run_dir="$WORK/run-$STAMP-$run"
   log="$WORK/$run.log"
@@ -168,15 +176,6 @@ for run in $RUNS; do
   if [[ $run == deepspeed-* ]] && ! timeout 300 "$PY" -c 'import deepspeed' >/dev/null 2>&1; then
     echo "gpu_check: $run skipped: deepspeed is not importable by $PY" | tee "$log"
     printf '%s\tskipped\t0\t0\t%s\n' "$run" "$run_dir" >> "$RESULTS"
-    continue
-  fi
-  if [[ $run == memory ]]; then  # peak CUDA memory against sequence length; its last line is the checks' JSON
-    echo "gpu_check: memory (log: $log, at most ${STEP_TIMEOUT}s)"
-    start=$(date +%s)
-    # shellcheck disable=SC2086  # the options are separate words
-    timeout --kill-after=30 "$STEP_TIMEOUT" "$PY" benchmarks/memory_scaling.py --device cuda ${MEMORY_ARGS:---limit-gb 120} \
-      > "$log" 2>&1 || status="failed (exit $?)"
-    printf '%s\t%s\t%s\t%s\t%s\n' "$run" "$status" "$start" "$(date +%s)" "$log" >> "$RESULTS"
     continue
   fi
   if [[ $run == fleet-* ]]; then
