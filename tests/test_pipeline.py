@@ -198,6 +198,35 @@ def test_every_shipped_config_and_the_config_yaml_its_run_writes_pass_the_checks
     check_before_work(parse_config(cfg.model_dump(mode="json")))  # every field written out, as in a run's config.yaml
 
 
+def test_every_built_in_stage_in_the_docs_yaml_sets_only_sections_its_kind_reads():
+    """The README's and docs' YAML blocks are often fragments (a plugin file, a teacher directory elsewhere): each
+    stage in them is checked alone."""
+    import re
+
+    import yaml
+
+    from opd_sao.config import StageConfig
+    from opd_sao.stages import STAGES
+
+    def stages_in(node):
+        if isinstance(node, dict):
+            if node.get("kind") in ("sft", "reasoning", "agent", "chat", "opd") and "name" in node:
+                yield node
+            for value in node.values():
+                yield from stages_in(value)
+        elif isinstance(node, list):
+            for item in node:
+                yield from stages_in(item)
+
+    checked = 0
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"```yaml\n(.*?)```", doc.read_text(), re.S):
+            for stage in stages_in(yaml.safe_load(block)):
+                STAGES.get(stage["kind"]).check_sections(StageConfig.model_validate(stage))
+                checked += 1
+    assert checked >= 10, checked
+
+
 def test_optimizer_settings_reach_both_optimizers_and_bad_betas_are_refused(tiny_model_dir):
     from opd_sao.config import TrainerConfig
     from opd_sao.trainers import TorchTrainer
