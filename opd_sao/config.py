@@ -373,31 +373,43 @@ class OPDConfig(Strict):
         return self
 
 
+# The stage fields every kind has; each of the others is read by some kinds only (a stage kind's `sections`,
+# stages/base.py), and its description starts with the built-in kinds that read it.
+COMMON_STAGE_FIELDS = frozenset({"name", "kind", "init_from", "trainer", "options"})
+
+
 class StageConfig(Strict):
-    """One stage of the pipeline."""
+    """One stage of the pipeline. A field its kind does not read (see each description) is refused before any work."""
 
     name: str = describe("a unique stage name (its folder under stages/)")
     kind: str = describe("a stage kind registered in stages/ (sft, reasoning, agent, chat, opd, ...)")
-    env: Optional[str] = describe("an environment registered in stages/envs", None)
-    env_options: dict[str, Any] = describe("keyword arguments of the environment", {})
-    domains: list[str] = describe("opd, sft: the domains (environments) whose prompts the stage uses", [])
-    algo: Optional[Algo] = describe("the RL algorithm preset (default: the run's `algo`); `rl.advantage` and "
-                                    "`rl.policy_loss` replace its parts", None)
-    steps: int = describe("policy steps", 20, ge=0)
+    env: Optional[str] = describe("reasoning, agent, chat: an environment registered in stages/envs (evaluated "
+                                  "after every stage with this stage's env_options, rollout and eval)", None)
+    env_options: dict[str, Any] = describe("reasoning, agent, chat: keyword arguments of the environment", {})
+    domains: list[str] = describe("sft, opd: the domains (environments) whose prompts the stage uses", [])
+    algo: Optional[Algo] = describe("reasoning, agent, chat: the RL algorithm preset (default: the run's `algo`); "
+                                    "`rl.advantage` and `rl.policy_loss` replace its parts", None)
+    steps: int = describe("reasoning, agent, chat, opd: policy steps (opd: the budget; sft: sft.steps)", 20, ge=0)
     init_from: str = describe("'base', 'previous', or an earlier stage's name", "previous")
-    checkpoint_every: int = describe("policy steps between resumable state saves", 25, ge=1)
-    buffer_memory: int = describe("waiting trajectories kept in host memory; the rest spill to disk", 4096, ge=1)
+    checkpoint_every: int = describe("sft, reasoning, agent, chat, opd: policy steps (SFT: optimizer steps) between "
+                                     "resumable state saves", 25, ge=1)
+    buffer_memory: int = describe("reasoning, agent, chat, opd: waiting trajectories kept in host memory; the rest "
+                                  "spill to disk", 4096, ge=1)
     trainer: dict[str, Any] = describe("overrides of the run's trainer settings for this stage", {})
-    rollout: RolloutConfig = describe("sampling and episodes", RolloutConfig())
-    rl: AlgoConfig = describe("the RL algorithm's parts and settings (DIS band, GAE, clip, baselines); the key was "
-                              "`sao` before (still read, with a warning)", AlgoConfig())
-    sft: SFTConfig = describe("the stage's supervised warm start", SFTConfig())
+    rollout: RolloutConfig = describe("sft, reasoning, agent, chat, opd: sampling and episodes (sft: the prompt "
+                                      "format of a domain no other stage trains on)", RolloutConfig())
+    rl: AlgoConfig = describe("reasoning, agent, chat, opd: the RL algorithm's parts and settings (DIS band, GAE, "
+                              "clip, baselines; opd: the DIS band and baseline window); the key was `sao` before "
+                              "(still read, with a warning)", AlgoConfig())
+    sft: SFTConfig = describe("sft, reasoning, agent, chat: the stage's supervised warm start (sft: the stage "
+                              "itself)", SFTConfig())
     critic_pretrain: CriticPretrainConfig = describe(
-        "RL stages with a critic (sao, ppo): value pre-training before the first step, and critic carry-over",
-        CriticPretrainConfig())
-    eval: EvalConfig = describe("held-out evaluation", EvalConfig())
-    gate: GateConfig = describe("the consistency gate", GateConfig())
-    opd: OPDConfig = describe("opd stages: teachers and losses", OPDConfig())
+        "reasoning, agent, chat: with a critic (sao, ppo), value pre-training before the first step, and critic "
+        "carry-over", CriticPretrainConfig())
+    eval: EvalConfig = describe("reasoning, agent, chat, opd: held-out evaluation (opd: of a domain no other stage "
+                                "trains on)", EvalConfig())
+    gate: GateConfig = describe("reasoning, agent, chat, opd: the consistency gate", GateConfig())
+    opd: OPDConfig = describe("opd: teachers and losses", OPDConfig())
     options: dict[str, Any] = describe("settings of the stage kind itself, validated by its `Options` model", {})
 
     @model_validator(mode="before")

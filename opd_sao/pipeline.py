@@ -40,16 +40,21 @@ def eval_domains(cfg: RunConfig) -> dict[str, object]:
     return domains
 
 
-def check_before_work(cfg: RunConfig) -> None:
+def check_before_work(cfg: RunConfig, *, resume: bool = False) -> None:
     """What the schema cannot check alone (it needs the registries or the disk), checked before anything is written:
-    every stage's kind and the settings that kind needs, every environment's options and the files they name (a
-    dataset path of the last stage fails before the first stage), the model path, and an http engine's fleet (every
-    URL answers, every router has workers). Teachers are checked once the base model exists (`check_teachers`)."""
+    every stage's kind, the sections it reads (no other; not on `resume`: a run's config.yaml writes every field
+    out, and it was checked when the run started) and the settings that kind needs, every environment's options and
+    the files they name (a dataset path of the last stage fails before the first stage), the model path, and an http
+    engine's fleet (every URL answers, every router has workers). Teachers are checked once the base model exists
+    (`check_teachers`)."""
     from opd_sao.stages import STAGES
     from opd_sao.stages.envs import ENVIRONMENTS
 
     for stage in cfg.stages:
-        STAGES.get(stage.kind).check(stage)
+        kind = STAGES.get(stage.kind)
+        if not resume:
+            kind.check_sections(stage)
+        kind.check(stage)
         if stage.env:
             try:
                 ENVIRONMENTS.get(stage.env).check_options(stage.env_options)
@@ -171,7 +176,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
     if resume:  # an edited config is named as such, before what the edit may have broken
         with locked_run_dir(run_dir):
             allowed = check_resume(config, run_dir, allow_change=allow_config_change)
-            check_before_work(cfg)
+            check_before_work(cfg, resume=True)
             files = stage_data_files(cfg)  # a stage not started yet may read other data, as its settings may change
             check_data_record({s: f for s, f in files.items() if s in started_stages(run_dir)}, run_dir)
             write_data_record(files, run_dir)

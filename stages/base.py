@@ -4,12 +4,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from tqdm import tqdm
 
-from opd_sao.config import RunConfig, StageConfig, TrainerConfig
+from opd_sao.config import COMMON_STAGE_FIELDS, RunConfig, StageConfig, TrainerConfig
 from opd_sao.consistency.gate import ConsistencyGate
 from opd_sao.errors import UsageError
 from opd_sao.registry import Registry
@@ -23,6 +23,14 @@ STAGES: Registry[type["Stage"]] = Registry("stage kind")
 register_stage = STAGES.register
 
 TRAIN_TASK_POOL = 100_000  # training tasks a stage draws per domain (environments sample up to this many)
+
+# What the shared machinery reads of a stage's config beyond COMMON_STAGE_FIELDS; a kind's `sections` is the union
+# of what it uses. A kind that reads `env` declares all of ENV_SECTIONS: the pipeline evaluates that domain after
+# every stage with the stage's environment options, episode settings and eval settings (stages/domains.py).
+ENV_SECTIONS = frozenset({"env", "env_options", "rollout", "eval"})
+SFT_SECTIONS = frozenset({"sft", "checkpoint_every"})  # Stage.sft
+# Stage.train (rl: the gate's DIS band)
+LOOP_SECTIONS = frozenset({"steps", "checkpoint_every", "buffer_memory", "rollout", "gate", "rl"})
 
 
 class NoOptions(BaseModel):
@@ -71,10 +79,13 @@ class Stage(ABC):
     """One step of the pipeline: starts from a checkpoint, ends with a promoted checkpoint.
 
     A kind's own settings are a pydantic model assigned to `Options`; the stage config's `options:` is
-    validated against it before any work (like every built-in setting) and read as `self.options`.
+    validated against it before any work (like every built-in setting) and read as `self.options`. `sections` names
+    the stage config's other fields it reads beyond COMMON_STAGE_FIELDS (`rollout`, `sft`, `env`, ...); one a
+    config sets for a kind that does not read it is refused before any work (`check_sections`), not ignored.
     """
 
     Options: type[BaseModel] = NoOptions
+    sections: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, cfg: StageConfig, ctx: RunContext):
         self.cfg, self.ctx = cfg, ctx
@@ -92,6 +103,18 @@ class Stage(ABC):
             first = err.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise UsageError(f"stage {cfg.name!r} ({cfg.kind}): options.{where}: {first['msg']}") from None
+
+    @classmethod
+    def check_sections(cls, cfg: StageConfig) -> None:
+        """Refuse a field outside COMMON_STAGE_FIELDS that the config sets and this kind does not read: it would be
+        ignored. A default value passes: a run's config.yaml (a start for another config) writes every field out."""
+        for name in StageConfig.model_fields:
+            if name in COMMON_STAGE_FIELDS or name in cls.sections or name not in cfg.model_fields_set:
+                continue
+            if getattr(cfg, name) != StageConfig.model_fields[name].get_default(call_default_factory=True):
+                reads = ", ".join(sorted(cls.sections)) or "none beyond the common ones"
+                raise UsageError(f"stage {cfg.name!r} ({cfg.kind}): `{name}:` is not read by {cfg.kind} stages "
+                                 f"(their sections: {reads})")
 
     @classmethod
     def check(cls, cfg: StageConfig) -> None:

@@ -45,7 +45,7 @@ from opd_sao.teachers import TEACHER_KINDS, Prefetcher, TeacherSet, TeacherTarge
 from opd_sao.teachers.routing import describe
 from opd_sao.trainers import build_backend
 
-from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
+from .base import LOOP_SECTIONS, TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .domains import Domain
 from .envs import ENVIRONMENTS, sample_tasks
 
@@ -54,6 +54,9 @@ PROBE_SEED_OFFSET = 1  # probes sample the held-out split with seed + this: the 
 
 @register_stage("opd")
 class OPDStage(Stage):
+    # rl: the learner's DIS band and reward baseline; eval: that of a domain no other stage trains on
+    sections = LOOP_SECTIONS | {"domains", "opd", "eval"}
+
     @staticmethod
     def domain_names(cfg) -> list[str]:
         if cfg.domains:

@@ -24,7 +24,7 @@ from opd_sao.stages.envs.validity import require_valid
 from opd_sao.supervised import sft_examples
 from opd_sao.trainers import build_backend
 
-from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
+from .base import ENV_SECTIONS, LOOP_SECTIONS, SFT_SECTIONS, TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .envs import ENVIRONMENTS, sample_tasks
 
 CRITIC_DIR = "critic"  # next to checkpoint/: the critic a later stage of the same env carries over
@@ -32,6 +32,8 @@ VALIDITY_TASKS = 16  # tasks the oracle / no-op / initial-state check samples at
 
 
 class RLStage(Stage):
+    sections = ENV_SECTIONS | LOOP_SECTIONS | SFT_SECTIONS | {"algo", "critic_pretrain"}  # SFT: the warm start
+
     @classmethod
     def check(cls, cfg) -> None:
         super().check(cfg)

@@ -15,13 +15,15 @@ from opd_sao.checkpoints import PromptFormat
 from opd_sao.errors import UsageError
 from opd_sao.supervised import sft_examples
 
-from .base import TRAIN_TASK_POOL, Stage, StageResult, register_stage
+from .base import SFT_SECTIONS, TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .domains import Domain
 from .envs import ENVIRONMENTS
 
 
 @register_stage("sft")
 class SFTStage(Stage):
+    sections = SFT_SECTIONS | {"domains", "rollout"}  # rollout: the prompt format of a domain no other stage trains on
+
     @classmethod
     def check(cls, cfg) -> None:
         super().check(cfg)

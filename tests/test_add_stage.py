@@ -13,12 +13,14 @@ STAGE_FILE = '''
 from pydantic import BaseModel, Field
 
 from opd_sao.supervised import run_sft, sft_examples
-from opd_sao.stages.base import Stage, StageResult, register_stage
+from opd_sao.stages.base import ENV_SECTIONS, Stage, StageResult, register_stage
 from opd_sao.stages.envs import ENVIRONMENTS
 
 
 @register_stage("sft_teacher")
 class SFTTeacherStage(Stage):
+    sections = ENV_SECTIONS | {"sft"}  # the config sections it reads beyond name, kind, init_from, trainer, options
+
     class Options(BaseModel, extra="forbid"):
         examples: int = Field(1000, ge=1, description="reference solutions to learn from")
 

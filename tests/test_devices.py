@@ -219,6 +219,8 @@ def test_the_gpu_check_config_is_valid_for_every_run_setting():
 
     import yaml
 
+    from opd_sao.pipeline import check_before_work
+
     script = (ROOT / "scripts" / "gpu_check.sh").read_text()
     stages = re.search(r'^STAGES="([^"]+)"', script, re.M).group(1).split()
     gate = [f"stages.{s}.gate.{k}" for s in stages for k in ("mean_abs_diff=2e-2", "p99_abs_diff=2e-1")]
@@ -232,6 +234,7 @@ def test_the_gpu_check_config_is_valid_for_every_run_setting():
         if "bf16" in name:
             overrides += gate
         cfg = parse_config(yaml.safe_load((ROOT / "configs" / "gpu_check.yaml").read_text()), overrides)
+        check_before_work(cfg)  # each override names a section its stage's kind reads
         assert cfg.device == "cpu" and cfg.trainer.backend == name.split("-")[0]
         assert cfg.trainer.dtype == ("bfloat16" if "bf16" in name else "float32") == cfg.engine.dtype
         if "bf16" in name:

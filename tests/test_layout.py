@@ -121,6 +121,20 @@ def test_every_config_setting_is_documented_and_docs_config_md_is_current():
     assert table in (ROOT / "docs" / "config.md").read_text(), "regenerate docs/config.md (opd-sao config --markdown)"
 
 
+def test_each_stage_fields_description_starts_with_the_built_in_kinds_that_read_it():
+    """`opd-sao config` says which built-in kinds read each stage field: the list its description starts with is
+    exactly the kinds whose `sections` name it."""
+    from opd_sao.config import COMMON_STAGE_FIELDS, StageConfig
+    from opd_sao.stages import STAGES
+
+    kinds = {name: STAGES.get(name) for name in ("sft", "reasoning", "agent", "chat", "opd")}
+    own = set(StageConfig.model_fields) - COMMON_STAGE_FIELDS
+    assert all(cls.sections <= own for cls in kinds.values())  # each declared name is a stage field
+    for field in own:
+        named = set(StageConfig.model_fields[field].description.split(": ", 1)[0].split(", "))
+        assert named == {name for name, cls in kinds.items() if field in cls.sections}, field
+
+
 def test_the_algorithm_registries_drive_the_config():
     """Every preset and every estimator x loss pair loads (grouped ones with groups); unknown names list the
     registered ones. Nothing here names an algorithm: a new one is checked without touching this file."""

@@ -32,13 +32,14 @@ ZERO3 = {"backend": "deepspeed", "deepspeed_config": {"zero_optimization": {"sta
 
 def _config(student: Path, teacher: Path, url: str) -> dict:
     # the consistency gate reads the policy on one rank, which ZeRO-3 partitions: off (docs/scale_out.md, limits)
+    # (the sft stage takes only the trainer of these: it reads no eval or gate)
     short = {"rollout": {"max_new_tokens": 3}, "eval": {"num_tasks": 4}, "trainer": ZERO3, "gate": {"enabled": False}}
     served = {"name": "served", "kind": "sglang", "url": url, "checkpoint": str(teacher), "domains": ["arithmetic"]}
     sharded = {"name": "sharded", "kind": "zero3", "checkpoint": str(teacher), "domains": ["digits_reverse"]}
     return {"seed": 4, "model": {"path": str(student)}, "logging": {"wandb": False, "progress": False},
             "trainer": {"train_batch_size": 8, "critic_warmup_steps": 0},
             "stages": [{"name": "warm", "kind": "sft", "domains": ["arithmetic"],
-                        "sft": {"steps": 30, "lr": 1e-2, "batch_size": 16}, **short},
+                        "sft": {"steps": 30, "lr": 1e-2, "batch_size": 16}, "trainer": ZERO3},
                        # sums up to 3 + 3: a warm-started tiny model answers some, so SAO's advantages are not all 0
                        {"name": "add", "kind": "reasoning", "env": "arithmetic", "env_options": {"max_operand": 3},
                         "algo": "sao", "steps": 3, "sft": {"steps": 2, "batch_size": 8}, **short},

@@ -16,7 +16,7 @@ from packaging.requirements import Requirement
 
 from opd_sao import cli
 from opd_sao.errors import OpdSaoError, UsageError
-from opd_sao.stages.base import Stage, register_stage
+from opd_sao.stages.base import ENV_SECTIONS, Stage, register_stage
 
 ROOT = Path(__file__).resolve().parents[1]
 MOVED = ("stages", "teachers", "cache")  # the top-level folders installed as opd_sao.stages, ...
@@ -90,6 +90,8 @@ print(json.dumps([walked, failed, sorted(m for m in sys.modules if m.split(".")[
 class BuggyStage(Stage):
     """A plugin stage with a bug: a KeyError is no user mistake."""
 
+    sections = ENV_SECTIONS
+
     def run(self):
         return {}["checkpoint"]
 
@@ -97,6 +99,8 @@ class BuggyStage(Stage):
 @register_stage("test-packaging-refusing")
 class RefusingStage(Stage):
     """A plugin stage that refuses the user's input with an OpdSaoError."""
+
+    sections = ENV_SECTIONS
 
     def run(self):
         raise UsageError("this stage needs a larger model")

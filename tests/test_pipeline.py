@@ -5,13 +5,16 @@ import json
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
 
 from opd_sao.config import ConfigError, parse_config
+from opd_sao.errors import UsageError
 from opd_sao.pipeline import run_pipeline
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
 
 
@@ -128,6 +131,100 @@ def test_a_stage_config_its_kind_cannot_run_is_refused_before_any_work(tmp_path,
     with pytest.raises((ValueError, KeyError), match=needle):
         run_pipeline(parse_config(cfg), tmp_path / "run", log=lambda m: None)
     assert not (tmp_path / "run").exists()
+
+
+SFT_WARMUP = {"name": "warmup", "kind": "sft", "domains": ["arithmetic"], "sft": {"steps": 3}}
+
+
+@pytest.mark.parametrize("stage, line", [
+    ({**SFT_WARMUP, "opd": {"teachers": [{"name": "t", "checkpoint": "reasoning", "domains": ["arithmetic"]}]}},
+     "stage 'warmup' (sft): `opd:` is not read by sft stages (their sections: checkpoint_every, domains, rollout, "
+     "sft)"),
+    ({**SFT_WARMUP, "steps": 30}, "stage 'warmup' (sft): `steps:` is not read by sft stages"),
+    ({"name": "r", "kind": "reasoning", "env": "arithmetic", "opd": {"top_k": 4}},
+     "stage 'r' (reasoning): `opd:` is not read by reasoning stages (their sections: algo, buffer_memory, "
+     "checkpoint_every, critic_pretrain, env, env_options, eval, gate, rl, rollout, sft, steps)"),
+    ({"name": "a", "kind": "agent", "env": "code", "domains": ["code"]},
+     "stage 'a' (agent): `domains:` is not read by agent stages"),
+    ({"name": "c", "kind": "chat", "env": "chat", "opd": {"divergence": "jsd"}},
+     "stage 'c' (chat): `opd:` is not read by chat stages"),
+    ({"name": "o", "kind": "opd", "domains": ["arithmetic"], "critic_pretrain": {"rollouts": 8, "steps": 4}},
+     "stage 'o' (opd): `critic_pretrain:` is not read by opd stages (their sections: buffer_memory, checkpoint_every, "
+     "domains, eval, gate, opd, rl, rollout, steps)"),
+    ({"name": "o", "kind": "opd", "domains": ["arithmetic"], "env": "arithmetic"},
+     "stage 'o' (opd): `env:` is not read by opd stages"),
+])
+def test_a_section_its_kind_does_not_read_is_refused_in_one_line(stage, line):
+    from opd_sao.pipeline import check_before_work
+
+    cfg = _config()
+    cfg["stages"].append(stage)  # after a valid stage: the teacher above is that earlier stage
+    with pytest.raises(UsageError) as refused:
+        check_before_work(parse_config(cfg))
+    assert str(refused.value).startswith(line) and "\n" not in str(refused.value)
+
+
+def test_the_cli_refuses_a_foreign_section_in_one_line_before_any_work(tmp_path):
+    (tmp_path / "run.yaml").write_text(json.dumps({"stages": [{**SFT_WARMUP, "opd": {"top_k": 4}}]}))
+    result = _cli("run", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2 and not (tmp_path / "run").exists()
+    assert result.stderr.strip().splitlines() == [
+        "opd-sao run: error: stage 'warmup' (sft): `opd:` is not read by sft stages (their sections: "
+        "checkpoint_every, domains, rollout, sft)"]
+
+
+def test_a_foreign_section_at_its_default_passes_and_a_resumed_run_is_not_refused_for_its_sections():
+    """A run's config.yaml writes every field out (foreign ones at their defaults); `--resume` reads it, and the run
+    was checked when it started (a run started before this check may carry an ignored setting)."""
+    from opd_sao.pipeline import check_before_work
+
+    cfg = _config()
+    cfg["stages"].append({**SFT_WARMUP, "opd": {"top_k": 16}, "steps": 20})  # both the defaults
+    check_before_work(parse_config(cfg))
+    cfg["stages"][1]["steps"] = 30
+    with pytest.raises(UsageError, match="`steps:` is not read by sft stages"):
+        check_before_work(parse_config(cfg))
+    check_before_work(parse_config(cfg), resume=True)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_and_the_config_yaml_its_run_writes_pass_the_checks(path, monkeypatch):
+    from opd_sao.config import load_config
+    from opd_sao.pipeline import check_before_work
+
+    monkeypatch.chdir(ROOT)  # the configs' data paths are relative to the repository root
+    cfg = load_config(path)
+    check_before_work(cfg)
+    check_before_work(parse_config(cfg.model_dump(mode="json")))  # every field written out, as in a run's config.yaml
+
+
+def test_every_built_in_stage_in_the_docs_yaml_sets_only_sections_its_kind_reads():
+    """The README's and docs' YAML blocks are often fragments (a plugin file, a teacher directory elsewhere): each
+    stage in them is checked alone."""
+    import re
+
+    import yaml
+
+    from opd_sao.config import StageConfig
+    from opd_sao.stages import STAGES
+
+    def stages_in(node):
+        if isinstance(node, dict):
+            if node.get("kind") in ("sft", "reasoning", "agent", "chat", "opd") and "name" in node:
+                yield node
+            for value in node.values():
+                yield from stages_in(value)
+        elif isinstance(node, list):
+            for item in node:
+                yield from stages_in(item)
+
+    checked = 0
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"```yaml\n(.*?)```", doc.read_text(), re.S):
+            for stage in stages_in(yaml.safe_load(block)):
+                STAGES.get(stage["kind"]).check_sections(StageConfig.model_validate(stage))
+                checked += 1
+    assert checked >= 10, checked
 
 
 def test_optimizer_settings_reach_both_optimizers_and_bad_betas_are_refused(tiny_model_dir):
