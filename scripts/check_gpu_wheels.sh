@@ -14,13 +14,15 @@
 # Such a Python, e.g. from pyenv's CPython 3.12 (PyPI's manylinux torch is the CUDA build):
 #   python3.12 -m venv /tmp/py312/venv && /tmp/py312/venv/bin/pip install torch==2.14.1
 set -euo pipefail
+PYTHON=$(command -v "${1:?usage: scripts/check_gpu_wheels.sh PYTHON [DIR]}") || { echo "check_gpu_wheels: no $1" >&2; exit 1; }
+[[ $PYTHON == /* ]] || PYTHON=$PWD/$PYTHON  # as given, from here (not resolved: a venv's python is a link)
+DIR=${2:-}
+[[ -z $DIR || $DIR == /* ]] || DIR=$PWD/$DIR
 cd "$(dirname "$0")/.."
-PYTHON=${1:?usage: scripts/check_gpu_wheels.sh PYTHON [DIR]}
-PYTHON=$(command -v "$PYTHON")
 version=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 torch=$("$PYTHON" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)' 2>/dev/null) \
   || { echo "check_gpu_wheels: $PYTHON has no torch" >&2; exit 1; }
-DIR=${2:-build/gpu_wheels-$version}
+DIR=${DIR:-build/gpu_wheels-$version}
 echo "check_gpu_wheels: $PYTHON (CPython $version), torch $torch"
 if ! ls "$DIR"/*.whl >/dev/null 2>&1; then
   scripts/gpu_wheels.sh "$DIR" "$version" 2> >(grep -v "is ignored: it is neither" >&2)
