@@ -44,7 +44,8 @@ STAGES="reasoning agent chat opd"
 
 if [ -n "$WHEELS" ]; then  # offline: the dependencies from a wheel directory, beside the Python's own torch
   PYTHON=${PYTHON:-python3}
-  "$PYTHON" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 4))' \
+  # (-W: torch warns that numpy is missing, which it is until the wheels are in)
+  "$PYTHON" -W ignore::UserWarning -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 4))' \
     || { echo "gpu_check: $PYTHON has no torch 2.4 or newer (the wheel directory holds every dependency but torch)" >&2; exit 2; }
   ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "gpu_check: no wheels in $WHEELS (make them with scripts/gpu_wheels.sh)" >&2; exit 2; }
   rm -rf "$WORK/site"
@@ -52,7 +53,9 @@ if [ -n "$WHEELS" ]; then  # offline: the dependencies from a wheel directory, b
   "$PYTHON" -m pip install -q --disable-pip-version-check --no-index --find-links "$WHEELS" --no-deps \
     --target "$WORK/site" "$WHEELS"/*.whl || { echo "gpu_check: installing $WHEELS into $WORK/site failed" >&2; exit 2; }
   export PYTHONPATH=$PWD/$WORK/site${PYTHONPATH:+:$PYTHONPATH}
-  "$PYTHON" -c 'import opd_sao.pipeline, deepspeed' \
+  # the run's own imports: every stage kind (opd_sao.stages, mapped from this checkout by opd_sao/__init__.py),
+  # the teachers, the logit cache and the CLI
+  "$PYTHON" -c 'import opd_sao.cli, opd_sao.pipeline, opd_sao.stages, opd_sao.teachers, opd_sao.cache, deepspeed' \
     || { echo "gpu_check: opd-sao does not import with the wheels of $WHEELS" >&2; exit 2; }
   echo "gpu_check: $(ls "$WHEELS"/*.whl | wc -l) wheels installed into $WORK/site from $WHEELS (no network)"
 fi
