@@ -57,6 +57,19 @@ def test_the_wheel_installs_everything_under_opd_sao(wheel, tmp_path):
     assert all(path.startswith(str(target)) for path in out.stdout.split()), out.stdout
 
 
+def test_a_checkout_installed_nowhere_maps_its_folders_under_opd_sao():
+    """The offline GPU check's route: the checkout only on PYTHONPATH (no install, so no setuptools finder: `-S`
+    skips site-packages' .pth files, the dependencies come in through PYTHONPATH). opd_sao.stages, .teachers and
+    .cache are still the checkout's folders (opd_sao/__init__.py); before, `opd_sao.stages` was not found."""
+    site = next(p for p in sys.path if p.endswith("site-packages"))
+    probe = ("import json, opd_sao.stages, opd_sao.teachers, opd_sao.cache, opd_sao.cli, sys; "
+             "print(json.dumps([sys.modules['opd_sao.' + m].__file__ for m in %r]))" % (MOVED,))
+    out = subprocess.run([sys.executable, "-S", "-c", probe], cwd="/", capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{site}"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [str(ROOT / m / "__init__.py") for m in MOVED]
+
+
 def test_importing_the_whole_package_puts_no_stages_teachers_or_cache_on_sys_modules():
     """Every module of opd_sao (opd_sao.cli, the stages, teachers and cache included) imported in a fresh
     interpreter: no top-level `stages`, `teachers` or `cache` module appears (`cache` collides with other
