@@ -20,7 +20,7 @@ from ..http import SGLangClient
 
 # the dtypes a weight may travel in (the served model casts to its own); others (float64, integers, bool,
 # complex) are refused rather than silently cast
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GROUP_TIMEOUT_S = 60.0  # a weight update group not formed in this time fails instead of hanging
 BUCKET_BYTES = 256 << 20  # tensors travel in buckets of at most this many bytes (one tensor may exceed it)
 
@@ -131,10 +131,10 @@ def check_incoming(target: WeightTarget, shapes: dict[str, tuple], dtypes: dict[
     if wrong:
         raise WeightSyncRefused(f"{source}: {wrong[0]!r} has shape {list(shapes[wrong[0]])}, the served model's is "
                                 f"{list(expected[wrong[0]][0])}")
-    bad = [k for k in dtypes if dtypes[k] not in DTYPES.values()]
+    bad = [k for k in dtypes if dtypes[k] not in WIRE_DTYPES.values()]
     if bad:
         raise WeightSyncRefused(f"{source}: {bad[0]!r} is {dtype_name(dtypes[bad[0]])}; weights travel as one of "
-                                f"{sorted(DTYPES)}")
+                                f"{sorted(WIRE_DTYPES)}")
 
 
 def check_finite(state: dict[str, torch.Tensor], source: str) -> None:

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from .base import (
-    DTYPES,
     WEIGHT_SYNCS,
+    WIRE_DTYPES,
     WeightSyncMode,
     WeightSyncRefused,
     buckets,
@@ -66,7 +66,7 @@ def receive(group, names: list[str], dtypes: list[str], shapes: list[list[int]],
             device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
     """Server side: the broadcast of one request's tensors from rank 0, as SGLang receives it (one flattened
     uint8 bucket, or one broadcast per tensor)."""
-    dtypes_ = [DTYPES[d] for d in dtypes]
+    dtypes_ = [WIRE_DTYPES[d] for d in dtypes]
     if load_format == "flattened_bucket":
         sizes = [torch.Size(s).numel() * d.itemsize for s, d in zip(shapes, dtypes_)]
         flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
@@ -216,14 +216,14 @@ class DistributedSync(WeightSyncMode):
             raise WeightSyncRefused("names, dtypes and shapes must be non-empty lists of one length")
         if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
             raise WeightSyncRefused("names must be distinct parameter names")
-        unknown = [d for d in dtypes if not isinstance(d, str) or d not in DTYPES]
+        unknown = [d for d in dtypes if not isinstance(d, str) or d not in WIRE_DTYPES]
         if unknown:
-            raise WeightSyncRefused(f"dtype {unknown[0]!r}: weights travel as one of {sorted(DTYPES)}")
+            raise WeightSyncRefused(f"dtype {unknown[0]!r}: weights travel as one of {sorted(WIRE_DTYPES)}")
         if not all(isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s)
                    for s in shapes):
             raise WeightSyncRefused("each shape must be a list of non-negative integers")
         # checked before receiving: a refused request must not consume the broadcast
-        check_incoming(target, dict(zip(names, shapes)), {n: DTYPES[d] for n, d in zip(names, dtypes)},
+        check_incoming(target, dict(zip(names, shapes)), {n: WIRE_DTYPES[d] for n, d in zip(names, dtypes)},
                        "names, dtypes and shapes")
         try:
             state = dict(self.receive(self.groups[name], names, dtypes, shapes, load_format))
