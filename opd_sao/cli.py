@@ -308,6 +308,19 @@ def _user_error(err: BaseException) -> bool:
     return isinstance(err, (OpdSaoError, ValidationError, FileNotFoundError))
 
 
+def _leave_the_launch(code: int) -> None:
+    """A rank of a torchrun launch ends here (rank 0 releasing the followers): process group destroyed and
+    `os._exit`, not interpreter teardown, where torch's and DeepSpeed's C++ threads can abort a finished run
+    ("terminate called without an active exception", exit -6 after "run finished")."""
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_initialized() or int(os.environ.get("RANK", "0")) > 0:
+            from .trainers.deepspeed_backend import shut_down
+
+            shut_down(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     # Nothing heavy (torch, transformers) is imported here: `opd-sao sandbox run` and `cache` stay fast.
     parser = build_parser()
@@ -324,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         # (a non-interactive `cmd &` inherits SIG_IGN, and Python then installs no KeyboardInterrupt handler)
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        return args.func(args)
+        code = args.func(args)
+        if args.command == "run" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            _leave_the_launch(code)
+        return code
     except Exception as err:
         from opd_sao.consistency.gate import GateFailure
 
