@@ -9,7 +9,13 @@ standard error of its score from the variance between a task's samples (the task
 sampling is noise): sqrt(sum_i s_i^2 / k) / n for n tasks of k samples, s_i^2 task i's sample variance; the
 same sum at k = 1 is the standard error of a one-sample-per-task evaluation.
 
-    python benchmarks/eval_spread.py RUN_DIR [--stage warmup] [--seeds 3] [--quick]
+With `--against STAGE`, each seed scores that stage's checkpoint too, on the same keyed draws (common random
+numbers: the evaluation keys every draw by seed, task, sample, turn and position), and reports the difference of the
+two scores: its spread over the seeds and its standard error from the per-episode differences, beside the standard
+error two independent evaluations would have (sqrt(se_a^2 + se_b^2)). The after-OPD / best-earlier criterion is such
+a difference.
+
+    python benchmarks/eval_spread.py RUN_DIR [--stage warmup] [--against STAGE] [--seeds 3] [--quick]
 
 `--quick`: one seed (the standard errors only). Prints one JSON object on its last line: per domain, the scores, their mean, standard
 deviation and range, the standard errors (at the run's k and at k = 1) and the seconds the evaluations took.
@@ -21,6 +27,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Optional
 
 from opd_sao.checkpoints import load_tokenizer
 from opd_sao.config import load_config
@@ -35,23 +42,36 @@ def standard_error(rewards: dict[str, list[float]], k: int) -> float:
     return (sum(variances) / k) ** 0.5 / len(variances)
 
 
-def spread(run_dir: Path, stage: str, seeds: list[int]) -> dict:
+def mean_reward(rewards: dict[str, list[float]]) -> float:
+    return round(statistics.fmean(r for per_task in rewards.values() for r in per_task), 4)
+
+
+def spread(run_dir: Path, stage: str, seeds: list[int], against: Optional[str] = None) -> dict:
     cfg = load_config(run_dir / "config.yaml")
     tokenizer = load_tokenizer(run_dir / "base_model")
-    checkpoint = run_dir / "stages" / stage / "checkpoint"
     out = {}
     for name in eval_domains(cfg):
         d = Domain(name, None, cfg.stages, cfg.device)
         if d.eval_cfg.samples_per_task < 2:
             raise SystemExit(f"{name}: eval.samples_per_task is 1; a task's sample variance needs at least 2")
-        start, scores, errors, errors_1 = time.perf_counter(), [], [], []
+
+        def score(of: str, seed: int) -> dict[str, list[float]]:
+            return episode_rewards(run_dir / "stages" / of / "checkpoint", d.factory, tokenizer, domain=name,
+                                   rollout=d.eval_rollout, eval_cfg=d.eval_cfg, seed=seed, device=cfg.engine_device,
+                                   attn_implementation=cfg.model.attn_implementation)
+
+        start, scores, errors, errors_1, diffs, paired, apart = time.perf_counter(), [], [], [], [], [], []
+        k = d.eval_cfg.samples_per_task
         for seed in seeds:
-            rewards = episode_rewards(checkpoint, d.factory, tokenizer, domain=name, rollout=d.eval_rollout,
-                                      eval_cfg=d.eval_cfg, seed=seed, device=cfg.engine_device,
-                                      attn_implementation=cfg.model.attn_implementation)
-            scores.append(round(statistics.fmean(r for per_task in rewards.values() for r in per_task), 4))
-            errors.append(standard_error(rewards, d.eval_cfg.samples_per_task))
+            rewards = score(stage, seed)
+            scores.append(mean_reward(rewards))
+            errors.append(standard_error(rewards, k))
             errors_1.append(standard_error(rewards, 1))
+            if against:
+                other = score(against, seed)
+                diffs.append(round(scores[-1] - mean_reward(other), 4))
+                paired.append(standard_error({t: [a - b for a, b in zip(r, other[t])] for t, r in rewards.items()}, k))
+                apart.append((errors[-1] ** 2 + standard_error(other, k) ** 2) ** 0.5)
         out[name] = {
             "tasks": len(rewards), "samples_per_task": d.eval_cfg.samples_per_task, "scores": scores,
             "mean": round(statistics.fmean(scores), 4),
@@ -59,6 +79,11 @@ def spread(run_dir: Path, stage: str, seeds: list[int]) -> dict:
             "range": round(max(scores) - min(scores), 4), "standard_error": round(statistics.fmean(errors), 4),
             "standard_error_one_sample": round(statistics.fmean(errors_1), 4),
             "wall_s": round(time.perf_counter() - start, 1)}
+        if against:
+            out[name]["difference"] = {
+                "against": against, "scores": diffs, "stdev": round(statistics.stdev(diffs), 4) if len(diffs) > 1
+                else None, "paired_standard_error": round(statistics.fmean(paired), 4),
+                "independent_standard_error": round(statistics.fmean(apart), 4)}
         print(name, out[name], flush=True)
     return out
 
@@ -67,12 +92,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--stage", default="warmup", help="whose checkpoint (a finished stage of the run)")
+    parser.add_argument("--against", help="a second stage, scored on the same draws: the difference's noise")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one seed")
     args = parser.parse_args()
     seeds = list(range(100, 100 + (1 if args.quick else args.seeds)))  # none of them a quickstart run's seed
-    print(json.dumps({"run_dir": str(args.run_dir), "stage": args.stage, "seeds": seeds,
-                      "domains": spread(args.run_dir, args.stage, seeds)}))
+    print(json.dumps({"run_dir": str(args.run_dir), "stage": args.stage, "against": args.against, "seeds": seeds,
+                      "domains": spread(args.run_dir, args.stage, seeds, args.against)}))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ One function computes a token's logprob, so engine and trainer agree by construc
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Iterator, Optional
 
 import torch
@@ -260,14 +261,41 @@ def nucleus_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: tor
     return logp - torch.logsumexp(logp, dim=-1, keepdim=True)
 
 
-def sample_tokens(logits, temperature, top_p, generator=None, top_k=None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                  torch.Tensor]:
+def sample_tokens(logits, temperature, top_p, generator=None, top_k=None, keys=None) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (ids [N], logprob of each id under the sampled distribution [N], its
-    logprob under softmax(logits/T) over the whole vocabulary [N], which SGLang reports as output_token_logprobs)."""
+    logprob under softmax(logits/T) over the whole vocabulary [N], which SGLang reports as output_token_logprobs).
+
+    `keys`: per row None (drawn from `generator`) or (sampling_seed, position): that row is drawn by `keyed_choice`.
+    """
     logp = nucleus_logprobs(logits, temperature, top_p, top_k)
-    ids = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    keyed = [i for i, key in enumerate(keys or ()) if key is not None]
+    if len(keyed) < logp.shape[0]:
+        ids = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    else:
+        ids = torch.empty(logp.shape[0], dtype=torch.long, device=logp.device)
+    if keyed:
+        rows = torch.tensor(keyed, device=logp.device)
+        ids[rows] = keyed_choice(logp[rows], [keys[i] for i in keyed])
     vocab = torch.log_softmax(logits.float() / temperature.unsqueeze(-1), dim=-1)
     return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1), vocab.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+def keyed_choice(logp: torch.Tensor, keys: list[tuple[int, int]]) -> torch.Tensor:
+    """One draw per row from exp(logp) [N, V] by the Gumbel-max trick, the row's noise a function of its
+    (seed, position) key alone (as SGLang's sampling_seed): the draw does not depend on the batch, and two
+    distributions at total variation distance d draw the same token with the same key with probability at least
+    (1 - d) / (1 + d) (common random numbers). The noise is made on the CPU: a key draws alike on any device."""
+    noise = torch.stack([torch.rand(logp.shape[-1], dtype=torch.float64, generator=torch.Generator().manual_seed(
+        seed_of(seed, position))) for seed, position in keys]).to(logp.device)
+    gumbel = -torch.log(-torch.log(noise.clamp(min=1e-300, max=1.0 - 2.0 ** -53)))
+    return (logp.double() + gumbel).argmax(-1)
+
+
+def seed_of(*parts) -> int:
+    """A 63-bit seed from ints and strings (an evaluation's run seed, an episode's id and turn; a seed and a
+    position): distinct for distinct tuples with overwhelming probability, the same on every machine."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
 
 
 # ----------------------------------------------------------------------------

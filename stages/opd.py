@@ -7,8 +7,9 @@ the logit cache (`teachers.TeacherTargets`); `opd_sao.rl.distill.OPDLearner` tra
 
 The stage finishes the job rather than a step count: every `opd.probe_every` policy steps (and at the start)
 the student is exported and each domain's held-out split scored (as the pipeline scores it, with another
-sampling seed), against its teacher's score (the pipeline's own seed: the score `checkpoint: best` chose it
-by). Each domain's share of the next rollouts follows its gap to its teacher (`rl.distill.DomainSchedule`);
+sampling seed, so the final evaluation's draws stay unseen), against its teacher's score with that same seed: both
+on the same keyed draws (common random numbers, opd_sao.runs.evaluation), so the gap is the policies', not the
+sampling's. Each domain's share of the next rollouts follows its gap to its teacher (`rl.distill.DomainSchedule`);
 a domain within `opd.target` of its teacher draws only `opd.min_share` (every domain gets that floor), and the stage ends when every domain is there, or
 after `steps` (the budget). The probes, shares and rollouts per domain go to summary.json (`schedule`) and
 the report.
@@ -155,7 +156,8 @@ class OPDStage(Stage):
             if every and (steps_done % every == 0 or not schedule.probes):
                 student = backend.export_policy(self.dir / "probe_checkpoint", tok)
                 scores = {name: self._score(student, d, PROBE_SEED_OFFSET, cached=False) for name, d in domains.items()}
-                teachers = {name: self._score(registry.teacher_for(name).checkpoint, d) for name, d in domains.items()}
+                teachers = {name: self._score(registry.teacher_for(name).checkpoint, d, PROBE_SEED_OFFSET)
+                            for name, d in domains.items()}
                 schedule.update(steps_done, scores, teachers)
             return schedule.done
 

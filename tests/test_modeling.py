@@ -150,3 +150,32 @@ def test_top_k_and_top_p_cut_the_support_as_sglang_then_renormalise():
                                        torch.tensor([1, 1, 1, 1]))
     assert ids.tolist() == [0, 0, 0, 0] and torch.allclose(sampled, torch.zeros(4))  # greedy: its own support
     assert torch.allclose(vocab, torch.log_softmax(logits / 0.5, -1)[:, 0])  # over the whole vocabulary, at T
+
+
+def test_keyed_draws_follow_the_distribution_ignore_the_batch_and_couple_close_policies():
+    """Keyed sampling (SGLang's sampling_seed): p = softmax([2, 1, 0, -inf]) = [0.665, 0.245, 0.090, 0]; 6000 keys
+    draw each token at its probability (within 4 standard errors), never the cut one; a key draws the same token
+    alone or beside other rows, keyed or not; q = softmax([2, 1, 0.4, -inf]) = [0.637, 0.234, 0.129, 0] is at
+    total variation distance d = 0.039 from p, and the same keys draw the same token from both at a rate of at
+    least (1 - d) / (1 + d) = 0.926 (independent draws would agree at sum p q = 0.49)."""
+    from opd_sao.modeling import keyed_choice, sample_tokens
+
+    inf = float("-inf")
+    p = torch.log_softmax(torch.tensor([2.0, 1.0, 0.0, inf]), -1)
+    q = torch.log_softmax(torch.tensor([2.0, 1.0, 0.4, inf]), -1)
+    keys = [(seed, 7) for seed in range(6000)]
+    draws = keyed_choice(p.expand(len(keys), 4), keys)
+    freq = torch.bincount(draws, minlength=4).double() / len(keys)
+    want = p.exp().double()
+    assert freq[3] == 0 and ((freq - want).abs() <= 4 * (want * (1 - want) / len(keys)).sqrt() + 1e-12).all(), freq
+    d = 0.5 * (p.exp() - q.exp()).abs().sum().item()
+    same = (keyed_choice(q.expand(len(keys), 4), keys) == draws).double().mean().item()
+    assert abs(d - 0.0386) < 0.0005 and same >= (1 - d) / (1 + d) - 0.01, same
+    assert not torch.equal(keyed_choice(p.expand(200, 4), [(s, 8) for s in range(200)]), draws[:200])  # position
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 3 + [[0.0, 0.0, 3.0, 0.0]])
+    one = torch.ones(4)
+    alone = sample_tokens(logits[:1], one[:1], one[:1], keys=[(11, 0)])[0]
+    for other in ([None, (5, 0), None, None], [None, None, None, (11, 0)]):
+        batch = sample_tokens(logits, one, one, torch.Generator().manual_seed(1), keys=[(11, 0)] + other[1:])[0]
+        assert batch[0] == alone[0]

@@ -217,6 +217,19 @@ def test_top_k_samples_among_the_k_best(server, model, prompt):
     assert torch.allclose(sampled, expected, atol=1e-4)
 
 
+def test_a_sampling_seed_fixes_the_draws_whatever_else_is_in_the_batch(server, prompt):
+    """SGLang's sampling_seed (honoured there under --enable-deterministic-inference): the same seed gives the same
+    tokens alone or in a batch with other prompts; another seed gives others (8 tokens of 4 answers at T 1.5)."""
+    params = {"max_new_tokens": 8, "temperature": 1.5, "ignore_eos": True}
+    alone = _post(server, "/generate", {"input_ids": prompt, "sampling_params": {**params, "sampling_seed": 3}}).json()
+    batch = _post(server, "/generate", {"input_ids": [prompt[1:], prompt, prompt, prompt[:-1]], "sampling_params": [
+        {**params, "sampling_seed": s} for s in (9, 3, 4, 5)]}).json()
+    assert batch[1]["output_ids"] == alone["output_ids"]
+    assert any(b["output_ids"] != alone["output_ids"] for b in batch[2:])
+    bad = _post(server, "/generate", {"input_ids": prompt, "sampling_params": {"sampling_seed": 2 ** 63}})
+    assert bad.status_code == 400 and "sampling_seed" in _strict_json(bad)["error"]["message"]
+
+
 def test_stop_token_ids_and_stop_strings_end_the_output(chat_server, chat_model, tokenizer):
     """A prompt whose greedy continuation (found with the model here) has a new, plain-text token at a
     position >= 2: it stops the output as a stop token id, then as a stop string."""

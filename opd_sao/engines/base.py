@@ -16,6 +16,9 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks force response lengths with it (stop_token_ids are ignored too, as SGLang)
     top_k: int = -1  # sample among the k most likely tokens only (-1: all); 1 is greedy
     stop_token_ids: tuple[int, ...] = ()  # end the sequence like eos does (finish "stop")
+    # SGLang's sampling_seed: the i-th token's draw depends only on (seed, i), not on the batch the request shares,
+    # so two checkpoints evaluated with the same seeds see common random numbers (None: the engine's own stream)
+    sampling_seed: Optional[int] = None
 
 
 @dataclass

@@ -124,7 +124,9 @@ class EmbeddedEngine(RolloutEngine):
         temperature = torch.tensor([s.request.params.temperature for s in active], device=self.device)
         top_p = torch.tensor([s.request.params.top_p for s in active], device=self.device)
         top_k = torch.tensor([s.request.params.top_k for s in active], device=self.device)
-        ids, logps, vocab_logps = sample_tokens(logits, temperature, top_p, self.generator, top_k)
+        keys = [None if s.request.params.sampling_seed is None else (s.request.params.sampling_seed, len(s.token_ids))
+                for s in active]
+        ids, logps, vocab_logps = sample_tokens(logits, temperature, top_p, self.generator, top_k, keys)
         self.tokens_generated += len(active)
         for seq, token, logp, vocab_logp in zip(active, ids.tolist(), logps.tolist(), vocab_logps.tolist()):
             params = seq.request.params

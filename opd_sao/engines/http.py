@@ -202,6 +202,8 @@ class SGLangClient:
                    "sampling_params": {"temperature": params.temperature, "top_p": params.top_p,
                                        "max_new_tokens": params.max_new_tokens, "ignore_eos": params.ignore_eos},
                    "return_logprob": True}
+        if params.sampling_seed is not None:  # SGLang honours it under --enable-deterministic-inference
+            payload["sampling_params"]["sampling_seed"] = params.sampling_seed
         if nucleus:
             payload["return_sampling_mask"] = True
         meta = self._call("POST", "/generate", payload).json()["meta_info"]

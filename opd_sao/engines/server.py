@@ -105,6 +105,7 @@ class SamplingParamsInput(_Strict):
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
+    sampling_seed: Optional[int] = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1)  # the draws depend on it alone
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
@@ -601,7 +602,7 @@ class RolloutServer:
         if any(not 0 <= t < self.vocab_size for t in stop_ids):
             raise BadRequest(f"sampling_params.stop_token_ids must be in [0, {self.vocab_size})")
         return SamplingParams(temperature, 1.0 if sp.top_p is None else sp.top_p, max_new_tokens, sp.ignore_eos,
-                              top_k, stop_ids)
+                              top_k, stop_ids, sp.sampling_seed)
 
     def _check_length(self, ids: list[int], max_new_tokens: int) -> None:
         """The prompt and every token to generate must fit the model's positions."""

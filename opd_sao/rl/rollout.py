@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Callable, Iterator, Optional
 
 from opd_sao.checkpoints import PromptFormat
@@ -23,6 +24,7 @@ from opd_sao.engines.base import (
     RolloutEngine,
     SamplingParams,
 )
+from opd_sao.modeling import seed_of
 from opd_sao.rl.compaction import Compaction, next_segment, propagate_returns
 from opd_sao.trajectory import Trajectory
 
@@ -56,14 +58,18 @@ def check_prompts(env_factory, tasks: list[dict], tokenizer, rollout, *, domain:
 
 
 def episodes_for(env_factory, task: dict, tokenizer, rollout, *, domain: str, count: int = 1, group: int = -1,
-                 temperature: Optional[float] = None, traj_ids: Optional[list[str]] = None) -> list["Episode"]:
+                 temperature: Optional[float] = None, traj_ids: Optional[list[str]] = None,
+                 sampling_seed: Optional[int] = None) -> list["Episode"]:
     """The `count` episodes of one task as every caller plays them (training, OPD, evaluation, gate probes):
     the rollout config's sampling, episode lengths, compaction and prompt format; `temperature` overrides the
-    sampling one."""
+    sampling one. With `sampling_seed` (evaluation) the i-th episode's draws are keyed by (seed, domain, task, i)
+    alone: the same for any checkpoint, batch or engine load."""
     params = SamplingParams(rollout.temperature if temperature is None else temperature, rollout.top_p,
                             rollout.max_new_tokens)
     compaction, prompt_format = Compaction.from_rollout(rollout), PromptFormat.from_rollout(tokenizer, rollout)
-    return [Episode(env_factory(), task, tokenizer, params, domain=domain, max_turns=rollout.max_turns,
+    keyed = [params if sampling_seed is None else replace(params, sampling_seed=seed_of(
+        sampling_seed, domain, str(task["id"]), i)) for i in range(count)]
+    return [Episode(env_factory(), task, tokenizer, keyed[i], domain=domain, max_turns=rollout.max_turns,
                     max_context_tokens=rollout.max_context_tokens, group=group, compaction=compaction,
                     traj_id=traj_ids[i] if traj_ids else None, prompt_format=prompt_format)
             for i in range(count)]
@@ -93,8 +99,11 @@ class Episode:
     def request(self) -> GenerationRequest:
         ids = self.traj.prompt_ids + self.traj.token_ids
         room = self.max_context_tokens - len(ids)
+        seed = self.params.sampling_seed  # one key per request: the segment, the turn, a summary or an action
         params = SamplingParams(self.params.temperature, self.params.top_p,
-                                max(1, min(self.params.max_new_tokens, room)), self.params.ignore_eos)
+                                max(1, min(self.params.max_new_tokens, room)), self.params.ignore_eos,
+                                sampling_seed=None if seed is None else seed_of(
+                                    seed, len(self.segments), self.turns, self._summarising is not None))
         return GenerationRequest(ids, params, tag=self, est_tokens=params.max_new_tokens)
 
     def on_result(self, result: GenerationResult) -> bool:
