@@ -285,11 +285,25 @@ def keyed_choice(logp: torch.Tensor, keys: list[tuple[int, int]]) -> torch.Tenso
     """One draw per row from exp(logp) [N, V] by the Gumbel-max trick, the row's noise a function of its
     (seed, position) key alone (as SGLang's sampling_seed): the draw does not depend on the batch, and two
     distributions at total variation distance d draw the same token with the same key with probability at least
-    (1 - d) / (1 + d) (common random numbers). The noise is made on the CPU: a key draws alike on any device."""
-    noise = torch.stack([torch.rand(logp.shape[-1], dtype=torch.float64, generator=torch.Generator().manual_seed(
-        seed_of(seed, position))) for seed, position in keys]).to(logp.device)
-    gumbel = -torch.log(-torch.log(noise.clamp(min=1e-300, max=1.0 - 2.0 ** -53)))
-    return (logp.double() + gumbel).argmax(-1)
+    (1 - d) / (1 + d) (common random numbers). The noise is integer hashing on logp's device (no host loop, no
+    transfer at a real vocabulary), the same bits on any device."""
+    seeds = torch.tensor([seed_of(seed) for seed, _ in keys], dtype=torch.long, device=logp.device)
+    positions = torch.tensor([position for _, position in keys], dtype=torch.long, device=logp.device)
+    columns = torch.arange(logp.shape[-1], dtype=torch.long, device=logp.device)
+    bits = _splitmix(_splitmix(seeds ^ _splitmix(positions))[:, None] ^ columns[None, :])
+    uniform = ((bits >> 11) & ((1 << 53) - 1)).double().add_(0.5).mul_(2.0 ** -53)  # in (0, 1), never 0 or 1
+    return (logp.double() - torch.log(-torch.log(uniform))).argmax(-1)
+
+
+_MIX = (0x9E3779B97F4A7C15 - 2 ** 64, 0xBF58476D1CE4E5B9 - 2 ** 64, 0x94D049BB133111EB - 2 ** 64)  # as int64
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 tensors (wrapping arithmetic; logical shifts by masking the sign's copies)."""
+    x = x + _MIX[0]
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _MIX[1]
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _MIX[2]
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
 def seed_of(*parts) -> int:
