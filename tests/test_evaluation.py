@@ -37,7 +37,8 @@ def test_close_checkpoints_draw_alike_on_the_same_seed(tiny_model_dir, tmp_path)
     """Every draw is keyed by (seed, task, sample, turn, position): a checkpoint a little off the first (every weight
     moved by 1% of noise) earns the same reward on most episodes under the same seed, and on far fewer under another
     seed, so the difference of two scores measures the checkpoints rather than the draws (what the OPD probes and the
-    after / best-earlier ratio compare)."""
+    after / best-earlier ratio compare). Margin, over six perturbation seeds: 0.988-0.994 of the episodes agree under
+    the same seed, 0.700-0.725 under another (thresholds 0.9 and a 0.15 gap); no model is trained."""
     tok = load_tokenizer(tiny_model_dir)
     torch.manual_seed(0)
     model = load_causal_lm(tiny_model_dir)
