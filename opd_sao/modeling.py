@@ -307,8 +307,9 @@ def _splitmix(x: torch.Tensor) -> torch.Tensor:
 
 
 def seed_of(*parts) -> int:
-    """A 63-bit seed from ints and strings (an evaluation's run seed, an episode's id and turn; a seed and a
-    position): distinct for distinct tuples with overwhelming probability, the same on every machine."""
+    """A 63-bit seed from ints and strings (an evaluation episode's: run seed, domain, task, sample; a request's:
+    the episode's seed, segment, turn): distinct for distinct tuples with overwhelming probability, the same on
+    every machine."""
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
 
 
