@@ -18,6 +18,7 @@ import binascii
 import dataclasses
 import importlib.util
 import io
+import os
 import pickle
 import sys
 import types
@@ -170,6 +171,11 @@ def join_and_receive(port: int, world: int, rank: int, names, dtypes, shapes, ou
         world_size=world, rank=rank, group_name="opd-sao-test")
     got = receive_weights_from_distributed(group, names, dtypes, shapes, "flattened_bucket")
     torch.save({n: t.clone() for n, t in got}, out / f"rank{rank}.pt")
+    # end here, as deepspeed_backend.shut_down ends a rank: gloo's threads can abort a finished process in interpreter
+    # teardown ("terminate called without an active exception", exit -6; 1 of 5 fresh-clone runs), which a real
+    # SGLang rank, living on, never meets
+    torch.distributed.destroy_process_group(group)
+    os._exit(0)
 
 
 @lru_cache(None)
