@@ -150,6 +150,36 @@ def _io_struct() -> dict:
                       utils.msgspec_struct_pydantic_core_schema, **_typing()})
 
 
+@lru_cache(None)
+def _sampling_params_class():
+    """sglang/srt/sampling/sampling_params.py, whole, with its one import that needs the package (watermarking,
+    which these tests never ask for) stubbed while it loads."""
+    name = "sglang.srt.sampling.watermarking.core"
+    stub = types.ModuleType(name)
+    stub.WatermarkRequestConfig, stub.normalize_watermark_request = dict, lambda watermark: watermark
+    saved = sys.modules.get(name)
+    sys.modules[name] = stub
+    try:
+        spec = importlib.util.spec_from_file_location("sglang_code_sampling_params",
+                                                      _root() / "srt/sampling/sampling_params.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if saved is None:
+            sys.modules.pop(name)
+        else:
+            sys.modules[name] = saved
+    return module.SamplingParams
+
+
+def verify_sampling_params(params: dict, vocab_size: int):
+    """`params` as SGLang's scheduler takes a request's sampling_params: its SamplingParams, verified (ValueError if
+    refused, e.g. a sampling_seed outside [-2**63, 2**63 - 1])."""
+    sampling = _sampling_params_class()(**params)
+    sampling.verify(vocab_size)
+    return sampling
+
+
 def validate_request(name: str, body: dict):
     """`body` as SGLang's FastAPI app parses it into request model `name` (pydantic; ValueError if refused)."""
     import pydantic

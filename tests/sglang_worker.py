@@ -7,7 +7,8 @@ plugged in where it runs on a CPU (tests/sglang_code.py loads it from the instal
   /update_weights_from_distributed receives through SGLang's model runner (`receive_weights_from_distributed`,
   its `FlattenedTensorBucket`);
 - every weight call's body is parsed by SGLang's request model first (as its FastAPI app does), and every
-  /generate body by its `GenerateReqInput`: a field SGLang would refuse fails the call (HTTP 500).
+  /generate body by its `GenerateReqInput` and every sampling_params by its `SamplingParams.verify`: a field
+  SGLang would refuse fails the call (HTTP 500).
 
 Usage: python tests/sglang_worker.py CHECKPOINT --port PORT [opd-sao serve options]
 """
@@ -55,6 +56,9 @@ def plug_in_sglang() -> None:
     def checked_generate(self, body, *args, **kwargs):
         if isinstance(body, dict):
             sglang_code.validate_request("GenerateReqInput", body)
+            params = body.get("sampling_params") or {}
+            for one in params if isinstance(params, list) else [params]:
+                sglang_code.verify_sampling_params(one, self.vocab_size)
         return generate(self, body, *args, **kwargs)
 
     server.RolloutServer.generate = checked_generate

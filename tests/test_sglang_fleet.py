@@ -282,3 +282,34 @@ def test_the_workers_run_sglangs_request_models(sglang_workers):
     answer = requests.post(sglang_workers[0] + "/update_weights_from_tensor", timeout=60,
                            json={"serialized_named_tensors": ["eA=="], "selector": "everything"})
     assert answer.status_code >= 400 and "selector" in answer.text and "session" not in answer.text, answer.text
+
+
+def test_a_keyed_request_passes_sglangs_sampling_params_and_draws_as_the_embedded_engine(tiny_model_dir, tokenizer,
+                                                                                         tmp_path):
+    """The client's sampling_seed (evaluation's keyed draws) reaches a worker through SGLang's GenerateReqInput and
+    SamplingParams.verify, and the worker draws the tokens the embedded engine draws for the same key; SGLang's
+    verify refuses a seed outside int64, as serve does."""
+    from opd_sao.checkpoints import load_causal_lm
+    from opd_sao.engines.base import GenerationRequest, SamplingParams
+    from opd_sao.engines.embedded import EmbeddedEngine
+    from opd_sao.engines.http import SGLangClient
+
+    prompt = tokenizer("12+7=")["input_ids"]
+    params = SamplingParams(1.5, 1.0, 8, ignore_eos=True, sampling_seed=77)
+    port = free_port()
+    with open(tmp_path / "worker.log", "w") as log:  # at policy version 0, as the client expects before any sync
+        proc = subprocess.Popen([sys.executable, str(WORKER), str(tiny_model_dir), "--port", str(port), "--threads",
+                                 "1", "--seed", "3", "--weight-version", "0"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=180)
+        served = SGLangClient(url, timeout=60.0).generate(GenerationRequest(prompt, params))
+    finally:
+        proc.kill()
+        proc.wait()
+    engine = EmbeddedEngine(load_causal_lm(tiny_model_dir), eos_id=tokenizer.eos_token_id,
+                            pad_id=tokenizer.pad_token_id, seed=5)
+    local = engine.generate_all([GenerationRequest(prompt, params)])[0]
+    assert served.token_ids == local.token_ids and len(served.token_ids) == 8
+    with pytest.raises(ValueError, match="sampling_seed"):
+        sglang_code.verify_sampling_params({"sampling_seed": 2 ** 63}, 384)
