@@ -58,7 +58,7 @@ def run_config(start: Path, algo: str, steps: int, batch: int, seed: int):
                     "critic_warmup_steps": 5, "train_batch_size": batch, "grad_clip": SETTINGS["grad_clip"]},
         "stages": [{"name": "rl", "kind": "reasoning", "env": "arithmetic", "steps": steps,
                     "env_options": {"max_operand": SETTINGS["max_operand"]},
-                    "sao": {"ppo_clip": SETTINGS["ratio_clip"]},
+                    "rl": {"ppo_clip": SETTINGS["ratio_clip"]},
                     "rollout": {"temperature": SETTINGS["temperature"], "max_new_tokens": SETTINGS["max_new_tokens"],
                                 "max_staleness": 2}}]})
 
@@ -91,7 +91,7 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     env_factory = lambda: ENVIRONMENTS.get("arithmetic")(**stage.env_options)
     backend = build_backend(trainer_cfg, start, with_critic=needs_critic(algo), total_steps=steps)
     engine = build_engine(run.engine, start, tok, seed=seed, device=run.device)
-    learner = Learner(backend, algo, stage.sao, critic_steps=trainer_cfg.critic_steps,
+    learner = Learner(backend, algo, stage.rl, critic_steps=trainer_cfg.critic_steps,
                       critic_warmup_steps=trainer_cfg.critic_warmup_steps)
     tasks = sample_tasks(env_factory().make_tasks("train", TRAIN_TASK_POOL, seed), seed)
     groups = itertools.count()
@@ -103,7 +103,7 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     gate = ConsistencyGate(stage.gate, stage="rl", out_dir=out, engine=engine, backend=backend,
                            make_probe=lambda: probe_episodes(env_factory, tok, stage.rollout, domain="arithmetic",
                                                              n=stage.gate.probe_size, seed=seed),
-                           eps_low=stage.sao.eps_low, eps_high=stage.sao.eps_high, deterministic=False,
+                           eps_low=stage.rl.eps_low, eps_high=stage.rl.eps_high, deterministic=False,
                            pad_id=tok.pad_token_id)
     state = StageState(out)
 

@@ -269,19 +269,23 @@ def skip_observation_gae(
         else:
             lam = torch.full((B,), float(lam), device=values.device, dtype=values.dtype)
 
-        advantages = torch.zeros_like(values)
-        next_value = torch.zeros(B, device=values.device, dtype=values.dtype)
-        next_adv = torch.zeros_like(next_value)
+        # V(next action token after t), 0 past the last: the first action index > t, T (a zero column) if none
+        pos = torch.arange(T, device=values.device).expand(B, T)
+        at_or_after = torch.where(mask, pos, torch.full_like(pos, T)).flip(1).cummin(dim=1).values.flip(1)
+        after = torch.cat([at_or_after[:, 1:], torch.full_like(at_or_after[:, :1], T)], dim=1)
+        next_value = torch.cat([values, torch.zeros_like(values[:, :1])], dim=1).gather(1, after)
+        deltas = rewards + gamma * next_value - values
+        # the recursion alone runs over time; observation tokens pass the next action token's advantage through
+        discount = gamma * lam
+        adv = torch.zeros_like(values)
+        next_adv = torch.zeros(B, device=values.device, dtype=values.dtype)
         for t in reversed(range(T)):
-            is_action = mask[:, t]
-            delta = rewards[:, t] + gamma * next_value - values[:, t]
-            adv = delta + gamma * lam * next_adv
-            advantages[:, t] = torch.where(is_action, adv, torch.zeros_like(adv))
-            # observation tokens pass the next action token's value/advantage through
-            next_value = torch.where(is_action, values[:, t], next_value)
-            next_adv = torch.where(is_action, adv, next_adv)
+            adv[:, t] = deltas[:, t] + discount * next_adv
+            next_adv = torch.where(mask[:, t], adv[:, t], next_adv)
 
-        returns = torch.where(mask, advantages + values, torch.zeros_like(values))
+        zero = torch.zeros_like(values)
+        advantages = torch.where(mask, adv, zero)
+        returns = torch.where(mask, advantages + values, zero)
     return advantages, returns
 
 
@@ -796,9 +800,11 @@ def sao_advantages(x: AdvantageInputs, rl) -> tuple[torch.Tensor, torch.Tensor]:
     """Skip-observation GAE with the length-adaptive lambda (rl.alpha) for the policy; the critic's targets at
     lambda 1."""
     lam = length_adaptive_lambda(_as_bool(x.action_mask).sum(-1), rl.alpha)
-    advantages, _ = skip_observation_gae(x.rewards, x.values, x.action_mask, rl.gamma, lam)
-    _, returns = skip_observation_gae(x.rewards, x.values, x.action_mask, rl.gamma, 1.0)
-    return advantages, returns
+    # one recursion over both lambdas, the batch stacked twice (rows are independent: the same numbers)
+    B = len(lam)
+    advantages, returns = skip_observation_gae(*(torch.cat([t, t]) for t in (x.rewards, x.values, x.action_mask)),
+                                               rl.gamma, torch.cat([lam, torch.ones_like(lam)]))
+    return advantages[:B], returns[B:]
 
 
 @register_advantage("gae", critic=True)

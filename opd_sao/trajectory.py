@@ -106,24 +106,28 @@ _BATCH_TENSORS = ("input_ids", "attention_mask", "action_mask", "rollout_logp", 
 
 
 def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
+    """Right-padded [B, T] tensors, each built in one call from padded rows (a tensor copy per row and field cost
+    more than the rest of a small model's learner step)."""
     if not trajectories:
         raise ValueError("cannot collate an empty list of trajectories")
-    seqs = [t.prompt_ids + t.token_ids for t in trajectories]
-    width = max(len(s) for s in seqs)
-    B = len(seqs)
-    input_ids = torch.full((B, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, width), dtype=torch.long)
-    action = torch.zeros((B, width))
-    rollout_logp = torch.zeros((B, width))
-    rewards = torch.zeros((B, width))
-    versions = torch.full((B, width), -1, dtype=torch.long)
-    for i, (t, seq) in enumerate(zip(trajectories, seqs)):
-        p, n = len(t.prompt_ids), len(seq)
-        input_ids[i, :n] = torch.tensor(seq)
-        attention[i, :n] = 1
-        if t.token_ids:
-            action[i, p:n] = torch.tensor(t.action_mask, dtype=torch.float)
-            rollout_logp[i, p:n] = torch.tensor(t.rollout_logp)
-            rewards[i, p:n] = torch.tensor(t.rewards)
-            versions[i, p:n] = torch.tensor(t.versions)
+    width = max(len(t.prompt_ids) + len(t.token_ids) for t in trajectories)
+
+    def rows(full_row, fill, dtype):
+        """`full_row(t)`: the row over prompt + response, right-padded with `fill` to the batch's width."""
+        out = []
+        for t in trajectories:
+            row = full_row(t)
+            out.append(row + [fill] * (width - len(row)))
+        return torch.tensor(out, dtype=dtype)
+
+    def response(name, outside, dtype):  # a per-response-token field; `outside` on the prompt and the padding
+        return rows(lambda t: [outside] * len(t.prompt_ids) + getattr(t, name), outside, dtype)
+
+    real = torch.get_default_dtype()
+    input_ids = rows(lambda t: t.prompt_ids + t.token_ids, pad_id, torch.long)
+    attention = rows(lambda t: [1] * (len(t.prompt_ids) + len(t.token_ids)), 0, torch.long)
+    action = response("action_mask", 0, real)
+    rollout_logp = response("rollout_logp", 0.0, real)
+    rewards = response("rewards", 0.0, real)
+    versions = response("versions", -1, torch.long)
     return Batch(input_ids, attention, action, rollout_logp, rewards, versions, list(trajectories))

@@ -223,3 +223,26 @@ def test_recovery_after_a_crash_reuses_groups_whole(tmp_path):
     buffer.close()
     reused, dropped = recover(tmp_path, trained_ids={"g2-0", "g2-1"}, current_version=3, max_staleness=1, group_size=2)
     assert sorted(t.traj_id for t in reused) == ["g0-0", "g0-1"] and dropped == 2
+
+
+def test_beyond_its_memory_budget_the_buffer_reads_trajectories_back_from_its_log(tmp_path):
+    """Past `memory_budget` waiting trajectories only their place in the log stays in memory; a batch taken later
+    reads them back equal to what was put, in arrival order, and the count of spilled ones is kept."""
+    from opd_sao.rl.buffer import TrajectoryBuffer
+    from opd_sao.trajectory import Trajectory
+
+    buffer = TrajectoryBuffer(1, spill_dir=tmp_path, memory_budget=3)
+    put = []
+    for i in range(8):
+        traj = Trajectory(f"t{i}", "d", [1, 2][: 1 + i % 2], meta={"task_id": f"task {i}", "note": "é" * i})
+        traj.append(list(range(i + 1)), action=True, logp=[-0.5 * i] * (i + 1), versions=[0] * (i + 1))
+        traj.add_reward(i / 7)
+        buffer.put(traj)
+        put.append(traj.to_json())
+    assert buffer.spilled == 5
+    first = buffer.take(4, current_version=0, max_staleness=1, timeout=1)
+    buffer.put(Trajectory("t8", "d", [3], meta={}))  # room again: the batch took the 3 held in memory
+    assert buffer.spilled == 5
+    rest = buffer.take(5, current_version=0, max_staleness=1, timeout=1)
+    assert [t.to_json() for t in first + rest[:4]] == put and rest[4].traj_id == "t8"
+    buffer.close()

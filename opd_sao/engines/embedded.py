@@ -56,14 +56,26 @@ class EmbeddedEngine(RolloutEngine):
         self._mask = None
         self._rows: list[int] = []
         self._cache_version = -1
+        self._targets: Optional[dict[str, torch.Tensor]] = None  # update_weights' name -> the model's tensor
 
     @property
     def version(self) -> int:
         return self._version
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        with self._lock:
-            self.model.load_state_dict(state_dict, strict=False)
+        """Copy the named tensors into the model's own (names it does not have are ignored, as
+        `load_state_dict(strict=False)` does; a shape that differs is refused before anything is copied).
+        A copy per tensor into targets looked up once: `load_state_dict` walked every module on every sync."""
+        if self._targets is None:
+            self._targets = self.model.state_dict(keep_vars=True)
+        names = [name for name in state_dict if name in self._targets]
+        for name in names:
+            if self._targets[name].shape != state_dict[name].shape:
+                raise RuntimeError(f"weight {name}: shape {tuple(state_dict[name].shape)} does not match the "
+                                   f"engine's {tuple(self._targets[name].shape)}")
+        with self._lock, torch.no_grad():
+            for name in names:
+                self._targets[name].copy_(state_dict[name])
             self._version = version
 
     def generate(self, requests: Iterable[Optional[GenerationRequest]], on_result: ResultCallback,

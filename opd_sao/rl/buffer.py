@@ -28,6 +28,7 @@ class _Entry:
     min_version: int
     group: int  # the group's id in group mode; entries of one group are consecutive in the buffer
     offset: int = -1  # byte offset of its line in the spill log
+    length: int = 0  # the line's bytes
     traj: Optional[Trajectory] = None  # None once spilled out of memory
 
 
@@ -47,10 +48,13 @@ class TrajectoryBuffer:
         self._partial_groups: dict[int, list[Trajectory]] = defaultdict(list)
         self._cond = threading.Condition()
         self._log_path = Path(spill_dir) / "buffer.jsonl" if spill_dir else None
-        self._log = None
+        self._log: Optional[int] = None  # the log's descriptor (O_APPEND: one write per line, no buffer to flush)
+        self._log_end = 0
         if self._log_path:
             self._log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log = self._log_path.open("ab+")
+            self._log = os.open(self._log_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            self._log_end = os.fstat(self._log).st_size
+        self._in_memory = 0  # ready entries whose trajectory is held in memory
         self.dropped_stale = 0  # trajectories
         self.dropped_stale_groups = 0  # group mode: groups dropped whole
         self.received = 0
@@ -59,35 +63,38 @@ class TrajectoryBuffer:
     def put(self, traj: Trajectory) -> None:
         with self._cond:
             self.received += 1
-            offset = self._append_to_log(traj)
-            entries = [(traj, offset)]
+            where = self._append_to_log(traj)
+            entries = [(traj, where)]
             if self.group_size > 1:
                 group = self._partial_groups[traj.meta["group"]]
-                group.append((traj, offset))
+                group.append((traj, where))
                 if len(group) < self.group_size:
                     return
                 entries = self._partial_groups.pop(traj.meta["group"])
-            for member, member_offset in entries:
-                in_memory = sum(e.traj is not None for e in self._ready) < self.memory_budget or self._log is None
+            for member, (offset, length) in entries:
+                in_memory = self._in_memory < self.memory_budget or self._log is None
                 self.spilled += not in_memory
+                self._in_memory += in_memory
                 self._ready.append(_Entry(member.traj_id, member.min_version, member.meta.get("group", -1),
-                                          member_offset, member if in_memory else None))
+                                          offset, length, member if in_memory else None))
             self._cond.notify_all()
 
-    def _append_to_log(self, traj: Trajectory) -> int:
+    def _append_to_log(self, traj: Trajectory) -> tuple[int, int]:
+        """(offset, length) of the trajectory's line, written to the OS before the trajectory can be taken."""
         if self._log is None:
-            return -1
-        self._log.seek(0, os.SEEK_END)
-        offset = self._log.tell()
-        self._log.write((traj.to_json() + "\n").encode())
-        self._log.flush()
-        return offset
+            return -1, 0
+        line = (traj.to_json() + "\n").encode()
+        offset = self._log_end
+        written = os.write(self._log, line)
+        while written < len(line):  # a short write (a signal, a full pipe): the rest, in order
+            written += os.write(self._log, line[written:])
+        self._log_end += len(line)
+        return offset, len(line)
 
     def _load(self, entry: _Entry) -> Trajectory:
         if entry.traj is not None:
             return entry.traj
-        self._log.seek(entry.offset)
-        return Trajectory.from_json(self._log.readline().decode())
+        return Trajectory.from_json(os.pread(self._log, entry.length, entry.offset).decode())
 
     def __len__(self) -> int:
         with self._cond:
@@ -103,6 +110,7 @@ class TrajectoryBuffer:
             if not self._cond.wait_for(lambda: self._drop_stale(current_version, max_staleness) >= n, timeout=timeout):
                 return None
             batch, self._ready = self._ready[:n], self._ready[n:]
+            self._in_memory -= sum(e.traj is not None for e in batch)
             return [self._load(entry) for entry in batch]
 
     def _drop_stale(self, current_version: int, max_staleness: int) -> int:
@@ -113,13 +121,14 @@ class TrajectoryBuffer:
             return len(self._ready)
         fresh = [e for e in self._ready if (e.traj_id if self.group_size == 1 else e.group) not in stale]
         self.dropped_stale += len(self._ready) - len(fresh)
+        self._in_memory = sum(e.traj is not None for e in fresh)
         self.dropped_stale_groups += len(stale) if self.group_size > 1 else 0
         self._ready = fresh
         return len(fresh)
 
     def close(self) -> None:
         if self._log is not None:
-            self._log.close()
+            os.close(self._log)
             self._log = None
 
 
