@@ -30,6 +30,7 @@ from pathlib import Path
 
 TRL_VERSION = "1.16.0"
 GROUP = 8  # GRPO's rollouts per prompt, both sides
+OPD_TOP_K = 16  # the OPD rows: the teacher's top 16 per token (opd-sao); TRL's loss is over the whole vocabulary
 SETTINGS = {"temperature": 1.0, "max_new_tokens": 6, "policy_lr": 3e-4, "grad_clip": 1.0, "ratio_clip": 0.2,
             "max_operand": 30}
 
@@ -40,6 +41,11 @@ def cpu_seconds() -> float:
                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
+def peak_mb() -> float:
+    """This process's peak resident set (MB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def one_thread_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
             "PYTHONHASHSEED": "0"}
@@ -47,25 +53,36 @@ def one_thread_env() -> dict:
 
 # ------------------------------------------------------------------ opd-sao side (the repository's venv)
 
-def run_config(start: Path, algo: str, steps: int, batch: int, seed: int):
-    """The reasoning stage as a user configures it (quickstart's reasoning settings), resolved by the schema."""
+def run_config(start: Path, algo: str, steps: int, batch: int, seed: int, teacher: Path | None = None):
+    """The stage as a user configures it, resolved by the schema: the reasoning stage (quickstart's reasoning
+    settings), or with `algo` "opd" an OPD stage distilling `teacher` (one teacher, top_k 16, forward KL, no
+    probes: the whole budget trains)."""
     from opd_sao.config import RunConfig
 
+    rollout = {"temperature": SETTINGS["temperature"], "max_new_tokens": SETTINGS["max_new_tokens"], "max_staleness": 2}
+    if algo == "opd":
+        stage = {"name": "opd", "kind": "opd", "steps": steps, "init_from": "base", "rollout": rollout,
+                 "opd": {"teachers": [{"name": "teacher", "checkpoint": str(teacher), "domains": ["arithmetic"]}],
+                         "granularity": "top_k", "top_k": OPD_TOP_K, "divergence": "forward_kl", "probe_every": 0}}
+    else:
+        stage = {"name": "rl", "kind": "reasoning", "env": "arithmetic", "steps": steps,
+                 "env_options": {"max_operand": SETTINGS["max_operand"]}, "rl": {"ppo_clip": SETTINGS["ratio_clip"]},
+                 "rollout": rollout}
     return RunConfig.model_validate({
-        "seed": seed, "algo": algo, "model": {"path": str(start)}, "logging": {"wandb": False, "progress": False},
+        "seed": seed, "algo": "sao" if algo == "opd" else algo, "model": {"path": str(start)},
+        "logging": {"wandb": False, "progress": False},
         "engine": {"max_batch": batch},  # TRL generates a step's whole batch at once
         "trainer": {"policy_lr": SETTINGS["policy_lr"], "critic_lr": 2e-3, "critic_steps": 2,
                     "critic_warmup_steps": 5, "train_batch_size": batch, "grad_clip": SETTINGS["grad_clip"]},
-        "stages": [{"name": "rl", "kind": "reasoning", "env": "arithmetic", "steps": steps,
-                    "env_options": {"max_operand": SETTINGS["max_operand"]},
-                    "rl": {"ppo_clip": SETTINGS["ratio_clip"]},
-                    "rollout": {"temperature": SETTINGS["temperature"], "max_new_tokens": SETTINGS["max_new_tokens"],
-                                "max_staleness": 2}}]})
+        "stages": [stage]})
 
 
-def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, seed: int) -> dict:
-    """One RL stage's training as RLStage.train runs it (gate at start and end, buffer write-ahead log, metrics,
-    trained log, resumable state every checkpoint_every steps); CPU-seconds of the gate and the loop."""
+def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, seed: int,
+                   teacher: Path | None = None) -> dict:
+    """One stage's training as Stage.train runs it (gate at start and end, buffer write-ahead log, metrics, trained
+    log, resumable state every checkpoint_every steps); CPU-seconds of the gate and the loop. With `algo` "opd": the
+    OPD stage's learner over the teacher's logit cache (the teacher loaded before the clock starts, as TRL loads
+    its teacher in the trainer's constructor; the cache's writer committing every record before it stops)."""
     import itertools
 
     import torch
@@ -74,6 +91,7 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     from opd_sao.consistency.gate import ConsistencyGate, probe_episodes
     from opd_sao.engines import build_engine
     from opd_sao.rl.buffer import TrajectoryBuffer
+    from opd_sao.rl.distill import OPDLearner
     from opd_sao.rl.learner import Learner, needs_critic
     from opd_sao.rl.loop import RLLoop
     from opd_sao.rl.rollout import episodes_for
@@ -81,18 +99,29 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     from opd_sao.runs.tracking import MetricsLogger
     from opd_sao.stages.base import TRAIN_TASK_POOL
     from opd_sao.stages.envs import ENVIRONMENTS, sample_tasks
+    from opd_sao.teachers import Prefetcher, TeacherSet, TeacherTargets
     from opd_sao.trainers import build_backend
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    run = run_config(start, algo, steps, batch, seed)
+    run = run_config(start, algo, steps, batch, seed, teacher)
     stage = run.stages[0]
     trainer_cfg, tok = run.stage_trainer(stage), load_tokenizer(start)
-    env_factory = lambda: ENVIRONMENTS.get("arithmetic")(**stage.env_options)
-    backend = build_backend(trainer_cfg, start, with_critic=needs_critic(algo), total_steps=steps)
+    env_factory = lambda: ENVIRONMENTS.get("arithmetic")(max_operand=SETTINGS["max_operand"])
+    distilling = algo == "opd"
+    backend = build_backend(trainer_cfg, start, with_critic=not distilling and needs_critic(algo), total_steps=steps)
     engine = build_engine(run.engine, start, tok, seed=seed, device=run.device)
-    learner = Learner(backend, algo, stage.rl, critic_steps=trainer_cfg.critic_steps,
-                      critic_warmup_steps=trainer_cfg.critic_warmup_steps)
+    if distilling:
+        registry = TeacherSet.from_config(stage.opd, domains=["arithmetic"], resolve=Path, student_checkpoint=start,
+                                          student_tokenizer=tok)
+        prefetcher = Prefetcher(registry.build_all(), local_dir=out / "teacher_tier", max_resident=1)
+        with prefetcher.use("teacher"):
+            pass  # loaded and resident
+        targets = TeacherTargets(registry, prefetcher, out / "logit_cache")
+        learner = OPDLearner(backend, stage.opd, stage.rl, targets)
+    else:
+        learner = Learner(backend, algo, stage.rl, critic_steps=trainer_cfg.critic_steps,
+                          critic_warmup_steps=trainer_cfg.critic_warmup_steps)
     tasks = sample_tasks(env_factory().make_tasks("train", TRAIN_TASK_POOL, seed), seed)
     groups = itertools.count()
 
@@ -120,17 +149,27 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     gate.run("start", sync=loop.sync_weights)
     history = loop.run(steps)
     gate.run("final", sync=loop.sync_weights)
+    if distilling:
+        targets.flush()  # every record committed: the cache's writing is part of the step's cost
     cpu, wall = cpu_seconds() - cpu0, time.perf_counter() - wall0
     backend.export_policy(out / "checkpoint", tok)
     engine.close()
-    return {"episodes": steps * trainer_cfg.train_batch_size, "cpu_s": cpu, "wall_s": wall,
-            "torch_threads": torch.get_num_threads(), "checkpoint": str(out / "checkpoint"),
-            "reward_last_quarter": sum(h["reward_mean"] for h in history[-steps // 4:]) / max(1, len(history[-steps // 4:]))}
+    result = {"episodes": steps * trainer_cfg.train_batch_size, "cpu_s": cpu, "wall_s": wall,
+              "torch_threads": torch.get_num_threads(), "checkpoint": str(out / "checkpoint"), "peak_rss_mb": peak_mb(),
+              "reward_last_quarter": sum(h["reward_mean"] for h in history[-steps // 4:]) / max(1, len(history[-steps // 4:]))}
+    if distilling:
+        quarter = history[-steps // 4:]
+        result["divergence_first_last_quarter"] = [sum(h["divergence"] for h in history[:steps // 4]) / max(1, steps // 4),
+                                                   sum(h["divergence"] for h in quarter) / max(1, len(quarter))]
+        targets.close()
+        prefetcher.close(remove_copies=True)
+    return result
 
 
 def prepare(work: Path, sft_steps: int, seed: int) -> Path:
     """The shared start: the tiny model, SFT on arithmetic reference answers (the warm start of the quickstart's
-    reasoning stage), and the train tasks written out for TRL's dataset."""
+    reasoning stage), and the train tasks written out for TRL's dataset; the OPD rows' teacher: the start after
+    twice as many SFT steps again (`<work>/teacher`)."""
     import torch
 
     from opd_sao.checkpoints import PromptFormat, build_tiny_model, load_tokenizer
@@ -148,6 +187,8 @@ def prepare(work: Path, sft_steps: int, seed: int) -> Path:
     examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=seed, prompt_format=PromptFormat(tok))
     start = run_sft(base, work / "start", examples, tok, SFTConfig(steps=sft_steps, lr=3e-3, batch_size=64), seed,
                     trainer=TrainerConfig(device="cpu"))
+    run_sft(start, work / "teacher", examples, tok, SFTConfig(steps=2 * sft_steps, lr=3e-3, batch_size=64), seed,
+            trainer=TrainerConfig(device="cpu"))
     train = env_factory().make_tasks("train", TRAIN_TASK_POOL, seed)
     (work / "train_tasks.json").write_text(json.dumps(train))
     return start
@@ -214,6 +255,38 @@ def trl_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int,
             "loss_type": cfg.loss_type, "scale_rewards": str(cfg.scale_rewards)}
 
 
+def trl_distill_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int, seed: int,
+                       teacher: Path) -> dict:
+    """TRL's DistillationTrainer, on-policy: the student samples completions of the same prompts at the same
+    settings, the teacher scores them, and the loss is the exact forward KL over the whole vocabulary (`beta` 0)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DistillationConfig, DistillationTrainer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(start)
+    load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    bos = tok.bos_token or ""
+    data = Dataset.from_list([{"prompt": bos + t["prompt"]} for t in json.loads(Path(tasks_file).read_text())])
+    betas = (0.9, 0.999)
+    cfg = DistillationConfig(output_dir=str(out / "trl"), max_steps=steps, per_device_train_batch_size=batch,
+                             max_completion_length=SETTINGS["max_new_tokens"], temperature=SETTINGS["temperature"],
+                             top_p=1.0, beta=0.0, learning_rate=SETTINGS["policy_lr"], lr_scheduler_type="constant",
+                             warmup_steps=0, optim="adamw_torch", adam_beta1=betas[0], adam_beta2=betas[1],
+                             weight_decay=0.0, max_grad_norm=SETTINGS["grad_clip"], seed=seed, use_cpu=True,
+                             bf16=False, fp16=False, save_strategy="no", report_to="none", logging_steps=10,
+                             disable_tqdm=True, dataloader_num_workers=0)
+    trainer = DistillationTrainer(model=load(start), teacher_model=load(teacher), args=cfg, train_dataset=data,
+                                  processing_class=tok)
+    cpu0, wall0 = cpu_seconds(), time.perf_counter()
+    trainer.train()
+    cpu, wall = cpu_seconds() - cpu0, time.perf_counter() - wall0
+    return {"episodes": steps * batch, "cpu_s": cpu, "wall_s": wall, "torch_threads": torch.get_num_threads(),
+            "peak_rss_mb": peak_mb(), "gradient_checkpointing": cfg.gradient_checkpointing,
+            "loss_logged": [row["loss"] for row in trainer.state.log_history if "loss" in row][-3:]}
+
+
 def trl_python(venv_root: Path) -> Path:
     """The venv's python, created and filled on first use: trl with opd-sao's torch and transformers versions."""
     import torch
@@ -260,17 +333,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--algo", help=argparse.SUPPRESS)
     parser.add_argument("--tasks", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--teacher", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--opd-steps", type=int, default=60, help="steps of the OPD rows")
     args = parser.parse_args()
     if args.worker:
         args.out.mkdir(parents=True, exist_ok=True)
         if args.worker == "trl":
             result = trl_worker(args.start, args.out, args.tasks, args.steps, args.batch, args.seed)
+        elif args.worker == "trl-distill":
+            result = trl_distill_worker(args.start, args.out, args.tasks, args.steps, args.batch, args.seed,
+                                        args.teacher)
         else:
-            result = opd_sao_worker(args.start, args.out, args.algo, args.steps, args.batch, args.seed)
+            result = opd_sao_worker(args.start, args.out, args.algo, args.steps, args.batch, args.seed, args.teacher)
         print(json.dumps(result))
         return
     if args.quick:
-        args.steps, args.batch, args.sft_steps, args.eval_samples = 6, 32, 60, 1
+        args.steps, args.batch, args.sft_steps, args.eval_samples, args.opd_steps = 6, 32, 60, 1, 4
     import torch
     import transformers
 
@@ -287,23 +365,37 @@ def main() -> None:
         for result in runs.values():
             result["episodes_per_cpu_s"] = result["episodes"] / result["cpu_s"]
             result["held_out"] = held_out(Path(result.pop("checkpoint")), args.eval_samples, args.seed)
+        distill = dict(common, steps=args.opd_steps, teacher=work / "teacher")
+        opd = {"opd_sao_opd_top_k": run_worker(Path(sys.executable), "opd-sao", algo="opd", out=work / "opd", **distill),
+               "trl_distillation": run_worker(python, "trl-distill", out=work / "trl-distill",
+                                              tasks=work / "train_tasks.json", **distill)}
+        for result in opd.values():
+            result.pop("checkpoint", None)
+            result["cpu_s_per_step"] = result["cpu_s"] / args.opd_steps
     trl = runs["trl_grpo"]["episodes_per_cpu_s"]
     ratios = {"grpo_vs_trl": runs["opd_sao_grpo"]["episodes_per_cpu_s"] / trl,
-              "sao_vs_trl": runs["opd_sao_sao"]["episodes_per_cpu_s"] / trl}
-    print(f"{'run':<14} {'episodes':>8} {'CPU-s':>8} {'eps/CPU-s':>10} {'held-out':>9}")
+              "sao_vs_trl": runs["opd_sao_sao"]["episodes_per_cpu_s"] / trl,
+              "opd_top_k_cpu_vs_trl_distillation": opd["opd_sao_opd_top_k"]["cpu_s"] / opd["trl_distillation"]["cpu_s"]}
+    print(f"{'run':<18} {'episodes':>8} {'CPU-s':>8} {'eps/CPU-s':>10} {'held-out':>9}")
     for name, r in runs.items():
-        print(f"{name:<14} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['episodes_per_cpu_s']:>10.1f} {r['held_out']:>9.3f}")
+        print(f"{name:<18} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['episodes_per_cpu_s']:>10.1f} {r['held_out']:>9.3f}")
+    for name, r in opd.items():
+        print(f"{name:<18} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['cpu_s_per_step']:>10.3f} CPU-s/step, "
+              f"peak RSS {r['peak_rss_mb']:.0f} MB")
     print(f"ratios to TRL GRPO (episodes per CPU-second): opd-sao GRPO {ratios['grpo_vs_trl']:.2f}x (must >= 1.3), "
-          f"SAO {ratios['sao_vs_trl']:.2f}x (must >= 1.0)")
+          f"SAO {ratios['sao_vs_trl']:.2f}x (must >= 1.0); OPD top_k CPU / TRL DistillationTrainer's "
+          f"{ratios['opd_top_k_cpu_vs_trl_distillation']:.2f} (must <= 1)")
     print(json.dumps({
         "benchmark": "vs_trl", "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, load average "
         f"{os.getloadavg()[0]:.1f}", "versions": {"trl": TRL_VERSION, "torch": torch.__version__,
                                                  "transformers": transformers.__version__},
         "quick": args.quick,  # a smoke test: 6 steps' ratios and accuracies say nothing about the Must-show
         "torch_threads": 1, "steps": args.steps, "batch": args.batch, "group_size_grpo": GROUP, "settings": SETTINGS,
-        "eval_samples_per_task": args.eval_samples, "runs": runs, "ratios": ratios,
+        "opd": {"steps": args.opd_steps, "top_k": OPD_TOP_K, "divergence": "forward_kl", "vocab": 384},
+        "eval_samples_per_task": args.eval_samples, "runs": runs, "opd_runs": opd, "ratios": ratios,
         "must_show": {"grpo_at_least_1.3x": ratios["grpo_vs_trl"] >= 1.3, "sao_at_least_1.0x": ratios["sao_vs_trl"] >= 1.0,
-                      "sao_held_out_above_grpo": runs["opd_sao_sao"]["held_out"] > runs["opd_sao_grpo"]["held_out"]}}))
+                      "sao_held_out_above_grpo": runs["opd_sao_sao"]["held_out"] > runs["opd_sao_grpo"]["held_out"],
+                      "opd_top_k_at_384_no_more_cpu_than_trl": ratios["opd_top_k_cpu_vs_trl_distillation"] <= 1.0}}))
 
 
 if __name__ == "__main__":
