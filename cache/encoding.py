@@ -329,6 +329,93 @@ def _encode_support(ids: np.ndarray, logp: np.ndarray, row_len: np.ndarray) -> t
     return np.concatenate(ids_stream), np.concatenate(logp_stream)
 
 
+# --- the same bytes for many records at once (the cache's writer commits a step's records together) ----------
+
+def _pack_segments(values: np.ndarray, widths: np.ndarray, segment: np.ndarray, n_segments: int) -> list[np.ndarray]:
+    """``_pack_bits`` of each segment's values alone (``segment`` ascending: each segment contiguous), in one pass:
+    every segment starts on a byte boundary, so its slice is byte for byte what ``_pack_bits`` gives it."""
+    bits = np.bincount(segment, weights=widths.astype(np.float64), minlength=n_segments).astype(np.int64)
+    seg_bytes = (bits + 7) // 8
+    first_byte = np.cumsum(seg_bytes) - seg_bytes
+    ends = np.cumsum(widths, dtype=np.uint64)
+    bits_before = (np.cumsum(bits) - bits).astype(np.uint64)  # the segment's first value starts here in `ends`
+    starts = (first_byte.astype(np.uint64) * np.uint64(8))[segment] + (ends - widths) - bits_before[segment]
+    total = int(seg_bytes.sum())
+    words = np.zeros(total // 8 + 2, dtype="<u8")
+    word, shift = (starts >> np.uint64(6)).astype(np.intp), starts & np.uint64(63)
+    np.bitwise_or.at(words, word, values << shift)
+    np.bitwise_or.at(words, word + 1, (values >> np.uint64(1)) >> (np.uint64(63) - shift))
+    data = words.view(np.uint8)
+    return [data[first:first + size] for first, size in zip(first_byte.tolist(), seg_bytes.tolist())]
+
+
+def _write_codes_many(values: np.ndarray, orders: np.ndarray, segment: np.ndarray, n_segments: int):
+    """``_write_codes`` of each segment: (unary blobs, payload blobs), one of each per segment."""
+    high = (values >> orders) + np.uint64(1)
+    prefix_bits = _bit_length(high) - np.uint64(1)
+    unary = _pack_segments((np.uint64(1) << prefix_bits) - np.uint64(1), prefix_bits + np.uint64(1), segment,
+                           n_segments)
+    payload = ((high - (np.uint64(1) << prefix_bits)) << orders) | (values & ((np.uint64(1) << orders) - np.uint64(1)))
+    return unary, _pack_segments(payload, prefix_bits + orders, segment, n_segments)
+
+
+def _write_section_many(values: np.ndarray, classes: np.ndarray, n_classes: int, segment: np.ndarray,
+                        n_segments: int) -> list[list[np.ndarray]]:
+    """``_write_section`` of each segment (its own orders, its own header): four blob lists, one blob per segment."""
+    values = values.astype(np.uint64)
+    lengths = _bit_length(values).astype(np.int64)
+    width = _MAX_ORDER + 2
+    histogram = np.bincount((segment * n_classes + classes) * width + lengths, minlength=n_segments * n_classes * width)
+    # float64 products are exact here (counts x code lengths << 2**53) and run in BLAS, which int64 matmul does not
+    costs = histogram.reshape(n_segments, n_classes, width).astype(np.float64) @ _LENGTH_BY_ORDER.astype(np.float64)
+    orders = costs.argmin(axis=2).astype(np.int64)
+    steps = np.diff(orders, axis=1, prepend=0)
+    zigzag = np.where(steps >= 0, 2 * steps, -2 * steps - 1).astype(np.uint64).reshape(-1)
+    header = _write_codes_many(zigzag, np.zeros(len(zigzag), np.uint64), np.repeat(np.arange(n_segments), n_classes),
+                               n_segments)
+    body = _write_codes_many(values, orders.astype(np.uint64)[segment, classes], segment, n_segments)
+    return [*header, *body]
+
+
+def _encode_supports(ids: np.ndarray, logp: np.ndarray, row_len: np.ndarray, rows_per_record: np.ndarray
+                     ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``_encode_support`` of each record, the records' rows concatenated (``rows_per_record`` [R]): the same
+    bytes, with numpy's per-call overhead paid once per batch instead of once per record."""
+    n_records = len(rows_per_record)
+    record_of_row = np.repeat(np.arange(n_records), rows_per_record)
+    record = np.repeat(record_of_row, row_len)  # of each entry
+    row = np.repeat(np.arange(len(row_len)), row_len)
+    span = int(ids.max()) + 1 if len(ids) else 1
+    keys = record * span + ids
+    unique, counts = np.unique(keys, return_counts=True)
+    threshold = np.array([max(2, math.ceil(DICTIONARY_MIN_SHARE * int(n))) for n in rows_per_record], np.int64)
+    dictionary = unique[counts >= threshold[unique // span]]  # (record, id) ascending
+    dictionary_record = dictionary // span
+    dictionary_size = np.bincount(dictionary_record, minlength=n_records)
+    inside = np.isin(keys, dictionary)
+    in_len = np.bincount(row[inside], minlength=len(row_len))
+    out_len = row_len - in_len
+    ranks = np.searchsorted(dictionary, keys[inside]) - (np.cumsum(dictionary_size) - dictionary_size)[record[inside]]
+    zeros = lambda n: np.zeros(n, np.int64)
+    sections = [
+        _write_section_many(dictionary_size, zeros(n_records), 1, np.arange(n_records), n_records),
+        _write_section_many(_row_gaps(dictionary % span, dictionary_size), zeros(len(dictionary)), 1,
+                            dictionary_record, n_records),
+        _write_section_many(in_len, zeros(len(row_len)), 1, record_of_row, n_records),
+        _write_section_many(_row_gaps(ranks, in_len), _slot_classes(in_len), N_SLOT_CLASSES, record[inside],
+                            n_records),
+        _write_section_many(_row_gaps(ids[~inside], out_len), _slot_classes(out_len), N_SLOT_CLASSES,
+                            record[~inside], n_records),
+    ]
+    step, step_class = np.repeat(sqrt_step(row_len), row_len), np.repeat(_step_classes(row_len), row_len)
+    codes = quantise_sqrt_p(logp, step)
+    order = np.lexsort((~inside, record))  # per record: dictionary ids first, each part in its order
+    logp_section = _write_section_many(codes[order], step_class[order] + N_STEP_CLASSES * ~inside[order],
+                                       2 * N_STEP_CLASSES, record[order], n_records)
+    return [(np.concatenate([blobs[r] for section in sections for blobs in section]),
+             np.concatenate([blobs[r] for blobs in logp_section])) for r in range(n_records)]
+
+
 def _decode_support(ids_stream: np.ndarray, logp_stream: np.ndarray, row_len: np.ndarray, vocab_size: int):
     """(ids, logp) ascending within rows."""
     n = len(row_len)
@@ -426,6 +513,53 @@ def to_streams(meta: CacheMeta, record: TeacherRecord) -> dict[str, np.ndarray]:
         row_len = np.diff(np.asarray(record.offsets, dtype=np.int64))
         streams["ids"], streams["logp"] = _encode_support(np.asarray(record.ids, np.int64), record.logp, row_len)
     return streams
+
+
+def to_streams_many(meta: CacheMeta, records: list[TeacherRecord]) -> list[dict[str, np.ndarray]]:
+    """``to_streams`` of each record, the same streams byte for byte, with the support's coding done for all the
+    records at once (``_encode_supports``); records that do not fit ``meta`` raise as ``to_streams`` does."""
+    if meta.granularity not in ("top_k", "top_p") or len(records) < 2:
+        return [to_streams(meta, record) for record in records]
+    try:
+        joined, sizes, row_len = _joined_support(meta, records)
+    except ValueError:
+        return [to_streams(meta, record) for record in records]  # raises, naming what is wrong
+    sampled = np.split(_to_fixed_point(-np.asarray(joined.sampled_logp, np.float64)), np.cumsum(sizes)[:-1])
+    with np.errstate(divide="ignore"):
+        tail = _to_fixed_point(-np.log(np.clip(np.asarray(joined.tail_mass, np.float64), 0, 1)))
+    tails = np.split(tail, np.cumsum(sizes)[:-1])
+    supports = _encode_supports(joined.ids, joined.logp, row_len, sizes)
+    out = []
+    for i, (ids_stream, logp_stream) in enumerate(supports):
+        streams = {"sampled_logp": sampled[i], "tail_mass": tails[i]}
+        if meta.granularity == "top_p":
+            streams["row_len"] = np.diff(np.asarray(records[i].offsets)).astype(np.uint32)
+        streams["ids"], streams["logp"] = ids_stream, logp_stream
+        out.append(streams)
+    return out
+
+
+def _joined_support(meta: CacheMeta, records: list[TeacherRecord]) -> tuple[TeacherRecord, np.ndarray, np.ndarray]:
+    """The records as one (rows concatenated), validated as ``to_streams`` validates each: (joined, positions per
+    record, row lengths); ValueError when any record does not fit."""
+    for record in records:
+        n = len(record.sampled_logp) if record.sampled_logp is not None else -1
+        _require(n >= 0 and np.ndim(record.sampled_logp) == 1, "sampled_logp must be [n]")
+        _require(record.ids is not None and record.logp is not None and record.offsets is not None
+                 and record.tail_mass is not None, "ids, logp, offsets and tail_mass are required")
+        _require(len(record.offsets) == n + 1 and record.offsets[0] == 0 and record.offsets[-1] == len(record.ids)
+                 == len(record.logp) and len(record.tail_mass) == n, "shapes do not match")
+    sizes = np.array([len(record.sampled_logp) for record in records], np.int64)
+    row_len = np.concatenate([np.diff(np.asarray(record.offsets, np.int64)) for record in records])
+    joined = TeacherRecord(sampled_logp=np.concatenate([np.asarray(r.sampled_logp) for r in records]),
+                           ids=np.concatenate([np.asarray(r.ids, np.int64) for r in records]),
+                           logp=np.concatenate([np.asarray(r.logp) for r in records]),
+                           offsets=np.concatenate([[0], np.cumsum(row_len)]),
+                           tail_mass=np.concatenate([np.asarray(r.tail_mass) for r in records]))
+    _require(not np.isnan(np.asarray(joined.sampled_logp, np.float64)).any(), "sampled_logp holds NaN")
+    _support_gaps(meta, joined)
+    _require(not np.isnan(joined.logp).any(), "logp holds NaN")
+    return joined, sizes, row_len
 
 
 def from_streams(meta: CacheMeta, n_positions: int, streams: dict[str, np.ndarray]) -> TeacherRecord:

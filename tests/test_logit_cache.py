@@ -44,6 +44,7 @@ from opd_sao.cache.encoding import (
     quantise_sqrt_p,
     sqrt_step,
     to_streams,
+    to_streams_many,
 )
 from opd_sao.cache.store import _CommitLog
 
@@ -562,6 +563,37 @@ def test_quantised_record_is_what_the_cache_returns_and_stores_the_same_bytes(gr
         record.ids[[0, 1]] = record.ids[[1, 0]]
         with pytest.raises(ValueError, match="strictly ascending"):
             quantised(meta, record)
+
+
+@pytest.mark.parametrize("granularity", ["top_k", "top_p"])
+def test_records_coded_together_are_the_bytes_each_gets_alone(granularity):
+    """The writer codes a step's records in one pass (`to_streams_many`): every stream of every record must be
+    byte for byte what `to_streams` gives that record alone, whatever the records' sizes (an empty one too) and
+    whether a record has an id dictionary; a record that does not fit is refused with its own error."""
+    rng = np.random.default_rng(7)
+    meta = make_meta(granularity) if granularity == "top_k" else make_meta("top_p", max_support=40)
+    records = []
+    for i, n in enumerate([5, 0, 1, 37, 12, 6, 60]):
+        if granularity == "top_p":
+            records.append(ragged_record(rng, n) if n else TeacherRecord(
+                sampled_logp=np.zeros(0, np.float32), ids=np.zeros(0, np.int64), logp=np.zeros(0, np.float32),
+                offsets=np.zeros(1, np.int64), tail_mass=np.zeros(0, np.float32)))
+            continue
+        rows, sampled = teacher_rows(n, seed=i)
+        if i % 2:  # a few ids likely at every position: this record codes them through its dictionary
+            rows = torch.log_softmax(rows + 6 * (torch.arange(VOCAB) < 5), dim=-1)
+        records.append(record_from_logprobs(meta, rows, sampled))
+    together = to_streams_many(meta, records)
+    assert len(together) == len(records)
+    for record, streams in zip(records, together):
+        alone = to_streams(meta, record)
+        assert streams.keys() == alone.keys()
+        for name in alone:
+            assert streams[name].dtype == alone[name].dtype, name
+            np.testing.assert_array_equal(streams[name], alone[name], err_msg=name)
+    records[3].ids[[0, 1]] = records[3].ids[[1, 0]]
+    with pytest.raises(ValueError, match="strictly ascending"):
+        to_streams_many(meta, records)
 
 
 def _small_records(first: int, count: int) -> dict[str, TeacherRecord]:
