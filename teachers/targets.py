@@ -229,6 +229,6 @@ class TeacherTargets:
 
 def _writer(cache: TeacherCache) -> BackgroundWriter:
     """A teacher's writer: full-vocabulary records are ~V bytes per position, so fewer of them wait."""
-    if cache.meta.granularity == "full":
-        return BackgroundWriter(cache, batch_records=8, max_pending=32)
+    if cache.meta.granularity == "full":  # nothing kept after its commit: a stage's memory stays one batch's
+        return BackgroundWriter(cache, batch_records=8, max_pending=32, keep_bytes=0)
     return BackgroundWriter(cache)

@@ -624,6 +624,30 @@ def test_background_writer_batches_commits_and_flush_puts_everything_on_disk(tmp
         writer.submit(_small_records(200, 1))
 
 
+def test_committed_records_stay_readable_from_memory_up_to_the_writers_budget(tmp_path):
+    """After its commit a record is still served by the writer, the least recently used dropped first once the
+    kept records pass `keep_bytes` (what is dropped the store still has); a budget of 0 keeps nothing."""
+    meta = make_meta("top_k", k=4)
+    records = _small_records(0, 6)
+    size = sum(np.asarray(v).nbytes for v in vars(records["traj-0"]).values() if v is not None)
+    writer = BackgroundWriter(LogitCache(tmp_path / "a").open_teacher(meta), batch_records=2, keep_bytes=4 * size)
+    writer.submit(dict(list(records.items())[:4]))
+    writer.flush()
+    assert len(writer) == 0  # all committed
+    assert writer.get("traj-0") is records["traj-0"]  # kept, and now the most recently used
+    writer.submit(dict(list(records.items())[4:]))
+    writer.flush()
+    kept = [key for key in records if writer.get(key) is not None]
+    assert kept == ["traj-0", "traj-3", "traj-4", "traj-5"]  # traj-1 and traj-2 were the least recently used
+    assert all(key in writer.cache for key in records)
+    writer.close()
+    nothing = BackgroundWriter(LogitCache(tmp_path / "b").open_teacher(meta), batch_records=1, keep_bytes=0)
+    nothing.submit(_small_records(0, 2))
+    nothing.flush()
+    assert nothing.get("traj-0") is None and "traj-0" in nothing.cache
+    nothing.close()
+
+
 def test_background_writer_raises_the_stores_error_to_the_trainer(tmp_path):
     meta = make_meta("top_k", k=4)
     teacher = LogitCache(tmp_path).open_teacher(meta)
