@@ -135,15 +135,7 @@ def _bit_length(values: np.ndarray) -> np.ndarray:
 
 def _pack_bits(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
     """Concatenate the low ``widths[i]`` bits of ``values[i]`` (< 2**widths[i], widths <= 64), LSB first."""
-    ends = np.cumsum(widths, dtype=np.uint64)
-    starts = ends - widths
-    total_bits = int(ends[-1]) if len(ends) else 0
-    words = np.zeros(total_bits // 64 + 2, dtype="<u8")
-    word, shift = (starts >> 6).astype(np.intp), starts & 63
-    np.bitwise_or.at(words, word, values << shift)
-    np.bitwise_or.at(words, word + 1, (values >> 1) >> (63 - shift))  # the bits that spill into the next word
-    return words.view(np.uint8)[: (total_bits + 7) // 8]
-
+    return _pack_segments(values, widths, np.zeros(len(values), np.intp), 1)[0]
 
 def _unpack_bits(data: np.ndarray, widths: np.ndarray) -> np.ndarray:
     ends = np.cumsum(widths, dtype=np.uint64)
@@ -195,21 +187,6 @@ _ORDERS = np.arange(_MAX_ORDER + 1)
 _LENGTH_BY_ORDER = 2 * np.maximum(np.arange(_MAX_ORDER + 2)[:, None] - _ORDERS, 0) + 1 + _ORDERS
 
 
-def _cheapest_orders(values: np.ndarray, classes: np.ndarray, n_classes: int) -> np.ndarray:
-    lengths = _bit_length(values).astype(np.int64)
-    histogram = np.bincount(classes * (_MAX_ORDER + 2) + lengths, minlength=n_classes * (_MAX_ORDER + 2))
-    return (histogram.reshape(n_classes, -1) @ _LENGTH_BY_ORDER).argmin(axis=1)
-
-
-def _write_codes(values: np.ndarray, orders: np.ndarray) -> list[np.ndarray]:
-    """Unary prefixes, then payloads, each byte aligned; ``orders[i]`` is the order of ``values[i]``."""
-    high = (values >> orders) + np.uint64(1)
-    prefix_bits = _bit_length(high) - np.uint64(1)
-    unary = _pack_bits((np.uint64(1) << prefix_bits) - np.uint64(1), prefix_bits + np.uint64(1))
-    payload = ((high - (np.uint64(1) << prefix_bits)) << orders) | (values & ((np.uint64(1) << orders) - np.uint64(1)))
-    return [unary, _pack_bits(payload, prefix_bits + orders)]
-
-
 def _read_codes(data: np.ndarray, position: int, orders: np.ndarray) -> tuple[np.ndarray, int]:
     """Inverse of ``_write_codes`` for ``len(orders)`` values starting at byte ``position``."""
     count = len(orders)
@@ -234,16 +211,6 @@ def _read_codes(data: np.ndarray, position: int, orders: np.ndarray) -> tuple[np
     high = (np.uint64(1) << prefix_bits) + (payload >> orders)
     values = ((high - np.uint64(1)) << orders) | (payload & ((np.uint64(1) << orders) - np.uint64(1)))
     return values, position + payload_bytes
-
-
-def _write_section(values: np.ndarray, classes: np.ndarray, n_classes: int) -> list[np.ndarray]:
-    """Values Exp-Golomb coded with the cheapest order of their class. Header: the per-class orders as
-    order-0 codes of their zigzagged differences."""
-    values = values.astype(np.uint64)
-    orders = _cheapest_orders(values, classes, n_classes).astype(np.int64)
-    steps = np.diff(orders, prepend=0)
-    zigzag = np.where(steps >= 0, 2 * steps, -2 * steps - 1).astype(np.uint64)
-    return _write_codes(zigzag, np.zeros(n_classes, np.uint64)) + _write_codes(values, orders.astype(np.uint64)[classes])
 
 
 def _read_section(data: np.ndarray, position: int, classes: np.ndarray, n_classes: int) -> tuple[np.ndarray, int]:
@@ -306,30 +273,9 @@ def _row_ungap(gaps: np.ndarray, row_len: np.ndarray) -> np.ndarray:
 
 def _encode_support(ids: np.ndarray, logp: np.ndarray, row_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(ids stream, logp stream) of a support whose ids ascend within rows."""
-    n = len(row_len)
-    row = np.repeat(np.arange(n), row_len)
-    unique, counts = np.unique(ids, return_counts=True)
-    dictionary = unique[counts >= max(2, math.ceil(DICTIONARY_MIN_SHARE * n))]
-    inside = np.isin(ids, dictionary)
-    in_len = np.bincount(row[inside], minlength=n)
-    out_len = row_len - in_len
-    ranks = np.searchsorted(dictionary, ids[inside])
-    one = np.zeros(1, np.int64)
-    ids_stream = (
-        _write_section(np.array([len(dictionary)]), one, 1)
-        + _write_section(_row_gaps(dictionary, np.array([len(dictionary)])), np.zeros(len(dictionary), np.int64), 1)
-        + _write_section(in_len, np.zeros(n, np.int64), 1)
-        + _write_section(_row_gaps(ranks, in_len), _slot_classes(in_len), N_SLOT_CLASSES)
-        + _write_section(_row_gaps(ids[~inside], out_len), _slot_classes(out_len), N_SLOT_CLASSES)
-    )
-    step, step_class = np.repeat(sqrt_step(row_len), row_len), np.repeat(_step_classes(row_len), row_len)
-    codes = quantise_sqrt_p(logp, step)
-    order = np.concatenate([np.flatnonzero(inside), np.flatnonzero(~inside)])  # dictionary ids first
-    logp_stream = _write_section(codes[order], step_class[order] + N_STEP_CLASSES * ~inside[order], 2 * N_STEP_CLASSES)
-    return np.concatenate(ids_stream), np.concatenate(logp_stream)
+    return _encode_supports(ids, logp, row_len, np.array([len(row_len)]))[0]
 
-
-# --- the same bytes for many records at once (the cache's writer commits a step's records together) ----------
+# --- writing: many records in one pass (the writer commits a step's records together), each its own bytes ----
 
 def _pack_segments(values: np.ndarray, widths: np.ndarray, segment: np.ndarray, n_segments: int) -> list[np.ndarray]:
     """``_pack_bits`` of each segment's values alone (``segment`` ascending: each segment contiguous), in one pass:
@@ -349,8 +295,9 @@ def _pack_segments(values: np.ndarray, widths: np.ndarray, segment: np.ndarray, 
     return [data[first:first + size] for first, size in zip(first_byte.tolist(), seg_bytes.tolist())]
 
 
-def _write_codes_many(values: np.ndarray, orders: np.ndarray, segment: np.ndarray, n_segments: int):
-    """``_write_codes`` of each segment: (unary blobs, payload blobs), one of each per segment."""
+def _write_codes(values: np.ndarray, orders: np.ndarray, segment: np.ndarray, n_segments: int):
+    """Unary prefixes, then payloads, of each segment's values (``orders[i]`` the order of ``values[i]``), each
+    byte aligned: (unary blobs, payload blobs), one of each per segment."""
     high = (values >> orders) + np.uint64(1)
     prefix_bits = _bit_length(high) - np.uint64(1)
     unary = _pack_segments((np.uint64(1) << prefix_bits) - np.uint64(1), prefix_bits + np.uint64(1), segment,
@@ -359,9 +306,11 @@ def _write_codes_many(values: np.ndarray, orders: np.ndarray, segment: np.ndarra
     return unary, _pack_segments(payload, prefix_bits + orders, segment, n_segments)
 
 
-def _write_section_many(values: np.ndarray, classes: np.ndarray, n_classes: int, segment: np.ndarray,
+def _write_section(values: np.ndarray, classes: np.ndarray, n_classes: int, segment: np.ndarray,
                         n_segments: int) -> list[list[np.ndarray]]:
-    """``_write_section`` of each segment (its own orders, its own header): four blob lists, one blob per segment."""
+    """Each segment's values Exp-Golomb coded with the cheapest order of their class in that segment; its header:
+    those orders as order-0 codes of their zigzagged differences. Four blob lists (header unary and payload, values
+    unary and payload), one blob per segment."""
     values = values.astype(np.uint64)
     lengths = _bit_length(values).astype(np.int64)
     width = _MAX_ORDER + 2
@@ -371,9 +320,9 @@ def _write_section_many(values: np.ndarray, classes: np.ndarray, n_classes: int,
     orders = costs.argmin(axis=2).astype(np.int64)
     steps = np.diff(orders, axis=1, prepend=0)
     zigzag = np.where(steps >= 0, 2 * steps, -2 * steps - 1).astype(np.uint64).reshape(-1)
-    header = _write_codes_many(zigzag, np.zeros(len(zigzag), np.uint64), np.repeat(np.arange(n_segments), n_classes),
+    header = _write_codes(zigzag, np.zeros(len(zigzag), np.uint64), np.repeat(np.arange(n_segments), n_classes),
                                n_segments)
-    body = _write_codes_many(values, orders.astype(np.uint64)[segment, classes], segment, n_segments)
+    body = _write_codes(values, orders.astype(np.uint64)[segment, classes], segment, n_segments)
     return [*header, *body]
 
 
@@ -398,19 +347,19 @@ def _encode_supports(ids: np.ndarray, logp: np.ndarray, row_len: np.ndarray, row
     ranks = np.searchsorted(dictionary, keys[inside]) - (np.cumsum(dictionary_size) - dictionary_size)[record[inside]]
     zeros = lambda n: np.zeros(n, np.int64)
     sections = [
-        _write_section_many(dictionary_size, zeros(n_records), 1, np.arange(n_records), n_records),
-        _write_section_many(_row_gaps(dictionary % span, dictionary_size), zeros(len(dictionary)), 1,
+        _write_section(dictionary_size, zeros(n_records), 1, np.arange(n_records), n_records),
+        _write_section(_row_gaps(dictionary % span, dictionary_size), zeros(len(dictionary)), 1,
                             dictionary_record, n_records),
-        _write_section_many(in_len, zeros(len(row_len)), 1, record_of_row, n_records),
-        _write_section_many(_row_gaps(ranks, in_len), _slot_classes(in_len), N_SLOT_CLASSES, record[inside],
+        _write_section(in_len, zeros(len(row_len)), 1, record_of_row, n_records),
+        _write_section(_row_gaps(ranks, in_len), _slot_classes(in_len), N_SLOT_CLASSES, record[inside],
                             n_records),
-        _write_section_many(_row_gaps(ids[~inside], out_len), _slot_classes(out_len), N_SLOT_CLASSES,
+        _write_section(_row_gaps(ids[~inside], out_len), _slot_classes(out_len), N_SLOT_CLASSES,
                             record[~inside], n_records),
     ]
     step, step_class = np.repeat(sqrt_step(row_len), row_len), np.repeat(_step_classes(row_len), row_len)
     codes = quantise_sqrt_p(logp, step)
     order = np.lexsort((~inside, record))  # per record: dictionary ids first, each part in its order
-    logp_section = _write_section_many(codes[order], step_class[order] + N_STEP_CLASSES * ~inside[order],
+    logp_section = _write_section(codes[order], step_class[order] + N_STEP_CLASSES * ~inside[order],
                                        2 * N_STEP_CLASSES, record[order], n_records)
     return [(np.concatenate([blobs[r] for section in sections for blobs in section]),
              np.concatenate([blobs[r] for blobs in logp_section])) for r in range(n_records)]

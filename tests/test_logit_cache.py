@@ -35,6 +35,7 @@ from opd_sao.cache import (
 from opd_sao.cache.cli import gc, inspect, main, verify
 from opd_sao.cache.encoding import (
     LOGP_HALF_STEP,
+    checksum,
     dequantise_logp,
     dequantise_sqrt_p,
     exp_golomb_decode,
@@ -563,6 +564,35 @@ def test_quantised_record_is_what_the_cache_returns_and_stores_the_same_bytes(gr
         record.ids[[0, 1]] = record.ids[[1, 0]]
         with pytest.raises(ValueError, match="strictly ascending"):
             quantised(meta, record)
+
+
+def _exact_record(n: int, k: int, seed: int) -> TeacherRecord:
+    """A top_k record of whole numbers all the way: ids a fixed pattern (3, 7 and 40 in three rows of four: an id
+    dictionary), logprobs exactly at sqrt(p) codes q * step, the fixed-point fields exactly at whole codes, so its
+    bytes do not depend on a machine's exp and log."""
+    rows = []
+    for i in range(n):
+        ids, j = ({3, 7, 40} if i % 4 else {7}), 0
+        while len(ids) < k:
+            ids.add((i * 37 + j * j * 11 + seed) % VOCAB)
+            j += 1
+        rows.append(sorted(ids))
+    step = float(sqrt_step(np.array([k]))[0])
+    q = np.array([1 + (i * 7 + seed) % 13 for i in range(n * k)], np.float64)
+    return TeacherRecord(sampled_logp=-(np.arange(n) % 50 + 1).astype(np.float32) / 1024,
+                         ids=np.array([x for row in rows for x in row], np.int64),
+                         logp=(2 * np.log(q * step)).astype(np.float32), offsets=np.arange(n + 1) * k,
+                         tail_mass=np.exp(-(np.arange(n) + 200) / 1024).astype(np.float32))
+
+
+def test_the_byte_coding_is_format_2s():
+    """The streams' checksums of three fixed records, as format 2's record-by-record coder (before the writer coded
+    batches) wrote them: a cache written by either reads back the same, alone or coded together."""
+    meta = make_meta("top_k")
+    records = [_exact_record(24, 16, seed) for seed in range(3)]
+    written_by_format_2 = [680123466, 3491262795, 2325778530]
+    assert [checksum(to_streams(meta, record)) for record in records] == written_by_format_2
+    assert [checksum(streams) for streams in to_streams_many(meta, records)] == written_by_format_2
 
 
 @pytest.mark.parametrize("granularity", ["top_k", "top_p"])

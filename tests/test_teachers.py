@@ -423,6 +423,7 @@ def test_targets_write_then_read_back_and_reuse(tiny_model_dir, tokenizer, tmp_p
 
 def test_corrupt_record_is_rescored_never_used(tiny_model_dir, tokenizer, tmp_path):
     targets = _targets(tiny_model_dir, tokenizer, tmp_path / "cache", tmp_path)
+    targets.writers["rev"].keep_bytes = 0  # read back from the store, as once more than keep_bytes were committed
     trajs = _trajectories(tokenizer)
     good = targets.fetch(trajs)
     targets.flush()
@@ -451,6 +452,7 @@ def test_damaged_teacher_store_is_rebuilt_and_rescored(tiny_model_dir, tokenizer
     store is rebuilt, its trajectories re-scored, one warning names the file. Before: the stage stopped
     ("No group found in store", "error: logp", a bare FileNotFoundError, a JSON decode error)."""
     targets = _targets(tiny_model_dir, tokenizer, tmp_path / "cache", tmp_path)
+    targets.writers["rev"].keep_bytes = 0  # read back from the store, as once more than keep_bytes were committed
     trajs = _trajectories(tokenizer)
     good = targets.fetch(trajs)
     targets.flush()
