@@ -70,7 +70,8 @@ def run_config(start: Path, algo: str, steps: int, batch: int, seed: int, teache
     if algo == "opd":
         stage = {"name": "opd", "kind": "opd", "steps": steps, "init_from": "base", "rollout": rollout,
                  "opd": {"teachers": [{"name": "teacher", "checkpoint": str(teacher), "domains": ["arithmetic"]}],
-                         "granularity": "top_k", "top_k": OPD_TOP_K, "divergence": "forward_kl", "probe_every": 0}}
+                         "granularity": "top_k", "top_k": OPD_TOP_K, "divergence": "forward_kl", "probe_every": 0,
+                         "score_batch_size": batch}}  # the teacher scores the batch in one pass, as TRL's does
     else:
         stage = {"name": "rl", "kind": "reasoning", "env": "arithmetic", "steps": steps,
                  "env_options": {"max_operand": SETTINGS["max_operand"]}, "rl": {"ppo_clip": SETTINGS["ratio_clip"]},
