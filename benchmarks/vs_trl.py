@@ -6,8 +6,10 @@ same temperature, max_new_tokens, policy lr, AdamW betas, weight decay, gradient
 opd-sao SAO (one rollout per prompt, asynchronous, critic K=2), opd-sao GRPO (groups of 8) and TRL's GRPOTrainer
 (groups of 8, beta 0, one iteration per generation). Each runs in its own process at ONE torch thread; its cost is
 its own CPU-seconds (getrusage of the process and its children, around the training only: model loading and
-trainer construction excluded on both sides). Every final model is then scored by the same held-out evaluation
-(the eval split, `--eval-samples` sampled episodes per task at temperature 1, the project's verifier).
+trainer construction excluded on both sides; opd-sao's consistency gate, two checks per stage whatever its length,
+reported beside as `gate_cpu_s`, and the ratios with it included printed too). Every final model is then scored by
+the same held-out evaluation (the eval split, `--eval-samples` sampled episodes per task at temperature 1, the
+project's verifier).
 
 The OPD row, at the tiny model's vocabulary (384): `--opd-steps` steps of `--batch` on-policy episodes distilling
 one teacher (the start after as many SFT steps again) with forward KL. opd-sao: its OPD stage's learner, top_k 16
@@ -60,17 +62,18 @@ def one_thread_env() -> dict:
 
 # ------------------------------------------------------------------ opd-sao side (the repository's venv)
 
-def run_config(start: Path, algo: str, steps: int, batch: int, seed: int, teacher: Path | None = None):
+def run_config(start: Path, algo: str, steps: int, batch: int, seed: int, teacher: Path | None = None,
+               granularity: str = "top_k", max_new_tokens: int = SETTINGS["max_new_tokens"]):
     """The stage as a user configures it, resolved by the schema: the reasoning stage (quickstart's reasoning
     settings), or with `algo` "opd" an OPD stage distilling `teacher` (one teacher, top_k 16, forward KL, no
     probes: the whole budget trains)."""
     from opd_sao.config import RunConfig
 
-    rollout = {"temperature": SETTINGS["temperature"], "max_new_tokens": SETTINGS["max_new_tokens"], "max_staleness": 2}
+    rollout = {"temperature": SETTINGS["temperature"], "max_new_tokens": max_new_tokens, "max_staleness": 2}
     if algo == "opd":
         stage = {"name": "opd", "kind": "opd", "steps": steps, "init_from": "base", "rollout": rollout,
                  "opd": {"teachers": [{"name": "teacher", "checkpoint": str(teacher), "domains": ["arithmetic"]}],
-                         "granularity": "top_k", "top_k": OPD_TOP_K, "divergence": "forward_kl", "probe_every": 0,
+                         "granularity": granularity, "top_k": OPD_TOP_K, "divergence": "forward_kl", "probe_every": 0,
                          "score_batch_size": batch}}  # the teacher scores the batch in one pass, as TRL's does
     else:
         stage = {"name": "rl", "kind": "reasoning", "env": "arithmetic", "steps": steps,
@@ -86,7 +89,8 @@ def run_config(start: Path, algo: str, steps: int, batch: int, seed: int, teache
 
 
 def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, seed: int,
-                   teacher: Path | None = None) -> dict:
+                   teacher: Path | None = None, granularity: str = "top_k",
+                   max_new_tokens: int = SETTINGS["max_new_tokens"]) -> dict:
     """One stage's training as Stage.train runs it (gate at start and end, buffer write-ahead log, metrics, trained
     log, resumable state every checkpoint_every steps); CPU-seconds of the gate and the loop. With `algo` "opd": the
     OPD stage's learner over the teacher's logit cache (the teacher loaded before the clock starts, as TRL loads
@@ -112,7 +116,7 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    run = run_config(start, algo, steps, batch, seed, teacher)
+    run = run_config(start, algo, steps, batch, seed, teacher, granularity, max_new_tokens)
     stage = run.stages[0]
     trainer_cfg, tok = run.stage_trainer(stage), load_tokenizer(start)
     env_factory = lambda: ENVIRONMENTS.get("arithmetic")(max_operand=SETTINGS["max_operand"])
@@ -153,17 +157,20 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
                   train_batch_size=trainer_cfg.train_batch_size, pad_id=tok.pad_token_id,
                   logger=MetricsLogger(out / "metrics.jsonl", stage="rl"), trained_log=out / "trained.jsonl",
                   after_step=after_step, buffer=TrajectoryBuffer(stage.rollout.group_size, spill_dir=out / "buffer"))
-    cpu0, wall0 = cpu_seconds(), time.perf_counter()
+    cpu0 = cpu_seconds()
     gate.run("start", sync=loop.sync_weights)
+    cpu1, wall1 = cpu_seconds(), time.perf_counter()
     history = loop.run(steps)
-    gate.run("final", sync=loop.sync_weights)
     if distilling:
-        targets.flush()  # every record committed: the cache's writing is part of the step's cost
-    cpu, wall = cpu_seconds() - cpu0, time.perf_counter() - wall0
+        targets.flush()  # every record committed: the cache's writing is part of the steps' cost
+    cpu2, wall2 = cpu_seconds(), time.perf_counter()
+    gate.run("final", sync=loop.sync_weights)
+    gate_cpu = (cpu1 - cpu0) + (cpu_seconds() - cpu2)  # the gate's two checks: once per stage, not per step
     backend.export_policy(out / "checkpoint", tok)
     engine.close()
-    result = {"episodes": steps * trainer_cfg.train_batch_size, "cpu_s": cpu, "wall_s": wall,
-              "torch_threads": torch.get_num_threads(), "checkpoint": str(out / "checkpoint"), "peak_rss_mb": peak_mb(),
+    result = {"episodes": steps * trainer_cfg.train_batch_size, "cpu_s": cpu2 - cpu1, "wall_s": wall2 - wall1,
+              "gate_cpu_s": gate_cpu, "torch_threads": torch.get_num_threads(), "checkpoint": str(out / "checkpoint"),
+              "peak_rss_mb": peak_mb(),
               "reward_last_quarter": sum(h["reward_mean"] for h in history[-steps // 4:]) / max(1, len(history[-steps // 4:]))}
     if distilling:
         quarter = history[-steps // 4:]
@@ -264,7 +271,7 @@ def trl_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int,
 
 
 def trl_distill_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int, seed: int,
-                       teacher: Path) -> dict:
+                       teacher: Path, max_new_tokens: int = SETTINGS["max_new_tokens"]) -> dict:
     """TRL's DistillationTrainer, on-policy: the student samples completions of the same prompts at the same
     settings, the teacher scores them, and the loss is the exact forward KL over the whole vocabulary (`beta` 0)."""
     import torch
@@ -279,7 +286,7 @@ def trl_distill_worker(start: Path, out: Path, tasks_file: Path, steps: int, bat
     data = Dataset.from_list([{"prompt": bos + t["prompt"]} for t in json.loads(Path(tasks_file).read_text())])
     betas = (0.9, 0.999)
     cfg = DistillationConfig(output_dir=str(out / "trl"), max_steps=steps, per_device_train_batch_size=batch,
-                             max_completion_length=SETTINGS["max_new_tokens"], temperature=SETTINGS["temperature"],
+                             max_completion_length=max_new_tokens, temperature=SETTINGS["temperature"],
                              top_p=1.0, beta=0.0, learning_rate=SETTINGS["policy_lr"], lr_scheduler_type="constant",
                              warmup_steps=0, optim="adamw_torch", adam_beta1=betas[0], adam_beta2=betas[1],
                              weight_decay=0.0, max_grad_norm=SETTINGS["grad_clip"], seed=seed, use_cpu=True,
@@ -315,6 +322,30 @@ def trl_python(venv_root: Path) -> Path:
     return python
 
 
+# ------------------------------------------------------------------ the OPD rows at a real vocabulary
+
+QWEN_BATCH, QWEN_NEW_TOKENS = 16, 64  # 16 rollouts of up to 64 tokens per step
+
+
+def qwen_rows(python: Path, work: Path, args) -> dict:
+    """The OPD rows at vocabulary 151,936: a Qwen2 student of hidden size 32 on the real Qwen2.5 tokenizer and a
+    perturbed copy as its teacher (`opd_step.build_models`), the same prompts; opd-sao top_k 16 and full, and TRL's
+    DistillationTrainer (its exact loss holds [B, T, V] logits of both models)."""
+    import opd_step
+
+    student = opd_step.build_models(151_936, work)
+    common = dict(start=student, steps=args.qwen_steps, batch=QWEN_BATCH, seed=args.seed, teacher=work / "teacher",
+                  max_new_tokens=QWEN_NEW_TOKENS)
+    rows = {granularity: run_worker(Path(sys.executable), "opd-sao", algo="opd", out=work / granularity,
+                                    granularity=granularity, **common) for granularity in ("top_k", "full")}
+    rows["trl_distillation"] = run_worker(python, "trl-distill", out=work / "trl", tasks=work.parent / "train_tasks.json",
+                                          **common)
+    for result in rows.values():
+        result.pop("checkpoint", None)
+        result["cpu_s_per_step"] = result["cpu_s"] / args.qwen_steps
+    return rows
+
+
 # ------------------------------------------------------------------ driver
 
 def run_worker(python: Path, kind: str, **kw) -> dict:
@@ -344,7 +375,11 @@ def main() -> None:
     parser.add_argument("--algo", help=argparse.SUPPRESS)
     parser.add_argument("--tasks", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--teacher", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--opd-steps", type=int, default=60, help="steps of the OPD rows")
+    parser.add_argument("--opd-steps", type=int, default=60, help="steps of the OPD rows at vocabulary 384")
+    parser.add_argument("--qwen-steps", type=int, default=6,
+                        help="steps of the OPD rows at vocabulary 151,936 (0: skip them)")
+    parser.add_argument("--granularity", default="top_k", help=argparse.SUPPRESS)
+    parser.add_argument("--max-new-tokens", type=int, default=SETTINGS["max_new_tokens"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -352,13 +387,14 @@ def main() -> None:
             result = trl_worker(args.start, args.out, args.tasks, args.steps, args.batch, args.seed)
         elif args.worker == "trl-distill":
             result = trl_distill_worker(args.start, args.out, args.tasks, args.steps, args.batch, args.seed,
-                                        args.teacher)
+                                        args.teacher, args.max_new_tokens)
         else:
-            result = opd_sao_worker(args.start, args.out, args.algo, args.steps, args.batch, args.seed, args.teacher)
+            result = opd_sao_worker(args.start, args.out, args.algo, args.steps, args.batch, args.seed, args.teacher,
+                                    args.granularity, args.max_new_tokens)
         print(json.dumps(result))
         return
     if args.quick:
-        args.steps, args.batch, args.sft_steps, args.eval_samples, args.opd_steps = 6, 32, 60, 1, 4
+        args.steps, args.batch, args.sft_steps, args.eval_samples, args.opd_steps, args.qwen_steps = 6, 32, 60, 1, 4, 0
     import torch
     import transformers
 
@@ -382,19 +418,32 @@ def main() -> None:
         for result in opd.values():
             result.pop("checkpoint", None)
             result["cpu_s_per_step"] = result["cpu_s"] / args.opd_steps
+        qwen = qwen_rows(python, work / "qwen", args) if args.qwen_steps else {}
     trl = runs["trl_grpo"]["episodes_per_cpu_s"]
+    with_gate = {name: runs[name]["episodes"] / (runs[name]["cpu_s"] + runs[name]["gate_cpu_s"]) / trl
+                 for name in ("opd_sao_grpo", "opd_sao_sao")}
     ratios = {"grpo_vs_trl": runs["opd_sao_grpo"]["episodes_per_cpu_s"] / trl,
               "sao_vs_trl": runs["opd_sao_sao"]["episodes_per_cpu_s"] / trl,
+              "grpo_vs_trl_gate_included": with_gate["opd_sao_grpo"], "sao_vs_trl_gate_included": with_gate["opd_sao_sao"],
               "opd_top_k_cpu_vs_trl_distillation": opd["opd_sao_opd_top_k"]["cpu_s"] / opd["trl_distillation"]["cpu_s"]}
+    if qwen:
+        ratios.update({"top_k_cpu_vs_trl_at_151936": qwen["top_k"]["cpu_s"] / qwen["trl_distillation"]["cpu_s"],
+                       "top_k_peak_rss_vs_trl_at_151936": qwen["top_k"]["peak_rss_mb"]
+                       / qwen["trl_distillation"]["peak_rss_mb"]})
     print(f"{'run':<18} {'episodes':>8} {'CPU-s':>8} {'eps/CPU-s':>10} {'held-out':>9}")
     for name, r in runs.items():
         print(f"{name:<18} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['episodes_per_cpu_s']:>10.1f} {r['held_out']:>9.3f}")
-    for name, r in opd.items():
+    for name, r in [*opd.items(), *((f"{k}@151936", v) for k, v in qwen.items())]:
         print(f"{name:<18} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['cpu_s_per_step']:>10.3f} CPU-s/step, "
               f"peak RSS {r['peak_rss_mb']:.0f} MB")
     print(f"ratios to TRL GRPO (episodes per CPU-second): opd-sao GRPO {ratios['grpo_vs_trl']:.2f}x (must >= 1.3), "
-          f"SAO {ratios['sao_vs_trl']:.2f}x (must >= 1.0); OPD top_k CPU / TRL DistillationTrainer's "
-          f"{ratios['opd_top_k_cpu_vs_trl_distillation']:.2f} (must <= 1)")
+          f"SAO {ratios['sao_vs_trl']:.2f}x (must >= 1.0); with the gate's two checks: GRPO "
+          f"{ratios['grpo_vs_trl_gate_included']:.2f}x, SAO {ratios['sao_vs_trl_gate_included']:.2f}x; OPD top_k CPU / "
+          f"TRL DistillationTrainer's {ratios['opd_top_k_cpu_vs_trl_distillation']:.2f} (must <= 1)")
+    if qwen:
+        print(f"at 151,936: top_k CPU / TRL's {ratios['top_k_cpu_vs_trl_at_151936']:.2f} (must <= 0.8), peak RSS "
+              f"{ratios['top_k_peak_rss_vs_trl_at_151936']:.2f} (must <= 0.5); full {qwen['full']['peak_rss_mb']:.0f} MB "
+              f"(must < 2048)")
     print(json.dumps({
         "benchmark": "vs_trl", "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, load average "
         f"{os.getloadavg()[0]:.1f}", "versions": {"trl": TRL_VERSION, "torch": torch.__version__,
@@ -403,9 +452,14 @@ def main() -> None:
         "torch_threads": 1, "steps": args.steps, "batch": args.batch, "group_size_grpo": GROUP, "settings": SETTINGS,
         "opd": {"steps": args.opd_steps, "top_k": OPD_TOP_K, "divergence": "forward_kl", "vocab": 384},
         "eval_samples_per_task": args.eval_samples, "runs": runs, "opd_runs": opd, "ratios": ratios,
+        "opd_runs_151936": qwen, "qwen_rows": {"steps": args.qwen_steps, "batch": QWEN_BATCH,
+                                               "max_new_tokens": QWEN_NEW_TOKENS} if qwen else None,
         "must_show": {"grpo_at_least_1.3x": ratios["grpo_vs_trl"] >= 1.3, "sao_at_least_1.0x": ratios["sao_vs_trl"] >= 1.0,
                       "sao_held_out_above_grpo": runs["opd_sao_sao"]["held_out"] > runs["opd_sao_grpo"]["held_out"],
-                      "opd_top_k_at_384_no_more_cpu_than_trl": ratios["opd_top_k_cpu_vs_trl_distillation"] <= 1.0}}))
+                      "opd_top_k_at_384_no_more_cpu_than_trl": ratios["opd_top_k_cpu_vs_trl_distillation"] <= 1.0,
+                      **({"top_k_at_151936_at_most_0.8x_trl_cpu": ratios["top_k_cpu_vs_trl_at_151936"] <= 0.8,
+                          "top_k_at_151936_at_most_half_trl_memory": ratios["top_k_peak_rss_vs_trl_at_151936"] <= 0.5,
+                          "full_at_151936_under_2_gb": qwen["full"]["peak_rss_mb"] < 2048} if qwen else {})}}))
 
 
 if __name__ == "__main__":
