@@ -49,11 +49,9 @@ class TrajectoryBuffer:
         self._cond = threading.Condition()
         self._log_path = Path(spill_dir) / "buffer.jsonl" if spill_dir else None
         self._log: Optional[int] = None  # the log's descriptor (O_APPEND: one write per line, no buffer to flush)
-        self._log_end = 0
         if self._log_path:
             self._log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = os.open(self._log_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-            self._log_end = os.fstat(self._log).st_size
         self._in_memory = 0  # ready entries whose trajectory is held in memory
         self.dropped_stale = 0  # trajectories
         self.dropped_stale_groups = 0  # group mode: groups dropped whole
@@ -84,11 +82,10 @@ class TrajectoryBuffer:
         if self._log is None:
             return -1, 0
         line = (traj.to_json() + "\n").encode()
-        offset = self._log_end
+        offset = os.lseek(self._log, 0, os.SEEK_END)  # the file's end, whatever an earlier failed write left
         written = os.write(self._log, line)
         while written < len(line):  # a short write (a signal, a full pipe): the rest, in order
             written += os.write(self._log, line[written:])
-        self._log_end += len(line)
         return offset, len(line)
 
     def _load(self, entry: _Entry) -> Trajectory:
