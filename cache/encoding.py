@@ -464,10 +464,28 @@ def to_streams(meta: CacheMeta, record: TeacherRecord) -> dict[str, np.ndarray]:
     return streams
 
 
+BATCH_ENTRIES = 1 << 20  # support entries coded in one pass: its int64 temporaries stay around a hundred MB
+
+
 def to_streams_many(meta: CacheMeta, records: list[TeacherRecord]) -> list[dict[str, np.ndarray]]:
-    """``to_streams`` of each record, the same streams byte for byte, with the support's coding done for all the
-    records at once (``_encode_supports``); records that do not fit ``meta`` raise as ``to_streams`` does."""
+    """``to_streams`` of each record, the same streams byte for byte, with the support's coding done for many
+    records at once (``_encode_supports``, in passes of about ``BATCH_ENTRIES`` support entries: a writer's commit of
+    512 records of 8k positions at top-64 would otherwise make gigabytes of temporaries); records that do not fit
+    ``meta`` raise as ``to_streams`` does."""
     if meta.granularity not in ("top_k", "top_p") or len(records) < 2:
+        return [to_streams(meta, record) for record in records]
+    out, first, entries = [], 0, 0
+    for i, record in enumerate(records):
+        size = len(record.ids) if record.ids is not None else 0
+        if entries and entries + size > BATCH_ENTRIES:
+            out += _to_streams_together(meta, records[first:i])
+            first, entries = i, 0
+        entries += size
+    return out + _to_streams_together(meta, records[first:])
+
+
+def _to_streams_together(meta: CacheMeta, records: list[TeacherRecord]) -> list[dict[str, np.ndarray]]:
+    if len(records) < 2:
         return [to_streams(meta, record) for record in records]
     try:
         joined, sizes, row_len = _joined_support(meta, records)

@@ -27,6 +27,7 @@ from opd_sao.cache import (
     TeacherRecord,
     encode_top_k,
     encode_top_p,
+    encoding,
     nucleus_cut,
     quantised,
     quantised_many,
@@ -595,11 +596,14 @@ def test_the_byte_coding_is_format_2s():
     assert [checksum(streams) for streams in to_streams_many(meta, records)] == written_by_format_2
 
 
-@pytest.mark.parametrize("granularity", ["top_k", "top_p"])
-def test_records_coded_together_are_the_bytes_each_gets_alone(granularity):
-    """The writer codes a step's records in one pass (`to_streams_many`): every stream of every record must be
-    byte for byte what `to_streams` gives that record alone, whatever the records' sizes (an empty one too) and
-    whether a record has an id dictionary; a record that does not fit is refused with its own error."""
+@pytest.mark.parametrize("granularity, batch_entries", [("top_k", None), ("top_p", None), ("top_k", 300)])
+def test_records_coded_together_are_the_bytes_each_gets_alone(granularity, batch_entries, monkeypatch):
+    """The writer codes a step's records in one pass (`to_streams_many`; passes of at most BATCH_ENTRIES support
+    entries): every stream of every record must be byte for byte what `to_streams` gives that record alone, whatever
+    the records' sizes (an empty one too) and whether a record has an id dictionary; a record that does not fit is
+    refused with its own error."""
+    if batch_entries is not None:
+        monkeypatch.setattr(encoding, "BATCH_ENTRIES", batch_entries)
     rng = np.random.default_rng(7)
     meta = make_meta(granularity) if granularity == "top_k" else make_meta("top_p", max_support=40)
     records = []
