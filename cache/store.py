@@ -366,6 +366,11 @@ class TeacherCache:
         self._log.refresh()
         return traj_id in self._log.records
 
+    def contains_many(self, traj_ids: list[str]) -> list[bool]:
+        """`traj_id in self` for each, the commit log read once (one open and stat, not one per id)."""
+        self._log.refresh()
+        return [traj_id in self._log.records for traj_id in traj_ids]
+
     def __len__(self) -> int:
         self._log.refresh()
         return len(self._log.records)

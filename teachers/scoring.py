@@ -46,16 +46,20 @@ class ScoredRows:
     def split(self, counts: list[int]) -> list[TeacherRecord]:
         """One record per trajectory; counts = action rows of each trajectory."""
         records, row, flat = [], 0, 0
+        sampled_all = self.sampled_logp.numpy().astype(np.float32)  # converted once; a record holds copies
+        if self.row_len is not None:
+            lens_all = self.row_len.numpy().astype(np.int64)
+            ids_all, logp_all = self.ids.numpy().astype(np.int64), self.logp.numpy().astype(np.float32)
+            tail_all = self.tail_mass.numpy().astype(np.float32)
         for n in counts:
-            sampled = self.sampled_logp[row:row + n].numpy().astype(np.float32)
+            sampled = sampled_all[row:row + n].copy()
             if self.row_len is not None:
-                lens = self.row_len[row:row + n]
-                total = int(lens.sum())
-                offsets = np.concatenate([[0], np.cumsum(lens.numpy())]).astype(np.int64)
+                offsets = np.zeros(n + 1, dtype=np.int64)
+                np.cumsum(lens_all[row:row + n], out=offsets[1:])
+                total = int(offsets[-1])
                 records.append(TeacherRecord(
-                    sampled_logp=sampled, ids=self.ids[flat:flat + total].numpy().astype(np.int64),
-                    logp=self.logp[flat:flat + total].numpy().astype(np.float32), offsets=offsets,
-                    tail_mass=self.tail_mass[row:row + n].numpy().astype(np.float32)))
+                    sampled_logp=sampled, ids=ids_all[flat:flat + total].copy(),
+                    logp=logp_all[flat:flat + total].copy(), offsets=offsets, tail_mass=tail_all[row:row + n].copy()))
                 flat += total
             elif self.logp_codes is not None:
                 records.append(TeacherRecord(sampled_logp=sampled, logp_codes=self.logp_codes[row:row + n].numpy()))

@@ -170,15 +170,18 @@ class TeacherTargets:
         names = [self.registry.teacher_for(t.domain).name for t in trajectories]
         keys = [cache_key(t) for t in trajectories]
         out = Targets(teachers=names, records=[None] * len(trajectories))  # type: ignore[list-item]
-        stored, missing = [], []
+        stored, missing, unheld = [], [], {}
         for i, (name, key) in enumerate(zip(names, keys)):
-            held = self.writers[name].get(key)  # scored, its commit under way
+            held = self.writers[name].get(key)  # scored, its commit under way (or kept after it)
             if held is not None:
                 out.records[i] = held
-            elif key in self.caches[name]:
-                stored.append(i)
             else:
-                missing.append(i)
+                unheld.setdefault(name, []).append(i)
+        for name, index in unheld.items():
+            for i, present in zip(index, self.caches[name].contains_many([keys[i] for i in index])):
+                (stored if present else missing).append(i)
+        stored.sort()
+        missing.sort()
         out.misses = len(missing)
         self._score(trajectories, names, keys, missing, out)
         corrupt = self._read(names, keys, stored, out)

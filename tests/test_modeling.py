@@ -152,6 +152,27 @@ def test_top_k_and_top_p_cut_the_support_as_sglang_then_renormalise():
     assert torch.allclose(vocab, torch.log_softmax(logits / 0.5, -1)[:, 0])  # over the whole vocabulary, at T
 
 
+def test_categorical_draws_follow_the_distribution_and_never_a_zero_probability_index():
+    """Inverse-CDF draws from rows that need not sum to 1: [0.5, 0, 0.2, 0.3, 0] x 2 (sum 2) draws 0, 2 and 3 at
+    0.5, 0.2 and 0.3 (200,000 draws, within 4 standard errors) and never 1 or 4. A row of one subnormal mass
+    [0, 5e-324, 0]: the uniform times the total rounds to 0 or to the total itself (then every cumulative sum is
+    <= it and the draw would fall past the row): both give index 1, the only positive one. The same generator
+    state gives the same draws."""
+    from opd_sao.modeling import categorical
+
+    n = 200_000
+    probs = torch.tensor([[1.0, 0.0, 0.4, 0.6, 0.0]]).expand(n, 5)
+    draws = categorical(probs, torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=5).double() / n
+    want = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0], dtype=torch.float64)
+    assert freq[1] == 0 and freq[4] == 0
+    assert ((freq - want).abs() <= 4 * (want * (1 - want) / n).sqrt() + 1e-12).all(), freq
+    tiny = torch.tensor([[0.0, 5e-324, 0.0]], dtype=torch.float64).expand(1000, 3)
+    assert categorical(tiny, torch.Generator().manual_seed(1)).tolist() == [1] * 1000
+    assert torch.equal(categorical(probs[:50], torch.Generator().manual_seed(3)),
+                       categorical(probs[:50], torch.Generator().manual_seed(3)))
+
+
 def test_keyed_draws_follow_the_distribution_ignore_the_batch_and_couple_close_policies():
     """Keyed sampling (SGLang's sampling_seed): p = softmax([2, 1, 0, -inf]) = [0.665, 0.245, 0.090, 0]; 6000 keys
     draw each token at its probability (within 4 standard errors), never the cut one; a key draws the same token

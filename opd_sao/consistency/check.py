@@ -113,18 +113,18 @@ def action_hidden_states(model, trajectories: list[Trajectory], *, padding: str 
         chunk = trajectories[first:first + batch_size]
         seqs = [t.prompt_ids + t.token_ids for t in chunk]
         width = max(len(s) for s in seqs)
-        input_ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        attention = torch.zeros_like(input_ids)
-        offsets = []
-        for i, seq in enumerate(seqs):
-            offset = width - len(seq) if padding == "left" else 0
-            input_ids[i, offset:offset + len(seq)] = torch.tensor(seq)
-            attention[i, offset:offset + len(seq)] = 1
-            offsets.append(offset)
+        offsets = [width - len(seq) if padding == "left" else 0 for seq in seqs]
+        input_ids = torch.tensor([[0] * o + s + [0] * (width - o - len(s)) for o, s in zip(offsets, seqs)])
+        attention = torch.tensor([[0] * o + [1] * len(s) + [0] * (width - o - len(s)) for o, s in zip(offsets, seqs)])
         hidden = hidden_states(model, input_ids.to(device), attention.to(device))
+        rows, columns = [], []  # the position before each action token, trajectory by trajectory
         for i, traj in enumerate(chunk):
-            before = [offsets[i] + len(traj.prompt_ids) + j - 1 for j, acted in enumerate(traj.action_mask) if acted]
-            out.append(hidden[i, before])
+            before = offsets[i] + len(traj.prompt_ids) - 1
+            picked = [before + j for j, acted in enumerate(traj.action_mask) if acted]
+            rows += [i] * len(picked)
+            columns += picked
+        out.append(hidden[torch.tensor(rows, dtype=torch.long, device=device),
+                          torch.tensor(columns, dtype=torch.long, device=device)])
     return torch.cat(out) if out else torch.empty(0, model.config.hidden_size, device=device)
 
 

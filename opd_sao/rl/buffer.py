@@ -52,6 +52,7 @@ class TrajectoryBuffer:
         if self._log_path:
             self._log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = os.open(self._log_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        self._end: Optional[int] = None  # the log's length after this buffer's last complete write
         self._in_memory = 0  # ready entries whose trajectory is held in memory
         self.dropped_stale = 0  # trajectories
         self.dropped_stale_groups = 0  # group mode: groups dropped whole
@@ -82,10 +83,13 @@ class TrajectoryBuffer:
         if self._log is None:
             return -1, 0
         line = (traj.to_json() + "\n").encode()
-        offset = os.lseek(self._log, 0, os.SEEK_END)  # the file's end, whatever an earlier failed write left
+        if self._end is None:  # the file's end, whatever an earlier failed write left
+            self._end = os.lseek(self._log, 0, os.SEEK_END)
+        offset, self._end = self._end, None
         written = os.write(self._log, line)
         while written < len(line):  # a short write (a signal, a full pipe): the rest, in order
             written += os.write(self._log, line[written:])
+        self._end = offset + len(line)  # only this buffer appends: no seek while every write completes
         return offset, len(line)
 
     def _load(self, entry: _Entry) -> Trajectory:

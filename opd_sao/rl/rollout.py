@@ -9,10 +9,11 @@ several trajectory segments (see opd_sao.rl.compaction), each exactly what the e
 from __future__ import annotations
 
 import math
+import os
 import queue
+import random
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Iterator, Optional
@@ -27,6 +28,10 @@ from opd_sao.engines.base import (
 from opd_sao.modeling import seed_of
 from opd_sao.rl.compaction import Compaction, next_segment, propagate_returns
 from opd_sao.trajectory import Trajectory
+
+# 64 random bits per trajectory id, from a generator seeded by the OS once per process (an id need not be secret,
+# only distinct across processes and resumes; uuid4 read the OS's randomness once per episode)
+_TRAJECTORY_IDS = random.Random(int.from_bytes(os.urandom(16), "little"))
 
 
 class PromptTooLong(ValueError):
@@ -87,7 +92,7 @@ class Episode:
         if len(prompt_ids) >= max_context_tokens:
             raise PromptTooLong(f"{domain}: task {task['id']!r}: its prompt is {len(prompt_ids)} tokens, and "
                                 f"rollout.max_context_tokens is {max_context_tokens}; shorten or drop the row")
-        traj_id = traj_id or f"{domain}-{uuid.uuid4().hex[:16]}"
+        traj_id = traj_id or f"{domain}-{_TRAJECTORY_IDS.getrandbits(64):016x}"
         self.traj = Trajectory(
             traj_id=traj_id, domain=domain, prompt_ids=prompt_ids, temperature=params.temperature, top_p=params.top_p,
             meta={"task_id": task["id"], "group": group, "turns": 0, "episode": traj_id, "segment": 0},
