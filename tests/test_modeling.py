@@ -35,13 +35,16 @@ def leaves(dtype, n=23, h=8, v=101, scale=0.5, seed=0):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-6)])
-def test_token_logprobs_and_gradients_equal_the_full_softmax(dtype, tol):
+@pytest.mark.parametrize("blocks", [dict(vocab_chunk=7, row_block=5), {}], ids=["chunked", "one-block"])
+def test_token_logprobs_and_gradients_equal_the_full_softmax(dtype, tol, blocks):
+    """The chunked kernel (101 = 14 x 7 + 3 columns, 23 = 4 x 5 + 3 rows) and the one-block path (23 x 101 within
+    the default block) against a plain full softmax, values and gradients."""
     g = torch.Generator().manual_seed(1)
     targets = torch.randint(0, 101, (23,), generator=g)
     temperature = (0.5 + torch.rand(23, generator=g, dtype=torch.float64)).to(dtype)
     upstream = torch.randn(23, generator=g, dtype=torch.float64).to(dtype)
     ours, ref = leaves(dtype), leaves(dtype)
-    got = token_logprobs(*ours, targets, temperature, vocab_chunk=7, row_block=5)  # 101 = 14 x 7 + 3; 23 = 4 x 5 + 3
+    got = token_logprobs(*ours, targets, temperature, **blocks)
     want = naive(*ref, targets, temperature)
     assert torch.allclose(got, want, rtol=tol, atol=tol)  # |a - b| <= tol x (1 + |b|)
     (got * upstream).sum().backward()
@@ -118,10 +121,11 @@ def test_sft_loss_is_the_token_mean_cross_entropy_on_the_answer(tiny_model_dir):
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_bfloat16_weights_give_bfloat16_gradients():
+@pytest.mark.parametrize("row_block", [5, 256], ids=["chunked", "one-block"])
+def test_bfloat16_weights_give_bfloat16_gradients(row_block):
     hidden, weight, bias = (x.detach().to(torch.bfloat16).requires_grad_() for x in leaves(torch.float32))
     targets = torch.arange(23) % 101
-    out = token_logprobs(hidden, weight, bias, targets, torch.ones(23), vocab_chunk=16)
+    out = token_logprobs(hidden, weight, bias, targets, torch.ones(23), vocab_chunk=16, row_block=row_block)
     assert out.dtype == torch.float32
     out.sum().backward()
     assert hidden.grad.dtype == weight.grad.dtype == bias.grad.dtype == torch.bfloat16

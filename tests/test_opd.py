@@ -97,7 +97,8 @@ def test_dense_support_logprobs_equal_the_chunked_kernel():
         if dense:
             s_logp, tail, top = dense_support_logprobs(hidden @ weight.T, ids, mask, top_k=4)
         else:
-            s_logp, tail, top = support_logprobs(hidden, weight, None, ids, mask, vocab_chunk=16, top_k=4)
+            s_logp, tail, top = support_logprobs(hidden, weight, None, ids, mask, vocab_chunk=16, top_k=4,
+                                                 row_block=2)  # 7 x 40 past one 2 x 16 block: the chunked kernel
         ((s_logp * coef).sum() + tail.exp().sum()).backward()
         outputs.append((s_logp.detach(), tail.detach(), top, hidden.grad.clone(), weight.grad.clone()))
     (d_logp, d_tail, d_top, d_gh, d_gw), (c_logp, c_tail, c_top, c_gh, c_gw) = outputs
@@ -106,10 +107,11 @@ def test_dense_support_logprobs_equal_the_chunked_kernel():
     assert torch.allclose(d_gh, c_gh, atol=1e-9) and torch.allclose(d_gw, c_gw, atol=1e-9)
 
 
-def test_student_support_covering_the_vocabulary_or_dominating_it_stays_finite():
+@pytest.mark.parametrize("row_block", [1, 256], ids=["chunked", "one-block"])
+def test_student_support_covering_the_vocabulary_or_dominating_it_stays_finite(row_block):
     """A support that is the whole vocabulary (no tail: -1e30 stands in for log 0) and one logit 200 nats above
     the rest (exp(z - rest) overflows float32 on the support, which the backward overwrites) give finite values
-    and the dense gradients."""
+    and the dense gradients, through the chunked kernel and the one-block path."""
     v = 10
     hidden = torch.tensor([[1.0], [1.0]], requires_grad=True)
     weight = torch.cat([torch.arange(v, dtype=torch.float32).unsqueeze(1) * 0.1, torch.zeros(1, 1)])
@@ -117,7 +119,7 @@ def test_student_support_covering_the_vocabulary_or_dominating_it_stays_finite()
     weight.requires_grad_()
     ids = torch.stack([torch.arange(v + 1), torch.tensor([0, 3] + [0] * (v - 1))])
     mask = torch.stack([torch.ones(v + 1, dtype=torch.bool), torch.tensor([True, True] + [False] * (v - 1))])
-    s_logp, tail, _ = support_logprobs(hidden, weight, None, ids, mask, vocab_chunk=4)
+    s_logp, tail, _ = support_logprobs(hidden, weight, None, ids, mask, vocab_chunk=4, row_block=row_block)
     assert float(tail[0].detach()) < -1e29 and torch.isfinite(s_logp).all()
     (s_logp.sum() + tail[1].exp()).backward()
     got = hidden.grad.clone(), weight.grad.clone()
