@@ -18,6 +18,10 @@ TRL: DistillationTrainer (on-policy generation, the teacher's forward, the exact
 `beta` 0, TRL's default gradient checkpointing). Both generate their own rollouts. The cost is CPU-seconds per step
 and the process's peak RSS.
 
+`--repeats N` runs the RL rows and the vocabulary-384 OPD rows N times, interleaved (opd-sao, then TRL, in every
+repeat), and judges the median of each ratio: on this 2-core machine one run's ratio moves by up to a quarter
+between runs. The held-out accuracies are the first repeat's models'.
+
 TRL is installed into `<--venv>/trl-venv` with `python -m venv` and pip (trl==1.16.0, the same torch 2.13.0 CPU
 wheel and transformers as opd-sao's venv), once; later runs reuse it.
 
@@ -31,6 +35,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -348,6 +353,17 @@ def qwen_rows(python: Path, work: Path, args) -> dict:
 
 # ------------------------------------------------------------------ driver
 
+def repeat_ratios(runs: dict, opd: dict) -> dict:
+    """One repeat's ratios to TRL: episodes per CPU-second (without and with the gate's two checks), OPD CPU."""
+    trl = runs["trl_grpo"]["episodes_per_cpu_s"]
+    with_gate = {name: runs[name]["episodes"] / (runs[name]["cpu_s"] + runs[name]["gate_cpu_s"]) / trl
+                 for name in ("opd_sao_grpo", "opd_sao_sao")}
+    return {"grpo_vs_trl": runs["opd_sao_grpo"]["episodes_per_cpu_s"] / trl,
+            "sao_vs_trl": runs["opd_sao_sao"]["episodes_per_cpu_s"] / trl,
+            "grpo_vs_trl_gate_included": with_gate["opd_sao_grpo"], "sao_vs_trl_gate_included": with_gate["opd_sao_sao"],
+            "opd_top_k_cpu_vs_trl_distillation": opd["opd_sao_opd_top_k"]["cpu_s"] / opd["trl_distillation"]["cpu_s"]}
+
+
 def run_worker(python: Path, kind: str, **kw) -> dict:
     args = [str(python), __file__, "--worker", kind] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
     proc = subprocess.run(args, env=one_thread_env(), capture_output=True, text=True,
@@ -366,6 +382,9 @@ def main() -> None:
                         help="SFT steps of the shared start (900: held-out about 0.5, room for RL to show; at 300 "
                              "every run ended near 0.16 and the accuracies said nothing)")
     parser.add_argument("--eval-samples", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the RL and vocabulary-384 OPD rows this many times, interleaved, and judge the "
+                             "median ratios (one run's ratio moves by up to a quarter on this machine)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "opd-sao-vs-trl",
                         help="where trl-venv is made (kept for later runs)")
@@ -405,27 +424,31 @@ def main() -> None:
         work = Path(tmp)
         start = prepare(work, args.sft_steps, args.seed)
         common = dict(start=start, steps=args.steps, batch=args.batch, seed=args.seed)
-        runs = {"opd_sao_sao": run_worker(Path(sys.executable), "opd-sao", algo="sao", out=work / "sao", **common),
-                "opd_sao_grpo": run_worker(Path(sys.executable), "opd-sao", algo="grpo", out=work / "grpo", **common),
-                "trl_grpo": run_worker(python, "trl", out=work / "trl", tasks=work / "train_tasks.json", **common)}
-        for result in runs.values():
-            result["episodes_per_cpu_s"] = result["episodes"] / result["cpu_s"]
-            result["held_out"] = held_out(Path(result.pop("checkpoint")), args.eval_samples, args.seed)
         distill = dict(common, steps=args.opd_steps, teacher=work / "teacher")
-        opd = {"opd_sao_opd_top_k": run_worker(Path(sys.executable), "opd-sao", algo="opd", out=work / "opd", **distill),
-               "trl_distillation": run_worker(python, "trl-distill", out=work / "trl-distill",
-                                              tasks=work / "train_tasks.json", **distill)}
-        for result in opd.values():
-            result.pop("checkpoint", None)
-            result["cpu_s_per_step"] = result["cpu_s"] / args.opd_steps
+        repeats = []
+        for repeat in range(max(1, args.repeats)):  # interleaved: a slow spell of the machine hits both sides
+            rl = {"opd_sao_sao": run_worker(Path(sys.executable), "opd-sao", algo="sao", out=work / f"sao{repeat}",
+                                            **common),
+                  "opd_sao_grpo": run_worker(Path(sys.executable), "opd-sao", algo="grpo", out=work / f"grpo{repeat}",
+                                             **common),
+                  "trl_grpo": run_worker(python, "trl", out=work / f"trl{repeat}", tasks=work / "train_tasks.json",
+                                         **common)}
+            opd = {"opd_sao_opd_top_k": run_worker(Path(sys.executable), "opd-sao", algo="opd",
+                                                   out=work / f"opd{repeat}", **distill),
+                   "trl_distillation": run_worker(python, "trl-distill", out=work / f"trl-distill{repeat}",
+                                                  tasks=work / "train_tasks.json", **distill)}
+            for result in (*rl.values(), *opd.values()):
+                result["episodes_per_cpu_s"] = result["episodes"] / result["cpu_s"]
+            for result in opd.values():
+                result.pop("checkpoint", None)
+                result["cpu_s_per_step"] = result["cpu_s"] / args.opd_steps
+            repeats.append((rl, opd))
+        runs, opd = repeats[0]  # the held-out accuracies: the first repeat's models
+        for result in runs.values():
+            result["held_out"] = held_out(Path(result.pop("checkpoint")), args.eval_samples, args.seed)
         qwen = qwen_rows(python, work / "qwen", args) if args.qwen_steps else {}
-    trl = runs["trl_grpo"]["episodes_per_cpu_s"]
-    with_gate = {name: runs[name]["episodes"] / (runs[name]["cpu_s"] + runs[name]["gate_cpu_s"]) / trl
-                 for name in ("opd_sao_grpo", "opd_sao_sao")}
-    ratios = {"grpo_vs_trl": runs["opd_sao_grpo"]["episodes_per_cpu_s"] / trl,
-              "sao_vs_trl": runs["opd_sao_sao"]["episodes_per_cpu_s"] / trl,
-              "grpo_vs_trl_gate_included": with_gate["opd_sao_grpo"], "sao_vs_trl_gate_included": with_gate["opd_sao_sao"],
-              "opd_top_k_cpu_vs_trl_distillation": opd["opd_sao_opd_top_k"]["cpu_s"] / opd["trl_distillation"]["cpu_s"]}
+    each = [repeat_ratios(rl, distilled) for rl, distilled in repeats]
+    ratios = {name: statistics.median(r[name] for r in each) for name in each[0]}
     if qwen:
         ratios.update({"top_k_cpu_vs_trl_at_151936": qwen["top_k"]["cpu_s"] / qwen["trl_distillation"]["cpu_s"],
                        "top_k_peak_rss_vs_trl_at_151936": qwen["top_k"]["peak_rss_mb"]
@@ -436,7 +459,10 @@ def main() -> None:
     for name, r in [*opd.items(), *((f"{k}@151936", v) for k, v in qwen.items())]:
         print(f"{name:<18} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['cpu_s_per_step']:>10.3f} CPU-s/step, "
               f"peak RSS {r['peak_rss_mb']:.0f} MB")
-    print(f"ratios to TRL GRPO (episodes per CPU-second): opd-sao GRPO {ratios['grpo_vs_trl']:.2f}x (must >= 1.3), "
+    for i, r in enumerate(each):
+        print(f"repeat {i}: GRPO {r['grpo_vs_trl']:.2f}x, SAO {r['sao_vs_trl']:.2f}x, OPD top_k CPU / TRL's "
+              f"{r['opd_top_k_cpu_vs_trl_distillation']:.2f}")
+    print(f"ratios to TRL GRPO (median of {len(each)} repeat(s); episodes per CPU-second): opd-sao GRPO {ratios['grpo_vs_trl']:.2f}x (must >= 1.3), "
           f"SAO {ratios['sao_vs_trl']:.2f}x (must >= 1.0); with the gate's two checks: GRPO "
           f"{ratios['grpo_vs_trl_gate_included']:.2f}x, SAO {ratios['sao_vs_trl_gate_included']:.2f}x; OPD top_k CPU / "
           f"TRL DistillationTrainer's {ratios['opd_top_k_cpu_vs_trl_distillation']:.2f} (must <= 1)")
@@ -452,6 +478,9 @@ def main() -> None:
         "torch_threads": 1, "steps": args.steps, "batch": args.batch, "group_size_grpo": GROUP, "settings": SETTINGS,
         "opd": {"steps": args.opd_steps, "top_k": OPD_TOP_K, "divergence": "forward_kl", "vocab": 384},
         "eval_samples_per_task": args.eval_samples, "runs": runs, "opd_runs": opd, "ratios": ratios,
+        "repeats": len(each), "ratios_each_repeat": each,
+        "cpu_s_each_repeat": {name: [r[0 if name in r[0] else 1][name]["cpu_s"] for r in repeats]
+                              for name in (*repeats[0][0], *repeats[0][1])},
         "opd_runs_151936": qwen, "qwen_rows": {"steps": args.qwen_steps, "batch": QWEN_BATCH,
                                                "max_new_tokens": QWEN_NEW_TOKENS} if qwen else None,
         "must_show": {"grpo_at_least_1.3x": ratios["grpo_vs_trl"] >= 1.3, "sao_at_least_1.0x": ratios["sao_vs_trl"] >= 1.0,

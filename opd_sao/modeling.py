@@ -291,8 +291,12 @@ def categorical(probs: torch.Tensor, generator=None) -> torch.Tensor:
     inverse CDF: the first index whose cumulative sum exceeds a uniform draw times the row's total. One uniform
     per row (`torch.multinomial` costs ten times as much at 64 x 384 on a CPU); a zero-probability index is
     never drawn (its cumulative sum equals its predecessor's), and a uniform that rounds up to the total takes
-    the row's last index of positive probability."""
+    the row's last index of positive probability. A row with a NaN, an infinity or no mass is refused as
+    `torch.multinomial` refuses it (the engine then retries each sequence of the batch alone)."""
     cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):  # a NaN or an infinity anywhere reaches the total
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0, or a row sums to 0")
     u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator) * cdf[:, -1:]
     ids = (cdf <= u).sum(-1)
     past = ids >= probs.shape[-1]

@@ -161,7 +161,7 @@ def test_categorical_draws_follow_the_distribution_and_never_a_zero_probability_
     0.5, 0.2 and 0.3 (200,000 draws, within 4 standard errors) and never 1 or 4. A row of one subnormal mass
     [0, 5e-324, 0]: the uniform times the total rounds to 0 or to the total itself (then every cumulative sum is
     <= it and the draw would fall past the row): both give index 1, the only positive one. The same generator
-    state gives the same draws."""
+    state gives the same draws; a row with a NaN, an infinity or no mass is refused."""
     from opd_sao.modeling import categorical
 
     n = 200_000
@@ -175,6 +175,11 @@ def test_categorical_draws_follow_the_distribution_and_never_a_zero_probability_
     assert categorical(tiny, torch.Generator().manual_seed(1)).tolist() == [1] * 1000
     assert torch.equal(categorical(probs[:50], torch.Generator().manual_seed(3)),
                        categorical(probs[:50], torch.Generator().manual_seed(3)))
+    for bad in (float("nan"), float("inf")):  # refused, as torch.multinomial refuses them
+        with pytest.raises(RuntimeError, match="inf, nan"):
+            categorical(torch.tensor([[0.5, 0.5], [bad, 0.5]]))
+    with pytest.raises(RuntimeError, match="sums to 0"):
+        categorical(torch.tensor([[0.5, 0.5], [0.0, 0.0]]))
 
 
 def test_keyed_draws_follow_the_distribution_ignore_the_batch_and_couple_close_policies():
