@@ -20,7 +20,9 @@ and the process's peak RSS.
 
 `--repeats N` runs the RL rows and the vocabulary-384 OPD rows N times, interleaved (opd-sao, then TRL, in every
 repeat), and judges the median of each ratio: on this 2-core machine one run's ratio moves by up to a quarter
-between runs. The held-out accuracies are the first repeat's models'.
+between runs. The held-out accuracies are the first repeat's models'. `--pin-core C` runs every worker, both sides,
+on core C alone: TRL's single thread is unaffected, while opd-sao's rollout and trainer threads take turns instead
+of running at once on two cores (which, at this model size, costs more CPU than it saves wall time).
 
 TRL is installed into `<--venv>/trl-venv` with `python -m venv` and pip (trl==1.16.0, the same torch 2.13.0 CPU
 wheel and transformers as opd-sao's venv), once; later runs reuse it.
@@ -364,10 +366,14 @@ def repeat_ratios(runs: dict, opd: dict) -> dict:
             "opd_top_k_cpu_vs_trl_distillation": opd["opd_sao_opd_top_k"]["cpu_s"] / opd["trl_distillation"]["cpu_s"]}
 
 
+PIN_CORE: int | None = None  # --pin-core: every worker, either side, on this one core
+
+
 def run_worker(python: Path, kind: str, **kw) -> dict:
     args = [str(python), __file__, "--worker", kind] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+    pin = None if PIN_CORE is None else (lambda: os.sched_setaffinity(0, {PIN_CORE}))
     proc = subprocess.run(args, env=one_thread_env(), capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=Path(__file__).resolve().parents[1], preexec_fn=pin)
     if proc.returncode:
         sys.exit(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -382,6 +388,9 @@ def main() -> None:
                         help="SFT steps of the shared start (900: held-out about 0.5, room for RL to show; at 300 "
                              "every run ended near 0.16 and the accuracies said nothing)")
     parser.add_argument("--eval-samples", type=int, default=8)
+    parser.add_argument("--pin-core", type=int, default=None,
+                        help="run every worker (opd-sao's and TRL's) on this one core: opd-sao's rollout and trainer "
+                             "threads then take turns instead of running at once")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the RL and vocabulary-384 OPD rows this many times, interleaved, and judge the "
                              "median ratios (one run's ratio moves by up to a quarter on this machine)")
@@ -412,6 +421,8 @@ def main() -> None:
                                     args.granularity, args.max_new_tokens)
         print(json.dumps(result))
         return
+    global PIN_CORE
+    PIN_CORE = args.pin_core
     if args.quick:
         args.steps, args.batch, args.sft_steps, args.eval_samples, args.opd_steps, args.qwen_steps = 6, 32, 60, 1, 4, 0
     import torch
@@ -475,7 +486,7 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f}", "versions": {"trl": TRL_VERSION, "torch": torch.__version__,
                                                  "transformers": transformers.__version__},
         "quick": args.quick,  # a smoke test: 6 steps' ratios and accuracies say nothing about the Must-show
-        "torch_threads": 1, "steps": args.steps, "batch": args.batch, "group_size_grpo": GROUP, "settings": SETTINGS,
+        "torch_threads": 1, "pinned_core": args.pin_core, "steps": args.steps, "batch": args.batch, "group_size_grpo": GROUP, "settings": SETTINGS,
         "opd": {"steps": args.opd_steps, "top_k": OPD_TOP_K, "divergence": "forward_kl", "vocab": 384},
         "eval_samples_per_task": args.eval_samples, "runs": runs, "opd_runs": opd, "ratios": ratios,
         "repeats": len(each), "ratios_each_repeat": each,
