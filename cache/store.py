@@ -363,8 +363,7 @@ class TeacherCache:
                 self._log.append([{"drop": traj_id}])
 
     def __contains__(self, traj_id: str) -> bool:
-        self._log.refresh()
-        return traj_id in self._log.records
+        return self.contains_many([traj_id])[0]
 
     def contains_many(self, traj_ids: list[str]) -> list[bool]:
         """`traj_id in self` for each, the commit log read once (one open and stat, not one per id)."""

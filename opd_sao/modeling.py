@@ -297,7 +297,7 @@ def categorical(probs: torch.Tensor, generator=None) -> torch.Tensor:
     total = cdf[:, -1]
     if not bool((torch.isfinite(total) & (total > 0)).all()):  # a NaN or an infinity anywhere reaches the total
         raise RuntimeError("probability tensor contains either inf, nan or element < 0, or a row sums to 0")
-    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator) * cdf[:, -1:]
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator) * total[:, None]
     ids = (cdf <= u).sum(-1)
     past = ids >= probs.shape[-1]
     if bool(past.any()):
@@ -520,7 +520,6 @@ def support_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     support_logp, tail_logp, top_ids = _ChunkedSupportLogprob.apply(hidden, weight, ids, support_mask.bool(),
                                                                     vocab_chunk, row_block, top_k)
     return support_logp, tail_logp, top_ids if top_k else None
-
 
 
 class _StreamedDivergence(torch.autograd.Function):
