@@ -490,7 +490,7 @@ def main() -> None:
         "opd": {"steps": args.opd_steps, "top_k": OPD_TOP_K, "divergence": "forward_kl", "vocab": 384},
         "eval_samples_per_task": args.eval_samples, "runs": runs, "opd_runs": opd, "ratios": ratios,
         "repeats": len(each), "ratios_each_repeat": each,
-        "cpu_s_each_repeat": {name: [r[0 if name in r[0] else 1][name]["cpu_s"] for r in repeats]
+        "cpu_s_each_repeat": {name: [{**rl, **distilled}[name]["cpu_s"] for rl, distilled in repeats]
                               for name in (*repeats[0][0], *repeats[0][1])},
         "opd_runs_151936": qwen, "qwen_rows": {"steps": args.qwen_steps, "batch": QWEN_BATCH,
                                                "max_new_tokens": QWEN_NEW_TOKENS} if qwen else None,
