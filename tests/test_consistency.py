@@ -156,6 +156,38 @@ def _dis_ratios(trainer, trajs, tokenizer) -> torch.Tensor:
     return (logp[acted] - batch.rollout_logp[acted]).exp()
 
 
+def test_requests_sharing_a_prompt_are_prefilled_once_and_sample_as_alone(peaked_dir, tokenizer):
+    """A GRPO group's members share their prompt: one join prefills each distinct prompt once (the model sees 3 rows
+    for 12 requests) and copies its cache rows. Each request's tokens and logprobs (keyed draws) are the ones it gets
+    generated alone, and agree with the trainer's forward."""
+    engine = _engine(peaked_dir, tokenizer, max_batch=16)
+    prompts = [tokenizer.encode(f"{a} + {b} =") for a, b in ((3, 4), (12, 30), (7, 7))]
+    requests = [GenerationRequest(list(prompts[i % 3]), SamplingParams(1.0, 1.0, 5, ignore_eos=True,
+                                                                        sampling_seed=100 + i)) for i in range(12)]
+    prefill_rows = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda _m, _a, kw: prefill_rows.append(kw["input_ids"].shape[0]) if kw["input_ids"].shape[1] > 1 else None,
+        with_kwargs=True)
+    together = engine.generate_all(requests)
+    hook.remove()
+    assert prefill_rows == [3]
+    assert len({tuple(r.token_ids) for r in together}) > 3  # copies of one prompt drew their own tokens
+    for request, got in zip(requests, together):
+        alone = engine.generate_all([dataclasses.replace(request)])[0]
+        assert got.token_ids == alone.token_ids
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-5)
+    trajs = []
+    for request, got in zip(requests, together):
+        traj = Trajectory(traj_id=str(len(trajs)), domain="arithmetic", prompt_ids=request.prompt_ids)
+        traj.append(got.token_ids, action=True, logp=got.logprobs, versions=got.versions)
+        trajs.append(traj)
+    batch = collate(trajs, tokenizer.pad_token_id)
+    with torch.no_grad():
+        trainer = sequence_logprobs(load_causal_lm(peaked_dir), batch.input_ids, batch.attention_mask, 1.0)
+    acted = batch.action_mask.bool()
+    assert torch.allclose(trainer[acted], batch.rollout_logp[acted], atol=1e-4)
+
+
 def test_top_p_ratios_are_one_at_equal_versions_on_the_embedded_engine(peaked_dir, tokenizer):
     """One logprob semantics for top_p < 1: trainer and engine both score the nucleus-renormalised
     distribution the token was sampled from, so the DIS ratio is 1 when nothing changed."""

@@ -181,17 +181,22 @@ class EmbeddedEngine(RolloutEngine):
         After a weight update the whole batch re-joins, so no token is ever sampled from a cache that was
         computed with older weights than the version it records.
         """
-        prefixes = [s.request.prompt_ids + s.token_ids[:-1] if s.token_ids else s.request.prompt_ids[:-1]
-                    for s in joining]
-        width = max(1, max(len(p) for p in prefixes))
-        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prefixes], dtype=torch.long,
+        distinct: dict[tuple[int, ...], int] = {}  # a GRPO group's members share a prompt: prefilled once
+        rows = [distinct.setdefault(tuple(s.request.prompt_ids + s.token_ids[:-1] if s.token_ids
+                                          else s.request.prompt_ids[:-1]), len(distinct)) for s in joining]
+        width = max(1, max(len(p) for p in distinct))  # the width, so each row's padding, as without sharing
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in distinct], dtype=torch.long,
                            device=self.device)  # one tensor for the whole join, not one per sequence
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes], dtype=torch.long,
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct], dtype=torch.long,
                             device=self.device)
         cache = DynamicCache(config=self.model.config)
         # only the cache is wanted: one position's logits, not [B, T, V] (gigabytes at a real vocabulary)
         self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), cache=cache, use_cache=True,
                    logits_to_keep=1)
+        if len(distinct) < len(joining):  # each sequence's rows of the shared prefill, copied
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            cache.batch_select_indices(index)
+            mask = mask.index_select(0, index)
         if self._cache is None:
             self._cache, self._mask = cache, mask
         else:
