@@ -21,6 +21,7 @@ import hashlib
 from typing import Iterator, Optional
 
 import torch
+from transformers import DynamicCache
 
 VOCAB_CHUNK = 8192  # vocabulary columns per lm-head chunk
 ROW_BLOCK = 256  # rows per block: ROW_BLOCK x VOCAB_CHUNK fp32 logits = 8 MiB at a time, which stays in a CPU's
@@ -60,11 +61,64 @@ def vocab_rows(weight: torch.Tensor, bias: Optional[torch.Tensor],
     return weight[:vocab_size], None if bias is None else bias[:vocab_size]
 
 
-def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T, H] the decoder's final hidden states (real-token position ids, so either padding side works)."""
+def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  prefix_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[B, T, H] the decoder's final hidden states (real-token position ids, so either padding side works).
+
+    `prefix_lengths` [B] (right-padded rows whose first `prefix_lengths[r]` tokens are real: the prompt): rows with
+    the same prefix run it once (`shared_prefix_hidden_states`) where several rows share one."""
+    if prefix_lengths is not None:
+        shared = shared_prefix_hidden_states(model, input_ids, attention_mask, prefix_lengths)
+        if shared is not None:
+            return shared
     decoder = unwrap(model).get_decoder()
     return decoder(input_ids=input_ids, attention_mask=attention_mask,
                    position_ids=position_ids_for(attention_mask)).last_hidden_state
+
+
+def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                prefix_lengths: torch.Tensor) -> Optional[torch.Tensor]:
+    """`hidden_states` with each distinct prefix run once: a GRPO group's members share their prompt, so the
+    decoder runs the distinct prompts, copies each one's KV cache to its rows (an index, so gradients from
+    every row reach the shared prompt), then runs every row's rest against it. The same function of the weights
+    as one forward over the rows (float rounding aside), on fewer tokens. None where no two rows share a prefix,
+    or where the decoder cannot continue from a cache (activation checkpointing turns transformers' cache off)."""
+    decoder = unwrap(model).get_decoder()
+    if getattr(unwrap(model), "is_activation_checkpointing", False):
+        return None
+    lengths = prefix_lengths.tolist()
+    if min(lengths) < 1:  # a row with no prefix token: nothing to share
+        return None
+    rows = input_ids.tolist()
+    distinct: dict[tuple[int, ...], int] = {}
+    group = [distinct.setdefault(tuple(row[:n]), len(distinct)) for row, n in zip(rows, lengths)]
+    if len(distinct) == len(rows):
+        return None
+    device, width = input_ids.device, input_ids.shape[1]
+    first = torch.tensor([group.index(g) for g in range(len(distinct))], device=device)
+    index = torch.tensor(group, device=device)
+    lengths_t = torch.tensor(lengths, device=device)
+    prefix_width = max(1, max(lengths))
+    prefix_mask = (torch.arange(prefix_width, device=device) < lengths_t[first, None]).long()
+    prefix_ids = input_ids[first, :prefix_width] * prefix_mask
+    cache = DynamicCache(config=unwrap(model).config)
+    prefix_hidden = decoder(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=position_ids_for(prefix_mask),
+                            cache=cache, use_cache=True).last_hidden_state
+    cache.batch_select_indices(index)
+    rest_width = max(1, width - min(lengths))
+    at = lengths_t[:, None] + torch.arange(rest_width, device=device)  # where each row's rest sits in the row
+    inside = at < width
+    at = at.clamp(max=width - 1)
+    rest_ids = input_ids.gather(1, at) * inside
+    mask = torch.cat([prefix_mask[index], attention_mask.gather(1, at) * inside], dim=1)
+    rest_hidden = decoder(input_ids=rest_ids, attention_mask=mask, position_ids=position_ids_for(mask)[:, prefix_width:],
+                          cache=cache, use_cache=True).last_hidden_state
+    # back to the rows' layout: position t < length from the shared prefix, t >= length from the row's rest
+    t = torch.arange(width, device=device)[None]
+    source = torch.where(t < lengths_t[:, None], t, prefix_width + t - lengths_t[:, None]).clamp(
+        max=prefix_width + rest_width - 1)
+    joined = torch.cat([prefix_hidden[index], rest_hidden], dim=1)
+    return joined.gather(1, source[..., None].expand(-1, -1, joined.shape[-1]))
 
 
 def forward_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -239,7 +293,11 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0
         logp = nucleus_logprobs(logits, temps, nucleus if nucleus is not None else torch.ones_like(temps))
         return out.index_put((b, t + 1), logp.gather(-1, input_ids[b, t + 1].unsqueeze(-1)).squeeze(-1))
     weight, bias = lm_head(model)
-    hidden = hidden_states(model, input_ids, attention_mask)
+    prompt = None
+    if only is not None:  # the tokens before a row's first scored one: its prompt, shared by a group's rows
+        scored = only.bool().to(input_ids.device) & attention_mask.bool()
+        prompt = torch.where(scored.any(1), scored.long().argmax(1), attention_mask.long().sum(1))
+    hidden = hidden_states(model, input_ids, attention_mask, prefix_lengths=prompt)
     logp = token_logprobs(hidden[b, t], weight, bias, input_ids[b, t + 1], temps, nucleus)
     return out.to(acc_dtype(weight)).index_put((b, t + 1), logp)  # float32 (float64 for exactness tests)
 
@@ -282,7 +340,8 @@ def sample_tokens(logits, temperature, top_p, generator=None, top_k=None, keys=N
     if keyed:
         rows = torch.tensor(keyed, device=logp.device)
         ids[rows] = keyed_choice(logp[rows], [keys[i] for i in keyed])
-    vocab = torch.log_softmax(logits.float() / temperature.unsqueeze(-1), dim=-1)
+    cut = bool((top_p < 1.0).any()) or (top_k is not None and bool((top_k >= 1).any()))
+    vocab = torch.log_softmax(logits.float() / temperature.unsqueeze(-1), dim=-1) if cut else logp
     return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1), vocab.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 

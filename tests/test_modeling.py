@@ -109,6 +109,58 @@ def test_sequence_logprobs_only_at_chosen_positions(tiny_model_dir):
         assert (p.grad - q.grad).abs().max() <= 1e-6 * max(1.0, float(q.grad.abs().max())), name
 
 
+@pytest.mark.parametrize("arch,attention", [("tiny", "eager"), ("tiny", "sdpa"), ("qwen2", "eager"),
+                                            ("llama", "eager")])
+def test_rows_sharing_a_prompt_run_it_once_with_the_same_values_and_gradients(arch, attention, request):
+    """GRPO's groups: rows whose prompt (the tokens before their first action) is the same run it once, and their
+    actions' logprobs and every parameter's gradient equal one forward over the rows (float32 rounding). Three
+    prompts of different lengths, 8 rows, responses of different lengths, right-padded; the decoder sees the 3
+    distinct prompts, then the 8 rows' rest."""
+    path = request.getfixturevalue({"tiny": "tiny_model_dir", "qwen2": "qwen_model_dir",
+                                    "llama": "llama_model_dir"}[arch])
+    shared, plain = (load_causal_lm(path, attn_implementation=attention) for _ in range(2))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 3, 6)]
+    rows = [(0, 4), (0, 2), (1, 5), (0, 4), (2, 1), (1, 5), (2, 3), (1, 1)]  # (prompt, response length)
+    width = max(len(prompts[i]) + n for i, n in rows)
+    ids, mask, only = (torch.zeros(len(rows), width, dtype=torch.long) for _ in range(3))
+    for r, (i, n) in enumerate(rows):
+        row = prompts[i] + torch.randint(3, 300, (n,), generator=g).tolist()
+        ids[r, :len(row)], mask[r, :len(row)], only[r, len(prompts[i]):len(row)] = torch.tensor(row), 1, 1
+    seen = []
+    hook = shared.get_decoder().register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    got = sequence_logprobs(shared, ids, mask, 0.9, only=only)
+    hook.remove()
+    assert [n for n, _ in seen] == [3, 8] and seen[0][1] == 6  # the prompts once, then each row's rest
+    plain.get_decoder().register_forward_pre_hook(  # the plain path: no prompt to share
+        lambda _m, _a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    want = sequence_logprobs(plain, ids, mask, 0.9)  # no `only`: one forward over the whole rows
+    assert seen[2] == (8, width)
+    want = want * only
+    assert torch.equal(got != 0, only.bool()) and torch.allclose(got, want, atol=1e-5)
+    upstream = torch.randn(got.shape, generator=g)
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    for (name, p), q in zip(shared.named_parameters(), plain.parameters()):
+        if q.grad is not None:
+            assert (p.grad - q.grad).abs().max() <= 1e-5 * max(1.0, float(q.grad.abs().max())), name
+
+
+def test_rows_with_distinct_prompts_or_activation_checkpointing_take_the_plain_forward(tiny_model_dir):
+    """Nothing to share (every prompt distinct), or a model whose checkpointing turns transformers' cache off:
+    one forward over the rows."""
+    from opd_sao.modeling import shared_prefix_hidden_states
+
+    model = load_causal_lm(tiny_model_dir)
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 8], [5, 6, 7, 9]])
+    mask = torch.ones_like(ids)
+    assert shared_prefix_hidden_states(model, ids, mask, torch.tensor([2, 3, 2])) is not None  # rows 0, 2 share
+    assert shared_prefix_hidden_states(model, ids, mask, torch.tensor([3, 3, 2])) is None  # 5 6 7, 5 6 9, 5 6
+    model.activation_checkpointing_enable()
+    assert shared_prefix_hidden_states(model, ids, mask, torch.tensor([2, 3, 2])) is None
+
+
 def test_sft_loss_is_the_token_mean_cross_entropy_on_the_answer(tiny_model_dir):
     model = load_causal_lm(tiny_model_dir)
     ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
