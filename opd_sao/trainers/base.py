@@ -91,8 +91,13 @@ def split(rows: Rows, cfg: TrainerConfig) -> list[torch.Tensor]:
 def action_rows_of(rows: Rows, parts: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each micro-batch's rows of a support output (one row per action token, trajectory order)."""
     starts = rows.action_rows()
-    return [torch.cat([torch.zeros(0, dtype=torch.long)] + [torch.arange(int(starts[i]), int(starts[i + 1]))
-                                                            for i in part.tolist()]) for part in parts]
+    out = []
+    for part in parts:
+        first, count = starts[part], starts[part + 1] - starts[part]
+        # each row's range first .. first + count, concatenated: an arange shifted by each range's offset
+        shift = torch.repeat_interleave(first - (count.cumsum(0) - count), count)
+        out.append(torch.arange(int(count.sum()), dtype=torch.long) + shift)
+    return out
 
 
 def action_support_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor,
