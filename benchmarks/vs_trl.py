@@ -18,11 +18,14 @@ TRL: DistillationTrainer (on-policy generation, the teacher's forward, the exact
 `beta` 0, TRL's default gradient checkpointing). Both generate their own rollouts. The cost is CPU-seconds per step
 and the process's peak RSS.
 
+Every opd-sao row runs twice: with `engine.overlap: false` (the embedded engine and the trainer take turns, one
+computing at a time like TRL's single thread: the rows judged against the Must-show) and at the default `true`
+(generation overlapping training on a second core: less wall time, more CPU at this size), suffixed `_overlap`.
+
 `--repeats N` runs the RL rows and the vocabulary-384 OPD rows N times, interleaved (opd-sao, then TRL, in every
 repeat), and judges the median of each ratio: on this 2-core machine one run's ratio moves by up to a quarter
 between runs. The held-out accuracies are the first repeat's models'. `--pin-core C` runs every worker, both sides,
-on core C alone: TRL's single thread is unaffected, while opd-sao's rollout and trainer threads take turns instead
-of running at once on two cores (which, at this model size, costs more CPU than it saves wall time).
+on core C alone: TRL's single thread is unaffected, while every thread of an opd-sao row shares the one core.
 
 TRL is installed into `<--venv>/trl-venv` with `python -m venv` and pip (trl==1.16.0, the same torch 2.13.0 CPU
 wheel and transformers as opd-sao's venv), once; later runs reuse it.
@@ -70,7 +73,7 @@ def one_thread_env() -> dict:
 # ------------------------------------------------------------------ opd-sao side (the repository's venv)
 
 def run_config(start: Path, algo: str, steps: int, batch: int, seed: int, teacher: Path | None = None,
-               granularity: str = "top_k", max_new_tokens: int = SETTINGS["max_new_tokens"]):
+               granularity: str = "top_k", max_new_tokens: int = SETTINGS["max_new_tokens"], overlap: bool = True):
     """The stage as a user configures it, resolved by the schema: the reasoning stage (quickstart's reasoning
     settings), or with `algo` "opd" an OPD stage distilling `teacher` (one teacher, top_k 16, forward KL, no
     probes: the whole budget trains)."""
@@ -89,7 +92,7 @@ def run_config(start: Path, algo: str, steps: int, batch: int, seed: int, teache
     return RunConfig.model_validate({
         "seed": seed, "algo": "sao" if algo == "opd" else algo, "model": {"path": str(start)},
         "logging": {"wandb": False, "progress": False},
-        "engine": {"max_batch": batch},  # TRL generates a step's whole batch at once
+        "engine": {"max_batch": batch, "overlap": overlap},  # TRL generates a step's whole batch at once
         "trainer": {"policy_lr": SETTINGS["policy_lr"], "critic_lr": 2e-3, "critic_steps": 2,
                     "critic_warmup_steps": 5, "train_batch_size": batch, "grad_clip": SETTINGS["grad_clip"]},
         "stages": [stage]})
@@ -97,7 +100,7 @@ def run_config(start: Path, algo: str, steps: int, batch: int, seed: int, teache
 
 def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, seed: int,
                    teacher: Path | None = None, granularity: str = "top_k",
-                   max_new_tokens: int = SETTINGS["max_new_tokens"]) -> dict:
+                   max_new_tokens: int = SETTINGS["max_new_tokens"], overlap: bool = True) -> dict:
     """One stage's training as Stage.train runs it (gate at start and end, buffer write-ahead log, metrics, trained
     log, resumable state every checkpoint_every steps); CPU-seconds of the gate and the loop. With `algo` "opd": the
     OPD stage's learner over the teacher's logit cache (the teacher loaded before the clock starts, as TRL loads
@@ -123,7 +126,7 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    run = run_config(start, algo, steps, batch, seed, teacher, granularity, max_new_tokens)
+    run = run_config(start, algo, steps, batch, seed, teacher, granularity, max_new_tokens, overlap)
     stage = run.stages[0]
     trainer_cfg, tok = run.stage_trainer(stage), load_tokenizer(start)
     env_factory = lambda: ENVIRONMENTS.get("arithmetic")(max_operand=SETTINGS["max_operand"])
@@ -344,7 +347,8 @@ def qwen_rows(python: Path, work: Path, args) -> dict:
     common = dict(start=student, steps=args.qwen_steps, batch=QWEN_BATCH, seed=args.seed, teacher=work / "teacher",
                   max_new_tokens=QWEN_NEW_TOKENS)
     rows = {granularity: run_worker(Path(sys.executable), "opd-sao", algo="opd", out=work / granularity,
-                                    granularity=granularity, **common) for granularity in ("top_k", "full")}
+                                    granularity=granularity, overlap="false", **common)
+            for granularity in ("top_k", "full")}
     rows["trl_distillation"] = run_worker(python, "trl-distill", out=work / "trl", tasks=work.parent / "train_tasks.json",
                                           **common)
     for result in rows.values():
@@ -356,14 +360,20 @@ def qwen_rows(python: Path, work: Path, args) -> dict:
 # ------------------------------------------------------------------ driver
 
 def repeat_ratios(runs: dict, opd: dict) -> dict:
-    """One repeat's ratios to TRL: episodes per CPU-second (without and with the gate's two checks), OPD CPU."""
+    """One repeat's ratios to TRL: episodes per CPU-second (without and with the gate's two checks), OPD CPU; the
+    rows in turns (engine.overlap false, judged) and, suffixed `_overlap`, at the default."""
     trl = runs["trl_grpo"]["episodes_per_cpu_s"]
-    with_gate = {name: runs[name]["episodes"] / (runs[name]["cpu_s"] + runs[name]["gate_cpu_s"]) / trl
-                 for name in ("opd_sao_grpo", "opd_sao_sao")}
-    return {"grpo_vs_trl": runs["opd_sao_grpo"]["episodes_per_cpu_s"] / trl,
-            "sao_vs_trl": runs["opd_sao_sao"]["episodes_per_cpu_s"] / trl,
-            "grpo_vs_trl_gate_included": with_gate["opd_sao_grpo"], "sao_vs_trl_gate_included": with_gate["opd_sao_sao"],
-            "opd_top_k_cpu_vs_trl_distillation": opd["opd_sao_opd_top_k"]["cpu_s"] / opd["trl_distillation"]["cpu_s"]}
+    out = {}
+    for mode in ("", "_overlap"):
+        with_gate = {name: runs[name + mode]["episodes"] / (runs[name + mode]["cpu_s"] + runs[name + mode]["gate_cpu_s"])
+                     / trl for name in ("opd_sao_grpo", "opd_sao_sao")}
+        out.update({f"grpo_vs_trl{mode}": runs["opd_sao_grpo" + mode]["episodes_per_cpu_s"] / trl,
+                    f"sao_vs_trl{mode}": runs["opd_sao_sao" + mode]["episodes_per_cpu_s"] / trl,
+                    f"grpo_vs_trl_gate_included{mode}": with_gate["opd_sao_grpo"],
+                    f"sao_vs_trl_gate_included{mode}": with_gate["opd_sao_sao"],
+                    f"opd_top_k_cpu_vs_trl_distillation{mode}": opd["opd_sao_opd_top_k" + mode]["cpu_s"]
+                    / opd["trl_distillation"]["cpu_s"]})
+    return out
 
 
 PIN_CORE: int | None = None  # --pin-core: every worker, either side, on this one core
@@ -377,6 +387,27 @@ def run_worker(python: Path, kind: str, **kw) -> dict:
     if proc.returncode:
         sys.exit(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_repeat(python: Path, work: Path, repeat: int, common: dict, distill: dict, opd_steps: int) -> tuple[dict, dict]:
+    """One repeat's runs: every opd-sao row in turns (engine.overlap false) and at the default, then TRL's."""
+    rl, opd = {}, {}
+    for mode, overlap in (("", "false"), ("_overlap", "true")):  # turns (judged), then the default
+        for algo in ("sao", "grpo"):
+            rl[f"opd_sao_{algo}{mode}"] = run_worker(Path(sys.executable), "opd-sao", algo=algo, overlap=overlap,
+                                                     out=work / f"{algo}{mode}{repeat}", **common)
+        opd[f"opd_sao_opd_top_k{mode}"] = run_worker(Path(sys.executable), "opd-sao", algo="opd", overlap=overlap,
+                                                     out=work / f"opd{mode}{repeat}", **distill)
+    rl["trl_grpo"] = run_worker(python, "trl", out=work / f"trl{repeat}", tasks=work / "train_tasks.json",
+                                **common)
+    opd["trl_distillation"] = run_worker(python, "trl-distill", out=work / f"trl-distill{repeat}",
+                                         tasks=work / "train_tasks.json", **distill)
+    for result in (*rl.values(), *opd.values()):
+        result["episodes_per_cpu_s"] = result["episodes"] / result["cpu_s"]
+    for result in opd.values():
+        result.pop("checkpoint", None)
+        result["cpu_s_per_step"] = result["cpu_s"] / opd_steps
+    return rl, opd
 
 
 def main() -> None:
@@ -408,6 +439,7 @@ def main() -> None:
                         help="steps of the OPD rows at vocabulary 151,936 (0: skip them)")
     parser.add_argument("--granularity", default="top_k", help=argparse.SUPPRESS)
     parser.add_argument("--max-new-tokens", type=int, default=SETTINGS["max_new_tokens"], help=argparse.SUPPRESS)
+    parser.add_argument("--overlap", choices=("true", "false"), default="true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -418,7 +450,7 @@ def main() -> None:
                                         args.teacher, args.max_new_tokens)
         else:
             result = opd_sao_worker(args.start, args.out, args.algo, args.steps, args.batch, args.seed, args.teacher,
-                                    args.granularity, args.max_new_tokens)
+                                    args.granularity, args.max_new_tokens, args.overlap == "true")
         print(json.dumps(result))
         return
     global PIN_CORE
@@ -436,24 +468,8 @@ def main() -> None:
         start = prepare(work, args.sft_steps, args.seed)
         common = dict(start=start, steps=args.steps, batch=args.batch, seed=args.seed)
         distill = dict(common, steps=args.opd_steps, teacher=work / "teacher")
-        repeats = []
-        for repeat in range(max(1, args.repeats)):  # interleaved: a slow spell of the machine hits both sides
-            rl = {"opd_sao_sao": run_worker(Path(sys.executable), "opd-sao", algo="sao", out=work / f"sao{repeat}",
-                                            **common),
-                  "opd_sao_grpo": run_worker(Path(sys.executable), "opd-sao", algo="grpo", out=work / f"grpo{repeat}",
-                                             **common),
-                  "trl_grpo": run_worker(python, "trl", out=work / f"trl{repeat}", tasks=work / "train_tasks.json",
-                                         **common)}
-            opd = {"opd_sao_opd_top_k": run_worker(Path(sys.executable), "opd-sao", algo="opd",
-                                                   out=work / f"opd{repeat}", **distill),
-                   "trl_distillation": run_worker(python, "trl-distill", out=work / f"trl-distill{repeat}",
-                                                  tasks=work / "train_tasks.json", **distill)}
-            for result in (*rl.values(), *opd.values()):
-                result["episodes_per_cpu_s"] = result["episodes"] / result["cpu_s"]
-            for result in opd.values():
-                result.pop("checkpoint", None)
-                result["cpu_s_per_step"] = result["cpu_s"] / args.opd_steps
-            repeats.append((rl, opd))
+        repeats = [run_repeat(python, work, repeat, common, distill, args.opd_steps)
+                   for repeat in range(max(1, args.repeats))]  # interleaved: a slow spell hits both sides
         runs, opd = repeats[0]  # the held-out accuracies: the first repeat's models
         for result in runs.values():
             result["held_out"] = held_out(Path(result.pop("checkpoint")), args.eval_samples, args.seed)
@@ -472,11 +488,15 @@ def main() -> None:
               f"peak RSS {r['peak_rss_mb']:.0f} MB")
     for i, r in enumerate(each):
         print(f"repeat {i}: GRPO {r['grpo_vs_trl']:.2f}x, SAO {r['sao_vs_trl']:.2f}x, OPD top_k CPU / TRL's "
-              f"{r['opd_top_k_cpu_vs_trl_distillation']:.2f}")
-    print(f"ratios to TRL GRPO (median of {len(each)} repeat(s); episodes per CPU-second): opd-sao GRPO {ratios['grpo_vs_trl']:.2f}x (must >= 1.3), "
+              f"{r['opd_top_k_cpu_vs_trl_distillation']:.2f}; overlapping: GRPO {r['grpo_vs_trl_overlap']:.2f}x, "
+              f"SAO {r['sao_vs_trl_overlap']:.2f}x, OPD {r['opd_top_k_cpu_vs_trl_distillation_overlap']:.2f}")
+    print(f"ratios to TRL GRPO (median of {len(each)} repeat(s); episodes per CPU-second; engine.overlap false): "
+          f"opd-sao GRPO {ratios['grpo_vs_trl']:.2f}x (must >= 1.3), "
           f"SAO {ratios['sao_vs_trl']:.2f}x (must >= 1.0); with the gate's two checks: GRPO "
           f"{ratios['grpo_vs_trl_gate_included']:.2f}x, SAO {ratios['sao_vs_trl_gate_included']:.2f}x; OPD top_k CPU / "
-          f"TRL DistillationTrainer's {ratios['opd_top_k_cpu_vs_trl_distillation']:.2f} (must <= 1)")
+          f"TRL DistillationTrainer's {ratios['opd_top_k_cpu_vs_trl_distillation']:.2f} (must <= 1); at the default "
+          f"engine.overlap true: GRPO {ratios['grpo_vs_trl_overlap']:.2f}x, SAO {ratios['sao_vs_trl_overlap']:.2f}x, "
+          f"OPD {ratios['opd_top_k_cpu_vs_trl_distillation_overlap']:.2f}")
     if qwen:
         print(f"at 151,936: top_k CPU / TRL's {ratios['top_k_cpu_vs_trl_at_151936']:.2f} (must <= 0.8), peak RSS "
               f"{ratios['top_k_peak_rss_vs_trl_at_151936']:.2f} (must <= 0.5); full {qwen['full']['peak_rss_mb']:.0f} MB "

@@ -127,6 +127,11 @@ class EngineConfig(Strict):
         "--admin-api-key); default: the environment's OPD_SAO_ADMIN_API_KEY, else api_key", None)
     max_batch: int = describe("concurrent sequences in the continuous batch", 32, ge=1)
     dtype: Dtype = describe("embedded engine weights' dtype", "float32")
+    overlap: bool = describe(
+        "embedded: generate while the trainer computes (two threads at once: less wall time); false: the two take "
+        "turns, the engine decoding only between the trainer's steps (at one torch thread per process on the tiny "
+        "model, 4-20% less CPU per episode and more wall time, docs/benchmarks.md; on one accelerator, no two "
+        "compute streams at once)", True)
     deterministic: bool = describe("score every sequence alone with the trainer's kernels (bitwise agreement; slow)",
                                    False)
     device: Optional[str] = describe_device("where the embedded engine's model and batches live (auto | cpu | cuda | "

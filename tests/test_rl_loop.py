@@ -6,6 +6,7 @@ import json
 import math
 import random
 import threading
+import time
 
 import pytest
 
@@ -13,7 +14,7 @@ from opd_sao import algorithms as A
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.config import AlgoConfig, RolloutConfig, TrainerConfig
 from opd_sao.engines import EmbeddedEngine
-from opd_sao.engines.base import SamplingParams
+from opd_sao.engines.base import GenerationRequest, SamplingParams
 from opd_sao.rl.learner import Learner, needs_critic
 from opd_sao.rl.loop import RLLoop
 from opd_sao.rl.rollout import Episode
@@ -23,7 +24,7 @@ from opd_sao.trainers import TorchTrainer
 
 
 def _loop(tmp_path, tiny_model_dir, tokenizer, lengths, *, asynchronous=True, group_size=1, batch=2,
-          max_staleness=8, algo="sao", rl=None, per_member=False, late=None):
+          max_staleness=8, algo="sao", rl=None, per_member=False, late=None, overlap=True, after_step=None):
     """`lengths`: response lengths, one per group (every member the same), or one per member (`per_member`).
     `late`: response length of stragglers held back (one at a time, so that the rest keep the trainer fed) until
     the policy is past the staleness bound for them, as on a machine whose engine is slow next to its trainer
@@ -44,7 +45,7 @@ def _loop(tmp_path, tiny_model_dir, tokenizer, lengths, *, asynchronous=True, gr
                 for i, size in enumerate(sizes)]
 
     engine = EmbeddedEngine(load_causal_lm(tiny_model_dir), eos_id=tokenizer.eos_token_id,
-                            pad_id=tokenizer.pad_token_id, max_batch=8)
+                            pad_id=tokenizer.pad_token_id, max_batch=8, overlap=overlap)
     cfg = TrainerConfig(train_batch_size=batch, critic_warmup_steps=0)
     rl = rl or AlgoConfig()
     backend = TorchTrainer(tiny_model_dir, cfg, with_critic=needs_critic(algo, rl))
@@ -53,6 +54,8 @@ def _loop(tmp_path, tiny_model_dir, tokenizer, lengths, *, asynchronous=True, gr
     held, lock = [], threading.Lock()
 
     def release(step):  # after each step: the held stragglers now past the bound arrive
+        if after_step is not None:
+            after_step(loop, step)
         with lock:
             due = [t for t in held if loop.backend.policy_version - t.min_version > max_staleness]
             held[:] = [t for t in held if t not in due]
@@ -107,6 +110,28 @@ def test_sync_group_mode_waits_for_whole_groups(tmp_path, tiny_model_dir, tokeni
         groups = [t.split("-")[0] for t in step]
         assert all(groups.count(g) == 2 for g in groups)
     assert "g1-0-len30" in trained[0]  # the slow group is in the first batch: the step waited for it
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_with_overlap_off_the_engine_waits_while_the_trainer_computes(tmp_path, tiny_model_dir, tokenizer, overlap):
+    """engine.overlap false: the engine decodes nothing while a step (after_step included) runs, and whoever holds
+    the trainer's turn may drive the engine itself (the gate's probes) without waiting for its own turn. With
+    the default overlap the engine goes on generating meanwhile (the contrast: the measurement sees it)."""
+    during, probes = [], []
+
+    def after_step(loop, step):
+        before = loop.engine.tokens_generated
+        time.sleep(0.3)  # the trainer computing
+        during.append(loop.engine.tokens_generated - before)
+        probe = GenerationRequest(tokenizer.encode("1 + 1 ="), SamplingParams(max_new_tokens=3, ignore_eos=True))
+        probes.append(len(loop.engine.generate_all([probe])[0].token_ids))
+
+    lengths = [40] * 60  # long enough that the engine is always mid-generation when a step starts
+    loop, _ = _loop(tmp_path, tiny_model_dir, tokenizer, lengths, batch=2, max_staleness=2, overlap=overlap,
+                    after_step=after_step)
+    history = loop.run(steps=4)
+    assert len(history) == 4 and probes == [3] * 4
+    assert (sum(during) == 0) is (not overlap), during
 
 
 def _long_tailed(n: int, seed: int = 0, every: int = 13) -> list[int]:

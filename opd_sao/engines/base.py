@@ -1,9 +1,11 @@
 """The rollout engine interface: continuous-batching generation with per-token logprobs and versions."""
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional
 
 import torch
 
@@ -73,6 +75,11 @@ class RolloutEngine(ABC):
         started (0 for an engine that is one process): the consistency gate checks again after each."""
         return 0
 
+    def trainer_turn(self) -> ContextManager:
+        """Held by the trainer around a step. An engine computing where the trainer does (the embedded engine with
+        engine.overlap false) does not decode meanwhile; by default nothing waits."""
+        return nullcontext()
+
     def generate_all(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         results: dict[int, GenerationResult] = {}
         order = {id(r): i for i, r in enumerate(requests)}
@@ -81,3 +88,53 @@ class RolloutEngine(ABC):
 
     def close(self) -> None:
         pass
+
+
+class Turns:
+    """The trainer and an in-process engine computing one at a time (engine.overlap false).
+
+    The engine holds a turn for a busy spell: from the moment it has sequences to decode until it has none (its
+    batch drained, new work held back by the staleness bound); the trainer holds one for a step. So a sequence is
+    never cut off by a step and re-prefilled on the new weights for nothing, and neither waits while the other has
+    nothing to do. Once the trainer asks, the engine starts no new spell. The thread holding a turn may drive the
+    engine itself (the gate's probes, an evaluation) inside it.
+
+    Why: at one torch thread per process, two threads issuing small ops at once pass the GIL back and forth on
+    every op (torch releases it in each); on the tiny model that costs up to a fifth more CPU than the same work in
+    turns (docs/benchmarks.md). On one accelerator, turns keep the two from competing for it.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._holder: Optional[int] = None  # the thread computing now
+        self._trainer_asks = 0
+
+    @contextmanager
+    def trainer(self) -> Iterator[None]:
+        with self._cond:
+            self._trainer_asks += 1
+            try:
+                self._cond.wait_for(lambda: self._holder is None)
+            finally:
+                self._trainer_asks -= 1
+            self._holder = threading.get_ident()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def engine(self) -> bool:
+        """Take the engine's turn (waiting while the trainer holds or asks for one); False when this thread already
+        holds a turn (nothing to release after)."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._holder == me:
+                return False
+            self._cond.wait_for(lambda: self._holder is None and not self._trainer_asks)
+            self._holder = me
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            self._holder = None
+            self._cond.notify_all()

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Callable, ContextManager, Iterable, Iterator, Optional
 
 import torch
 from transformers import DynamicCache
 
 from ..checkpoints import stop_ids
 from ..modeling import position_ids_for, sample_tokens, sequence_logprobs
-from .base import GenerationRequest, GenerationResult, ResultCallback, RolloutEngine
+from .base import GenerationRequest, GenerationResult, ResultCallback, RolloutEngine, Turns
 
 
 @dataclass
@@ -41,8 +42,9 @@ class EmbeddedEngine(RolloutEngine):
     """Runs where its model's parameters are (build_engine puts them on `engine.device`); batches follow."""
 
     def __init__(self, model: torch.nn.Module, *, eos_id: Optional[int], pad_id: int, max_batch: int = 32,
-                 seed: int = 0, deterministic: bool = False):
+                 seed: int = 0, deterministic: bool = False, overlap: bool = True):
         self.model = model.eval()
+        self.turns = None if overlap else Turns()  # overlap false: decode only while the trainer does not compute
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.device = next(self.model.parameters()).device
@@ -78,44 +80,66 @@ class EmbeddedEngine(RolloutEngine):
                 self._targets[name].copy_(state_dict[name])
             self._version = version
 
+    def trainer_turn(self) -> ContextManager:
+        return self.turns.trainer() if self.turns is not None else nullcontext()
+
     def generate(self, requests: Iterable[Optional[GenerationRequest]], on_result: ResultCallback,
                  on_error: Optional[Callable[[GenerationRequest, Exception], None]] = None) -> None:
         pending = iter(requests)
         self._rows, self._cache, self._mask = [], None, None
-        exhausted = False
         active: list[_Sequence] = []
-        while True:
-            while not exhausted and len(active) < self.max_batch:
-                try:
-                    request = next(pending)
-                except StopIteration:
-                    exhausted = True
-                    break
-                if request is None:
-                    break
-                if not request.cancelled:
-                    active.append(_Sequence(request))
-            if any(seq.request.cancelled for seq in active):
-                active = self._drop_cancelled(active)
-            if not active:
+        exhausted, holding = False, False  # holding: a busy spell's turn (engine.overlap false) to give back
+        try:
+            while True:
+                if self.turns is not None and not holding:
+                    holding = self.turns.engine()
+                exhausted = self._pull(pending, active, exhausted)
+                if active:
+                    active = self._iterate(active, on_result, on_error)
+                    continue
+                if holding:  # nothing to decode: the spell ends, the trainer may compute
+                    self.turns.release()
+                    holding = False
                 if exhausted:
                     return
                 time.sleep(0.002)
-                continue
+        finally:
+            if holding:
+                self.turns.release()
+
+    def _pull(self, pending: Iterator[Optional[GenerationRequest]], active: list[_Sequence], exhausted: bool) -> bool:
+        """Fill free slots from `pending` (until it yields None: nothing to add now); drop cancelled sequences.
+        Returns whether `pending` is exhausted."""
+        while not exhausted and len(active) < self.max_batch:
             try:
-                self._decode_step(active)
-            except Exception:
-                if on_error is None:
-                    raise
-                active = [seq for seq in active if self._step_alone(seq, on_error)]
-                self._rows, self._cache, self._mask = [], None, None  # the survivors re-join together
-            still_running = []
-            for seq in active:
-                if seq.finish_reason:
-                    on_result(self._finish(seq))
-                else:
-                    still_running.append(seq)
-            active = still_running
+                request = next(pending)
+            except StopIteration:
+                exhausted = True
+                break
+            if request is None:
+                break
+            if not request.cancelled:
+                active.append(_Sequence(request))
+        if any(seq.request.cancelled for seq in active):
+            active[:] = self._drop_cancelled(active)
+        return exhausted
+
+    def _iterate(self, active: list[_Sequence], on_result: ResultCallback, on_error) -> list[_Sequence]:
+        """One decode step of the batch; finished sequences go to `on_result`. Returns the ones still running."""
+        try:
+            self._decode_step(active)
+        except Exception:
+            if on_error is None:
+                raise
+            active = [seq for seq in active if self._step_alone(seq, on_error)]
+            self._rows, self._cache, self._mask = [], None, None  # the survivors re-join together
+        still_running = []
+        for seq in active:
+            if seq.finish_reason:
+                on_result(self._finish(seq))
+            else:
+                still_running.append(seq)
+        return still_running
 
     @torch.no_grad()
     def _decode_step(self, active: list[_Sequence]) -> None:

@@ -84,25 +84,26 @@ class RLLoop:
                 trajs = self._wait_for_batch(worker)
                 idle = time.perf_counter() - t0
                 idle_total += idle
-                metrics = self._train_step(trajs)
-                elapsed = time.perf_counter() - t_start
-                tokens = getattr(self.engine, "tokens_generated", 0) - tokens_start
-                metrics.update(
-                    trainer_idle_s=idle,
-                    trainer_idle_fraction=idle_total / elapsed,
-                    rollout_tokens_per_s=tokens / elapsed,
-                    samples_per_s=(step + 1 - start_step) * self.batch_size / elapsed,
-                    dropped_stale=self.buffer.dropped_stale,
-                    dropped_stale_groups=self.buffer.dropped_stale_groups,
-                    policy_version=self.backend.policy_version,
-                )
-                self.logger.log(metrics, step)
-                history.append(metrics)
-                if self.progress is not None:
-                    self.progress.update(1)
-                    self.progress.set_postfix(reward=f"{metrics['reward_mean']:.2f}")
-                if self.after_step is not None:
-                    self.after_step(step)
+                with self.engine.trainer_turn():  # engine.overlap false: the engine waits until the step is done
+                    metrics = self._train_step(trajs)
+                    elapsed = time.perf_counter() - t_start
+                    tokens = getattr(self.engine, "tokens_generated", 0) - tokens_start
+                    metrics.update(
+                        trainer_idle_s=idle,
+                        trainer_idle_fraction=idle_total / elapsed,
+                        rollout_tokens_per_s=tokens / elapsed,
+                        samples_per_s=(step + 1 - start_step) * self.batch_size / elapsed,
+                        dropped_stale=self.buffer.dropped_stale,
+                        dropped_stale_groups=self.buffer.dropped_stale_groups,
+                        policy_version=self.backend.policy_version,
+                    )
+                    self.logger.log(metrics, step)
+                    history.append(metrics)
+                    if self.progress is not None:
+                        self.progress.update(1)
+                        self.progress.set_postfix(reward=f"{metrics['reward_mean']:.2f}")
+                    if self.after_step is not None:
+                        self.after_step(step)
                 if self.stop_when is not None and step + 1 < steps and self.stop_when(step + 1):
                     break
         finally:

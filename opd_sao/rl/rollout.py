@@ -13,7 +13,6 @@ import os
 import queue
 import random
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Iterator, Optional
@@ -270,8 +269,7 @@ class RolloutWorker(threading.Thread):
             if not self._staged:
                 self._waiting = self._waiting or self.make_episodes()
                 if not self.admit(len(self._waiting)):
-                    yield None
-                    time.sleep(0.002)
+                    yield None  # the engine decodes what it has, or waits a moment when it has nothing
                     continue
                 self._staged, self._waiting = self._waiting, []
             yield self._staged.pop().request()
