@@ -89,7 +89,7 @@ def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: 
     lengths = prefix_lengths.tolist()
     if min(lengths) < 1:  # a row with no prefix token: nothing to share
         return None
-    rows = input_ids.tolist()
+    rows = input_ids[:, :max(lengths)].tolist()  # the prefixes only: an 8k-token row's tail is not copied to Python
     distinct: dict[tuple[int, ...], int] = {}
     group = [distinct.setdefault(tuple(row[:n]), len(distinct)) for row, n in zip(rows, lengths)]
     if len(distinct) == len(rows):
