@@ -1,6 +1,7 @@
 """The asynchronous single-rollout loop, on a real tiny model and the real embedded engine."""
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -124,7 +125,8 @@ def test_with_overlap_off_the_engine_waits_while_the_trainer_computes(tmp_path, 
         time.sleep(0.3)  # the trainer computing
         during.append(loop.engine.tokens_generated - before)
         probe = GenerationRequest(tokenizer.encode("1 + 1 ="), SamplingParams(max_new_tokens=3, ignore_eos=True))
-        probes.append(len(loop.engine.generate_all([probe])[0].token_ids))
+        # as the gate probes: on a shallow copy (its own batch state; the same weights, lock and turns)
+        probes.append(len(copy.copy(loop.engine).generate_all([probe])[0].token_ids))
 
     lengths = [40] * 60  # long enough that the engine is always mid-generation when a step starts
     loop, _ = _loop(tmp_path, tiny_model_dir, tokenizer, lengths, batch=2, max_staleness=2, overlap=overlap,
