@@ -18,15 +18,21 @@ One function computes a token's logprob, so engine and trainer agree by construc
 from __future__ import annotations
 
 import hashlib
+import inspect
+from contextlib import contextmanager
 from typing import Iterator, Optional
 
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 VOCAB_CHUNK = 8192  # vocabulary columns per lm-head chunk
 ROW_BLOCK = 256  # rows per block: ROW_BLOCK x VOCAB_CHUNK fp32 logits = 8 MiB at a time, which stays in a CPU's
 # last-level cache between the matmul and the passes over it (1,024 rows, 32 MiB, ran the lm head 1.5-2x slower)
 MASKED = -1.0e30  # finite stand-in for -inf inside logsumexp, so an empty set has a finite gradient (0)
+# A forward argument that only a module mixing positions needs (attention, state-space mixers).
+MIXER_ARGS = frozenset({"attention_mask", "position_embeddings", "position_ids", "cache", "past_key_value",
+                        "past_key_values", "cache_params", "layer_past", "cache_position"})
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -37,6 +43,68 @@ def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
 def unwrap(model) -> torch.nn.Module:
     """The transformers model inside a wrapper that keeps it as `.module` (a DeepSpeed engine)."""
     return getattr(model, "module", model)
+
+
+def decoder_layers(backbone: nn.Module) -> list[nn.Module]:
+    """The decoder layers: the module list with one entry per hidden layer of the model's config."""
+    config = backbone.config.get_text_config() if hasattr(backbone.config, "get_text_config") else backbone.config
+    n = getattr(config, "num_hidden_layers", None)
+    return next((list(m) for m in backbone.modules() if isinstance(m, nn.ModuleList) and n and len(m) == n), [])
+
+
+def mixes_positions(module: nn.Module) -> bool:
+    """Whether a decoder layer's child mixes positions (its forward takes a mask, positions or a cache)."""
+    return bool(MIXER_ARGS & set(inspect.signature(module.forward).parameters))
+
+
+def feed_forward_blocks(layer: nn.Module) -> list[nn.Module]:
+    """A decoder layer's feed-forward blocks: the children with weight matrices that see only the hidden states."""
+    return [child for child in layer.children()
+            if not mixes_positions(child) and any(p.dim() >= 2 for p in child.parameters())]
+
+
+@contextmanager
+def read_only_at(model, read: Optional[torch.Tensor]):
+    """Within it, the model's last feed-forward block runs only at the positions `read` [B, T] marks.
+
+    After the last decoder layer's token mixer every module works on each position alone (its feed-forward block,
+    the final norm, a head), so a position whose hidden state nobody reads needs none of them: a forward that
+    scores the answer, the critic's values at the actions, or a prefill that samples from its last token skips
+    the last block's work on the rest (a third of the linear work of a 2-layer model, about 1/L of an L-layer
+    one). The hidden states at the unread positions are the attention output alone: the caller must not read
+    them. A no-op where `read` is None, the layer has no single feed-forward block, or under activation
+    checkpointing (its backward re-runs the layer outside this context)."""
+    layers = decoder_layers(unwrap(model))
+    blocks = feed_forward_blocks(layers[-1]) if layers else []
+    if read is None or len(blocks) != 1 or getattr(unwrap(model), "is_activation_checkpointing", False):
+        yield
+        return
+    where = read.bool().flatten().nonzero().squeeze(1)
+    shape = tuple(read.shape)
+    gathered = []  # a call whose input was cut, for its output to be put back
+
+    def gather(module, args):
+        x = args[0]
+        if tuple(x.shape[:2]) != shape:  # not the pass `read` describes (another model's): left whole
+            return None
+        gathered.append(True)
+        return (x.reshape(-1, x.shape[-1]).index_select(0, where.to(x.device)).unsqueeze(0), *args[1:])
+
+    def scatter(module, args, out):
+        if not gathered:
+            return None
+        gathered.pop()
+        first = out[0] if isinstance(out, tuple) else out
+        whole = first.new_zeros(shape[0] * shape[1], first.shape[-1]).index_copy(0, where.to(first.device), first[0])
+        whole = whole.view(*shape, first.shape[-1])
+        return (whole, *out[1:]) if isinstance(out, tuple) else whole
+
+    handles = [blocks[0].register_forward_pre_hook(gather), blocks[0].register_forward_hook(scatter)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def lm_head(model) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -62,18 +130,20 @@ def vocab_rows(weight: torch.Tensor, bias: Optional[torch.Tensor],
 
 
 def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  prefix_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  prefix_lengths: Optional[torch.Tensor] = None, read: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[B, T, H] the decoder's final hidden states (real-token position ids, so either padding side works).
 
     `prefix_lengths` [B] (right-padded rows whose first `prefix_lengths[r]` tokens are real: the prompt): rows with
-    the same prefix run it once (`shared_prefix_hidden_states`) where several rows share one."""
+    the same prefix run it once (`shared_prefix_hidden_states`) where several rows share one. `read` [B, T]: the
+    positions the caller reads; the others may hold anything (`read_only_at`)."""
     if prefix_lengths is not None:
         shared = shared_prefix_hidden_states(model, input_ids, attention_mask, prefix_lengths)
         if shared is not None:
             return shared
     decoder = unwrap(model).get_decoder()
-    return decoder(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids_for(attention_mask)).last_hidden_state
+    with read_only_at(model, read):
+        return decoder(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=position_ids_for(attention_mask)).last_hidden_state
 
 
 def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -297,7 +367,9 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0
     if only is not None:  # the tokens before a row's first scored one: its prompt, shared by a group's rows
         scored = only.bool().to(input_ids.device) & attention_mask.bool()
         prompt = torch.where(scored.any(1), scored.long().argmax(1), attention_mask.long().sum(1))
-    hidden = hidden_states(model, input_ids, attention_mask, prefix_lengths=prompt)
+    read = torch.zeros_like(attention_mask, dtype=torch.bool)
+    read[b, t] = True
+    hidden = hidden_states(model, input_ids, attention_mask, prefix_lengths=prompt, read=read)
     logp = token_logprobs(hidden[b, t], weight, bias, input_ids[b, t + 1], temps, nucleus)
     return out.to(acc_dtype(weight)).index_put((b, t + 1), logp)  # float32 (float64 for exactness tests)
 

@@ -85,3 +85,36 @@ def test_an_architecture_with_nothing_to_train_is_refused_in_one_line(tmp_path):
     assert len(message.splitlines()) == 1 and "MambaModel" in message and "freeze_critic_attention" in message
     config.save_pretrained(tmp_path / "mamba")
     assert describe_critic(tmp_path / "mamba")["refused"] == message
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_values_at_the_actions_only_equal_the_whole_forward_with_their_gradients(arch):
+    """`actions`: the critic's values at the action tokens (0 elsewhere) equal the whole forward's there, and so do
+    every trainable parameter's gradients, while the last layer's feed-forward block runs only on the states an
+    action follows (dense MLPs and MoE blocks alike)."""
+    from opd_sao.modeling import decoder_layers, feed_forward_blocks
+
+    config = CASES[arch][0]
+    whole, cut = _critic(config), _critic(config)
+    for critic in (whole, cut):
+        critic.freeze_attention()
+        torch.nn.init.normal_(critic.value_head.weight, generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, config.vocab_size, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[2, 7:] = 0
+    actions = torch.zeros_like(ids)
+    actions[0, 4:], actions[1, 2:5], actions[1, 7:], actions[2, 5:] = 1, 1, 1, 1
+    seen = []
+    block = feed_forward_blocks(decoder_layers(cut.backbone)[-1])[0]
+    block.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[:-1].numel()))  # its input
+    got = cut(ids, mask, actions)
+    assert seen == [int((actions * mask).sum())]  # V(s_t) for each action t: one state each
+    want = whole(ids, mask) * actions
+    assert torch.equal(got != 0, (actions * mask).bool()) and torch.allclose(got, want, atol=1e-6)
+    upstream = torch.randn(got.shape, generator=g)
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    for (name, p), q in zip(cut.named_parameters(), whole.parameters()):
+        if q.grad is not None:
+            assert (p.grad - q.grad).abs().max() <= 1e-6 * max(1.0, float(q.grad.abs().max())), name

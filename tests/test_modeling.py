@@ -12,8 +12,11 @@ import torch
 from opd_sao.algorithms import sft_loss
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.modeling import (
+    decoder_layers,
+    feed_forward_blocks,
     forward_logits,
     nucleus_logprobs,
+    read_only_at,
     sequence_logprobs,
     token_logprobs,
 )
@@ -99,8 +102,12 @@ def test_sequence_logprobs_only_at_chosen_positions(tiny_model_dir):
     mask[1, 6:] = 0
     only = torch.zeros_like(ids)
     only[0, 3:], only[1, 2:] = 1, 1
+    seen = []
+    block = feed_forward_blocks(decoder_layers(part.get_decoder())[-1])[0]
+    block.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[:-1].numel()))  # its input
     want = sequence_logprobs(full, ids, mask, 0.9) * only
     got = sequence_logprobs(part, ids, mask, 0.9, only=only)
+    assert seen == [int((only * mask).sum())]  # the last feed-forward block only where a chosen token is predicted
     assert torch.equal(got != 0, (only * mask).bool()) and torch.allclose(got, want, atol=1e-6)
     upstream = torch.randn(got.shape, generator=g)
     (want * upstream).sum().backward()
@@ -145,6 +152,18 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_values_and_gradients(ar
     for (name, p), q in zip(shared.named_parameters(), plain.parameters()):
         if q.grad is not None:
             assert (p.grad - q.grad).abs().max() <= 1e-5 * max(1.0, float(q.grad.abs().max())), name
+
+
+def test_reading_some_positions_leaves_the_last_block_whole_under_activation_checkpointing(tiny_model_dir):
+    """Activation checkpointing re-runs a layer in the backward, outside `read_only_at`: the block stays whole."""
+    model = load_causal_lm(tiny_model_dir)
+    model.activation_checkpointing_enable()
+    seen = []
+    block = feed_forward_blocks(decoder_layers(model.get_decoder())[-1])[0]
+    block.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[:-1].numel()))
+    with read_only_at(model, torch.tensor([[False, True, False]])):
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert seen == [3]
 
 
 def test_rows_with_distinct_prompts_or_activation_checkpointing_take_the_plain_forward(tiny_model_dir):

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from ..checkpoints import stop_ids
-from ..modeling import position_ids_for, sample_tokens, sequence_logprobs
+from ..modeling import position_ids_for, read_only_at, sample_tokens, sequence_logprobs
 from .base import GenerationRequest, GenerationResult, ResultCallback, RolloutEngine, Turns
 
 
@@ -214,9 +214,13 @@ class EmbeddedEngine(RolloutEngine):
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct], dtype=torch.long,
                             device=self.device)
         cache = DynamicCache(config=self.model.config)
-        # only the cache is wanted: one position's logits, not [B, T, V] (gigabytes at a real vocabulary)
-        self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), cache=cache, use_cache=True,
-                   logits_to_keep=1)
+        # only the cache is wanted: one position's logits, not [B, T, V] (gigabytes at a real vocabulary), so the
+        # last feed-forward block runs at that position alone (the last layer's keys and values are its input's)
+        last = torch.zeros_like(mask, dtype=torch.bool)
+        last[:, -1] = True
+        with read_only_at(self.model, last):
+            self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), cache=cache,
+                       use_cache=True, logits_to_keep=1)
         if len(distinct) < len(joining):  # each sequence's rows of the shared prefill, copied
             index = torch.tensor(rows, dtype=torch.long, device=self.device)
             cache.batch_select_indices(index)

@@ -185,7 +185,8 @@ class TrainerBackend(ABC):
 
     @abstractmethod
     def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:
-        """[B, T] V(s_t): the value of the prefix before token t."""
+        """[B, T] V(s_t): the value of the prefix before token t, at the batch's action tokens (0 elsewhere: GAE and
+        the value loss read no other)."""
 
     @abstractmethod
     def step_policy(self, loss: torch.Tensor) -> float:

@@ -20,37 +20,24 @@ An architecture where the rule finds no feed-forward parameter is refused (`free
 """
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel
 
 from opd_sao.checkpoints import DTYPES, MODEL_INIT_LOCK, check_attention
 
-from ..modeling import position_ids_for
+from ..modeling import decoder_layers, feed_forward_blocks, mixes_positions, position_ids_for, read_only_at
 
 VALUE_HEAD_FILE = "value_head.safetensors"
-# A forward argument that only a module mixing positions needs (attention, state-space mixers).
-MIXER_ARGS = frozenset({"attention_mask", "position_embeddings", "position_ids", "cache", "past_key_value",
-                        "past_key_values", "cache_params", "layer_past", "cache_position"})
 ROLES = ("feed_forward", "router", "token_mixer", "other")
-
-
-def decoder_layers(backbone: nn.Module) -> list[nn.Module]:
-    """The decoder layers: the module list with one entry per hidden layer of the model's config."""
-    config = backbone.config.get_text_config() if hasattr(backbone.config, "get_text_config") else backbone.config
-    n = getattr(config, "num_hidden_layers", None)
-    return next((list(m) for m in backbone.modules() if isinstance(m, nn.ModuleList) and n and len(m) == n), [])
-
-
-def _mixes_positions(module: nn.Module) -> bool:
-    return bool(MIXER_ARGS & set(inspect.signature(module.forward).parameters))
 
 
 def _routers(block: nn.Module) -> set[str]:
@@ -72,11 +59,12 @@ def parameter_roles(backbone: nn.Module) -> dict[str, str]:
     roles = dict.fromkeys((name for name, _ in backbone.named_parameters()), "other")
     where = {id(m): name for name, m in backbone.named_modules()}
     for layer in decoder_layers(backbone):
+        feed_forward = feed_forward_blocks(layer)
         for child in layer.children():
             params = [name for name, _ in child.named_parameters()]
-            if _mixes_positions(child):
+            if mixes_positions(child):
                 role, routers = "token_mixer", set()
-            elif any(p.dim() >= 2 for p in child.parameters()):
+            elif any(child is block for block in feed_forward):
                 role, routers = "feed_forward", _routers(child)
             else:
                 continue
@@ -172,13 +160,20 @@ class ValueModel(nn.Module):
         for name, param in self.backbone.named_parameters():
             param.requires_grad_(name in trainable)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask)
-        ).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                actions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[B, T] V(s_t), the value of the state before token t, on real tokens; `actions` [B, T]: only at these
+        tokens (0 elsewhere: GAE and the value loss read no other), the last layer's feed-forward block skipping
+        the states no action follows (`read_only_at`)."""
+        keep = attention_mask if actions is None else attention_mask * actions.to(attention_mask.dtype)
+        read = None if actions is None else F.pad(keep[:, 1:], (0, 1))  # V(s_t) is read off token t - 1
+        with read_only_at(self.backbone, read):
+            hidden = self.backbone(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask)
+            ).last_hidden_state
         # the head's dtype (float32 master weights, DeepSpeed's bf16, float64); values at least float32
         state_values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # after reading token t
         state_values = state_values.to(torch.promote_types(state_values.dtype, torch.float32))
         values = torch.zeros_like(state_values)
         values[:, 1:] = state_values[:, :-1]  # V(s_t): state before token t
-        return values * attention_mask
+        return values * keep

@@ -200,7 +200,7 @@ class DeepSpeedTrainer(TrainerBackend):
     def critic_values(self, batch, grad: bool) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("this trainer was built without a critic (the algorithm needs none)")
-        rows = Rows.of(batch)
+        rows = Rows.of(batch, actions=True)
         self._announce("_forward", kind="critic", rows=rows, temperature=1.0, grad=grad)
         return self._forward("critic", rows, 1.0, grad)
 
@@ -234,7 +234,7 @@ class DeepSpeedTrainer(TrainerBackend):
                 out = sequence_logprobs(engine, r.input_ids, r.attention_mask, temperature, top_p=r.top_p,
                                         full_logits=self.zero3, only=r.action_mask)
             else:
-                out = engine(r.input_ids, r.attention_mask)
+                out = engine(r.input_ids, r.attention_mask, r.action_mask)  # at the action tokens, as the policy
             return (widen(out, T)[:len(part)],)
 
         parts = self._parts(rows, shares)

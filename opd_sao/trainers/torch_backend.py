@@ -124,12 +124,12 @@ class TorchTrainer(TrainerBackend):
     def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("this trainer was built without a critic (the algorithm needs none)")
-        rows, width = Rows.of(batch), batch.input_ids.shape[1]
+        rows, width = Rows.of(batch, actions=True), batch.input_ids.shape[1]
 
         def forward(part, _):
             r = rows.take(part, self.device)
             with self.precision():
-                return (widen(self.critic(r.input_ids, r.attention_mask), width),)
+                return (widen(self.critic(r.input_ids, r.attention_mask, r.action_mask), width),)
 
         return self._run("critic", forward, rows, grad)[0]
 
