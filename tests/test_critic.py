@@ -118,3 +118,13 @@ def test_values_at_the_actions_only_equal_the_whole_forward_with_their_gradients
     for (name, p), q in zip(cut.named_parameters(), whole.parameters()):
         if q.grad is not None:
             assert (p.grad - q.grad).abs().max() <= 1e-6 * max(1.0, float(q.grad.abs().max())), name
+
+
+def test_the_critic_keeps_no_kv_cache(tiny_model_dir):
+    """A critic forward never continues from a cache, so it builds none (a no-grad one would hold every layer's
+    keys and values to its end)."""
+    critic = ValueModel.from_pretrained(tiny_model_dir)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        out = critic.backbone(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert out.to_tuple()[1:] == ()  # the hidden states alone: no cache

@@ -132,6 +132,9 @@ class ValueModel(nn.Module):
             # (benchmarks/vocab_memory.py --kinds critic: 1.8x the step time)
             backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype],
                                                  attn_implementation=critic_attention(attn_implementation))
+            # no KV cache: a training forward never continues, and a no-grad one (the values after the K updates)
+            # would otherwise hold every layer's keys and values to its end (~0.5 GB per 8k-token row at 7B)
+            backbone.config.use_cache = False
             model = cls(backbone, backbone.config.hidden_size)
         head = Path(path) / VALUE_HEAD_FILE
         if head.is_file():
