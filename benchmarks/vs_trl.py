@@ -24,7 +24,9 @@ computing at a time like TRL's single thread: the rows judged against the Must-s
 
 `--repeats N` runs the RL rows and the vocabulary-384 OPD rows N times, interleaved (opd-sao, then TRL, in every
 repeat), and judges the median of each ratio: on this 2-core machine one run's ratio moves by up to a quarter
-between runs. The held-out accuracies are the first repeat's models'. `--pin-core C` runs every worker, both sides,
+between runs. Repeat r trains from seed `--seed` + r (every side), and every repeat's final models are evaluated: a
+run's held-out accuracy is the mean over the repeats (each repeat's beside it), since one training run per
+algorithm moves by more than the evaluation's own error. `--pin-core C` runs every worker, both sides,
 on core C alone: TRL's single thread is unaffected, while every thread of an opd-sao row shares the one core.
 
 TRL is installed into `<--venv>/trl-venv` with `python -m venv` and pip (trl==1.16.0, the same torch 2.13.0 CPU
@@ -468,11 +470,16 @@ def main() -> None:
         start = prepare(work, args.sft_steps, args.seed)
         common = dict(start=start, steps=args.steps, batch=args.batch, seed=args.seed)
         distill = dict(common, steps=args.opd_steps, teacher=work / "teacher")
-        repeats = [run_repeat(python, work, repeat, common, distill, args.opd_steps)
+        repeats = [run_repeat(python, work, repeat, {**common, "seed": args.seed + repeat},
+                              {**distill, "seed": args.seed + repeat}, args.opd_steps)
                    for repeat in range(max(1, args.repeats))]  # interleaved: a slow spell hits both sides
-        runs, opd = repeats[0]  # the held-out accuracies: the first repeat's models
-        for result in runs.values():
-            result["held_out"] = held_out(Path(result.pop("checkpoint")), args.eval_samples, args.seed)
+        for rl, _ in repeats:  # every repeat's models, each evaluated alike
+            for result in rl.values():
+                result["held_out"] = held_out(Path(result.pop("checkpoint")), args.eval_samples, args.seed)
+        runs, opd = repeats[0]  # the first repeat's rows, with the held-out accuracy the repeats' mean
+        for name, result in runs.items():
+            result["held_out_each_repeat"] = [rl[name]["held_out"] for rl, _ in repeats]
+            result["held_out"] = statistics.fmean(result["held_out_each_repeat"])
         qwen = qwen_rows(python, work / "qwen", args) if args.qwen_steps else {}
     each = [repeat_ratios(rl, distilled) for rl, distilled in repeats]
     ratios = {name: statistics.median(r[name] for r in each) for name in each[0]}
@@ -480,9 +487,11 @@ def main() -> None:
         ratios.update({"top_k_cpu_vs_trl_at_151936": qwen["top_k"]["cpu_s"] / qwen["trl_distillation"]["cpu_s"],
                        "top_k_peak_rss_vs_trl_at_151936": qwen["top_k"]["peak_rss_mb"]
                        / qwen["trl_distillation"]["peak_rss_mb"]})
-    print(f"{'run':<18} {'episodes':>8} {'CPU-s':>8} {'eps/CPU-s':>10} {'held-out':>9}")
+    print(f"{'run':<18} {'episodes':>8} {'CPU-s':>8} {'eps/CPU-s':>10} {'held-out':>9}  (each repeat's)")
     for name, r in runs.items():
-        print(f"{name:<18} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['episodes_per_cpu_s']:>10.1f} {r['held_out']:>9.3f}")
+        each_held = ", ".join(f"{x:.3f}" for x in r["held_out_each_repeat"])
+        print(f"{name:<18} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['episodes_per_cpu_s']:>10.1f} {r['held_out']:>9.3f}"
+              f"  ({each_held})")
     for name, r in [*opd.items(), *((f"{k}@151936", v) for k, v in qwen.items())]:
         print(f"{name:<18} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['cpu_s_per_step']:>10.3f} CPU-s/step, "
               f"peak RSS {r['peak_rss_mb']:.0f} MB")
