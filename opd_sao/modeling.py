@@ -17,6 +17,7 @@ One function computes a token's logprob, so engine and trainer agree by construc
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 from contextlib import contextmanager
@@ -54,7 +55,12 @@ def decoder_layers(backbone: nn.Module) -> list[nn.Module]:
 
 def mixes_positions(module: nn.Module) -> bool:
     """Whether a decoder layer's child mixes positions (its forward takes a mask, positions or a cache)."""
-    return bool(MIXER_ARGS & set(inspect.signature(module.forward).parameters))
+    return _takes_mixer_args(module.forward.__func__ if hasattr(module.forward, "__func__") else module.forward)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_mixer_args(forward) -> bool:  # per class's forward: read_only_at asks on every forward pass
+    return bool(MIXER_ARGS & set(inspect.signature(forward).parameters))
 
 
 def feed_forward_blocks(layer: nn.Module) -> list[nn.Module]:
