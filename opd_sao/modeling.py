@@ -113,6 +113,14 @@ def read_only_at(model, read: Optional[torch.Tensor]):
             handle.remove()
 
 
+def marked(like: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool (the shape of `like`'s first two dims), True at each (rows[i], columns[i]): the positions a caller
+    reads, for `read_only_at`."""
+    mask = torch.zeros(like.shape[:2], dtype=torch.bool, device=like.device)
+    mask[rows, columns] = True
+    return mask
+
+
 def lm_head(model) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(weight [V, H], bias [V] or None) of a causal LM whose logits are a plain linear map of its hidden states."""
     model = unwrap(model)
@@ -373,9 +381,7 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0
     if only is not None:  # the tokens before a row's first scored one: its prompt, shared by a group's rows
         scored = only.bool().to(input_ids.device) & attention_mask.bool()
         prompt = torch.where(scored.any(1), scored.long().argmax(1), attention_mask.long().sum(1))
-    read = torch.zeros_like(attention_mask, dtype=torch.bool)
-    read[b, t] = True
-    hidden = hidden_states(model, input_ids, attention_mask, prefix_lengths=prompt, read=read)
+    hidden = hidden_states(model, input_ids, attention_mask, prefix_lengths=prompt, read=marked(input_ids, b, t))
     logp = token_logprobs(hidden[b, t], weight, bias, input_ids[b, t + 1], temps, nucleus)
     return out.to(acc_dtype(weight)).index_put((b, t + 1), logp)  # float32 (float64 for exactness tests)
 

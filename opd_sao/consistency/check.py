@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from opd_sao.algorithms import dis_weights
-from opd_sao.modeling import hidden_states, lm_head, sequence_logprobs, token_logprobs
+from opd_sao.modeling import hidden_states, lm_head, marked, sequence_logprobs, token_logprobs
 from opd_sao.trajectory import Trajectory
 
 # ----------------------------------------------------------------------------
@@ -116,15 +116,16 @@ def action_hidden_states(model, trajectories: list[Trajectory], *, padding: str 
         offsets = [width - len(seq) if padding == "left" else 0 for seq in seqs]
         input_ids = torch.tensor([[0] * o + s + [0] * (width - o - len(s)) for o, s in zip(offsets, seqs)])
         attention = torch.tensor([[0] * o + [1] * len(s) + [0] * (width - o - len(s)) for o, s in zip(offsets, seqs)])
-        hidden = hidden_states(model, input_ids.to(device), attention.to(device))
         rows, columns = [], []  # the position before each action token, trajectory by trajectory
         for i, traj in enumerate(chunk):
             before = offsets[i] + len(traj.prompt_ids) - 1
             picked = [before + j for j, acted in enumerate(traj.action_mask) if acted]
             rows += [i] * len(picked)
             columns += picked
-        out.append(hidden[torch.tensor(rows, dtype=torch.long, device=device),
-                          torch.tensor(columns, dtype=torch.long, device=device)])
+        rows_t, columns_t = (torch.tensor(x, dtype=torch.long, device=device) for x in (rows, columns))
+        input_ids = input_ids.to(device)
+        hidden = hidden_states(model, input_ids, attention.to(device), read=marked(input_ids, rows_t, columns_t))
+        out.append(hidden[rows_t, columns_t])
     return torch.cat(out) if out else torch.empty(0, model.config.hidden_size, device=device)
 
 

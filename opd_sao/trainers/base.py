@@ -21,6 +21,7 @@ from ..modeling import (
     hidden_states,
     lm_head,
     logit_chunks,
+    marked,
     streamed_divergence,
     support_logprobs,
     vocab_rows,
@@ -116,7 +117,7 @@ def action_support_logprobs(model, input_ids: torch.Tensor, attention_mask: torc
         if support_ids is not None:
             return dense_support_logprobs(logits, support_ids, support_mask, top_k=top_k)
     else:
-        hidden = hidden_states(model, input_ids, attention_mask)[b, t - 1]
+        hidden = hidden_states(model, input_ids, attention_mask, read=marked(input_ids, b, t - 1))[b, t - 1]
         weight, bias = vocab_rows(*lm_head(model), vocab_size)
         if support_ids is not None:
             return support_logprobs(hidden, weight, bias, support_ids, support_mask, vocab_chunk=vocab_chunk,
@@ -134,7 +135,7 @@ def action_full_divergence(model, input_ids: torch.Tensor, attention_mask: torch
     """`TrainerBackend.policy_full_divergence` on a model and the tensors of a batch, streamed over the vocabulary
     (`modeling.streamed_divergence`): (divergence [N], report [N], top-k ids [N, k] when top_k)."""
     b, t = action_mask.bool().nonzero(as_tuple=True)
-    hidden = hidden_states(model, input_ids, attention_mask)[b, t - 1]
+    hidden = hidden_states(model, input_ids, attention_mask, read=marked(input_ids, b, t - 1))[b, t - 1]
     weight, bias = vocab_rows(*lm_head(model), vocab_size)
     div, extra, top = streamed_divergence(hidden, weight, bias, teacher, terms, report=report,
                                           vocab_chunk=vocab_chunk, top_k=top_k)
