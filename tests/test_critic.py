@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from gradients import assert_same_gradients
 from transformers import AutoModel, LlamaConfig, MambaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3MoeConfig
 
 from opd_sao.cli import main
@@ -112,12 +113,7 @@ def test_values_at_the_actions_only_equal_the_whole_forward_with_their_gradients
     assert seen == [int((actions * mask).sum())]  # V(s_t) for each action t: one state each
     want = whole(ids, mask) * actions
     assert torch.equal(got != 0, (actions * mask).bool()) and torch.allclose(got, want, atol=1e-6)
-    upstream = torch.randn(got.shape, generator=g)
-    (got * upstream).sum().backward()
-    (want * upstream).sum().backward()
-    for (name, p), q in zip(cut.named_parameters(), whole.parameters()):
-        if q.grad is not None:
-            assert (p.grad - q.grad).abs().max() <= 1e-6 * max(1.0, float(q.grad.abs().max())), name
+    assert_same_gradients(got, want, cut, whole, g, 1e-6)
 
 
 def test_the_critic_keeps_no_kv_cache(tiny_model_dir):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gradients import assert_same_gradients
 
 from opd_sao.algorithms import sft_loss
 from opd_sao.checkpoints import load_causal_lm
@@ -109,11 +110,7 @@ def test_sequence_logprobs_only_at_chosen_positions(tiny_model_dir):
     got = sequence_logprobs(part, ids, mask, 0.9, only=only)
     assert seen == [int((only * mask).sum())]  # the last feed-forward block only where a chosen token is predicted
     assert torch.equal(got != 0, (only * mask).bool()) and torch.allclose(got, want, atol=1e-6)
-    upstream = torch.randn(got.shape, generator=g)
-    (want * upstream).sum().backward()
-    (got * upstream).sum().backward()
-    for (name, p), q in zip(part.named_parameters(), full.parameters()):
-        assert (p.grad - q.grad).abs().max() <= 1e-6 * max(1.0, float(q.grad.abs().max())), name
+    assert_same_gradients(got, want, part, full, g, 1e-6)
 
 
 @pytest.mark.parametrize("arch,attention", [("tiny", "eager"), ("tiny", "sdpa"), ("qwen2", "eager"),
@@ -146,12 +143,7 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_values_and_gradients(ar
     assert seen[2] == (8, width)
     want = want * only
     assert torch.equal(got != 0, only.bool()) and torch.allclose(got, want, atol=1e-5)
-    upstream = torch.randn(got.shape, generator=g)
-    (got * upstream).sum().backward()
-    (want * upstream).sum().backward()
-    for (name, p), q in zip(shared.named_parameters(), plain.parameters()):
-        if q.grad is not None:
-            assert (p.grad - q.grad).abs().max() <= 1e-5 * max(1.0, float(q.grad.abs().max())), name
+    assert_same_gradients(got, want, shared, plain, g, 1e-5)
 
 
 def test_reading_some_positions_leaves_the_last_block_whole_under_activation_checkpointing(tiny_model_dir):
