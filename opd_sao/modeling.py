@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import threading
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -87,17 +88,19 @@ def read_only_at(model, read: Optional[torch.Tensor]):
         return
     where = read.bool().flatten().nonzero().squeeze(1)
     shape = tuple(read.shape)
+    owner = threading.get_ident()  # another thread's forward through the same module (the gate probing the engine's
+    # model while it generates) is not this pass
     gathered = []  # a call whose input was cut, for its output to be put back
 
     def gather(module, args):
         x = args[0]
-        if tuple(x.shape[:2]) != shape:  # not the pass `read` describes (another model's): left whole
+        if threading.get_ident() != owner or tuple(x.shape[:2]) != shape:  # not the pass `read` describes
             return None
         gathered.append(True)
         return (x.reshape(-1, x.shape[-1]).index_select(0, where.to(x.device)).unsqueeze(0), *args[1:])
 
     def scatter(module, args, out):
-        if not gathered:
+        if threading.get_ident() != owner or not gathered:
             return None
         gathered.pop()
         first = out[0] if isinstance(out, tuple) else out

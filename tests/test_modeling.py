@@ -158,6 +158,25 @@ def test_reading_some_positions_leaves_the_last_block_whole_under_activation_che
     assert seen == [3]
 
 
+def test_reading_some_positions_leaves_another_threads_forward_whole(tiny_model_dir):
+    """The engine's model can run in two threads at once (the gate's probe beside the rollout worker): a pass in
+    another thread, of the very same shape, goes through the whole block while this one is cut."""
+    import threading
+
+    model = load_causal_lm(tiny_model_dir)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits
+        other = []
+        with read_only_at(model, torch.tensor([[False, False, True], [False, True, False]])):
+            thread = threading.Thread(target=lambda: other.append(model(input_ids=ids).logits))
+            thread.start()
+            thread.join()
+            cut = model(input_ids=ids).logits
+    assert torch.allclose(other[0], whole, atol=1e-6)
+    assert torch.allclose(cut[0, 2], whole[0, 2], atol=1e-6) and not torch.allclose(cut[0, 0], whole[0, 0], atol=1e-3)
+
+
 def test_rows_with_distinct_prompts_or_activation_checkpointing_take_the_plain_forward(tiny_model_dir):
     """Nothing to share (every prompt distinct), or a model whose checkpointing turns transformers' cache off:
     one forward over the rows."""
