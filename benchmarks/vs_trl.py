@@ -2,9 +2,10 @@
 
 The work: from one SFT start (the tiny model warmed up on arithmetic), `--steps` policy steps of `--batch` episodes
 on the arithmetic environment's train split (the project's own generator; reward 1 for exactly the answer), at the
-same temperature, max_new_tokens, policy lr, AdamW betas, weight decay, gradient clip and ratio clip. Three runs:
-opd-sao SAO (one rollout per prompt, asynchronous, critic K=2), opd-sao GRPO (groups of 8) and TRL's GRPOTrainer
-(groups of 8, beta 0, one iteration per generation). Each runs in its own process at ONE torch thread; its cost is
+same temperature, max_new_tokens, policy lr, AdamW betas, weight decay, gradient clip and ratio clip. Four runs:
+opd-sao SAO (one rollout per prompt, asynchronous, critic K=2 updates each over the whole batch), the same SAO with
+its two critic updates on the batch's two halves (`trainer.critic_minibatches`: one pass), opd-sao GRPO (groups of
+8) and TRL's GRPOTrainer (groups of 8, beta 0, one iteration per generation). Each runs in its own process at ONE torch thread; its cost is
 its own CPU-seconds (getrusage of the process and its children, around the training only: model loading and
 trainer construction excluded on both sides; opd-sao's consistency gate, two checks per stage whatever its length,
 reported beside as `gate_cpu_s`, and the ratios with it included printed too). Every final model is then scored by
@@ -75,10 +76,12 @@ def one_thread_env() -> dict:
 # ------------------------------------------------------------------ opd-sao side (the repository's venv)
 
 def run_config(start: Path, algo: str, steps: int, batch: int, seed: int, teacher: Path | None = None,
-               granularity: str = "top_k", max_new_tokens: int = SETTINGS["max_new_tokens"], overlap: bool = True):
+               granularity: str = "top_k", max_new_tokens: int = SETTINGS["max_new_tokens"], overlap: bool = True,
+               critic_minibatches: bool = False):
     """The stage as a user configures it, resolved by the schema: the reasoning stage (quickstart's reasoning
     settings), or with `algo` "opd" an OPD stage distilling `teacher` (one teacher, top_k 16, forward KL, no
-    probes: the whole budget trains)."""
+    probes: the whole budget trains). `critic_minibatches`: SAO's K critic updates on K mini-batches of the batch
+    (one pass) instead of K passes over it."""
     from opd_sao.config import RunConfig
 
     rollout = {"temperature": SETTINGS["temperature"], "max_new_tokens": max_new_tokens, "max_staleness": 2}
@@ -96,13 +99,15 @@ def run_config(start: Path, algo: str, steps: int, batch: int, seed: int, teache
         "logging": {"wandb": False, "progress": False},
         "engine": {"max_batch": batch, "overlap": overlap},  # TRL generates a step's whole batch at once
         "trainer": {"policy_lr": SETTINGS["policy_lr"], "critic_lr": 2e-3, "critic_steps": 2,
-                    "critic_warmup_steps": 5, "train_batch_size": batch, "grad_clip": SETTINGS["grad_clip"]},
+                    "critic_warmup_steps": 5, "critic_minibatches": critic_minibatches, "train_batch_size": batch,
+                    "grad_clip": SETTINGS["grad_clip"]},
         "stages": [stage]})
 
 
 def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, seed: int,
                    teacher: Path | None = None, granularity: str = "top_k",
-                   max_new_tokens: int = SETTINGS["max_new_tokens"], overlap: bool = True) -> dict:
+                   max_new_tokens: int = SETTINGS["max_new_tokens"], overlap: bool = True,
+                   critic_minibatches: bool = False) -> dict:
     """One stage's training as Stage.train runs it (gate at start and end, buffer write-ahead log, metrics, trained
     log, resumable state every checkpoint_every steps); CPU-seconds of the gate and the loop. With `algo` "opd": the
     OPD stage's learner over the teacher's logit cache (the teacher loaded before the clock starts, as TRL loads
@@ -128,7 +133,7 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    run = run_config(start, algo, steps, batch, seed, teacher, granularity, max_new_tokens, overlap)
+    run = run_config(start, algo, steps, batch, seed, teacher, granularity, max_new_tokens, overlap, critic_minibatches)
     stage = run.stages[0]
     trainer_cfg, tok = run.stage_trainer(stage), load_tokenizer(start)
     env_factory = lambda: ENVIRONMENTS.get("arithmetic")(max_operand=SETTINGS["max_operand"])
@@ -145,7 +150,8 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
         learner = OPDLearner(backend, stage.opd, stage.rl, targets)
     else:
         learner = Learner(backend, algo, stage.rl, critic_steps=trainer_cfg.critic_steps,
-                          critic_warmup_steps=trainer_cfg.critic_warmup_steps)
+                          critic_warmup_steps=trainer_cfg.critic_warmup_steps,
+                          critic_minibatches=trainer_cfg.critic_minibatches)
     tasks = sample_tasks(env_factory().make_tasks("train", TRAIN_TASK_POOL, seed), seed)
     groups = itertools.count()
 
@@ -375,6 +381,7 @@ def repeat_ratios(runs: dict, opd: dict) -> dict:
                     f"sao_vs_trl_gate_included{mode}": with_gate["opd_sao_sao"],
                     f"opd_top_k_cpu_vs_trl_distillation{mode}": opd["opd_sao_opd_top_k" + mode]["cpu_s"]
                     / opd["trl_distillation"]["cpu_s"]})
+    out["sao_minibatches_vs_trl"] = runs["opd_sao_sao_minibatches"]["episodes_per_cpu_s"] / trl
     return out
 
 
@@ -398,6 +405,10 @@ def run_repeat(python: Path, work: Path, repeat: int, common: dict, distill: dic
         for algo in ("sao", "grpo"):
             rl[f"opd_sao_{algo}{mode}"] = run_worker(Path(sys.executable), "opd-sao", algo=algo, overlap=overlap,
                                                      out=work / f"{algo}{mode}{repeat}", **common)
+        if not mode:  # SAO with its K critic updates on K mini-batches (one pass over the batch), in turns only
+            rl["opd_sao_sao_minibatches"] = run_worker(Path(sys.executable), "opd-sao", algo="sao", overlap=overlap,
+                                                       critic_minibatches="true", out=work / f"sao_mb{repeat}",
+                                                       **common)
         opd[f"opd_sao_opd_top_k{mode}"] = run_worker(Path(sys.executable), "opd-sao", algo="opd", overlap=overlap,
                                                      out=work / f"opd{mode}{repeat}", **distill)
     rl["trl_grpo"] = run_worker(python, "trl", out=work / f"trl{repeat}", tasks=work / "train_tasks.json",
@@ -442,6 +453,7 @@ def main() -> None:
     parser.add_argument("--granularity", default="top_k", help=argparse.SUPPRESS)
     parser.add_argument("--max-new-tokens", type=int, default=SETTINGS["max_new_tokens"], help=argparse.SUPPRESS)
     parser.add_argument("--overlap", choices=("true", "false"), default="true", help=argparse.SUPPRESS)
+    parser.add_argument("--critic-minibatches", choices=("true", "false"), default="false", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -452,7 +464,8 @@ def main() -> None:
                                         args.teacher, args.max_new_tokens)
         else:
             result = opd_sao_worker(args.start, args.out, args.algo, args.steps, args.batch, args.seed, args.teacher,
-                                    args.granularity, args.max_new_tokens, args.overlap == "true")
+                                    args.granularity, args.max_new_tokens, args.overlap == "true",
+                                    args.critic_minibatches == "true")
         print(json.dumps(result))
         return
     global PIN_CORE
@@ -496,12 +509,14 @@ def main() -> None:
         print(f"{name:<18} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['cpu_s_per_step']:>10.3f} CPU-s/step, "
               f"peak RSS {r['peak_rss_mb']:.0f} MB")
     for i, r in enumerate(each):
-        print(f"repeat {i}: GRPO {r['grpo_vs_trl']:.2f}x, SAO {r['sao_vs_trl']:.2f}x, OPD top_k CPU / TRL's "
+        print(f"repeat {i}: GRPO {r['grpo_vs_trl']:.2f}x, SAO {r['sao_vs_trl']:.2f}x (critic mini-batches "
+              f"{r['sao_minibatches_vs_trl']:.2f}x), OPD top_k CPU / TRL's "
               f"{r['opd_top_k_cpu_vs_trl_distillation']:.2f}; overlapping: GRPO {r['grpo_vs_trl_overlap']:.2f}x, "
               f"SAO {r['sao_vs_trl_overlap']:.2f}x, OPD {r['opd_top_k_cpu_vs_trl_distillation_overlap']:.2f}")
     print(f"ratios to TRL GRPO (median of {len(each)} repeat(s); episodes per CPU-second; engine.overlap false): "
           f"opd-sao GRPO {ratios['grpo_vs_trl']:.2f}x (must >= 1.3), "
-          f"SAO {ratios['sao_vs_trl']:.2f}x (must >= 1.0); with the gate's two checks: GRPO "
+          f"SAO {ratios['sao_vs_trl']:.2f}x (must >= 1.0), SAO with critic mini-batches "
+          f"{ratios['sao_minibatches_vs_trl']:.2f}x; with the gate's two checks: GRPO "
           f"{ratios['grpo_vs_trl_gate_included']:.2f}x, SAO {ratios['sao_vs_trl_gate_included']:.2f}x; OPD top_k CPU / "
           f"TRL DistillationTrainer's {ratios['opd_top_k_cpu_vs_trl_distillation']:.2f} (must <= 1); at the default "
           f"engine.overlap true: GRPO {ratios['grpo_vs_trl_overlap']:.2f}x, SAO {ratios['sao_vs_trl_overlap']:.2f}x, "
@@ -525,6 +540,9 @@ def main() -> None:
                                                "max_new_tokens": QWEN_NEW_TOKENS} if qwen else None,
         "must_show": {"grpo_at_least_1.3x": ratios["grpo_vs_trl"] >= 1.3, "sao_at_least_1.0x": ratios["sao_vs_trl"] >= 1.0,
                       "sao_held_out_above_grpo": runs["opd_sao_sao"]["held_out"] > runs["opd_sao_grpo"]["held_out"],
+                      "sao_critic_minibatches_at_least_1.0x": ratios["sao_minibatches_vs_trl"] >= 1.0,
+                      "sao_critic_minibatches_held_out_above_grpo":
+                          runs["opd_sao_sao_minibatches"]["held_out"] > runs["opd_sao_grpo"]["held_out"],
                       "opd_top_k_at_384_no_more_cpu_than_trl": ratios["opd_top_k_cpu_vs_trl_distillation"] <= 1.0,
                       **({"top_k_at_151936_at_most_0.8x_trl_cpu": ratios["top_k_cpu_vs_trl_at_151936"] <= 0.8,
                           "top_k_at_151936_at_most_half_trl_memory": ratios["top_k_peak_rss_vs_trl_at_151936"] <= 0.5,

@@ -275,11 +275,14 @@ def skip_observation_gae(
         after = torch.cat([at_or_after[:, 1:], torch.full_like(at_or_after[:, :1], T)], dim=1)
         next_value = torch.cat([values, torch.zeros_like(values[:, :1])], dim=1).gather(1, after)
         deltas = rewards + gamma * next_value - values
-        # the recursion alone runs over time; observation tokens pass the next action token's advantage through
+        # the recursion alone runs over time; observation tokens pass the next action token's advantage through.
+        # It spans the columns from the batch's first action token to its last: outside them no row has one, so
+        # nothing there is kept or carried (a prompt's columns, the padding after the longest response)
         discount = gamma * lam
         adv = torch.zeros_like(values)
         next_adv = torch.zeros(B, device=values.device, dtype=values.dtype)
-        for t in reversed(range(T)):
+        acted = mask.any(0).nonzero().squeeze(1).tolist()
+        for t in reversed(range(acted[0], acted[-1] + 1) if acted else ()):
             adv[:, t] = deltas[:, t] + discount * next_adv
             next_adv = torch.where(mask[:, t], adv[:, t], next_adv)
 

@@ -154,6 +154,10 @@ class TrainerConfig(Strict):
     policy_lr: float = describe("policy AdamW learning rate", 1e-4, gt=0)
     critic_lr: float = describe("critic AdamW learning rate", 5e-4, gt=0)
     critic_steps: int = describe("K critic updates per policy update (TTUR, docs/design.md §2.3)", 2, ge=1)
+    critic_minibatches: bool = describe(
+        "the K critic updates on K mini-batches of the step's batch (every K-th trajectory), one pass over it, as "
+        "verl's critic with a mini-batch of batch / K: K optimizer steps at the cost of one pass; false: each update "
+        "reads the whole batch (K passes). Either way the policy's GAE reads the values after the K updates", False)
     critic_warmup_steps: int = describe("steps that train only the critic before the first policy update", 10, ge=0)
     freeze_critic_attention: bool = describe("freeze the critic's attention weights (SAO)", True)
     grad_clip: float = describe("gradient-norm clip of policy and critic", 1.0, gt=0)

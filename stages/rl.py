@@ -105,7 +105,8 @@ class RLStage(Stage):
         engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device,
                               attn_implementation=attention)
         learner = Learner(backend, algo, cfg.rl, critic_steps=trainer_cfg.critic_steps,
-                          critic_warmup_steps=trainer_cfg.critic_warmup_steps)
+                          critic_warmup_steps=trainer_cfg.critic_warmup_steps,
+                          critic_minibatches=trainer_cfg.critic_minibatches)
         train_env = self.env_factory(train_step=lambda: learner.steps_done)
         tasks = sample_tasks(pool, run.seed)
         groups = itertools.count()

@@ -72,21 +72,56 @@ def test_sao_takes_k_critic_updates_per_step_and_no_policy_update_during_warm_up
     assert any(not torch.equal(v, backend.policy.state_dict()[k]) for k, v in policy_before.items())
 
 
-def test_critic_targets_are_monte_carlo_returns(tiny_model_dir, tokenizer):
-    """lambda_critic = gamma = 1: the first value loss is (V - reward-to-go)^2 whatever V is.
-    Mutation caught: critic targets at lambda < 1 (they would lean on V)."""
-    backend = TorchTrainer(tiny_model_dir, TrainerConfig(train_batch_size=4, critic_lr=0.05), with_critic=True)
-    learner = Learner(backend, "sao", AlgoConfig(), critic_steps=2, critic_warmup_steps=0)
-    batch = _batch(tokenizer, rewards=(1.0, 0.0, 3.0, -2.0))
+class ReadingTrainer(CountingTrainer):
+    """The real torch trainer, recording which trajectories each critic forward read and whether with a graph."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.critic_reads = []
+
+    def critic_values(self, batch, grad):
+        self.critic_reads.append((batch.traj_ids, grad))
+        return super().critic_values(batch, grad)
+
+
+def test_critic_minibatches_take_k_updates_in_one_pass_and_gae_reads_the_values_after_them(tiny_model_dir, tokenizer):
+    """trainer.critic_minibatches: update k reads every K-th trajectory from the k-th on, each once; the policy's
+    values come from one forward over the whole batch after the K steps. Mutations caught: the whole batch in
+    each update; a trajectory read twice or never; GAE on the values before the last update."""
+    backend = ReadingTrainer(tiny_model_dir, TrainerConfig(train_batch_size=6), with_critic=True)
+    learner = Learner(backend, "sao", AlgoConfig(), critic_steps=2, critic_warmup_steps=0, critic_minibatches=True)
+    batch = _batch(tokenizer, rewards=(1.0, 0.0, 1.0, 0.0, 1.0, 0.0))
+    metrics = learner.step(batch, 1.0)
+    ids = batch.traj_ids
+    assert backend.critic_reads == [(ids[0::2], True), (ids[1::2], True), (ids, False)]
+    assert backend.critic_steps == 2 and backend.policy_steps == 1
+    with torch.no_grad():  # the values GAE read are the critic's after both steps
+        after = backend.critic_values(batch, grad=False)
+    lam = A.length_adaptive_lambda(batch.action_mask.sum(-1), AlgoConfig().alpha)
+    advantages, _ = A.skip_observation_gae(batch.rewards, after, batch.action_mask, 1.0, lam)
+    assert metrics["adv_mean"] == pytest.approx(float(advantages[batch.action_mask.bool()].mean()), rel=1e-5)
+
+
+@pytest.mark.parametrize("minibatches", [False, True])
+def test_critic_value_loss_before_the_first_update_is_against_monte_carlo_returns(tiny_model_dir, tokenizer,
+                                                                                  minibatches):
+    """lambda_critic = gamma = 1: the first value loss is (V - reward-to-go)^2 whatever V is, logged before the
+    first update steps: over the whole batch, or over the first mini-batch (trajectories 0 and 2 of 4).
+    Mutations caught: critic targets at lambda < 1 (they would lean on V); a mini-batch's targets from other
+    rows."""
     # a critic far from its targets, so lambda < 1 targets (R = A + V) would differ from the returns
+    backend = TorchTrainer(tiny_model_dir, TrainerConfig(train_batch_size=4, critic_lr=0.05), with_critic=True)
+    learner = Learner(backend, "sao", AlgoConfig(), critic_steps=2, critic_warmup_steps=0,
+                      critic_minibatches=minibatches)
+    batch = _batch(tokenizer, rewards=(1.0, 0.0, 3.0, -2.0))
     with torch.no_grad():
         backend.critic.value_head.bias.fill_(5.0)
         values = backend.critic_values(batch, grad=False)
-    mask = batch.action_mask.bool()
-    returns = batch.rewards.sum(-1, keepdim=True).expand_as(values)  # one terminal reward: reward-to-go = total
-    expected = float(((values - returns)[mask] ** 2).mean())
-    m = learner.step(batch, 1.0)
-    assert m["value_loss"] == pytest.approx(expected, rel=1e-4)
+    rows = [0, 2] if minibatches else [0, 1, 2, 3]
+    mask = batch.action_mask.bool()[rows]
+    returns = batch.rewards.sum(-1, keepdim=True).expand_as(values)[rows]  # one terminal reward: the total
+    expected = float(((values[rows] - returns)[mask] ** 2).mean())
+    assert learner.step(batch, 1.0)["value_loss"] == pytest.approx(expected, rel=1e-4)
 
 
 @pytest.mark.parametrize("algo", ["sao", "running_mean", "grpo_dis"])

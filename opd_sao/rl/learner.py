@@ -36,11 +36,12 @@ class ResumableLearner:
 
 class Learner(ResumableLearner):
     def __init__(self, backend: TrainerBackend, algo: str, cfg: AlgoConfig, *, critic_steps: int,
-                 critic_warmup_steps: int):
+                 critic_warmup_steps: int, critic_minibatches: bool = False):
         super().__init__(cfg.baseline_window)
         self.backend, self.algo, self.cfg = backend, algo, cfg
         self.algorithm = A.resolve_algorithm(algo, cfg)
         self.critic_steps = critic_steps
+        self.critic_minibatches = critic_minibatches
         self.critic_warmup_steps = critic_warmup_steps if self.algorithm.critic else 0
 
     @property
@@ -77,19 +78,29 @@ class Learner(ResumableLearner):
         """K value-loss steps (TTUR), then the values the policy's advantages are computed from.
 
         The paper's K updates let the value "adapt to the current policy before being used for advantage
-        computation": the targets come from the first forward (at lambda_critic = gamma = 1 they are the
-        Monte-Carlo returns, independent of the critic), and GAE reads the values after the K updates, at
-        the cost of one more critic forward. The explained variance is measured before any update."""
-        mask = batch.action_mask
-        for k in range(self.critic_steps):
-            values = self.backend.critic_values(batch, grad=True)
-            if k == 0:
-                _, returns = self.algorithm.advantage(self._inputs(batch, values.detach()), self.cfg)
-            loss, value_metrics = A.value_loss(values, returns, mask)
+        computation": each update's targets come from its own forward before it steps (at lambda_critic =
+        gamma = 1 they are the Monte-Carlo returns, independent of the critic; K passes over the whole batch
+        take them from the first), and GAE reads the values after the K updates, at the cost of one more
+        critic forward. The explained variance is measured before any update."""
+        returns = None
+        for k, part in enumerate(self._critic_parts(batch)):
+            values = self.backend.critic_values(part, grad=True)
+            if returns is None or part is not batch:
+                _, returns = self.algorithm.advantage(self._inputs(part, values.detach()), self.cfg)
+            loss, value_metrics = A.value_loss(values, returns, part.action_mask)
             metrics["critic_grad_norm"] = self.backend.step_critic(loss)
             if k == 0:
                 metrics.update(value_metrics)  # measured before the update: an honest explained variance
         return self.backend.critic_values(batch, grad=False).detach()
+
+    def _critic_parts(self, batch: Batch) -> list[Batch]:
+        """What each of the K updates reads: the whole batch, or (critic_minibatches) every K-th trajectory from
+        the k-th on (a batch of fewer than K trajectories: the whole batch each time)."""
+        K = self.critic_steps
+        if not self.critic_minibatches or len(batch.trajectories) < K:
+            return [batch] * K
+        row = torch.arange(len(batch.trajectories), device=batch.input_ids.device)
+        return [batch.select(row % K == k) for k in range(K)]
 
     def _policy_update(self, batch: Batch, advantages: torch.Tensor, temperature: float) -> dict[str, float]:
         """The algorithm's policy loss against the rollout logprobs (one pass), or against pi_old recomputed by
