@@ -1,16 +1,15 @@
 """opd-sao against TRL on the same RL work, both sides in one invocation (TRL in a venv of its own, as a user has it).
-
-The work: from one SFT start (the tiny model warmed up on arithmetic), `--steps` policy steps of `--batch` episodes
-on the arithmetic environment's train split (the project's own generator; reward 1 for exactly the answer), at the
-same temperature, max_new_tokens, policy lr, AdamW betas, weight decay, gradient clip and ratio clip. Four runs:
-opd-sao SAO (one rollout per prompt, asynchronous, critic K=2 updates each over the whole batch), the same SAO with
-its two critic updates on the batch's two halves (`trainer.critic_minibatches`: one pass), opd-sao GRPO (groups of
-8) and TRL's GRPOTrainer (groups of 8, beta 0, one iteration per generation). Each runs in its own process at ONE
-torch thread; its cost is its own CPU-seconds (getrusage of the process and its children, around the training only: model loading and
-trainer construction excluded on both sides; opd-sao's consistency gate, two checks per stage whatever its length,
-reported beside as `gate_cpu_s`, and the ratios with it included printed too). Every final model is then scored by
-the same held-out evaluation (the eval split, `--eval-samples` sampled episodes per task at temperature 1, the
-project's verifier).
+The work: from one SFT start (the tiny model warmed up on arithmetic), `--steps` policy steps of `--batch` episodes on
+the arithmetic environment's train split (the project's own generator; reward 1 for exactly the answer), at the same
+temperature, max_new_tokens, policy lr, AdamW betas, weight decay, gradient clip and ratio clip. Four runs: opd-sao
+SAO (one rollout per prompt, asynchronous, critic K=2 updates each over the whole batch), the same SAO with its two
+critic updates on the batch's two halves (`trainer.critic_minibatches`: one pass), opd-sao GRPO (groups of 8) and
+TRL's GRPOTrainer (groups of 8, beta 0, one iteration per generation). Each runs in its own process at ONE torch
+thread; its cost is its own CPU-seconds (getrusage of the process and its children, around the training only: model
+loading and trainer construction excluded on both sides; opd-sao's consistency gate, two checks per stage whatever its
+length, reported beside as `gate_cpu_s`, and the ratios with it included printed too). Every final model is then
+scored by the same held-out evaluation (the eval split, `--eval-samples` sampled episodes per task at temperature 1,
+the project's verifier).
 
 The OPD row, at the tiny model's vocabulary (384): `--opd-steps` steps of `--batch` on-policy episodes distilling
 one teacher (the start after as many SFT steps again) with forward KL. opd-sao: its OPD stage's learner, top_k 16
