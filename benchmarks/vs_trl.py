@@ -1,4 +1,5 @@
 """opd-sao against TRL on the same RL work, both sides in one invocation (TRL in a venv of its own, as a user has it).
+
 The work: from one SFT start (the tiny model warmed up on arithmetic), `--steps` policy steps of `--batch` episodes on
 the arithmetic environment's train split (the project's own generator; reward 1 for exactly the answer), at the same
 temperature, max_new_tokens, policy lr, AdamW betas, weight decay, gradient clip and ratio clip. Four runs: opd-sao
