@@ -37,7 +37,9 @@ def _learner(backend):
     from opd_sao.config import AlgoConfig
     from opd_sao.rl.learner import Learner
 
-    return Learner(backend, "sao", AlgoConfig(), critic_steps=2, critic_warmup_steps=0)
+    # the critic's two updates on mini-batches: half of the 10 trajectories each, split 3 / 2 between the ranks
+    # (uneven shares: the collective forwards' harder case); the K-pass path calls the same backend on the whole batch
+    return Learner(backend, "sao", AlgoConfig(), critic_steps=2, critic_warmup_steps=0, critic_minibatches=True)
 
 
 def _load_batch(path: Path, pad_id: int):
