@@ -2,10 +2,12 @@
 
 The work: from one SFT start (the tiny model warmed up on arithmetic), `--steps` policy steps of `--batch` episodes on
 the arithmetic environment's train split (the project's own generator; reward 1 for exactly the answer), at the same
-temperature, max_new_tokens, policy lr, AdamW betas, weight decay, gradient clip and ratio clip. Four runs: opd-sao
+temperature, max_new_tokens, policy lr, AdamW betas, weight decay, gradient clip and ratio clip. Five runs: opd-sao
 SAO (one rollout per prompt, asynchronous, critic K=2 updates each over the whole batch), the same SAO with its two
 critic updates on the batch's two halves (`trainer.critic_minibatches`: one pass), opd-sao GRPO (groups of 8) and
-TRL's GRPOTrainer (groups of 8, beta 0, one iteration per generation). Each runs in its own process at ONE torch
+TRL's GRPOTrainer (groups of 8, beta 0, one iteration per generation), judged at TRL's default gradient checkpointing
+and run again without it (ratios `*_vs_trl_no_checkpointing`, reported, not judged: opd-sao's side does not
+checkpoint at this size, and a TRL user would turn it off for it too). Each runs in its own process at ONE torch
 thread; its cost is its own CPU-seconds (getrusage of the process and its children, around the training only: model
 loading and trainer construction excluded on both sides; opd-sao's consistency gate, two checks per stage whatever its
 length, reported beside as `gate_cpu_s`, and the ratios with it included printed too). Every final model is then
@@ -247,10 +249,12 @@ def held_out(checkpoint: Path, samples: int, seed: int) -> float:
 
 # ------------------------------------------------------------------ TRL side (its own venv; no opd_sao import)
 
-def trl_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int, seed: int) -> dict:
+def trl_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int, seed: int,
+               checkpointing: bool = True) -> dict:
     """TRL's GRPOTrainer on the same start, prompts and settings. The reward is ArithmeticEnv's verifier
     (ExactAnswerEnv.step: the decoded completion, stripped, equals the answer), restated here because this venv
-    does not have opd-sao; the held-out score of the result is the project's own evaluation."""
+    does not have opd-sao; the held-out score of the result is the project's own evaluation. `checkpointing`:
+    GRPOConfig's `gradient_checkpointing` (TRL's default true; opd-sao's side runs without)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -275,7 +279,7 @@ def trl_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int,
                      adam_beta2=betas[1], weight_decay=0.0, max_grad_norm=SETTINGS["grad_clip"],
                      epsilon=SETTINGS["ratio_clip"], beta=0.0, num_iterations=1, seed=seed, use_cpu=True,
                      bf16=False, fp16=False, save_strategy="no", report_to="none", logging_steps=10,
-                     disable_tqdm=True, dataloader_num_workers=0)
+                     disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=checkpointing)
     trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=cfg, train_dataset=data, processing_class=tok)
     cpu0, wall0 = cpu_seconds(), time.perf_counter()
     trainer.train()
@@ -382,6 +386,9 @@ def repeat_ratios(runs: dict, opd: dict) -> dict:
                     f"opd_top_k_cpu_vs_trl_distillation{mode}": opd["opd_sao_opd_top_k" + mode]["cpu_s"]
                     / opd["trl_distillation"]["cpu_s"]})
     out["sao_minibatches_vs_trl"] = runs["opd_sao_sao_minibatches"]["episodes_per_cpu_s"] / trl
+    bare = runs["trl_grpo_no_checkpointing"]["episodes_per_cpu_s"]  # not judged: TRL as a user tuning it runs it
+    out.update({f"{name}_vs_trl_no_checkpointing": runs[row]["episodes_per_cpu_s"] / bare for name, row in
+                (("grpo", "opd_sao_grpo"), ("sao", "opd_sao_sao"), ("sao_minibatches", "opd_sao_sao_minibatches"))})
     return out
 
 
@@ -413,6 +420,8 @@ def run_repeat(python: Path, work: Path, repeat: int, common: dict, distill: dic
                                                      out=work / f"opd{mode}{repeat}", **distill)
     rl["trl_grpo"] = run_worker(python, "trl", out=work / f"trl{repeat}", tasks=work / "train_tasks.json",
                                 **common)
+    rl["trl_grpo_no_checkpointing"] = run_worker(python, "trl", out=work / f"trl_bare{repeat}", checkpointing="false",
+                                                 tasks=work / "train_tasks.json", **common)
     opd["trl_distillation"] = run_worker(python, "trl-distill", out=work / f"trl-distill{repeat}",
                                          tasks=work / "train_tasks.json", **distill)
     for result in (*rl.values(), *opd.values()):
@@ -454,11 +463,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=SETTINGS["max_new_tokens"], help=argparse.SUPPRESS)
     parser.add_argument("--overlap", choices=("true", "false"), default="true", help=argparse.SUPPRESS)
     parser.add_argument("--critic-minibatches", choices=("true", "false"), default="false", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpointing", choices=("true", "false"), default="true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         args.out.mkdir(parents=True, exist_ok=True)
         if args.worker == "trl":
-            result = trl_worker(args.start, args.out, args.tasks, args.steps, args.batch, args.seed)
+            result = trl_worker(args.start, args.out, args.tasks, args.steps, args.batch, args.seed,
+                                args.checkpointing == "true")
         elif args.worker == "trl-distill":
             result = trl_distill_worker(args.start, args.out, args.tasks, args.steps, args.batch, args.seed,
                                         args.teacher, args.max_new_tokens)
@@ -500,19 +511,21 @@ def main() -> None:
         ratios.update({"top_k_cpu_vs_trl_at_151936": qwen["top_k"]["cpu_s"] / qwen["trl_distillation"]["cpu_s"],
                        "top_k_peak_rss_vs_trl_at_151936": qwen["top_k"]["peak_rss_mb"]
                        / qwen["trl_distillation"]["peak_rss_mb"]})
-    print(f"{'run':<18} {'episodes':>8} {'CPU-s':>8} {'eps/CPU-s':>10} {'held-out':>9}  (each repeat's)")
+    print(f"{'run':<26} {'episodes':>8} {'CPU-s':>8} {'eps/CPU-s':>10} {'held-out':>9}  (each repeat's)")
     for name, r in runs.items():
         each_held = ", ".join(f"{x:.3f}" for x in r["held_out_each_repeat"])
-        print(f"{name:<18} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['episodes_per_cpu_s']:>10.1f} {r['held_out']:>9.3f}"
+        print(f"{name:<26} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['episodes_per_cpu_s']:>10.1f} {r['held_out']:>9.3f}"
               f"  ({each_held})")
     for name, r in [*opd.items(), *((f"{k}@151936", v) for k, v in qwen.items())]:
-        print(f"{name:<18} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['cpu_s_per_step']:>10.3f} CPU-s/step, "
+        print(f"{name:<26} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['cpu_s_per_step']:>10.3f} CPU-s/step, "
               f"peak RSS {r['peak_rss_mb']:.0f} MB")
     for i, r in enumerate(each):
         print(f"repeat {i}: GRPO {r['grpo_vs_trl']:.2f}x, SAO {r['sao_vs_trl']:.2f}x (critic mini-batches "
               f"{r['sao_minibatches_vs_trl']:.2f}x), OPD top_k CPU / TRL's "
               f"{r['opd_top_k_cpu_vs_trl_distillation']:.2f}; overlapping: GRPO {r['grpo_vs_trl_overlap']:.2f}x, "
-              f"SAO {r['sao_vs_trl_overlap']:.2f}x, OPD {r['opd_top_k_cpu_vs_trl_distillation_overlap']:.2f}")
+              f"SAO {r['sao_vs_trl_overlap']:.2f}x, OPD {r['opd_top_k_cpu_vs_trl_distillation_overlap']:.2f}; against "
+              f"TRL without checkpointing: GRPO {r['grpo_vs_trl_no_checkpointing']:.2f}x, SAO "
+              f"{r['sao_vs_trl_no_checkpointing']:.2f}x ({r['sao_minibatches_vs_trl_no_checkpointing']:.2f}x)")
     print(f"ratios to TRL GRPO (median of {len(each)} repeat(s); episodes per CPU-second; engine.overlap false): "
           f"opd-sao GRPO {ratios['grpo_vs_trl']:.2f}x (must >= 1.3), "
           f"SAO {ratios['sao_vs_trl']:.2f}x (must >= 1.0), SAO with critic mini-batches "
@@ -520,7 +533,10 @@ def main() -> None:
           f"{ratios['grpo_vs_trl_gate_included']:.2f}x, SAO {ratios['sao_vs_trl_gate_included']:.2f}x; OPD top_k CPU / "
           f"TRL DistillationTrainer's {ratios['opd_top_k_cpu_vs_trl_distillation']:.2f} (must <= 1); at the default "
           f"engine.overlap true: GRPO {ratios['grpo_vs_trl_overlap']:.2f}x, SAO {ratios['sao_vs_trl_overlap']:.2f}x, "
-          f"OPD {ratios['opd_top_k_cpu_vs_trl_distillation_overlap']:.2f}")
+          f"OPD {ratios['opd_top_k_cpu_vs_trl_distillation_overlap']:.2f}; against TRL GRPO with gradient_checkpointing "
+          f"false (not judged): GRPO {ratios['grpo_vs_trl_no_checkpointing']:.2f}x, SAO "
+          f"{ratios['sao_vs_trl_no_checkpointing']:.2f}x, with critic mini-batches "
+          f"{ratios['sao_minibatches_vs_trl_no_checkpointing']:.2f}x")
     if qwen:
         print(f"at 151,936: top_k CPU / TRL's {ratios['top_k_cpu_vs_trl_at_151936']:.2f} (must <= 0.8), peak RSS "
               f"{ratios['top_k_peak_rss_vs_trl_at_151936']:.2f} (must <= 0.5); full {qwen['full']['peak_rss_mb']:.0f} MB "
