@@ -520,16 +520,16 @@ def main() -> None:
         print(f"{name:<26} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['cpu_s_per_step']:>10.3f} CPU-s/step, "
               f"peak RSS {r['peak_rss_mb']:.0f} MB")
     for i, r in enumerate(each):
-        print(f"repeat {i}: GRPO {r['grpo_vs_trl']:.2f}x, SAO {r['sao_vs_trl']:.2f}x (critic mini-batches "
-              f"{r['sao_minibatches_vs_trl']:.2f}x), OPD top_k CPU / TRL's "
+        print(f"repeat {i}: GRPO {r['grpo_vs_trl']:.2f}x, SAO {r['sao_vs_trl']:.3f}x (critic mini-batches "
+              f"{r['sao_minibatches_vs_trl']:.3f}x), OPD top_k CPU / TRL's "
               f"{r['opd_top_k_cpu_vs_trl_distillation']:.2f}; overlapping: GRPO {r['grpo_vs_trl_overlap']:.2f}x, "
               f"SAO {r['sao_vs_trl_overlap']:.2f}x, OPD {r['opd_top_k_cpu_vs_trl_distillation_overlap']:.2f}; against "
               f"TRL without checkpointing: GRPO {r['grpo_vs_trl_no_checkpointing']:.2f}x, SAO "
               f"{r['sao_vs_trl_no_checkpointing']:.2f}x ({r['sao_minibatches_vs_trl_no_checkpointing']:.2f}x)")
     print(f"ratios to TRL GRPO (median of {len(each)} repeat(s); episodes per CPU-second; engine.overlap false): "
           f"opd-sao GRPO {ratios['grpo_vs_trl']:.2f}x (must >= 1.3), "
-          f"SAO {ratios['sao_vs_trl']:.2f}x (must >= 1.0), SAO with critic mini-batches "
-          f"{ratios['sao_minibatches_vs_trl']:.2f}x; with the gate's two checks: GRPO "
+          f"SAO {ratios['sao_vs_trl']:.3f}x (must >= 1.0), SAO with critic mini-batches "
+          f"{ratios['sao_minibatches_vs_trl']:.3f}x; with the gate's two checks: GRPO "
           f"{ratios['grpo_vs_trl_gate_included']:.2f}x, SAO {ratios['sao_vs_trl_gate_included']:.2f}x; OPD top_k CPU / "
           f"TRL DistillationTrainer's {ratios['opd_top_k_cpu_vs_trl_distillation']:.2f} (must <= 1); at the default "
           f"engine.overlap true: GRPO {ratios['grpo_vs_trl_overlap']:.2f}x, SAO {ratios['sao_vs_trl_overlap']:.2f}x, "
