@@ -14,6 +14,13 @@ length, reported beside as `gate_cpu_s`, and the ratios with it included printed
 scored by the same held-out evaluation (the eval split, `--eval-samples` sampled episodes per task at temperature 1,
 the project's verifier).
 
+Along the run (`--snapshots N`, default 4): the judged RL rows (SAO, SAO with critic mini-batches, opd-sao GRPO,
+TRL GRPO) also save their policy after each 1/N of the steps, at the end of the optimizer step on both sides (what
+saving costs is taken out of every CPU figure), and each is evaluated alike: held-out accuracy against CPU-seconds.
+From it, reported and not judged: TRL's CPU-seconds for its whole run over the CPU-seconds each opd-sao row took to
+first reach TRL's final held-out accuracy (the Must-show compares cost per episode; this compares cost to the same
+accuracy).
+
 The OPD row, at the tiny model's vocabulary (384): `--opd-steps` steps of `--batch` on-policy episodes distilling
 one teacher (the start after as many SFT steps again) with forward KL. opd-sao: its OPD stage's learner, top_k 16
 through the logit cache (scoring, quantising, training, and the writer committing every record inside the clock);
@@ -75,6 +82,28 @@ def one_thread_env() -> dict:
             "PYTHONHASHSEED": "0"}
 
 
+class Snapshots:
+    """The policy saved after `parts` - 1 evenly spaced steps (either side, same steps), each with the training's
+    CPU-seconds up to it: the held-out accuracy along the run, against CPU. What the saving itself costs is kept
+    out of both the points and the run's total (`saving`), so the judged ratios are the same with or without."""
+
+    def __init__(self, steps: int, parts: int, out: Path):
+        self.at = {steps * i // parts for i in range(1, parts)} - {0} if parts > 1 else set()
+        self.out, self.cpu0, self.saving, self.points = out, 0.0, 0.0, []
+
+    def start(self, cpu0: float) -> None:
+        self.cpu0 = cpu0
+
+    def after(self, steps_done: int, save) -> None:
+        """`save(path)` writes the policy there, if `steps_done` is one of the snapshot steps."""
+        if steps_done not in self.at:
+            return
+        cpu, path = cpu_seconds(), self.out / f"step{steps_done}"
+        save(path)
+        self.points.append({"step": steps_done, "cpu_s": cpu - self.cpu0 - self.saving, "checkpoint": str(path)})
+        self.saving += cpu_seconds() - cpu
+
+
 # ------------------------------------------------------------------ opd-sao side (the repository's venv)
 
 def run_config(start: Path, algo: str, steps: int, batch: int, seed: int, teacher: Path | None = None,
@@ -109,11 +138,12 @@ def run_config(start: Path, algo: str, steps: int, batch: int, seed: int, teache
 def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, seed: int,
                    teacher: Path | None = None, granularity: str = "top_k",
                    max_new_tokens: int = SETTINGS["max_new_tokens"], overlap: bool = True,
-                   critic_minibatches: bool = False) -> dict:
+                   critic_minibatches: bool = False, snapshots: int = 0) -> dict:
     """One stage's training as Stage.train runs it (gate at start and end, buffer write-ahead log, metrics, trained
     log, resumable state every checkpoint_every steps); CPU-seconds of the gate and the loop. With `algo` "opd": the
     OPD stage's learner over the teacher's logit cache (the teacher loaded before the clock starts, as TRL loads
-    its teacher in the trainer's constructor; the cache's writer committing every record before it stops)."""
+    its teacher in the trainer's constructor; the cache's writer committing every record before it stops).
+    `snapshots`: see Snapshots."""
     import itertools
 
     import torch
@@ -167,11 +197,13 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
                            eps_low=stage.rl.eps_low, eps_high=stage.rl.eps_high, deterministic=False,
                            pad_id=tok.pad_token_id)
     state = StageState(out)
+    along = Snapshots(steps, snapshots, out)
 
     def after_step(step: int) -> None:
         gate.after_step(step)
         if (step + 1) % stage.checkpoint_every == 0:
             state.save(backend, step + 1, {"learner": learner.state()})
+        along.after(step + 1, lambda path: backend.export_policy(path, tok))
 
     loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes, rollout=stage.rollout,
                   train_batch_size=trainer_cfg.train_batch_size, pad_id=tok.pad_token_id,
@@ -180,6 +212,7 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     cpu0 = cpu_seconds()
     gate.run("start", sync=loop.sync_weights)
     cpu1, wall1 = cpu_seconds(), time.perf_counter()
+    along.start(cpu1)
     history = loop.run(steps)
     if distilling:
         targets.flush()  # every record committed: the cache's writing is part of the steps' cost
@@ -188,8 +221,9 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     gate_cpu = (cpu1 - cpu0) + (cpu_seconds() - cpu2)  # the gate's two checks: once per stage, not per step
     backend.export_policy(out / "checkpoint", tok)
     engine.close()
-    result = {"episodes": steps * trainer_cfg.train_batch_size, "cpu_s": cpu2 - cpu1, "wall_s": wall2 - wall1,
-              "gate_cpu_s": gate_cpu, "torch_threads": torch.get_num_threads(), "checkpoint": str(out / "checkpoint"),
+    result = {"episodes": steps * trainer_cfg.train_batch_size, "cpu_s": cpu2 - cpu1 - along.saving,
+              "wall_s": wall2 - wall1, "snapshots": along.points, "gate_cpu_s": gate_cpu,
+              "torch_threads": torch.get_num_threads(), "checkpoint": str(out / "checkpoint"),
               "peak_rss_mb": peak_mb(),
               "reward_last_quarter": sum(h["reward_mean"] for h in history[-steps // 4:]) / max(1, len(history[-steps // 4:]))}
     if distilling:
@@ -250,14 +284,15 @@ def held_out(checkpoint: Path, samples: int, seed: int) -> float:
 # ------------------------------------------------------------------ TRL side (its own venv; no opd_sao import)
 
 def trl_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int, seed: int,
-               checkpointing: bool = True) -> dict:
+               checkpointing: bool = True, snapshots: int = 0) -> dict:
     """TRL's GRPOTrainer on the same start, prompts and settings. The reward is ArithmeticEnv's verifier
     (ExactAnswerEnv.step: the decoded completion, stripped, equals the answer), restated here because this venv
     does not have opd-sao; the held-out score of the result is the project's own evaluation. `checkpointing`:
-    GRPOConfig's `gradient_checkpointing` (TRL's default true; opd-sao's side runs without)."""
+    GRPOConfig's `gradient_checkpointing` (TRL's default true; opd-sao's side runs without). `snapshots`: see
+    Snapshots (a callback at the end of each optimizer step, where opd-sao's after_step runs)."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(1)
@@ -280,15 +315,28 @@ def trl_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int,
                      epsilon=SETTINGS["ratio_clip"], beta=0.0, num_iterations=1, seed=seed, use_cpu=True,
                      bf16=False, fp16=False, save_strategy="no", report_to="none", logging_steps=10,
                      disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=checkpointing)
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=cfg, train_dataset=data, processing_class=tok)
+    along = Snapshots(steps, snapshots, out)
+
+    def save(path: Path) -> None:
+        model.save_pretrained(str(path))
+        tok.save_pretrained(str(path))
+
+    class AlongTheRun(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            along.after(state.global_step, save)
+
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=cfg, train_dataset=data, processing_class=tok,
+                          callbacks=[AlongTheRun()])
     cpu0, wall0 = cpu_seconds(), time.perf_counter()
+    along.start(cpu0)
     trainer.train()
-    cpu, wall = cpu_seconds() - cpu0, time.perf_counter() - wall0
+    cpu, wall = cpu_seconds() - cpu0 - along.saving, time.perf_counter() - wall0
     trainer.save_model(str(out / "checkpoint"))
     tok.save_pretrained(str(out / "checkpoint"))
     rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
     return {"episodes": steps * batch, "cpu_s": cpu, "wall_s": wall, "torch_threads": torch.get_num_threads(),
-            "checkpoint": str(out / "checkpoint"), "reward_last_logged": rewards[-1] if rewards else None,
+            "checkpoint": str(out / "checkpoint"), "snapshots": along.points,
+            "reward_last_logged": rewards[-1] if rewards else None,
             "loss_type": cfg.loss_type, "scale_rewards": str(cfg.scale_rewards)}
 
 
@@ -392,6 +440,29 @@ def repeat_ratios(runs: dict, opd: dict) -> dict:
     return out
 
 
+CURVES = ("opd_sao_sao", "opd_sao_sao_minibatches", "opd_sao_grpo", "trl_grpo")  # the judged RL rows
+
+
+def held_out_curves(repeats: list[tuple[dict, dict]], batch: int) -> tuple[dict, dict]:
+    """Each judged row's held-out accuracy along the run: at every snapshot and at the end, the mean over the
+    repeats (as the final accuracy is) at the median CPU-seconds; and, for each opd-sao row, TRL's CPU-seconds
+    for its whole run over the CPU-seconds the row took to reach TRL's final held-out accuracy (at its first point
+    at or above it; None if it never did): how much sooner, in CPU, it gets where TRL ends."""
+    curves = {}
+    for name in CURVES:
+        along = [rl[name]["snapshots"] + [{"step": rl[name]["episodes"] // batch, "cpu_s": rl[name]["cpu_s"],
+                                           "held_out": rl[name]["held_out"]}] for rl, _ in repeats]
+        curves[name] = [{"episodes": points[0]["step"] * batch,
+                         "cpu_s": statistics.median(p["cpu_s"] for p in points),
+                         "held_out": statistics.fmean(p["held_out"] for p in points)} for points in zip(*along)]
+    trl_end = curves["trl_grpo"][-1]
+    to_trl = {}
+    for name in CURVES[:-1]:
+        reached = next((p for p in curves[name] if p["held_out"] >= trl_end["held_out"]), None)
+        to_trl[name] = None if reached is None else trl_end["cpu_s"] / reached["cpu_s"]
+    return curves, to_trl
+
+
 PIN_CORE: int | None = None  # --pin-core: every worker, either side, on this one core
 
 
@@ -405,21 +476,24 @@ def run_worker(python: Path, kind: str, **kw) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_repeat(python: Path, work: Path, repeat: int, common: dict, distill: dict, opd_steps: int) -> tuple[dict, dict]:
-    """One repeat's runs: every opd-sao row in turns (engine.overlap false) and at the default, then TRL's."""
+def run_repeat(python: Path, work: Path, repeat: int, common: dict, distill: dict, opd_steps: int,
+               snapshots: int) -> tuple[dict, dict]:
+    """One repeat's runs: every opd-sao row in turns (engine.overlap false) and at the default, then TRL's. The
+    judged rows (CURVES) also save `snapshots` - 1 policies along the run."""
     rl, opd = {}, {}
     for mode, overlap in (("", "false"), ("_overlap", "true")):  # turns (judged), then the default
+        along = {} if mode else {"snapshots": snapshots}
         for algo in ("sao", "grpo"):
             rl[f"opd_sao_{algo}{mode}"] = run_worker(Path(sys.executable), "opd-sao", algo=algo, overlap=overlap,
-                                                     out=work / f"{algo}{mode}{repeat}", **common)
+                                                     out=work / f"{algo}{mode}{repeat}", **along, **common)
         if not mode:  # SAO with its K critic updates on K mini-batches (one pass over the batch), in turns only
             rl["opd_sao_sao_minibatches"] = run_worker(Path(sys.executable), "opd-sao", algo="sao", overlap=overlap,
                                                        critic_minibatches="true", out=work / f"sao_mb{repeat}",
-                                                       **common)
+                                                       **along, **common)
         opd[f"opd_sao_opd_top_k{mode}"] = run_worker(Path(sys.executable), "opd-sao", algo="opd", overlap=overlap,
                                                      out=work / f"opd{mode}{repeat}", **distill)
     rl["trl_grpo"] = run_worker(python, "trl", out=work / f"trl{repeat}", tasks=work / "train_tasks.json",
-                                **common)
+                                snapshots=snapshots, **common)
     rl["trl_grpo_no_checkpointing"] = run_worker(python, "trl", out=work / f"trl_bare{repeat}", checkpointing="false",
                                                  tasks=work / "train_tasks.json", **common)
     opd["trl_distillation"] = run_worker(python, "trl-distill", out=work / f"trl-distill{repeat}",
@@ -464,23 +538,27 @@ def main() -> None:
     parser.add_argument("--overlap", choices=("true", "false"), default="true", help=argparse.SUPPRESS)
     parser.add_argument("--critic-minibatches", choices=("true", "false"), default="false", help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", choices=("true", "false"), default="true", help=argparse.SUPPRESS)
+    parser.add_argument("--snapshots", type=int, default=None,
+                        help="the judged RL rows' held-out accuracy also after each 1/N of their steps (default 4; "
+                             "1: at the end only)")
     args = parser.parse_args()
     if args.worker:
         args.out.mkdir(parents=True, exist_ok=True)
         if args.worker == "trl":
             result = trl_worker(args.start, args.out, args.tasks, args.steps, args.batch, args.seed,
-                                args.checkpointing == "true")
+                                args.checkpointing == "true", args.snapshots or 0)
         elif args.worker == "trl-distill":
             result = trl_distill_worker(args.start, args.out, args.tasks, args.steps, args.batch, args.seed,
                                         args.teacher, args.max_new_tokens)
         else:
             result = opd_sao_worker(args.start, args.out, args.algo, args.steps, args.batch, args.seed, args.teacher,
                                     args.granularity, args.max_new_tokens, args.overlap == "true",
-                                    args.critic_minibatches == "true")
+                                    args.critic_minibatches == "true", args.snapshots or 0)
         print(json.dumps(result))
         return
     global PIN_CORE
     PIN_CORE = args.pin_core
+    args.snapshots = 4 if args.snapshots is None else args.snapshots
     if args.quick:
         args.steps, args.batch, args.sft_steps, args.eval_samples, args.opd_steps, args.qwen_steps = 6, 32, 60, 1, 4, 0
     import torch
@@ -495,11 +573,15 @@ def main() -> None:
         common = dict(start=start, steps=args.steps, batch=args.batch, seed=args.seed)
         distill = dict(common, steps=args.opd_steps, teacher=work / "teacher")
         repeats = [run_repeat(python, work, repeat, {**common, "seed": args.seed + repeat},
-                              {**distill, "seed": args.seed + repeat}, args.opd_steps)
+                              {**distill, "seed": args.seed + repeat}, args.opd_steps, args.snapshots)
                    for repeat in range(max(1, args.repeats))]  # interleaved: a slow spell hits both sides
         for rl, _ in repeats:  # every repeat's models, each evaluated alike
             for result in rl.values():
                 result["held_out"] = held_out(Path(result.pop("checkpoint")), args.eval_samples, args.seed)
+                for point in result.get("snapshots", []):
+                    point["held_out"] = held_out(Path(point.pop("checkpoint")), args.eval_samples, args.seed)
+        curves, to_trl = held_out_curves(repeats, args.batch)
+        start_held_out = held_out(start, args.eval_samples, args.seed)
         runs, opd = repeats[0]  # the first repeat's rows, with the held-out accuracy the repeats' mean
         for name, result in runs.items():
             result["held_out_each_repeat"] = [rl[name]["held_out"] for rl, _ in repeats]
@@ -541,6 +623,12 @@ def main() -> None:
         print(f"at 151,936: top_k CPU / TRL's {ratios['top_k_cpu_vs_trl_at_151936']:.2f} (must <= 0.8), peak RSS "
               f"{ratios['top_k_peak_rss_vs_trl_at_151936']:.2f} (must <= 0.5); full {qwen['full']['peak_rss_mb']:.0f} MB "
               f"(must < 2048)")
+    print(f"held-out along the run (mean of {len(each)} repeat(s) at the median CPU-s; episodes: CPU-s accuracy), "
+          f"from the start's {start_held_out:.3f}:")
+    for name, points in curves.items():
+        print(f"  {name:<24} " + ", ".join(f"{p['episodes']}: {p['cpu_s']:.1f} {p['held_out']:.3f}" for p in points))
+    print(f"TRL's CPU-s to its final held-out {curves['trl_grpo'][-1]['held_out']:.3f} over each row's to reach it "
+          "(not judged): " + ", ".join(f"{name} " + ("never" if r is None else f"{r:.2f}x") for name, r in to_trl.items()))
     print(json.dumps({
         "benchmark": "vs_trl", "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, load average "
         f"{os.getloadavg()[0]:.1f}", "versions": {"trl": TRL_VERSION, "torch": torch.__version__,
@@ -549,6 +637,7 @@ def main() -> None:
         "torch_threads": 1, "pinned_core": args.pin_core, "steps": args.steps, "batch": args.batch, "group_size_grpo": GROUP, "settings": SETTINGS,
         "opd": {"steps": args.opd_steps, "top_k": OPD_TOP_K, "divergence": "forward_kl", "vocab": 384},
         "eval_samples_per_task": args.eval_samples, "runs": runs, "opd_runs": opd, "ratios": ratios,
+        "start_held_out": start_held_out, "held_out_curves": curves, "cpu_to_trl_final_held_out_vs_trl": to_trl,
         "repeats": len(each), "ratios_each_repeat": each,
         "cpu_s_each_repeat": {name: [{**rl, **distilled}[name]["cpu_s"] for rl, distilled in repeats]
                               for name in (*repeats[0][0], *repeats[0][1])},
