@@ -17,9 +17,9 @@ the project's verifier).
 Along the run (`--snapshots N`, default 4): the judged RL rows (SAO, SAO with critic mini-batches, opd-sao GRPO,
 TRL GRPO) also save their policy after each 1/N of the steps, at the end of the optimizer step on both sides (what
 saving costs is taken out of every CPU figure), and each is evaluated alike: held-out accuracy against CPU-seconds.
-From it, reported and not judged: TRL's CPU-seconds for its whole run over the CPU-seconds each opd-sao row took to
-first reach TRL's final held-out accuracy (the Must-show compares cost per episode; this compares cost to the same
-accuracy).
+From it, reported and not judged (`at_equal_cpu`): each opd-sao row's accuracy at TRL's CPU-seconds, and the CPU
+each side took to first reach TRL's final accuracy (the Must-show compares cost per episode; these compare cost to
+the same accuracy).
 
 The OPD row, at the tiny model's vocabulary (384): `--opd-steps` steps of `--batch` on-policy episodes distilling
 one teacher (the start after as many SFT steps again) with forward KL. opd-sao: its OPD stage's learner, top_k 16
@@ -443,11 +443,9 @@ def repeat_ratios(runs: dict, opd: dict) -> dict:
 CURVES = ("opd_sao_sao", "opd_sao_sao_minibatches", "opd_sao_grpo", "trl_grpo")  # the judged RL rows
 
 
-def held_out_curves(repeats: list[tuple[dict, dict]], batch: int) -> tuple[dict, dict]:
+def held_out_curves(repeats: list[tuple[dict, dict]], batch: int) -> dict:
     """Each judged row's held-out accuracy along the run: at every snapshot and at the end, the mean over the
-    repeats (as the final accuracy is) at the median CPU-seconds; and, for each opd-sao row, TRL's CPU-seconds
-    for its whole run over the CPU-seconds the row took to reach TRL's final held-out accuracy (at its first point
-    at or above it; None if it never did): how much sooner, in CPU, it gets where TRL ends."""
+    repeats (as the final accuracy is) at the median CPU-seconds."""
     curves = {}
     for name in CURVES:
         along = [rl[name]["snapshots"] + [{"step": rl[name]["episodes"] // batch, "cpu_s": rl[name]["cpu_s"],
@@ -455,12 +453,37 @@ def held_out_curves(repeats: list[tuple[dict, dict]], batch: int) -> tuple[dict,
         curves[name] = [{"episodes": points[0]["step"] * batch,
                          "cpu_s": statistics.median(p["cpu_s"] for p in points),
                          "held_out": statistics.fmean(p["held_out"] for p in points)} for points in zip(*along)]
-    trl_end = curves["trl_grpo"][-1]
-    to_trl = {}
+    return curves
+
+
+def at_equal_cpu(curves: dict, start_held_out: float) -> dict:
+    """The curves compared at equal cost, TRL GRPO's the reference (reported, not judged):
+
+    * `held_out_at_trl_cpu_s`: each row's held-out accuracy at each of TRL's points' CPU-seconds, read off its curve
+      by linear interpolation from the start (0 CPU-s, the start's accuracy), its final accuracy past its end;
+    * `to_trl_final_vs_trl`: TRL's CPU-seconds to its first point at or above its own final accuracy over the
+      row's to its first such point (None if it never gets there): > 1, the row gets where TRL ends for less."""
+    def accuracy_at(points: list[dict], cpu_s: float) -> float:
+        previous = {"cpu_s": 0.0, "held_out": start_held_out}
+        for point in points:
+            if cpu_s <= point["cpu_s"]:
+                share = (cpu_s - previous["cpu_s"]) / (point["cpu_s"] - previous["cpu_s"])
+                return previous["held_out"] + share * (point["held_out"] - previous["held_out"])
+            previous = point
+        return points[-1]["held_out"]
+
+    def first_at(points: list[dict], target: float) -> float | None:
+        return next((p["cpu_s"] for p in points if p["held_out"] >= target), None)
+
+    trl = curves["trl_grpo"]
+    trl_cpu = first_at(trl, trl[-1]["held_out"])
+    out = {"trl_cpu_s": [p["cpu_s"] for p in trl], "trl_held_out": [p["held_out"] for p in trl],
+           "held_out_at_trl_cpu_s": {}, "to_trl_final_vs_trl": {}}
     for name in CURVES[:-1]:
-        reached = next((p for p in curves[name] if p["held_out"] >= trl_end["held_out"]), None)
-        to_trl[name] = None if reached is None else trl_end["cpu_s"] / reached["cpu_s"]
-    return curves, to_trl
+        out["held_out_at_trl_cpu_s"][name] = [accuracy_at(curves[name], p["cpu_s"]) for p in trl]
+        reached = first_at(curves[name], trl[-1]["held_out"])
+        out["to_trl_final_vs_trl"][name] = None if reached is None else trl_cpu / reached
+    return out
 
 
 PIN_CORE: int | None = None  # --pin-core: every worker, either side, on this one core
@@ -580,8 +603,9 @@ def main() -> None:
                 result["held_out"] = held_out(Path(result.pop("checkpoint")), args.eval_samples, args.seed)
                 for point in result.get("snapshots", []):
                     point["held_out"] = held_out(Path(point.pop("checkpoint")), args.eval_samples, args.seed)
-        curves, to_trl = held_out_curves(repeats, args.batch)
+        curves = held_out_curves(repeats, args.batch)
         start_held_out = held_out(start, args.eval_samples, args.seed)
+        equal_cpu = at_equal_cpu(curves, start_held_out)
         runs, opd = repeats[0]  # the first repeat's rows, with the held-out accuracy the repeats' mean
         for name, result in runs.items():
             result["held_out_each_repeat"] = [rl[name]["held_out"] for rl, _ in repeats]
@@ -627,8 +651,12 @@ def main() -> None:
           f"from the start's {start_held_out:.3f}:")
     for name, points in curves.items():
         print(f"  {name:<24} " + ", ".join(f"{p['episodes']}: {p['cpu_s']:.1f} {p['held_out']:.3f}" for p in points))
-    print(f"TRL's CPU-s to its final held-out {curves['trl_grpo'][-1]['held_out']:.3f} over each row's to reach it "
-          "(not judged): " + ", ".join(f"{name} " + ("never" if r is None else f"{r:.2f}x") for name, r in to_trl.items()))
+    print("held-out at TRL's CPU-s " + ", ".join(f"{c:.1f}" for c in equal_cpu["trl_cpu_s"]) + " (TRL "
+          + ", ".join(f"{a:.3f}" for a in equal_cpu["trl_held_out"]) + "; not judged): " + "; ".join(
+              f"{name} " + ", ".join(f"{a:.3f}" for a in accs) for name, accs in equal_cpu["held_out_at_trl_cpu_s"].items()))
+    print(f"to TRL's final held-out {curves['trl_grpo'][-1]['held_out']:.3f}, TRL's CPU-s to its first point there "
+          "over each row's (not judged): " + ", ".join(f"{name} " + ("never" if r is None else f"{r:.2f}x")
+                                                       for name, r in equal_cpu["to_trl_final_vs_trl"].items()))
     print(json.dumps({
         "benchmark": "vs_trl", "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, load average "
         f"{os.getloadavg()[0]:.1f}", "versions": {"trl": TRL_VERSION, "torch": torch.__version__,
@@ -637,7 +665,7 @@ def main() -> None:
         "torch_threads": 1, "pinned_core": args.pin_core, "steps": args.steps, "batch": args.batch, "group_size_grpo": GROUP, "settings": SETTINGS,
         "opd": {"steps": args.opd_steps, "top_k": OPD_TOP_K, "divergence": "forward_kl", "vocab": 384},
         "eval_samples_per_task": args.eval_samples, "runs": runs, "opd_runs": opd, "ratios": ratios,
-        "start_held_out": start_held_out, "held_out_curves": curves, "cpu_to_trl_final_held_out_vs_trl": to_trl,
+        "start_held_out": start_held_out, "held_out_curves": curves, "at_equal_cpu": equal_cpu,
         "repeats": len(each), "ratios_each_repeat": each,
         "cpu_s_each_repeat": {name: [{**rl, **distilled}[name]["cpu_s"] for rl, distilled in repeats]
                               for name in (*repeats[0][0], *repeats[0][1])},
