@@ -473,10 +473,22 @@ def keyed_choice(logp: torch.Tensor, keys: list[tuple[int, int]]) -> torch.Tenso
     transfer at a real vocabulary), the same bits on any device."""
     seeds = torch.tensor([seed_of(seed) for seed, _ in keys], dtype=torch.long, device=logp.device)
     positions = torch.tensor([position for _, position in keys], dtype=torch.long, device=logp.device)
-    columns = torch.arange(logp.shape[-1], dtype=torch.long, device=logp.device)
-    bits = _splitmix(_splitmix(seeds ^ _splitmix(positions))[:, None] ^ columns[None, :])
-    uniform = ((bits >> 11) & ((1 << 53) - 1)).double().add_(0.5).mul_(2.0 ** -53)  # in (0, 1), never 0 or 1
-    return (logp.double() - torch.log(-torch.log(uniform))).argmax(-1)
+    row_keys = _splitmix(seeds ^ _splitmix(positions))[:, None]
+    best_score = best = None
+    # VOCAB_CHUNK columns at a time: the hashing's int64 and float64 temporaries are [N, chunk], not [N, V] (~40 MB
+    # each at 32 rows x 151,936); the first of equal maxima wins, as in one argmax over the whole vocabulary
+    for start in range(0, logp.shape[-1], VOCAB_CHUNK):
+        columns = torch.arange(start, min(start + VOCAB_CHUNK, logp.shape[-1]), dtype=torch.long, device=logp.device)
+        bits = _splitmix(row_keys ^ columns[None, :])
+        uniform = ((bits >> 11) & ((1 << 53) - 1)).double().add_(0.5).mul_(2.0 ** -53)  # in (0, 1), never 0 or 1
+        scores = logp[:, start:start + len(columns)].double() - torch.log(-torch.log(uniform))
+        index = scores.argmax(-1, keepdim=True)
+        score, index = scores.gather(-1, index).squeeze(-1), index.squeeze(-1) + start
+        if best is not None:
+            better = score > best_score
+            score, index = torch.where(better, score, best_score), torch.where(better, index, best)
+        best_score, best = score, index
+    return best
 
 
 _MIX = (0x9E3779B97F4A7C15 - 2 ** 64, 0xBF58476D1CE4E5B9 - 2 ** 64, 0x94D049BB133111EB - 2 ** 64)  # as int64

@@ -264,6 +264,24 @@ def test_categorical_draws_follow_the_distribution_and_never_a_zero_probability_
         categorical(torch.tensor([[0.5, 0.5], [0.0, 0.0]]))
 
 
+def test_keyed_draws_do_not_depend_on_the_vocabulary_chunk(monkeypatch):
+    """keyed_choice hashes the vocabulary VOCAB_CHUNK columns at a time: chunks of 7 over 40 columns (the last one
+    short), with some -inf columns and a whole -inf chunk, draw what one chunk over all 40 draws, key by key."""
+    import opd_sao.modeling as modeling
+
+    logits = torch.randn(300, 40, generator=torch.Generator().manual_seed(0))
+    logits[:, 7:14] = float("-inf")  # a whole chunk cut (top-p / top-k), and scattered cut columns
+    logits[::3, 30] = float("-inf")
+    logp = torch.log_softmax(logits, -1)
+    keys = [(seed, seed % 5) for seed in range(300)]
+    monkeypatch.setattr(modeling, "VOCAB_CHUNK", 64)
+    whole = modeling.keyed_choice(logp, keys)
+    monkeypatch.setattr(modeling, "VOCAB_CHUNK", 7)
+    chunked = modeling.keyed_choice(logp, keys)
+    assert torch.equal(whole, chunked) and not ((whole >= 7) & (whole < 14)).any()
+    assert len(set(whole.tolist())) > 20  # the draws spread over the vocabulary: the chunks' boundaries are crossed
+
+
 def test_keyed_draws_follow_the_distribution_ignore_the_batch_and_couple_close_policies():
     """Keyed sampling (SGLang's sampling_seed): p = softmax([2, 1, 0, -inf]) = [0.665, 0.245, 0.090, 0]; 6000 keys
     draw each token at its probability (within 4 standard errors), never the cut one; a key draws the same token
