@@ -83,9 +83,11 @@ def one_thread_env() -> dict:
 
 
 class Snapshots:
-    """The policy saved after `parts` - 1 evenly spaced steps (either side, same steps), each with the training's
-    CPU-seconds up to it: the held-out accuracy along the run, against CPU. What the saving itself costs is kept
-    out of both the points and the run's total (`saving`), so the judged ratios are the same with or without."""
+    """The policy's weights after `parts` - 1 evenly spaced steps (either side, same steps), each with the training's
+    CPU-seconds up to it: the held-out accuracy along the run, against CPU. During the run a snapshot is a copy in
+    memory (writing a checkpoint mid-run cost 1-2% of the SAO worker's loop beyond the write itself); the copies
+    are written after the clock stops, and what copying costs is kept out of the points and the run's total
+    (`saving`), so the judged ratios are the same with or without."""
 
     def __init__(self, steps: int, parts: int, out: Path):
         self.at = {steps * i // parts for i in range(1, parts)} - {0} if parts > 1 else set()
@@ -94,14 +96,23 @@ class Snapshots:
     def start(self, cpu0: float) -> None:
         self.cpu0 = cpu0
 
-    def after(self, steps_done: int, save) -> None:
-        """`save(path)` writes the policy there, if `steps_done` is one of the snapshot steps."""
+    def after(self, steps_done: int, state_dict) -> None:
+        """`state_dict()` gives the policy's weights, copied if `steps_done` is one of the snapshot steps."""
         if steps_done not in self.at:
             return
-        cpu, path = cpu_seconds(), self.out / f"step{steps_done}"
-        save(path)
-        self.points.append({"step": steps_done, "cpu_s": cpu - self.cpu0 - self.saving, "checkpoint": str(path)})
+        cpu = cpu_seconds()
+        weights = {name: tensor.detach().to("cpu", copy=True) for name, tensor in state_dict().items()}
+        self.points.append({"step": steps_done, "cpu_s": cpu - self.cpu0 - self.saving, "weights": weights})
         self.saving += cpu_seconds() - cpu
+
+    def write(self, model, save) -> list[dict]:
+        """After the clock (and after the final model is written): each snapshot's weights loaded into `model` and
+        written by `save(path)`; the points, each with its checkpoint's path."""
+        for point in self.points:
+            model.load_state_dict(point.pop("weights"))
+            point["checkpoint"] = str(self.out / f"step{point['step']}")
+            save(Path(point["checkpoint"]))
+        return self.points
 
 
 # ------------------------------------------------------------------ opd-sao side (the repository's venv)
@@ -203,7 +214,7 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
         gate.after_step(step)
         if (step + 1) % stage.checkpoint_every == 0:
             state.save(backend, step + 1, {"learner": learner.state()})
-        along.after(step + 1, lambda path: backend.export_policy(path, tok))
+        along.after(step + 1, backend.policy_model.state_dict)
 
     loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes, rollout=stage.rollout,
                   train_batch_size=trainer_cfg.train_batch_size, pad_id=tok.pad_token_id,
@@ -221,6 +232,7 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     gate_cpu = (cpu1 - cpu0) + (cpu_seconds() - cpu2)  # the gate's two checks: once per stage, not per step
     backend.export_policy(out / "checkpoint", tok)
     engine.close()
+    along.write(backend.policy_model, lambda path: backend.export_policy(path, tok))
     result = {"episodes": steps * trainer_cfg.train_batch_size, "cpu_s": cpu2 - cpu1 - along.saving,
               "wall_s": wall2 - wall1, "snapshots": along.points, "gate_cpu_s": gate_cpu,
               "torch_threads": torch.get_num_threads(), "checkpoint": str(out / "checkpoint"),
@@ -323,7 +335,7 @@ def trl_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int,
 
     class AlongTheRun(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            along.after(state.global_step, save)
+            along.after(state.global_step, model.state_dict)
 
     trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=cfg, train_dataset=data, processing_class=tok,
                           callbacks=[AlongTheRun()])
@@ -333,6 +345,7 @@ def trl_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int,
     cpu, wall = cpu_seconds() - cpu0 - along.saving, time.perf_counter() - wall0
     trainer.save_model(str(out / "checkpoint"))
     tok.save_pretrained(str(out / "checkpoint"))
+    along.write(model, save)
     rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
     return {"episodes": steps * batch, "cpu_s": cpu, "wall_s": wall, "torch_threads": torch.get_num_threads(),
             "checkpoint": str(out / "checkpoint"), "snapshots": along.points,
