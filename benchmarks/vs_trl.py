@@ -15,8 +15,9 @@ scored by the same held-out evaluation (the eval split, `--eval-samples` sampled
 the project's verifier).
 
 Along the run (`--snapshots N`, default 4): the judged RL rows (SAO, SAO with critic mini-batches, opd-sao GRPO,
-TRL GRPO) also save their policy after each 1/N of the steps, at the end of the optimizer step on both sides (what
-saving costs is taken out of every CPU figure), and each is evaluated alike: held-out accuracy against CPU-seconds.
+TRL GRPO) also keep their policy after each 1/N of the steps, at the end of the optimizer step on both sides (a copy
+in memory, written after the run; the copy's CPU is taken out of every figure), and each is evaluated alike:
+held-out accuracy against CPU-seconds.
 From it, reported and not judged (`at_equal_cpu`): each opd-sao row's accuracy at TRL's CPU-seconds, and the CPU
 each side took to first reach TRL's final accuracy (the Must-show compares cost per episode; these compare cost to
 the same accuracy).
@@ -84,9 +85,9 @@ def one_thread_env() -> dict:
 
 class Snapshots:
     """The policy's weights after `parts` - 1 evenly spaced steps (either side, same steps), each with the training's
-    CPU-seconds up to it: the held-out accuracy along the run, against CPU. During the run a snapshot is a copy in
-    memory (writing a checkpoint mid-run cost 1-2% of the SAO worker's loop beyond the write itself); the copies
-    are written after the clock stops, and what copying costs is kept out of the points and the run's total
+    CPU-seconds up to it: the held-out accuracy along the run, against CPU. During the run a snapshot is only a
+    copy in memory (a checkpoint written mid-run may disturb the loop beyond its own cost); the copies are written
+    after the clock stops, and what copying costs is kept out of the points and the run's total
     (`saving`), so the judged ratios are the same with or without."""
 
     def __init__(self, steps: int, parts: int, out: Path):
