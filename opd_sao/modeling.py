@@ -28,6 +28,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 VOCAB_CHUNK = 8192  # vocabulary columns per lm-head chunk
 ROW_BLOCK = 256  # rows per block: ROW_BLOCK x VOCAB_CHUNK fp32 logits = 8 MiB at a time, which stays in a CPU's
@@ -176,15 +177,48 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        position_ids=position_ids_for(attention_mask)).last_hidden_state
 
 
+def batch_kv_cache(model) -> DynamicCache:
+    """A KV cache for batches whose rows move: every sliding-window layer keeps all its positions.
+
+    transformers' sliding-window layers keep only the last window - 1 columns, which is right for one sequence but
+    not where columns shift under the rows (the engine's joins and drops re-pad the batch; a shared prefix is
+    copied to rows of other lengths): the dropped keys are ones the attention mask still reaches. Kept whole, the
+    mask alone applies the window, as in a forward over the whole row. Other layer kinds stay as the config
+    builds them."""
+    cache = DynamicCache(config=unwrap(model).config)
+    if sliding_window(model) is not None:
+        kinds = getattr(_text_config(model), "layer_types", None) or ["sliding_attention"] * len(cache.layers)  # transformers' rule
+        cache.layers = [DynamicLayer() if kind == "sliding_attention" else layer
+                        for kind, layer in zip(kinds, cache.layers)]
+    return cache
+
+
+def sliding_window(model) -> Optional[int]:
+    """The model's sliding attention window (None: no layer has one), read from its config as transformers reads
+    it (a `sliding_window` without `layer_types` windows every layer)."""
+    config = _text_config(model)
+    window, kinds = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    return window if window is not None and (kinds is None or "sliding_attention" in kinds) else None
+
+
+def _text_config(model):
+    return unwrap(model).config.get_text_config(decoder=True)
+
+
 def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                 prefix_lengths: torch.Tensor) -> Optional[torch.Tensor]:
     """`hidden_states` with each distinct prefix run once: a GRPO group's members share their prompt, so the
     decoder runs the distinct prompts, copies each one's KV cache to its rows (an index, so gradients from
     every row reach the shared prompt), then runs every row's rest against it. The same function of the weights
     as one forward over the rows (float rounding aside), on fewer tokens. None where no two rows share a prefix,
-    or where the decoder cannot continue from a cache (activation checkpointing turns transformers' cache off)."""
+    or where the decoder cannot continue from a cache (activation checkpointing turns transformers' cache off), and
+    where a sliding window could bind (rows wider than it): a shorter prefix's padding sits between it and its
+    row's rest, so the window, counted in columns, would cut tokens a row alone still sees."""
     decoder = unwrap(model).get_decoder()
     if getattr(unwrap(model), "is_activation_checkpointing", False):
+        return None
+    window = sliding_window(model)
+    if window is not None and input_ids.shape[1] > window:
         return None
     lengths = prefix_lengths.tolist()
     if min(lengths) < 1:  # a row with no prefix token: nothing to share
@@ -201,7 +235,7 @@ def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: 
     prefix_width = max(1, max(lengths))
     prefix_mask = (torch.arange(prefix_width, device=device) < lengths_t[first, None]).long()
     prefix_ids = input_ids[first, :prefix_width] * prefix_mask
-    cache = DynamicCache(config=unwrap(model).config)
+    cache = batch_kv_cache(model)
     prefix_hidden = decoder(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=position_ids_for(prefix_mask),
                             cache=cache, use_cache=True).last_hidden_state
     cache.batch_select_indices(index)

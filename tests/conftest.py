@@ -125,3 +125,14 @@ def llama_model_dir(tmp_path_factory, corpus):
     from real_models import build_llama
 
     return build_llama(tmp_path_factory.mktemp("real_models") / "llama", corpus)
+
+
+@pytest.fixture(scope="session", params=["mistral", "gemma3"])
+def windowed_model_dir(request, tmp_path_factory, corpus):
+    """Sliding-window attention narrower than the tests' rows (4 positions): Mistral (every layer windowed) and
+    Gemma 3 (windowed layers and a full one), the project's tokenizer."""
+    from real_models import build_small
+
+    layers = {"gemma3": {"layer_types": ["sliding_attention", "full_attention"]}}.get(request.param, {})
+    return build_small(tmp_path_factory.mktemp("windowed") / request.param, corpus, request.param,
+                       config={"sliding_window": 4, **layers})

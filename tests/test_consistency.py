@@ -188,6 +188,30 @@ def test_requests_sharing_a_prompt_are_prefilled_once_and_sample_as_alone(peaked
     assert torch.allclose(trainer[acted], batch.rollout_logp[acted], atol=1e-4)
 
 
+def test_a_sliding_window_engine_samples_the_trainers_distribution_as_rows_join_and_leave(windowed_model_dir):
+    """Continuous batching re-pads the batch's KV cache as rows join and finish; transformers' sliding-window layers
+    keep only the last window - 1 columns, which then no longer line up with the rows. Mistral and Gemma 3 at
+    window 4, 3 slots for 8 requests of 3 prompt lengths and 4-10 tokens (so rows join and leave mid-batch, and
+    two share a prompt): every logprob the engine reports is the trainer's for the row alone, unpadded."""
+    from opd_sao.checkpoints import load_tokenizer
+
+    tokenizer = load_tokenizer(windowed_model_dir)
+    engine = _engine(windowed_model_dir, tokenizer, max_batch=3)
+    prompts = [tokenizer.encode(text) for text in ("3 + 4 =", "12 + 30 + 5 =", "7 =")]
+    requests = [GenerationRequest(list(prompts[i % 3]), SamplingParams(1.0, 1.0, 4 + 3 * (i % 3), ignore_eos=True))
+                for i in range(8)]
+    results = engine.generate_all(requests)
+    trainer = load_causal_lm(windowed_model_dir)
+    worst = 0.0
+    with torch.no_grad():
+        for got in results:
+            ids = torch.tensor([got.request.prompt_ids + got.token_ids])
+            alone = sequence_logprobs(trainer, ids, torch.ones_like(ids), 1.0)[0, len(got.request.prompt_ids):]
+            worst = max(worst, float((alone - torch.tensor(got.logprobs)).abs().max()))
+    assert max(len(r.request.prompt_ids) + len(r.token_ids) for r in results) > 4  # the window binds
+    assert worst < 1e-4
+
+
 def test_top_p_ratios_are_one_at_equal_versions_on_the_embedded_engine(peaked_dir, tokenizer):
     """One logprob semantics for top_p < 1: trainer and engine both score the nucleus-renormalised
     distribution the token was sampled from, so the DIS ratio is 1 when nothing changed."""

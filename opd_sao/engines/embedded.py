@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from ..checkpoints import stop_ids
-from ..modeling import position_ids_for, read_only_at, sample_tokens, sequence_logprobs
+from ..modeling import batch_kv_cache, position_ids_for, read_only_at, sample_tokens, sequence_logprobs
 from .base import GenerationRequest, GenerationResult, ResultCallback, RolloutEngine, Turns
 
 
@@ -214,7 +214,7 @@ class EmbeddedEngine(RolloutEngine):
                            device=self.device)  # one tensor for the whole join, not one per sequence
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct], dtype=torch.long,
                             device=self.device)
-        cache = DynamicCache(config=self.model.config)
+        cache = batch_kv_cache(self.model)
         # only the cache is wanted: one position's logits, not [B, T, V] (gigabytes at a real vocabulary), so the
         # last feed-forward block runs at that position alone (the last layer's keys and values are its input's)
         last = torch.zeros_like(mask, dtype=torch.bool)
