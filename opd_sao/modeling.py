@@ -72,6 +72,18 @@ def feed_forward_blocks(layer: nn.Module) -> list[nn.Module]:
             if not mixes_positions(child) and any(p.dim() >= 2 for p in child.parameters())]
 
 
+def expert_counts(block: nn.Module) -> set[int]:
+    """How many experts a feed-forward block holds (fused [n_experts, ...] weights, or one module per expert in a
+    module list); empty for a dense MLP."""
+    counts = {p.shape[0] for p in block.parameters() if p.dim() == 3}
+    return counts | {len(m) for m in block.modules() if isinstance(m, nn.ModuleList)}
+
+
+def moe_blocks(backbone: nn.Module) -> list[nn.Module]:
+    """The decoder layers' mixture-of-experts blocks (none in a dense model)."""
+    return [block for layer in decoder_layers(backbone) for block in feed_forward_blocks(layer) if expert_counts(block)]
+
+
 _LAST_FEED_FORWARD: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 

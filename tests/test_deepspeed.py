@@ -71,6 +71,9 @@ def worker(args: dict) -> None:
         return
     out, model = Path(args["out"]), args["model"]
     batch = _load_batch(Path(args["batch"]), args["pad_id"])
+    if args.get("only_zero3"):
+        _zero3_steps(model, batch, out)
+        return
     zero2 = _trainer_cfg(backend="deepspeed", deepspeed_config={"zero_optimization": {"stage": 2}})
     backend = DeepSpeedTrainer(model, zero2, total_steps=STEPS)
     learner = _learner(backend)
@@ -88,12 +91,20 @@ def worker(args: dict) -> None:
 
     exported = load_causal_lm(resumed_backend.export_policy(out / "export", load_tokenizer(model))).state_dict()
 
+    torch.save({"history": history, "continued": continued, "resumed": resumed, "resumed_version": resumed_version,
+                "exported": exported}, out / "results.pt")
+    _zero3_steps(model, batch, out)
+
+
+def _zero3_steps(model: str, batch, out: Path) -> None:
+    """ZeRO-3 steps of the K-pass critic (rank 0; the others follow)."""
+    from opd_sao.trainers.deepspeed_backend import DeepSpeedTrainer
+
     zero3 = _trainer_cfg(backend="deepspeed", deepspeed_config={"zero_optimization": {"stage": 3}})
     z3_backend = DeepSpeedTrainer(model, zero3, total_steps=STEPS)
     z3_history = _train(_learner(z3_backend, minibatches=False), batch, ZERO3_STEPS)  # the K-pass critic
-    torch.save({"history": history, "continued": continued, "resumed": resumed, "resumed_version": resumed_version,
-                "exported": exported, "z3_history": z3_history, "z3_weights": z3_backend.policy_state_dict(),
-                "world": z3_backend.world}, out / "results.pt")
+    torch.save({"z3_history": z3_history, "z3_weights": z3_backend.policy_state_dict(), "world": z3_backend.world},
+               out / "zero3.pt")
 
 
 @pytest.fixture(scope="module")
@@ -139,17 +150,21 @@ def _assert_histories_match(ours: list[dict], ref: list[dict]) -> float:
     return worst
 
 
-def test_two_process_zero2_matches_torch_backend_and_resumes(tmp_path, fixed_batch, tiny_model_dir, tokenizer):
-    from opd_sao.trainers import TorchTrainer
-
+def _launch(args: dict) -> subprocess.Popen:
+    """This file's worker on 2 gloo ranks under torchrun."""
     env = {**os.environ, "DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",  # gloo on CPU
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions"))
-    args = {"out": str(tmp_path), "model": str(tiny_model_dir), "batch": str(fixed_batch),
-            "pad_id": tokenizer.pad_token_id}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            __file__, json.dumps(args)]
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_process_zero2_matches_torch_backend_and_resumes(tmp_path, fixed_batch, tiny_model_dir, tokenizer):
+    from opd_sao.trainers import TorchTrainer
+
+    proc = _launch({"out": str(tmp_path), "model": str(tiny_model_dir), "batch": str(fixed_batch),
+                    "pad_id": tokenizer.pad_token_id})
     # the reference trains while the workers start
     reference = TorchTrainer(tiny_model_dir, _trainer_cfg(), total_steps=STEPS)
     ref_learner = _learner(reference)
@@ -161,7 +176,8 @@ def test_two_process_zero2_matches_torch_backend_and_resumes(tmp_path, fixed_bat
     ref_after_z3 = k_pass.policy_state_dict()
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output[-4000:]
-    res = torch.load(tmp_path / "results.pt", weights_only=False)
+    res = {**torch.load(tmp_path / "results.pt", weights_only=False),
+           **torch.load(tmp_path / "zero3.pt", weights_only=False)}
 
     assert res["world"] == 2
     loss_rel = _assert_histories_match(res["history"], ref_history)
@@ -175,6 +191,46 @@ def test_two_process_zero2_matches_torch_backend_and_resumes(tmp_path, fixed_bat
     assert res["resumed_version"] == SAVE_AFTER
     assert _max_diff(res["resumed"], res["continued"]) < 1e-7
     assert _max_diff(res["exported"], res["resumed"]) == 0
+
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory, tiny_model_dir, tokenizer):
+    """A Mixtral (4 experts, 2 per token, fused expert weights) on the tiny model's tokenizer: the paper's critic
+    is an MoE model's, training expert projections with attention and routers frozen."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from opd_sao.checkpoints import MODEL_INIT_LOCK, load_causal_lm, save_checkpoint
+
+    vocab = load_causal_lm(tiny_model_dir).config.vocab_size
+    config = MixtralConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    with MODEL_INIT_LOCK:
+        model = MixtralForCausalLM(config)
+    return save_checkpoint(model, tokenizer, tmp_path_factory.mktemp("moe") / "mixtral")
+
+
+def test_zero3_moe_critic_matches_torch_backend(tmp_path, fixed_batch, moe_model_dir, tokenizer):
+    """ZeRO-3 partitions every expert across the 2 ranks, and each rank routes its rows to its own experts: the
+    K-pass critic (experts train, routers and attention frozen) and the policy match the torch backend's steps."""
+    from opd_sao.trainers import TorchTrainer
+
+    proc = _launch({"out": str(tmp_path), "model": str(moe_model_dir), "batch": str(fixed_batch),
+                    "pad_id": tokenizer.pad_token_id, "only_zero3": True})
+    reference = TorchTrainer(moe_model_dir, _trainer_cfg(), total_steps=STEPS)
+    ref_history = _train(_learner(reference, minibatches=False), _load_batch(fixed_batch, tokenizer.pad_token_id),
+                         ZERO3_STEPS)
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-4000:]
+    res = torch.load(tmp_path / "zero3.pt", weights_only=False)
+    assert res["world"] == 2 and all(step["critic_grad_norm"] > 0 for step in ref_history)
+    rel = _assert_histories_match(res["z3_history"], ref_history)
+    diff = _max_diff(res["z3_weights"], reference.policy_state_dict())
+    print(f"\nZeRO-3 MoE vs torch: loss rel {rel:.2e}, weights {diff:.2e}")
+    assert diff < WEIGHT_ATOL
 
 
 if __name__ == "__main__":

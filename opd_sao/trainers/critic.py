@@ -34,7 +34,14 @@ from transformers import AutoModel
 
 from opd_sao.checkpoints import DTYPES, MODEL_INIT_LOCK, check_attention
 
-from ..modeling import decoder_layers, feed_forward_blocks, mixes_positions, position_ids_for, read_only_at
+from ..modeling import (
+    decoder_layers,
+    expert_counts,
+    feed_forward_blocks,
+    mixes_positions,
+    position_ids_for,
+    read_only_at,
+)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 ROLES = ("feed_forward", "router", "token_mixer", "other")
@@ -42,8 +49,7 @@ ROLES = ("feed_forward", "router", "token_mixer", "other")
 
 def _routers(block: nn.Module) -> set[str]:
     """Names (relative to an MoE block) of its routers' parameters; empty for a dense MLP."""
-    experts = {p.shape[0] for p in block.parameters() if p.dim() == 3}  # fused experts: [n_experts, ...]
-    experts |= {len(m) for m in block.modules() if isinstance(m, nn.ModuleList)}  # one module per expert
+    experts = expert_counts(block)
     if not experts:
         return set()
     names = set()

@@ -37,7 +37,7 @@ from opd_sao.errors import UsageError
 
 from ..config import TrainerConfig
 from ..devices import resolve_device
-from ..modeling import sequence_logprobs
+from ..modeling import moe_blocks, sequence_logprobs
 from .base import (
     SupportLogprobs,
     TrainerBackend,
@@ -177,6 +177,14 @@ class DeepSpeedTrainer(TrainerBackend):
         LambdaLR on it (DeepSpeed steps it with the optimizer and keeps it in its checkpoints), unless the config
         names a DeepSpeed scheduler."""
         trainable = [p for p in model.parameters() if p.requires_grad]
+        backbone = getattr(model, "backbone", model)
+        if ds["zero_optimization"]["stage"] == 3 and moe_blocks(backbone):
+            # ZeRO-3 gathers a module's weights for its backward from a hook on the gradient of its output, and
+            # transformers' fused experts read their [n_experts, ...] weights outside the nn.Linear it patches:
+            # with nothing below the first MoE block trainable (the critic's frozen embeddings and attention),
+            # that gradient never runs the hook and the experts' backward meets a released weight. The embeddings'
+            # output asks for a gradient, which costs one frozen attention layer's input backward.
+            backbone.enable_input_require_grads()
         schedule = None if "scheduler" in ds else partial(lr_scheduler, cfg=cfg, total_steps=total_steps)
         if "optimizer" in ds:
             return deepspeed.initialize(model=model, model_parameters=trainable, config=ds, lr_scheduler=schedule)[:2]
