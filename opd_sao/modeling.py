@@ -49,6 +49,14 @@ def unwrap(model) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
+def decoder_of(model) -> nn.Module:
+    """The decoder stack under a causal LM's head: transformers' `get_decoder`, which returns the LM itself for a few
+    (Llama 4's text model), then its `.model`."""
+    model = unwrap(model)
+    decoder = model.get_decoder()
+    return getattr(model, "model", decoder) if decoder is model else decoder
+
+
 def decoder_layers(backbone: nn.Module) -> list[nn.Module]:
     """The decoder layers: the module list with one entry per hidden layer of the model's config."""
     config = backbone.config.get_text_config() if hasattr(backbone.config, "get_text_config") else backbone.config
@@ -129,9 +137,10 @@ def read_only_at(model, read: Optional[torch.Tensor]):
         if threading.get_ident() != owner or not gathered:
             return None
         gathered.pop()
-        first = out[0] if isinstance(out, tuple) else out
-        whole = first.new_zeros(shape[0] * shape[1], first.shape[-1]).index_copy(0, where.to(first.device), first[0])
-        whole = whole.view(*shape, first.shape[-1])
+        first = out[0] if isinstance(out, tuple) else out  # [1, n, H], or [n, H] from a block that flattens (Llama 4)
+        whole = first.new_zeros(shape[0] * shape[1], first.shape[-1]).index_copy(
+            0, where.to(first.device), first.reshape(-1, first.shape[-1]))
+        whole = whole.view(*shape, first.shape[-1]) if first.dim() == 3 else whole  # the shape the block would give
         return (whole, *out[1:]) if isinstance(out, tuple) else whole
 
     handles = [block.register_forward_pre_hook(gather), block.register_forward_hook(scatter)]
@@ -183,34 +192,41 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         shared = shared_prefix_hidden_states(model, input_ids, attention_mask, prefix_lengths)
         if shared is not None:
             return shared
-    decoder = unwrap(model).get_decoder()
+    decoder = decoder_of(model)
     with read_only_at(model, read):
         return decoder(input_ids=input_ids, attention_mask=attention_mask,
                        position_ids=position_ids_for(attention_mask)).last_hidden_state
 
 
 def batch_kv_cache(model) -> DynamicCache:
-    """A KV cache for batches whose rows move: every sliding-window layer keeps all its positions.
+    """A KV cache for batches whose rows move: every sliding-window or chunked-attention layer keeps all its
+    positions.
 
-    transformers' sliding-window layers keep only the last window - 1 columns, which is right for one sequence but
-    not where columns shift under the rows (the engine's joins and drops re-pad the batch; a shared prefix is
-    copied to rows of other lengths): the dropped keys are ones the attention mask still reaches. Kept whole, the
-    mask alone applies the window, as in a forward over the whole row. Other layer kinds stay as the config
-    builds them."""
+    transformers' window layers (sliding: Mistral, Gemma, gpt-oss; chunked: Llama 4) keep only the last window - 1
+    columns, which is right for one sequence but not where columns shift under the rows (the engine's joins and
+    drops re-pad the batch; a shared prefix is copied to rows of other lengths): the dropped keys are ones the
+    attention mask still reaches. Kept whole, the mask alone applies the window, as in a forward over the whole
+    row. Other layer kinds stay as the config builds them."""
     cache = DynamicCache(config=unwrap(model).config)
-    if sliding_window(model) is not None:
-        kinds = getattr(_text_config(model), "layer_types", None) or ["sliding_attention"] * len(cache.layers)  # transformers' rule
-        cache.layers = [DynamicLayer() if kind == "sliding_attention" else layer
-                        for kind, layer in zip(kinds, cache.layers)]
+    config = _text_config(model)
+    kinds = getattr(config, "layer_types", None) or [  # transformers' rule where the config lists no kinds
+        "sliding_attention" if getattr(config, "sliding_window", None) is not None
+        else "chunked_attention" if getattr(config, "attention_chunk_size", None) is not None else "full_attention"
+    ] * len(cache.layers)
+    cache.layers = [DynamicLayer() if kind in ("sliding_attention", "chunked_attention") else layer
+                    for kind, layer in zip(kinds, cache.layers)]
     return cache
 
 
-def sliding_window(model) -> Optional[int]:
-    """The model's sliding attention window (None: no layer has one), read from its config as transformers reads
-    it (a `sliding_window` without `layer_types` windows every layer)."""
+def attention_window(model) -> Optional[int]:
+    """The narrowest span a layer's attention is limited to (a sliding window, or Llama 4's attention chunk);
+    None where every layer sees the whole sequence. Read from the config as transformers reads it."""
     config = _text_config(model)
-    window, kinds = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
-    return window if window is not None and (kinds is None or "sliding_attention" in kinds) else None
+    kinds = getattr(config, "layer_types", None)
+    spans = [getattr(config, field, None) for field, kind in (("sliding_window", "sliding_attention"),
+                                                              ("attention_chunk_size", "chunked_attention"))
+             if kinds is None or kind in kinds]
+    return min((span for span in spans if span is not None), default=None)
 
 
 def _text_config(model):
@@ -224,12 +240,12 @@ def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: 
     every row reach the shared prompt), then runs every row's rest against it. The same function of the weights
     as one forward over the rows (float rounding aside), on fewer tokens. None where no two rows share a prefix,
     or where the decoder cannot continue from a cache (activation checkpointing turns transformers' cache off), and
-    where a sliding window could bind (rows wider than it): a shorter prefix's padding sits between it and its
-    row's rest, so the window, counted in columns, would cut tokens a row alone still sees."""
-    decoder = unwrap(model).get_decoder()
+    where an attention window or chunk could bind (rows wider than it): a shorter prefix's padding sits between it
+    and its row's rest, so the window, counted in columns, would cut tokens a row alone still sees."""
+    decoder = decoder_of(model)
     if getattr(unwrap(model), "is_activation_checkpointing", False):
         return None
-    window = sliding_window(model)
+    window = attention_window(model)
     if window is not None and input_ids.shape[1] > window:
         return None
     lengths = prefix_lengths.tolist()

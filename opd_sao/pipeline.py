@@ -64,7 +64,7 @@ def check_before_work(cfg: RunConfig, *, resume: bool = False) -> None:
         raise UsageError(f"model.path {cfg.model.path!r} is not an HF-format model directory (no config.json)")
     check_attention(cfg.model.attn_implementation)  # flash_attention_2 without CUDA or flash_attn
     # a rollout fleet that cannot take weights (or sample at a stage's top_p) fails now, not after an SFT warm start
-    check_engine(cfg.engine, nucleus=any(stage.rollout.top_p < 1 for stage in cfg.stages))
+    check_engine(cfg.engine, nucleus=any(stage.rollout.top_p < 1 for stage in cfg.stages), model_path=cfg.model.path)
 
 
 def stage_data_files(cfg: RunConfig) -> dict[str, list[str]]:

@@ -127,12 +127,16 @@ def llama_model_dir(tmp_path_factory, corpus):
     return build_llama(tmp_path_factory.mktemp("real_models") / "llama", corpus)
 
 
-@pytest.fixture(scope="session", params=["mistral", "gemma3"])
+WINDOWS = {"mistral": {"sliding_window": 4},  # every layer windowed
+           "gemma3": {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+           "llama4": {"attention_chunk_size": 4, "num_local_experts": 2, "intermediate_size_mlp": 64}}  # chunks, MoE
+
+
+@pytest.fixture(scope="session", params=list(WINDOWS))
 def windowed_model_dir(request, tmp_path_factory, corpus):
-    """Sliding-window attention narrower than the tests' rows (4 positions): Mistral (every layer windowed) and
-    Gemma 3 (windowed layers and a full one), the project's tokenizer."""
+    """Attention limited to 4 positions, narrower than the tests' rows: Mistral's sliding window on every layer,
+    Gemma 3's on one of its two, Llama 4's attention chunks; the project's tokenizer."""
     from real_models import build_small
 
-    layers = {"gemma3": {"layer_types": ["sliding_attention", "full_attention"]}}.get(request.param, {})
     return build_small(tmp_path_factory.mktemp("windowed") / request.param, corpus, request.param,
-                       config={"sliding_window": 4, **layers})
+                       config=WINDOWS[request.param])

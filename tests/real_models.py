@@ -29,6 +29,8 @@ from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GenerationConfig,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -152,8 +154,8 @@ def project_tokenizer(texts: list[str], vocab_size: int = 384) -> PreTrainedToke
 
 def build_small(out: Path, texts: list[str], arch: str = "llama", *, tie: bool = False, vocab_pad: int = 64,
                 seed: int = 0, config: dict | None = None, **save_options) -> Path:
-    """A tiny `arch` (llama, mistral, qwen3, gemma3) model on the project's tokenizer, vocab padded by `vocab_pad`
-    rows; `config`: more of the architecture's config fields (`sliding_window`, `layer_types`).
+    """A tiny `arch` (llama, mistral, qwen3, gemma3, llama4) model on the project's tokenizer, vocab padded by `vocab_pad`
+    rows; `config`: more of the architecture's config fields (`sliding_window`, `layer_types`, ...).
 
     `save_options` go to `_save`: `max_shard_size="200KB"` for a sharded checkpoint with an index,
     `bin_weights=True` for `pytorch_model.bin`.
@@ -163,8 +165,9 @@ def build_small(out: Path, texts: list[str], arch: str = "llama", *, tie: bool =
         return out
     tokenizer = project_tokenizer(texts)
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-                             "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}[arch]
-    extra = {"head_dim": 16} if arch in ("qwen3", "gemma3") else {}
+                             "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+                             "llama4": (Llama4TextConfig, Llama4ForCausalLM)}[arch]
+    extra = {"head_dim": 16} if arch in ("qwen3", "gemma3", "llama4") else {}
     extra.update(config or {})
     config = config_cls(vocab_size=len(tokenizer) + vocab_pad, tie_word_embeddings=tie,
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

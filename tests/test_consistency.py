@@ -329,6 +329,27 @@ def test_flash_attention_without_cuda_is_refused_in_one_line(tmp_path, capsys):
     assert "flash_attention_2 needs a CUDA GPU" in err and "Traceback" not in err and len(err.splitlines()) == 1
 
 
+def test_a_model_with_recurrent_layers_is_refused_by_the_embedded_engine_in_one_line(tmp_path, tiny_model_dir,
+                                                                                      tokenizer, capsys):
+    """Qwen3-Next's linear-attention layers keep a recurrent state, which the engine cannot re-pad as rows join and
+    leave: the run stops before any work (from the model's config alone) with one line naming the fix."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    vocab = load_causal_lm(tiny_model_dir).config.vocab_size
+    config = Qwen3NextConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             layer_types=["linear_attention", "full_attention"], num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=16, num_experts=2, num_experts_per_tok=1,
+                             moe_intermediate_size=16, shared_expert_intermediate_size=16, linear_num_value_heads=2,
+                             linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model_dir = save_checkpoint(Qwen3NextForCausalLM(config), tokenizer, tmp_path / "qwen3_next")
+    run = _run_config(tmp_path, engine={}, gate={}, model={"path": str(model_dir)})
+    assert main(["run", run, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "LinearAttentionLayer" in err and "engine.kind http" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run" / "stages").exists()
+
+
 def _ignore_padding(module):
     """A model path that drops the attention mask and position ids, so it attends to padding: harmless
     unpadded or right-padded, wrong for left-padded rows. (Dropping the mask alone is not enough:

@@ -14,6 +14,7 @@ from opd_sao.algorithms import sft_loss
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.modeling import (
     decoder_layers,
+    decoder_of,
     feed_forward_blocks,
     forward_logits,
     nucleus_logprobs,
@@ -148,11 +149,12 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_values_and_gradients(ar
 
 @pytest.mark.parametrize("window", [4, 12])
 def test_rows_sharing_a_prompt_under_a_sliding_window_score_as_alone(windowed_model_dir, window):
-    """A sliding window (Mistral, Gemma 3): the shared prompt's padding sits between a shorter prompt and its rest,
+    """A sliding window (Mistral, Gemma 3) or attention chunks (Llama 4): the shared prompt's padding sits between a shorter prompt and its rest,
     so where the window could cut (rows of 11 columns, window 4) the rows take the plain forward; where it cannot
     (window 12) they share. Both equal each row run alone, unpadded; and the window does change the numbers."""
     model = load_causal_lm(windowed_model_dir)
-    model.config.sliding_window = window
+    field = "attention_chunk_size" if model.config.model_type == "llama4_text" else "sliding_window"
+    setattr(model.config, field, window)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (6, 3)]
     rows = [(0, 3), (0, 5), (1, 6), (1, 1)]  # (prompt, response length): 11 columns
@@ -162,7 +164,7 @@ def test_rows_sharing_a_prompt_under_a_sliding_window_score_as_alone(windowed_mo
         row = prompts[i] + torch.randint(3, 300, (n,), generator=g).tolist()
         ids[r, :len(row)], mask[r, :len(row)], only[r, len(prompts[i]):len(row)] = torch.tensor(row), 1, 1
     seen = []
-    model.get_decoder().register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw["input_ids"].shape[0]),
+    decoder_of(model).register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw["input_ids"].shape[0]),
                                                   with_kwargs=True)
     with torch.no_grad():
         got = sequence_logprobs(model, ids, mask, 1.0, only=only)
@@ -171,7 +173,7 @@ def test_rows_sharing_a_prompt_under_a_sliding_window_score_as_alone(windowed_mo
         for r in range(len(rows)):
             n = int(mask[r].sum())
             alone[r, :n] = sequence_logprobs(model, ids[r:r + 1, :n], mask[r:r + 1, :n], 1.0, only=only[r:r + 1, :n])
-        model.config.sliding_window = 1024
+        setattr(model.config, field, 1024)
         unwindowed = sequence_logprobs(model, ids, mask, 1.0, only=only)
     assert torch.allclose(got, alone, atol=1e-5)
     assert (window >= width) == torch.allclose(got, unwindowed, atol=1e-5)

@@ -10,9 +10,16 @@ def _client_options(cfg) -> dict:
     return {"api_key": cfg.api_key, "admin_api_key": cfg.admin_api_key}
 
 
-def check_engine(cfg, nucleus: bool = False) -> None:
-    """Before any work: an http fleet answers, every router in it has workers (no weights move), and with
-    `nucleus` (a stage samples with top_p < 1) the servers return the renormalised sampling logprobs."""
+def check_engine(cfg, nucleus: bool = False, model_path: str = "tiny") -> None:
+    """Before any work: the embedded engine can batch `model_path`'s layers (its config only); an http fleet
+    answers, every router in it has workers (no weights move), and with `nucleus` (a stage samples with top_p < 1)
+    the servers return the renormalised sampling logprobs."""
+    if cfg.kind == "embedded" and model_path != "tiny":
+        from transformers import AutoConfig
+
+        from .embedded import check_batchable
+
+        check_batchable(AutoConfig.from_pretrained(model_path))
     if cfg.kind == "http":
         from .fleet import discover_fleet
 

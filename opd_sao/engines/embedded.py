@@ -17,8 +17,10 @@ from typing import Callable, ContextManager, Iterable, Iterator, Optional
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from ..checkpoints import stop_ids
+from ..errors import UsageError
 from ..modeling import batch_kv_cache, position_ids_for, read_only_at, sample_tokens, sequence_logprobs
 from .base import GenerationRequest, GenerationResult, ResultCallback, RolloutEngine, Turns
 
@@ -43,6 +45,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def __init__(self, model: torch.nn.Module, *, eos_id: Optional[int], pad_id: int, max_batch: int = 32,
                  seed: int = 0, deterministic: bool = False, overlap: bool = True):
+        check_batchable(model.config)
         self.model = model.eval()
         self.turns = None if overlap else Turns()  # overlap false: decode only while the trainer does not compute
         for p in self.model.parameters():
@@ -265,6 +268,19 @@ class EmbeddedEngine(RolloutEngine):
                 return None
             logp = sequence_logprobs(self.model, ids, torch.ones_like(ids), seq.request.params.temperature)
         return logp[0, len(seq.request.prompt_ids):].tolist()
+
+
+def check_batchable(config) -> None:
+    """The engine re-pads its batch's KV cache as rows join and leave, which needs every layer to keep keys and
+    values per position (full, sliding-window or chunked attention). A layer with a recurrent state (linear
+    attention, a state-space mixer) or one reading another layer's cache is refused in one line, before any
+    work."""
+    other = sorted({type(layer).__name__ for layer in DynamicCache(config=config).layers
+                    if not isinstance(layer, DynamicLayer)})
+    if other:
+        raise UsageError(f"the embedded engine batches attention layers only, and this {config.model_type} model "
+                         f"also has {', '.join(other)} (a recurrent state or a shared KV cache): use engine.kind http "
+                         "with SGLang servers")
 
 
 def _refill(cache: DynamicCache, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
