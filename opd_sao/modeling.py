@@ -30,6 +30,8 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from opd_sao.errors import UsageError
+
 VOCAB_CHUNK = 8192  # vocabulary columns per lm-head chunk
 ROW_BLOCK = 256  # rows per block: ROW_BLOCK x VOCAB_CHUNK fp32 logits = 8 MiB at a time, which stays in a CPU's
 # last-level cache between the matmul and the passes over it (1,024 rows, 32 MiB, ran the lm head 1.5-2x slower)
@@ -159,14 +161,27 @@ def marked(like: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> tor
     return mask
 
 
+# config fields by which a causal LM's forward changes its logits after the lm head: Gemma 2's and others' tanh
+# soft-capping, Cohere's scale, Granite's and MiniCPM 3's divisor, and multipliers (1 or None: unchanged)
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
+                    "output_multiplier_scale")
+
+
+def check_plain_logits(config, what: str = "the model") -> None:
+    """UsageError where the config's model changes its logits after the lm head: opd-sao's vocabulary-chunked
+    logprobs compute hidden @ lm_head.weight.T (+ bias), and the engine samples from the model's own logits."""
+    for part in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
+        for attr in LOGIT_TRANSFORMS:
+            if getattr(part, attr, None) not in (None, 1, 1.0):
+                raise UsageError(f"{what} ({part.model_type}) transforms its logits after the lm head ({attr} = "
+                                 f"{getattr(part, attr)}); opd-sao's logprobs need logits = hidden @ lm_head.weight.T "
+                                 "(+ bias)")
+
+
 def lm_head(model) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(weight [V, H], bias [V] or None) of a causal LM whose logits are a plain linear map of its hidden states."""
     model = unwrap(model)
-    config = model.config
-    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
-        if getattr(config, attr, None) not in (None, 1, 1.0):
-            raise ValueError(f"{type(model).__name__} transforms its logits ({attr}); opd-sao's vocabulary-chunked "
-                             "logprobs need logits = hidden @ lm_head.weight.T (+ bias)")
+    check_plain_logits(model.config, type(model).__name__)
     head = model.get_output_embeddings()
     return head.weight, head.bias
 

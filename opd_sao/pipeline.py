@@ -13,6 +13,7 @@ import yaml
 from opd_sao.checkpoints import build_tiny_model, check_attention, load_tokenizer
 from opd_sao.engines import check_engine
 from opd_sao.errors import UsageError
+from opd_sao.modeling import check_plain_logits
 from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, disk_use
 from opd_sao.runs.data_fingerprint import check_data_record, write_data_record
 from opd_sao.runs.evaluation import evaluate
@@ -62,6 +63,10 @@ def check_before_work(cfg: RunConfig, *, resume: bool = False) -> None:
                 raise UsageError(f"stage {stage.name!r}: env_options of {stage.env!r}: {err.args[0]}") from None
     if cfg.model.path != "tiny" and not (Path(cfg.model.path) / "config.json").is_file():
         raise UsageError(f"model.path {cfg.model.path!r} is not an HF-format model directory (no config.json)")
+    if cfg.model.path != "tiny":
+        from transformers import AutoConfig
+
+        check_plain_logits(AutoConfig.from_pretrained(cfg.model.path), f"model.path {cfg.model.path!r}")
     check_attention(cfg.model.attn_implementation)  # flash_attention_2 without CUDA or flash_attn
     # a rollout fleet that cannot take weights (or sample at a stage's top_p) fails now, not after an SFT warm start
     check_engine(cfg.engine, nucleus=any(stage.rollout.top_p < 1 for stage in cfg.stages), model_path=cfg.model.path)

@@ -17,9 +17,12 @@ import json
 from pathlib import Path
 from typing import Callable, Optional
 
+from transformers import AutoConfig
+
 from opd_sao.checkpoints import file_hash, load_tokenizer
 from opd_sao.config import BEST_CHECKPOINT, OPDConfig
 from opd_sao.errors import UsageError
+from opd_sao.modeling import check_plain_logits
 from opd_sao.teachers.base import TEACHER_KINDS, Teacher, TeacherIncompatibleError, TeacherSpec
 
 
@@ -86,6 +89,7 @@ def check_teacher(name: str, checkpoint: Path, student_checkpoint: Path, student
     student_print = student_print or vocab_fingerprint(student_tokenizer)
     vocab = model_vocab_size(checkpoint)
     where = f"teacher {name!r} ({checkpoint}) cannot teach student {student_checkpoint}"
+    check_plain_logits(AutoConfig.from_pretrained(checkpoint), where)
     if not same_tokenizer_files(checkpoint, student_checkpoint):  # an earlier stage of the run shares the files:
         tokenizer = load_tokenizer(checkpoint)  # no need to load a 150k-token tokenizer again (seconds each)
         if vocab_fingerprint(tokenizer) != student_print:

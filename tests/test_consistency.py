@@ -350,6 +350,26 @@ def test_a_model_with_recurrent_layers_is_refused_by_the_embedded_engine_in_one_
     assert not (tmp_path / "run" / "stages").exists()
 
 
+@pytest.mark.parametrize("arch,field", [("granite", "logits_scaling"), ("gemma2", "final_logit_softcapping")])
+def test_a_model_that_changes_its_logits_after_the_head_is_refused_in_one_line(arch, field, tmp_path, tiny_model_dir,
+                                                                               tokenizer, capsys):
+    """Granite divides its logits, Gemma 2 soft-caps them: the trainer's chunked logprobs (hidden @ W) would not be
+    the engine's, so the run stops before any work, naming the field."""
+    import transformers
+
+    config_cls, model_cls = {"granite": ("GraniteConfig", "GraniteForCausalLM"),
+                             "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}[arch]
+    config = getattr(transformers, config_cls)(
+        vocab_size=load_causal_lm(tiny_model_dir).config.vocab_size, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, **{field: 8.0})
+    model_dir = save_checkpoint(getattr(transformers, model_cls)(config), tokenizer, tmp_path / arch)
+    run = _run_config(tmp_path, engine={}, gate={}, model={"path": str(model_dir)})
+    assert main(["run", run, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{field} = 8.0" in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
 def _ignore_padding(module):
     """A model path that drops the attention mask and position ids, so it attends to padding: harmless
     unpadded or right-padded, wrong for left-padded rows. (Dropping the mask alone is not enough:
