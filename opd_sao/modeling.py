@@ -170,7 +170,8 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", 
 def check_plain_logits(config, what: str = "the model") -> None:
     """UsageError where the config's model changes its logits after the lm head: opd-sao's vocabulary-chunked
     logprobs compute hidden @ lm_head.weight.T (+ bias), and the engine samples from the model's own logits."""
-    for part in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
+    text = getattr(config, "text_config", None)  # a multimodal model's decoder
+    for part in (config,) if text is None else (config, text):
         for attr in LOGIT_TRANSFORMS:
             if getattr(part, attr, None) not in (None, 1, 1.0):
                 raise UsageError(f"{what} ({part.model_type}) transforms its logits after the lm head ({attr} = "
@@ -245,7 +246,9 @@ def attention_window(model) -> Optional[int]:
 
 
 def _text_config(model):
-    return unwrap(model).config.get_text_config(decoder=True)
+    """The decoder's config: a multimodal model's `text_config` (transformers' get_text_config costs ~75 us)."""
+    config = unwrap(model).config
+    return getattr(config, "text_config", None) or config
 
 
 def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
