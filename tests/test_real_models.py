@@ -231,3 +231,61 @@ def test_prompt_format_is_run_wide_with_a_per_stage_override():
     with pytest.raises(ConfigError, match="stages.0.rollout.prompt_format"):
         parse_config({"stages": [{"name": "a", "kind": "reasoning", "env": "arithmetic",
                                   "rollout": {"prompt_format": "xml"}}]})
+
+
+# transformers architectures beyond the ones above (dense, MoE, MLA, fused qkv, partial sliding windows): their
+# extra config fields at tiny sizes
+ARCHITECTURES = {
+    "DeepseekV3": dict(num_key_value_heads=4, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                       v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       first_k_dense_replace=1, n_group=1, topk_group=1),
+    "Glm4Moe": dict(head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                    first_k_dense_replace=1, n_group=1, topk_group=1),
+    "Phi3": {}, "Olmo2": {}, "Exaone4": dict(head_dim=8), "Starcoder2": {},
+    "Qwen3Moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8),
+    "Phimoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "Olmo3": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    "Qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+}
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_architectures_sample_the_trainers_distribution_and_train_a_critic(name, tmp_path, tiny_model_dir,
+                                                                            tokenizer):
+    """Each architecture, saved and loaded as a user's model is: the engine (3 slots for 6 requests of 3 prompt
+    lengths, so rows join and leave) reports the trainer's logprobs of each row alone, and the frozen-attention
+    critic trains some of its parameters and gets a gradient into each (an expert only where a token was routed)."""
+    import transformers
+
+    from opd_sao.checkpoints import save_checkpoint
+    from opd_sao.modeling import sequence_logprobs
+    from opd_sao.trainers.critic import ValueModel
+
+    config = getattr(transformers, f"{name}Config")(**{
+        "vocab_size": load_causal_lm(tiny_model_dir).config.vocab_size, "hidden_size": 32, "intermediate_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+        "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id, **ARCHITECTURES[name]})
+    torch.manual_seed(0)
+    path = save_checkpoint(getattr(transformers, f"{name}ForCausalLM")(config), tokenizer, tmp_path / name)
+    model = load_causal_lm(path)
+    engine = EmbeddedEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, max_batch=3)
+    prompts = [tokenizer.encode(text) for text in ("3 + 4 =", "12 + 30 + 5 =", "7 =")]
+    results = engine.generate_all([GenerationRequest(list(prompts[i % 3]), SamplingParams(
+        max_new_tokens=4 + 3 * (i % 3), ignore_eos=True)) for i in range(6)])
+    with torch.no_grad():
+        for got in results:
+            ids = torch.tensor([got.request.prompt_ids + got.token_ids])
+            alone = sequence_logprobs(model, ids, torch.ones_like(ids), 1.0)[0, len(got.request.prompt_ids):]
+            assert torch.allclose(alone, torch.tensor(got.logprobs), atol=1e-4)
+    critic = ValueModel.from_pretrained(str(path))
+    torch.nn.init.normal_(critic.value_head.weight)  # a zero head would stop every gradient at it (a constant one,
+    # after a LayerNorm whose outputs sum to a constant, too: Starcoder2)
+    critic.freeze_attention()
+    ids = torch.tensor([prompts[1] + [5, 6, 7]])
+    actions = torch.zeros_like(ids)
+    actions[:, len(prompts[1]):] = 1
+    critic(ids, torch.ones_like(ids), actions).sum().backward()
+    trained = [p for p in critic.backbone.parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None for p in trained)
+    # every dense weight learns; fused experts ([n_experts, ...]) only where a token was routed
+    assert all(bool(p.grad.abs().sum() > 0) for p in trained if p.dim() < 3)
