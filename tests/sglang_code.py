@@ -21,6 +21,7 @@ import io
 import os
 import pickle
 import sys
+import threading
 import types
 import typing
 from functools import lru_cache
@@ -150,25 +151,31 @@ def _io_struct() -> dict:
                       utils.msgspec_struct_pydantic_core_schema, **_typing()})
 
 
+_STUBBING = threading.Lock()
+
+
 @lru_cache(None)
 def _sampling_params_class():
     """sglang/srt/sampling/sampling_params.py, whole, with its one import that needs the package (watermarking,
-    which these tests never ask for) stubbed while it loads."""
+    which these tests never ask for) stubbed while it loads. Under a lock: the worker serves requests on several
+    threads, and lru_cache lets two first calls run at once, so one could pop the stub while the other still
+    imports (the real package then imports triton: an HTTP 500 seen once in a loaded suite)."""
     name = "sglang.srt.sampling.watermarking.core"
     stub = types.ModuleType(name)
     stub.WatermarkRequestConfig, stub.normalize_watermark_request = dict, lambda watermark: watermark
-    saved = sys.modules.get(name)
-    sys.modules[name] = stub
-    try:
-        spec = importlib.util.spec_from_file_location("sglang_code_sampling_params",
-                                                      _root() / "srt/sampling/sampling_params.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        if saved is None:
-            sys.modules.pop(name)
-        else:
-            sys.modules[name] = saved
+    with _STUBBING:
+        saved = sys.modules.get(name)
+        sys.modules[name] = stub
+        try:
+            spec = importlib.util.spec_from_file_location("sglang_code_sampling_params",
+                                                          _root() / "srt/sampling/sampling_params.py")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        finally:
+            if saved is None:
+                sys.modules.pop(name)
+            else:
+                sys.modules[name] = saved
     return module.SamplingParams
 
 
