@@ -114,6 +114,18 @@ def test_sequence_logprobs_only_at_chosen_positions(tiny_model_dir):
     assert_same_gradients(got, want, part, full, g, 1e-6)
 
 
+def _rows_sharing_prompts(g, prompt_lengths, rows):
+    """(ids, mask, only) [B, T], right-padded: row r is prompt rows[r][0] (random tokens of `prompt_lengths`) then
+    rows[r][1] random response tokens, the scored ones."""
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in prompt_lengths]
+    width = max(len(prompts[i]) + n for i, n in rows)
+    ids, mask, only = (torch.zeros(len(rows), width, dtype=torch.long) for _ in range(3))
+    for r, (i, n) in enumerate(rows):
+        row = prompts[i] + torch.randint(3, 300, (n,), generator=g).tolist()
+        ids[r, :len(row)], mask[r, :len(row)], only[r, len(prompts[i]):len(row)] = torch.tensor(row), 1, 1
+    return ids, mask, only
+
+
 @pytest.mark.parametrize("arch,attention", [("tiny", "eager"), ("tiny", "sdpa"), ("qwen2", "eager"),
                                             ("llama", "eager")])
 def test_rows_sharing_a_prompt_run_it_once_with_the_same_values_and_gradients(arch, attention, request):
@@ -125,13 +137,9 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_values_and_gradients(ar
                                     "llama": "llama_model_dir"}[arch])
     shared, plain = (load_causal_lm(path, attn_implementation=attention) for _ in range(2))
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 3, 6)]
-    rows = [(0, 4), (0, 2), (1, 5), (0, 4), (2, 1), (1, 5), (2, 3), (1, 1)]  # (prompt, response length)
-    width = max(len(prompts[i]) + n for i, n in rows)
-    ids, mask, only = (torch.zeros(len(rows), width, dtype=torch.long) for _ in range(3))
-    for r, (i, n) in enumerate(rows):
-        row = prompts[i] + torch.randint(3, 300, (n,), generator=g).tolist()
-        ids[r, :len(row)], mask[r, :len(row)], only[r, len(prompts[i]):len(row)] = torch.tensor(row), 1, 1
+    ids, mask, only = _rows_sharing_prompts(g, (5, 3, 6), [(0, 4), (0, 2), (1, 5), (0, 4), (2, 1), (1, 5), (2, 3),
+                                                            (1, 1)])
+    width = ids.shape[1]
     seen = []
     hook = shared.get_decoder().register_forward_pre_hook(
         lambda _m, _a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
@@ -149,20 +157,15 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_values_and_gradients(ar
 
 @pytest.mark.parametrize("window", [4, 12])
 def test_rows_sharing_a_prompt_under_a_sliding_window_score_as_alone(windowed_model_dir, window):
-    """A sliding window (Mistral, Gemma 3) or attention chunks (Llama 4): the shared prompt's padding sits between a shorter prompt and its rest,
-    so where the window could cut (rows of 11 columns, window 4) the rows take the plain forward; where it cannot
-    (window 12) they share. Both equal each row run alone, unpadded; and the window does change the numbers."""
+    """A sliding window (Mistral, Gemma 3) or attention chunks (Llama 4): the shared prompt's padding sits between a
+    shorter prompt and its rest, so where the window could cut (rows of 11 columns, window 4) the rows take the plain
+    forward; where it cannot (window 12) they share. Both equal each row run alone, unpadded; and the window does
+    change the numbers."""
     model = load_causal_lm(windowed_model_dir)
     field = "attention_chunk_size" if model.config.model_type == "llama4_text" else "sliding_window"
     setattr(model.config, field, window)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (6, 3)]
-    rows = [(0, 3), (0, 5), (1, 6), (1, 1)]  # (prompt, response length): 11 columns
-    width = max(len(prompts[i]) + n for i, n in rows)
-    ids, mask, only = (torch.zeros(len(rows), width, dtype=torch.long) for _ in range(3))
-    for r, (i, n) in enumerate(rows):
-        row = prompts[i] + torch.randint(3, 300, (n,), generator=g).tolist()
-        ids[r, :len(row)], mask[r, :len(row)], only[r, len(prompts[i]):len(row)] = torch.tensor(row), 1, 1
+    ids, mask, only = _rows_sharing_prompts(torch.Generator().manual_seed(3), (6, 3), [(0, 3), (0, 5), (1, 6), (1, 1)])
+    width = ids.shape[1]  # 11 columns
     seen = []
     decoder_of(model).register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw["input_ids"].shape[0]),
                                                   with_kwargs=True)
@@ -170,7 +173,7 @@ def test_rows_sharing_a_prompt_under_a_sliding_window_score_as_alone(windowed_mo
         got = sequence_logprobs(model, ids, mask, 1.0, only=only)
         assert seen == ([2, 4] if window >= width else [4])  # shared: the 2 prompts, then the 4 rows' rest
         alone = torch.zeros_like(got)
-        for r in range(len(rows)):
+        for r in range(len(ids)):
             n = int(mask[r].sum())
             alone[r, :n] = sequence_logprobs(model, ids[r:r + 1, :n], mask[r:r + 1, :n], 1.0, only=only[r:r + 1, :n])
         setattr(model.config, field, 1024)
