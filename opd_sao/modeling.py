@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from opd_sao.errors import UsageError
 
@@ -222,15 +222,9 @@ def batch_kv_cache(model) -> DynamicCache:
     columns, which is right for one sequence but not where columns shift under the rows (the engine's joins and
     drops re-pad the batch; a shared prefix is copied to rows of other lengths): the dropped keys are ones the
     attention mask still reaches. Kept whole, the mask alone applies the window, as in a forward over the whole
-    row. Other layer kinds stay as the config builds them."""
+    row. Other layer kinds stay as the config builds them (transformers uses the window class for both)."""
     cache = DynamicCache(config=unwrap(model).config)
-    config = _text_config(model)
-    kinds = getattr(config, "layer_types", None) or [  # transformers' rule where the config lists no kinds
-        "sliding_attention" if getattr(config, "sliding_window", None) is not None
-        else "chunked_attention" if getattr(config, "attention_chunk_size", None) is not None else "full_attention"
-    ] * len(cache.layers)
-    cache.layers = [DynamicLayer() if kind in ("sliding_attention", "chunked_attention") else layer
-                    for kind, layer in zip(kinds, cache.layers)]
+    cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
     return cache
 
 
