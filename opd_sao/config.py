@@ -132,6 +132,10 @@ class EngineConfig(Strict):
         "turns, the engine decoding only between the trainer's steps (at one torch thread per process on the tiny "
         "model, 4-20% less CPU per episode and more wall time, docs/benchmarks.md; on one accelerator, no two "
         "compute streams at once)", True)
+    own_forward: bool = describe(
+        "embedded: Llama-family models (llama, mistral, qwen2, qwen3; every layer attending to the whole sequence) "
+        "decode and prefill through the engine's own forward (opd_sao/llama_forward.py: transformers' "
+        "function in fewer operations); false, or any other model: transformers' forward", True)
     deterministic: bool = describe("score every sequence alone with the trainer's kernels (bitwise agreement; slow)",
                                    False)
     device: Optional[str] = describe_device("where the embedded engine's model and batches live (auto | cpu | cuda | "

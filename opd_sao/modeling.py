@@ -153,6 +153,15 @@ def read_only_at(model, read: Optional[torch.Tensor]):
             handle.remove()
 
 
+def activation_checkpointing(model) -> bool:
+    """Whether transformers' activation checkpointing is on: the decoder layers' flag, read off the last one
+    (`is_activation_checkpointing` walks every module, milliseconds per forward on a large model)."""
+    layer, _ = _last_feed_forward(unwrap(model))
+    if layer is None:
+        return bool(getattr(unwrap(model), "is_activation_checkpointing", False))
+    return bool(getattr(layer, "gradient_checkpointing", False))
+
+
 def marked(like: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """[B, T] bool (the shape of `like`'s first two dims), True at each (rows[i], columns[i]): the positions a caller
     reads, for `read_only_at`."""
@@ -255,7 +264,7 @@ def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: 
     where an attention window or chunk could bind (rows wider than it): a shorter prefix's padding sits between it
     and its row's rest, so the window, counted in columns, would cut tokens a row alone still sees."""
     decoder = decoder_of(model)
-    if getattr(unwrap(model), "is_activation_checkpointing", False):
+    if activation_checkpointing(model):
         return None
     window = attention_window(model)
     if window is not None and input_ids.shape[1] > window:

@@ -5,6 +5,7 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import orjson
 import torch
 
 
@@ -61,9 +62,16 @@ class Trajectory:
         return min(acted) if acted else -1
 
     def to_json(self) -> str:
-        # the fields as they are (lists, numbers, a JSON-able meta): dataclasses.asdict's deep copy cost more than
-        # the rest of a trajectory's write-ahead record
-        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+        """The write-ahead record: the fields as they are (dataclasses.asdict's deep copy cost more than the rest of
+        the record). orjson (a tenth of json's time on the float lists) where its line parses back to the same
+        values: it writes a non-finite float as null, so a line with a null (a None, a NaN, or a string holding
+        "null") and anything orjson refuses (a non-string key) are json's, which writes NaN and Infinity."""
+        record = {f.name: getattr(self, f.name) for f in fields(self)}
+        try:
+            line = orjson.dumps(record)
+        except TypeError:
+            return json.dumps(record)
+        return line.decode() if b"null" not in line else json.dumps(record)
 
     @classmethod
     def from_json(cls, line: str) -> "Trajectory":

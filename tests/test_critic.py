@@ -97,6 +97,7 @@ def test_values_at_the_actions_only_equal_the_whole_forward_with_their_gradients
 
     config = CASES[arch][0]
     whole, cut = _critic(config), _critic(config)
+    cut.own_forward = False  # transformers' forward under read_only_at (opd-sao's own: tests/test_llama_forward.py)
     for critic in (whole, cut):
         critic.freeze_attention()
         torch.nn.init.normal_(critic.value_head.weight, generator=torch.Generator().manual_seed(3))

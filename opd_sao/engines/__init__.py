@@ -45,7 +45,7 @@ def build_engine(cfg, checkpoint, tokenizer, seed: int, device=None, attn_implem
         model = load_causal_lm(checkpoint, cfg.dtype, resolve_device(cfg.device or device), attn_implementation)
         return EmbeddedEngine(model, eos_id=tokenizer.eos_token_id,
                               pad_id=tokenizer.pad_token_id, max_batch=cfg.max_batch, seed=seed,
-                              deterministic=cfg.deterministic, overlap=cfg.overlap)
+                              deterministic=cfg.deterministic, overlap=cfg.overlap, own_forward=cfg.own_forward)
     if cfg.kind == "http":
         from .fleet import Fleet
         from .weight_sync import SyncSettings

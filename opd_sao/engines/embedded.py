@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .. import llama_forward
 from ..checkpoints import stop_ids
 from ..errors import UsageError
 from ..modeling import batch_kv_cache, position_ids_for, read_only_at, sample_tokens, sequence_logprobs
@@ -44,9 +45,11 @@ class EmbeddedEngine(RolloutEngine):
     """Runs where its model's parameters are (build_engine puts them on `engine.device`); batches follow."""
 
     def __init__(self, model: torch.nn.Module, *, eos_id: Optional[int], pad_id: int, max_batch: int = 32,
-                 seed: int = 0, deterministic: bool = False, overlap: bool = True):
+                 seed: int = 0, deterministic: bool = False, overlap: bool = True, own_forward: bool = True):
         check_batchable(model.config)
         self.model = model.eval()
+        # a Llama-family model runs through the engine's own forward (llama_forward.py), others through transformers'
+        self.own_forward = own_forward and llama_forward.unsupported(model) is None
         self.turns = None if overlap else Turns()  # overlap false: decode only while the trainer does not compute
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -158,9 +161,12 @@ class EmbeddedEngine(RolloutEngine):
             self._mask = torch.cat([self._mask, torch.ones(len(active), 1, dtype=torch.long, device=self.device)],
                                    dim=1)
             positions = self._mask.sum(-1, keepdim=True) - 1
-            out = self.model(input_ids=pending, attention_mask=self._mask, position_ids=positions, cache=self._cache,
-                             use_cache=True)
-            logits, version = out.logits[:, -1], self._version
+            if self.own_forward:
+                logits = llama_forward.next_logits(self.model, pending, self._mask, positions, self._cache)
+            else:
+                logits = self.model(input_ids=pending, attention_mask=self._mask, position_ids=positions,
+                                    cache=self._cache, use_cache=True).logits[:, -1]
+            version = self._version
         temperature = torch.tensor([s.request.params.temperature for s in active], device=self.device)
         top_p = torch.tensor([s.request.params.top_p for s in active], device=self.device)
         top_k = torch.tensor([s.request.params.top_k for s in active], device=self.device)
@@ -218,13 +224,15 @@ class EmbeddedEngine(RolloutEngine):
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct], dtype=torch.long,
                             device=self.device)
         cache = batch_kv_cache(self.model)
-        # only the cache is wanted: one position's logits, not [B, T, V] (gigabytes at a real vocabulary), so the
-        # last feed-forward block runs at that position alone (the last layer's keys and values are its input's)
-        last = torch.zeros_like(mask, dtype=torch.bool)
-        last[:, -1] = True
-        with read_only_at(self.model, last):
-            self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), cache=cache,
-                       use_cache=True, logits_to_keep=1)
+        if self.own_forward:  # it stops at the last layer's keys and values
+            llama_forward.prefill(self.model, ids, mask, position_ids_for(mask), cache)
+        else:  # only the cache is wanted: one position's logits, not [B, T, V] (gigabytes at a real vocabulary), so
+            # the last feed-forward block runs at that position alone (the last layer's keys and values are its input's)
+            last = torch.zeros_like(mask, dtype=torch.bool)
+            last[:, -1] = True
+            with read_only_at(self.model, last):
+                self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), cache=cache,
+                           use_cache=True, logits_to_keep=1)
         if len(distinct) < len(joining):  # each sequence's rows of the shared prefill, copied
             index = torch.tensor(rows, dtype=torch.long, device=self.device)
             cache.batch_select_indices(index)

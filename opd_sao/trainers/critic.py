@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel
 
+from opd_sao import llama_forward
 from opd_sao.checkpoints import DTYPES, MODEL_INIT_LOCK, check_attention
 
 from ..modeling import (
@@ -125,6 +126,7 @@ class ValueModel(nn.Module):
     def __init__(self, backbone: nn.Module, hidden_size: int):
         super().__init__()
         self.backbone = backbone
+        self.own_forward = llama_forward.unsupported(backbone) is None  # a Llama-family decoder: opd-sao's forward
         self.value_head = nn.Linear(hidden_size, 1, dtype=backbone.dtype)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
@@ -173,13 +175,18 @@ class ValueModel(nn.Module):
                 actions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[B, T] V(s_t), the value of the state before token t, on real tokens; `actions` [B, T]: only at these
         tokens (0 elsewhere: GAE and the value loss read no other), the last layer's feed-forward block skipping
-        the states no action follows (`read_only_at`)."""
+        the states no action follows (`read_only_at`; `llama_forward` reads them alone)."""
         keep = attention_mask if actions is None else attention_mask * actions.to(attention_mask.dtype)
         read = None if actions is None else F.pad(keep[:, 1:], (0, 1))  # V(s_t) is read off token t - 1
-        with read_only_at(self.backbone, read):
-            hidden = self.backbone(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask)
-            ).last_hidden_state
+        positions = position_ids_for(attention_mask)
+        if self.own_forward and read is not None and llama_forward.usable_now(self.backbone):
+            where = read.bool().flatten().nonzero().squeeze(1)
+            hidden = llama_forward.hidden_states(self.backbone, input_ids, attention_mask, positions, read=where)
+            hidden = hidden.new_zeros(read.numel(), hidden.shape[-1]).index_copy(0, where, hidden).view(*read.shape, -1)
+        else:
+            with read_only_at(self.backbone, read):
+                hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                                       position_ids=positions).last_hidden_state
         # the head's dtype (float32 master weights, DeepSpeed's bf16, float64); values at least float32
         state_values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # after reading token t
         state_values = state_values.to(torch.promote_types(state_values.dtype, torch.float32))

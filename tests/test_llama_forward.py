@@ -1,0 +1,144 @@
+"""opd-sao's own Llama-family forward (opd_sao/llama_forward.py) against transformers' on the same weights: the
+decoder's hidden states, the engine's prefill and decode through a KV cache, the critic's values and gradients,
+and which models keep transformers' forward."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from gradients import assert_same_gradients
+
+from opd_sao import llama_forward
+from opd_sao.engines.base import GenerationRequest, SamplingParams
+from opd_sao.engines.embedded import EmbeddedEngine
+from opd_sao.modeling import batch_kv_cache, position_ids_for
+from opd_sao.trainers.critic import ValueModel
+
+SHAPE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+FAMILY = {"Llama": dict(attention_bias=True, mlp_bias=True),  # every projection with a bias
+          "Mistral": dict(sliding_window=None), "Qwen2": {}, "Qwen3": dict(head_dim=16)}  # Qwen3: per-head q/k norms
+
+
+def _model(arch: str, seed: int = 0, attention: str = "eager", **extra):
+    """A causal LM of `arch` whose norms are not the identity (initialised to ones, they would hide a misplaced one)."""
+    config = getattr(transformers, f"{arch}Config")(**SHAPE, **{**FAMILY.get(arch, {}), **extra})
+    config._attn_implementation = attention
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    return model
+
+
+def _batch(generator: torch.Generator, rows: int = 5, width: int = 9, left: bool = True):
+    ids = torch.randint(1, SHAPE["vocab_size"], (rows, width), generator=generator)
+    mask = torch.ones_like(ids)
+    for r in range(rows):  # rows of every length, padded on one side
+        pad = r % 4
+        if pad:
+            mask[r, :pad] = 0 if left else 1
+            if not left:
+                mask[r, width - pad:] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("arch", list(FAMILY))
+@pytest.mark.parametrize("left,attention", [(True, "eager"), (False, "eager"), (True, "sdpa")])
+def test_hidden_states_are_transformers(arch, left, attention):
+    model = _model(arch, attention=attention)
+    assert llama_forward.unsupported(model) is None
+    ids, mask = _batch(torch.Generator().manual_seed(1), left=left)
+    positions = position_ids_for(mask)
+    # every query, a padding one too, attends to something: a row with nothing to attend to is NaN in some kernels
+    # (zeros in torch 2.13's CPU one), and a NaN key at a padding column poisons every row through 0 * NaN
+    assert llama_forward._allowed(mask, mask.shape[1]).any(-1).all()
+    with torch.no_grad():
+        want = model.model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+        got = llama_forward.hidden_states(model, ids, mask, positions)
+        real = mask.bool()
+        assert (got[real] - want[real]).abs().max() < 1e-5
+        read = (real & (torch.rand(mask.shape, generator=torch.Generator().manual_seed(2)) < 0.5)).flatten()
+        some = llama_forward.hidden_states(model, ids, mask, positions, read=read.nonzero().squeeze(1))
+        assert some.shape == (int(read.sum()), SHAPE["hidden_size"])
+        assert (some - want.flatten(0, 1)[read]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("arch", list(FAMILY))
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_prefill_and_decode_through_a_cache_are_transformers(arch, attention):
+    """The engine's join fills the cache as transformers' forward does; each decode step's logits follow."""
+    model = _model(arch, attention=attention)
+    ids, mask = _batch(torch.Generator().manual_seed(3))
+    ours, theirs = batch_kv_cache(model), batch_kv_cache(model)
+    with torch.inference_mode():
+        llama_forward.prefill(model, ids, mask, position_ids_for(mask), ours)
+        model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), cache=theirs, use_cache=True)
+        for mine, want in zip(ours.layers, theirs.layers):
+            real = mask.bool()[:, None, :, None]
+            assert ((mine.keys - want.keys).abs() * real).max() < 1e-5
+            assert ((mine.values - want.values).abs() * real).max() < 1e-5
+        for step in range(3):
+            token = torch.randint(1, SHAPE["vocab_size"], (len(ids), 1), generator=torch.Generator().manual_seed(step))
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            positions = mask.sum(-1, keepdim=True) - 1
+            got = llama_forward.next_logits(model, token, mask, positions, ours)
+            want = model(input_ids=token, attention_mask=mask, position_ids=positions, cache=theirs,
+                         use_cache=True).logits[:, -1]
+            assert got.shape == want.shape and (got - want).abs().max() < 1e-4
+
+
+def test_the_engine_samples_the_same_with_either_forward(tokenizer, tiny_model_dir):
+    """Rows join and leave (3 slots, 6 requests of 3 lengths): the same tokens, logprobs to float rounding."""
+    from opd_sao.checkpoints import load_causal_lm
+
+    prompts = [tokenizer.encode(text) for text in ("3 + 4 =", "12 + 30 + 5 =", "7 =")]
+    requests = [GenerationRequest(list(prompts[i % 3]), SamplingParams(max_new_tokens=3 + 2 * (i % 3),
+                                                                      ignore_eos=True)) for i in range(6)]
+    results = {}
+    for own in (True, False):
+        engine = EmbeddedEngine(load_causal_lm(tiny_model_dir), eos_id=tokenizer.eos_token_id,
+                                pad_id=tokenizer.pad_token_id, max_batch=3, seed=5, own_forward=own)
+        assert engine.own_forward is own
+        results[own] = engine.generate_all([copy.deepcopy(r) for r in requests])
+    for mine, theirs in zip(results[True], results[False]):
+        assert mine.token_ids == theirs.token_ids
+        assert torch.allclose(torch.tensor(mine.logprobs), torch.tensor(theirs.logprobs), atol=1e-5)
+
+
+def test_the_critic_trains_through_it_as_through_transformers(tiny_model_dir):
+    """The same values and the same gradient in every trainable parameter (frozen attention, value head)."""
+    ours = ValueModel.from_pretrained(str(tiny_model_dir))
+    torch.nn.init.normal_(ours.value_head.weight, generator=torch.Generator().manual_seed(0))
+    ours.freeze_attention()
+    theirs = copy.deepcopy(ours)
+    theirs.own_forward = False
+    assert ours.own_forward
+    ids, mask = _batch(torch.Generator().manual_seed(4), rows=6, width=10, left=False)
+    ids = ids % ours.backbone.config.vocab_size
+    actions = torch.zeros_like(mask)
+    actions[:, 4:] = 1
+    actions *= mask
+    got, want = ours(ids, mask, actions), theirs(ids, mask, actions)
+    assert (got - want).abs().max() < 1e-5
+    assert_same_gradients(got, want, ours, theirs, torch.Generator().manual_seed(5), 1e-4)
+
+
+def test_other_models_keep_transformers_forward():
+    windowed = _model("Mistral", sliding_window=4)
+    assert "windowed" in llama_forward.unsupported(windowed)
+    flash = _model("Llama")
+    flash.config._attn_implementation = "flash_attention_2"
+    assert "flash_attention_2" in llama_forward.unsupported(flash)
+    phi = transformers.Phi3ForCausalLM(transformers.Phi3Config(**SHAPE))
+    assert "Phi3Model" in llama_forward.unsupported(phi)
+    engine = EmbeddedEngine(windowed, eos_id=None, pad_id=0)
+    assert not engine.own_forward
+    checkpointed = _model("Llama")
+    assert llama_forward.usable_now(checkpointed)
+    checkpointed.activation_checkpointing_enable()
+    assert not llama_forward.usable_now(checkpointed)  # its backward re-runs transformers' layers
