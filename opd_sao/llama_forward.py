@@ -6,8 +6,9 @@ per-operation overhead, not arithmetic: transformers' builds a 4D mask through i
 the config through `__getattribute__` dozens of times and calls about 30 modules for 15 small matrix
 products. This computes the same function of the same weights (the modules' own tensors, so weight syncs,
 optimizers and checkpoints see nothing new) in fewer operations: one boolean mask for all layers,
-`torch.rms_norm` where transformers' RMSNorm makes five operations, grouped-query attention inside
-`scaled_dot_product_attention`, and only the last layer's work that someone reads: a prefill (the engine's
+`torch.rms_norm` where transformers' RMSNorm makes five operations, the attention the model is loaded with
+(eager's products and float32 softmax in transformers' order, or sdpa's kernel with grouped-query attention
+inside it), and only the last layer's work that someone reads: a prefill (the engine's
 joins) stops at the last layer's keys and values, which is all the cache needs; the critic's last layer
 runs its output projection and feed-forward block only where a value is read.
 
