@@ -70,10 +70,11 @@ def test_hidden_states_are_transformers(arch, left, attention):
 
 @pytest.mark.parametrize("arch", list(FAMILY))
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_prefill_and_decode_through_a_cache_are_transformers(arch, attention):
+@pytest.mark.parametrize("width", [9, llama_forward.SHORT_ROWS])  # short rows, then past SHORT_ROWS keys; or never
+def test_prefill_and_decode_through_a_cache_are_transformers(arch, attention, width):
     """The engine's join fills the cache as transformers' forward does; each decode step's logits follow."""
     model = _model(arch, attention=attention)
-    ids, mask = _batch(torch.Generator().manual_seed(3))
+    ids, mask = _batch(torch.Generator().manual_seed(3), width=width)
     ours, theirs = batch_kv_cache(model), batch_kv_cache(model)
     with torch.inference_mode():
         llama_forward.prefill(model, ids, mask, position_ids_for(mask), ours)
@@ -82,7 +83,7 @@ def test_prefill_and_decode_through_a_cache_are_transformers(arch, attention):
             real = mask.bool()[:, None, :, None]
             assert ((mine.keys - want.keys).abs() * real).max() < 1e-5
             assert ((mine.values - want.values).abs() * real).max() < 1e-5
-        for step in range(3):
+        for step in range(8):  # from width 9, across SHORT_ROWS
             token = torch.randint(1, SHAPE["vocab_size"], (len(ids), 1), generator=torch.Generator().manual_seed(step))
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
             positions = mask.sum(-1, keepdim=True) - 1
