@@ -63,17 +63,24 @@ def usable_now(model) -> bool:
 
 
 def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                  read: Optional[torch.Tensor] = None, cache: Optional[DynamicCache] = None) -> torch.Tensor:
+                  read: Optional[torch.Tensor] = None, cache: Optional[DynamicCache] = None,
+                  start: Optional[dict] = None) -> torch.Tensor:
     """The decoder's final hidden states for `input_ids` [B, T], the last T columns of `attention_mask` [B, L].
 
     `read` None: [B, T, H]; `read` [n] (indices into the B * T positions, row-major): [n, H] at those positions
     only, and with n == 0 the forward stops once the last layer's keys and values exist. `cache`: every layer's
-    keys and values are appended to it (and read back, for the columns before these T)."""
+    keys and values are appended to it (and read back, for the columns before these T). `start` (no cache): a
+    dict the caller keeps over forwards of the same rows and `read` while the embeddings and the first layer's
+    norms and attention are frozen: the first call stores what layer 0's feed-forward block reads, later calls
+    start from it (the same tensors, so the same result; `ValueModel.reusing_frozen_start`)."""
     decoder = decoder_of(model)
-    hidden = decoder.embed_tokens(input_ids)
-    cos, sin = decoder.rotary_emb(hidden, position_ids)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    allowed = _allowed(attention_mask, input_ids.shape[1])
+    if start:
+        cos, sin, allowed, hidden, x = start["layer0"]
+    else:
+        hidden = decoder.embed_tokens(input_ids)
+        cos, sin = decoder.rotary_emb(hidden, position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        allowed = _allowed(attention_mask, input_ids.shape[1])
     if cache is not None and allowed.device.type == "cpu" and allowed.shape[-1] < SHORT_ROWS \
             and not torch.is_grad_enabled():
         attend = _short_rows(allowed)
@@ -81,24 +88,37 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
         attend = _eager if decoder.config._attn_implementation == "eager" else _sdpa
     last = len(decoder.layers) - 1
     for index, layer in enumerate(decoder.layers):
-        attention = layer.self_attn
-        x = _rms_norm(hidden, layer.input_layernorm)
-        keys = _rotate(_heads(x, attention.k_proj, attention.head_dim, getattr(attention, "k_norm", None)), cos, sin)
-        values = _heads(x, attention.v_proj, attention.head_dim)
-        if cache is not None:
-            keys, values = cache.layers[index].update(keys, values)
-        if index == last and read is not None and not len(read):
-            return hidden.new_zeros(0, hidden.shape[-1])
-        queries = _rotate(_heads(x, attention.q_proj, attention.head_dim, getattr(attention, "q_norm", None)),
-                          cos, sin)
-        mixed = attend(queries, keys, values, allowed, attention.scaling).transpose(1, 2).flatten(2)
-        if index == last and read is not None:  # the rest works on each position alone: only the read ones
-            mixed, hidden = mixed.flatten(0, 1)[read], hidden.flatten(0, 1)[read]
-        hidden = hidden + _linear(mixed, attention.o_proj)
-        x = _rms_norm(hidden, layer.post_attention_layernorm)
+        if index or not start:
+            attention = layer.self_attn
+            x = _rms_norm(hidden, layer.input_layernorm)
+            keys = _rotate(_heads(x, attention.k_proj, attention.head_dim, getattr(attention, "k_norm", None)),
+                           cos, sin)
+            values = _heads(x, attention.v_proj, attention.head_dim)
+            if cache is not None:
+                keys, values = cache.layers[index].update(keys, values)
+            if index == last and read is not None and not len(read):
+                return hidden.new_zeros(0, hidden.shape[-1])
+            queries = _rotate(_heads(x, attention.q_proj, attention.head_dim, getattr(attention, "q_norm", None)),
+                              cos, sin)
+            mixed = attend(queries, keys, values, allowed, attention.scaling).transpose(1, 2).flatten(2)
+            if index == last and read is not None:  # the rest works on each position alone: only the read ones
+                mixed, hidden = mixed.flatten(0, 1)[read], hidden.flatten(0, 1)[read]
+            hidden = hidden + _linear(mixed, attention.o_proj)
+            x = _rms_norm(hidden, layer.post_attention_layernorm)
+            if index == 0 and start is not None:
+                start["layer0"] = (cos, sin, allowed, hidden, x)
         mlp = layer.mlp
         hidden = hidden + _linear(mlp.act_fn(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
     return _rms_norm(hidden, decoder.norm)
+
+
+def frozen_start(model) -> bool:
+    """Whether everything before layer 0's feed-forward block is frozen (embeddings, the layer's norms and
+    attention): `hidden_states`' `start` may then be reused while only later weights change."""
+    decoder = decoder_of(model)
+    layer = decoder.layers[0]
+    before = (decoder.embed_tokens, layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm)
+    return not any(p.requires_grad for module in before for p in module.parameters())
 
 
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,

@@ -129,6 +129,42 @@ def test_the_critic_trains_through_it_as_through_transformers(tiny_model_dir):
     assert_same_gradients(got, want, ours, theirs, torch.Generator().manual_seed(5), 1e-4)
 
 
+def test_a_steps_critic_forwards_reuse_the_frozen_start_exactly(tiny_model_dir):
+    """Within `reusing_frozen_start`, a later forward over the same rows starts from the first one's state before
+    layer 0's feed-forward block: after an update of the feed-forward blocks, its values and gradients are those of
+    a forward from scratch, bit for bit; other rows (another mask) get their own; a critic whose attention trains
+    keeps nothing."""
+    critic = ValueModel.from_pretrained(tiny_model_dir)
+    critic.freeze_attention()
+    torch.nn.init.normal_(critic.value_head.weight, generator=torch.Generator().manual_seed(7))  # not zero: trains
+    ids, mask = _batch(torch.Generator().manual_seed(6), rows=6, width=10, left=False)
+    ids = ids % critic.backbone.config.vocab_size
+    actions = (torch.arange(10) >= 4).long().expand(6, 10) * mask
+    other = mask.clone()
+    other[0, :2] = 0  # the same ids and actions, another mask: two of row 0's prompt tokens are padding
+    optimizer = torch.optim.SGD([p for p in critic.parameters() if p.requires_grad], lr=0.5)
+
+    def fresh(attention_mask):
+        values = critic(ids, attention_mask, actions * attention_mask)
+        grads = torch.autograd.grad(values.square().sum(), [p for p in critic.parameters() if p.requires_grad])
+        return values.detach(), grads
+
+    with critic.reusing_frozen_start():
+        critic(ids, mask, actions).square().sum().backward()  # the first forward keeps its start
+        optimizer.step()
+        assert len(critic._starts) == 1
+        later, other_rows = fresh(mask), fresh(other)
+        assert len(critic._starts) == 2  # the other mask got its own
+    assert critic._starts is None
+    for (values, grads), want in ((later, fresh(mask)), (other_rows, fresh(other))):
+        assert torch.equal(values, want[0]) and all(torch.equal(a, b) for a, b in zip(grads, want[1]))
+    assert not torch.equal(later[0], other_rows[0])
+    for p in critic.parameters():
+        p.requires_grad_(True)
+    with critic.reusing_frozen_start():
+        assert critic._starts is None  # attention trains: nothing before the feed-forward block is fixed
+
+
 def test_other_models_keep_transformers_forward():
     windowed = _model("Mistral", sliding_window=4)
     assert "windowed" in llama_forward.unsupported(windowed)

@@ -83,15 +83,16 @@ class Learner(ResumableLearner):
         take them from the first), and GAE reads the values after the K updates, at the cost of one more
         critic forward. The explained variance is measured before any update."""
         returns = None
-        for k, part in enumerate(self._critic_parts(batch)):
-            values = self.backend.critic_values(part, grad=True)
-            if returns is None or part is not batch:
-                _, returns = self.algorithm.advantage(self._inputs(part, values.detach()), self.cfg)
-            loss, value_metrics = A.value_loss(values, returns, part.action_mask)
-            metrics["critic_grad_norm"] = self.backend.step_critic(loss)
-            if k == 0:
-                metrics.update(value_metrics)  # measured before the update: an honest explained variance
-        return self.backend.critic_values(batch, grad=False).detach()
+        with self.backend.critic_step():
+            for k, part in enumerate(self._critic_parts(batch)):
+                values = self.backend.critic_values(part, grad=True)
+                if returns is None or part is not batch:
+                    _, returns = self.algorithm.advantage(self._inputs(part, values.detach()), self.cfg)
+                loss, value_metrics = A.value_loss(values, returns, part.action_mask)
+                metrics["critic_grad_norm"] = self.backend.step_critic(loss)
+                if k == 0:
+                    metrics.update(value_metrics)  # measured before the update: an honest explained variance
+            return self.backend.critic_values(batch, grad=False).detach()
 
     def _critic_parts(self, batch: Batch) -> list[Batch]:
         """What each of the K updates reads: the whole batch, or (critic_minibatches) every K-th trajectory from

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -183,6 +184,11 @@ class TrainerBackend(ABC):
         target = teacher(torch.arange(len(logp), device=logp.device), 0, logp.shape[1]).to(logp)
         extra = report(logp.detach(), target).sum(1) if report is not None else torch.zeros(len(logp))
         return terms(logp, target).sum(1), extra.to(logp.device), top
+
+    def critic_step(self):
+        """The scope of one step's critic forwards over one batch (its K updates and the values after them), where
+        a backend may reuse what depends on frozen weights alone (TorchTrainer: `ValueModel.reusing_frozen_start`)."""
+        return nullcontext()
 
     @abstractmethod
     def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:

@@ -121,6 +121,9 @@ class TorchTrainer(TrainerBackend):
         outputs = self._run("policy", forward, rows, True, support=True)
         return outputs[0], outputs[1].detach(), outputs[2] if len(outputs) > 2 else None
 
+    def critic_step(self):
+        return self.critic.reusing_frozen_start() if self.critic is not None else super().critic_step()
+
     def critic_values(self, batch: Batch, grad: bool) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("this trainer was built without a critic (the algorithm needs none)")
