@@ -93,6 +93,23 @@ def test_prefill_and_decode_through_a_cache_are_transformers(arch, attention, wi
             assert got.shape == want.shape and (got - want).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("queries", [1, 4])
+def test_short_rows_attention_is_eager_even_for_a_row_with_nothing_to_attend_to(queries):
+    """The engine's short-row attention against eager's, a row of padding alone included (a prompt of the pad id:
+    eager attends uniformly there; it must not be NaN, which the whole batch's sampling would refuse)."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(3, 4, n, 16, generator=g) for n in (queries, 9, 9))
+    k, v = k[:, :2], v[:, :2]  # grouped-query: 2 key/value heads
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :5] = 0
+    mask[2] = 0  # nothing to attend to (at one query: not even itself)
+    allowed = llama_forward._allowed(mask, queries)
+    with torch.no_grad():
+        got = llama_forward._short_rows(allowed)(q, k, v, allowed, 0.25)
+        want = llama_forward._eager(q, k, v, allowed, 0.25)
+    assert torch.isfinite(got).all() and (got - want).abs().max() < 1e-5
+
+
 def test_the_engine_samples_the_same_with_either_forward(tokenizer, tiny_model_dir):
     """Rows join and leave (3 slots, 6 requests of 3 lengths): the same tokens, logprobs to float rounding."""
     from opd_sao.checkpoints import load_causal_lm
