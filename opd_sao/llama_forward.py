@@ -173,9 +173,10 @@ def _short_rows(allowed: torch.Tensor):
     score is float32's lowest, as in eager (a row with nothing to attend to, a padding-only prompt's, is then
     uniform like eager's, not NaN), and every score minus its row's maximum is clamped to -80 before exp: a
     masked key weighs under 2e-35 of the row's largest, far below float32's resolution of the row's sum. Equal
-    to eager to float rounding. The engine's decode steps and joins take it on small models: [64, 4 heads, 10 queries, 10 keys]
-    in 0.22 ms against eager's 0.66 and sdpa's 0.57. Not the critic: its values must not depend on how a batch is
-    cut into micro-batches (a narrower one would change kernel), and its gradients need the fused kernel."""
+    to eager to float rounding. The engine's decode steps and joins take it on small models: [64, 4 heads, 10
+    queries, 10 keys] in 0.22 ms against eager's 0.66 and sdpa's 0.57. Not the critic: its values must not depend
+    on how a batch is cut into micro-batches (a narrower one would change kernel), and its gradients need the
+    fused kernel."""
     bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill_(
         ~allowed, torch.finfo(torch.float32).min)
 
