@@ -182,6 +182,11 @@ class TrainerConfig(Strict):
         "both limits hold)", None, ge=1)
     gradient_checkpointing: bool = describe("recompute each decoder layer's activations in the backward instead of "
                                             "keeping them (policy and critic; non-reentrant)", False)
+    own_forward: bool = describe(
+        "Llama-family policies and critics (llama, mistral, qwen2, qwen3; every layer attending to the whole "
+        "sequence) train through opd_sao/llama_forward.py (transformers' function in fewer operations, exact to "
+        "float rounding; not under ZeRO-3 or gradient_checkpointing); false, or any other model: transformers' "
+        "forward", True)
     lr_schedule: Literal["constant", "linear_warmup", "cosine"] = describe(
         "policy and critic learning rate over their optimizer steps: constant; linear_warmup: rising linearly to "
         "the lr over warmup_steps, then constant; cosine: that warm-up, then a cosine decay to min_lr_ratio x lr "

@@ -1,5 +1,5 @@
-"""opd-sao's own forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3): the embedded engine's and the
-critic's.
+"""opd-sao's own forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3): the embedded engine's, the
+critic's and the trainer's policy's (`modeling.hidden_states`).
 
 A serving engine runs its own model code (SGLang and vLLM do). On a small model a forward is mostly
 per-operation overhead, not arithmetic: transformers' builds a 4D mask through its masking utilities, reads
@@ -8,32 +8,35 @@ products. This computes the same function of the same weights (the modules' own 
 optimizers and checkpoints see nothing new) in fewer operations: one boolean mask for all layers,
 `torch.rms_norm` where transformers' RMSNorm makes five operations, the attention the model is loaded with
 (eager's products and float32 softmax in transformers' order, or sdpa's kernel with grouped-query attention
-inside it), and only the last layer's work that someone reads: a prefill (the engine's
-joins) stops at the last layer's keys and values, which is all the cache needs; the critic's last layer
-runs its output projection and feed-forward block only where a value is read.
+inside it; `_ShortRows` on CPU under 16 keys per query), and only the last layer's work that someone
+reads: a prefill (the engine's joins) stops at the last layer's keys and values, which is all the cache
+needs; the critic's last layer, and the policy's scoring its actions, run the output projection and
+feed-forward block only where a position is read.
 
 It serves only the decoder classes in `FAMILY`, whose layers are exactly norm -> attention (q, k, v, o
 projections; Qwen3's per-head q/k norms) -> residual -> norm -> gated MLP -> residual, with sdpa or eager
 attention over the whole sequence (a sliding window or an attention chunk, and flash-attention-2, keep
-transformers' forward). It is differentiable (the critic trains through it), but reads parameters directly,
-so it is not used where DeepSpeed ZeRO-3 gathers them in module hooks or where activation checkpointing is on.
-Results agree with transformers' to float rounding (tests/test_llama_forward.py); the consistency gate
-measures the engine against the trainer, whose policy forward is always transformers'.
+transformers' forward). It is differentiable (the policy and the critic train through it), but reads
+parameters directly, so it is not used where DeepSpeed ZeRO-3 gathers them in module hooks, where activation
+checkpointing is on, or for a model given to `keep_transformers` (`trainer.own_forward: false`). Results
+agree with transformers' to float rounding, gradients included (tests/test_llama_forward.py); the
+consistency gate measures the engine's cached decode against the trainer's whole-sequence pass, both this.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from .modeling import activation_checkpointing, attention_window, check_plain_logits, decoder_of, unwrap
+from .decoders import activation_checkpointing, attention_window, check_plain_logits, decoder_of, unwrap
 
 FAMILY = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})  # transformers' decoder classes
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
-SHORT_ROWS = 16  # keys per query under which the engine's forward on CPU attends through `_short_rows`
+SHORT_ROWS = 16  # keys per query under which a forward on CPU attends through `_ShortRows` (the vector width)
 
 
 def unsupported(model) -> Optional[str]:
@@ -55,6 +58,28 @@ def unsupported(model) -> Optional[str]:
                 or not all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm"))):
             return f"its layer {type(layer).__name__} is not norm / self_attn / norm / gated mlp"
     return None
+
+
+_VERDICTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, Optional[str]]]" = weakref.WeakKeyDictionary()
+_KEPT: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def keep_transformers(model) -> None:
+    """`model` (a causal LM or a decoder) runs transformers' forward from now on (`trainer.own_forward: false`)."""
+    _KEPT.add(unwrap(model))
+
+
+def serves(model) -> bool:
+    """Whether this forward runs `model` (a causal LM or a decoder) now: not `keep_transformers`, `unsupported`
+    (asked once per model and attention implementation: it walks the layers, 70 us on a 2-layer model) and
+    `usable_now`."""
+    model = unwrap(model)
+    if model in _KEPT:
+        return False
+    implementation = decoder_of(model).config._attn_implementation
+    if _VERDICTS.get(model, (None,))[0] != implementation:
+        _VERDICTS[model] = (implementation, unsupported(model))
+    return _VERDICTS[model][1] is None and usable_now(model)
 
 
 def usable_now(model) -> bool:
@@ -81,11 +106,11 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
         cos, sin = decoder.rotary_emb(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         allowed = _allowed(attention_mask, input_ids.shape[1])
-    if cache is not None and allowed.device.type == "cpu" and allowed.shape[-1] < SHORT_ROWS \
-            and not torch.is_grad_enabled():
-        attend = _short_rows(allowed)
+    eager = decoder.config._attn_implementation == "eager"
+    if allowed.device.type == "cpu" and allowed.shape[-1] < SHORT_ROWS:
+        attend = _short_rows(allowed, eager)
     else:
-        attend = _eager if decoder.config._attn_implementation == "eager" else _sdpa
+        attend = _eager if eager else _sdpa
     last = len(decoder.layers) - 1
     for index, layer in enumerate(decoder.layers):
         if index or not start:
@@ -110,6 +135,17 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
         mlp = layer.mlp
         hidden = hidden + _linear(mlp.act_fn(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
     return _rms_norm(hidden, decoder.norm)
+
+
+def hidden_states_at(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                     read: Optional[torch.Tensor] = None, start: Optional[dict] = None) -> torch.Tensor:
+    """[B, T, H] `hidden_states` where `read` [B, T] marks a position (zeros elsewhere), every position with `read`
+    None: the trainer's shape, for the policy's logprobs and the critic's values."""
+    if read is None:
+        return hidden_states(model, input_ids, attention_mask, position_ids, start=start)
+    where = read.bool().flatten().nonzero().squeeze(1)
+    hidden = hidden_states(model, input_ids, attention_mask, position_ids, read=where, start=start)
+    return hidden.new_zeros(read.numel(), hidden.shape[-1]).index_copy(0, where, hidden).view(*read.shape, -1)
 
 
 def frozen_start(model) -> bool:
@@ -165,30 +201,60 @@ def _sdpa(queries, keys, values, allowed, scale) -> torch.Tensor:
                                           enable_gqa=keys.shape[1] != queries.shape[1])
 
 
-def _short_rows(allowed: torch.Tensor):
-    """Attention over fewer than SHORT_ROWS keys per query on CPU, without gradients: eager's products and float32
-    softmax, the softmax written out. Two slow paths of torch 2.13's CPU kernels sit exactly there: its softmax
-    loops scalar over rows shorter than the vector width (2,560 rows of 10: 0.50 ms; of 16: 0.05 ms), and exp of a
-    masked score (-inf, finfo.min, anything with a subnormal result) costs 10-100x a finite one's. Here a masked
-    score is float32's lowest, as in eager (a row with nothing to attend to, a padding-only prompt's, is then
-    uniform like eager's, not NaN), and every score minus its row's maximum is clamped to -80 before exp: a
-    masked key weighs under 2e-35 of the row's largest, far below float32's resolution of the row's sum. Equal
-    to eager to float rounding. The engine's decode steps and joins take it on small models: [64, 4 heads, 10
-    queries, 10 keys] in 0.22 ms against eager's 0.66 and sdpa's 0.57. Not the critic: its values must not depend
-    on how a batch is cut into micro-batches (a narrower one would change kernel), and its gradients need the
-    fused kernel."""
+def _short_rows(allowed: torch.Tensor, eager: bool):
+    """Attention over fewer than SHORT_ROWS keys per query on CPU (`_ShortRows`), for a model loaded with `eager`
+    (the softmax in float32, as transformers' eager) or sdpa attention (in the queries' precision, at least
+    float32). The mask's additive form and its zeros are built once per forward, for every layer."""
     bias = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill_(
         ~allowed, torch.finfo(torch.float32).min)
+    keep = (allowed | ~allowed.any(-1, keepdim=True)).float()  # a row with nothing to attend to: uniform, as eager
 
     def attend(queries, keys, values, _, scale) -> torch.Tensor:
-        groups = queries.shape[1] // keys.shape[1]
-        if groups > 1:
-            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-        scores = torch.matmul(queries, keys.transpose(2, 3)).float() * scale + bias
-        weights = (scores - scores.amax(-1, keepdim=True)).clamp_min_(-80).exp_()
-        return torch.matmul(weights.div_(weights.sum(-1, keepdim=True)).to(queries.dtype), values)
+        dtype = torch.float32 if eager else torch.promote_types(queries.dtype, torch.float32)
+        return _ShortRows.apply(queries, keys, values, bias.to(dtype), keep.to(dtype), scale)
 
     return attend
+
+
+class _ShortRows(torch.autograd.Function):
+    """Attention over short rows, its softmax and backward written out. Two slow paths of torch 2.13's CPU
+    kernels sit exactly there: softmax (eager's, and inside sdpa's fused kernel) loops scalar over rows shorter
+    than the vector width (2,560 rows of 10: 0.50 ms; of 16: 0.05 ms), and exp of a masked score (-inf,
+    finfo.min, anything with a subnormal result) costs 10-100x a finite one's. Here a masked score is the float
+    type's lowest, as in eager, every score minus its row's maximum is clamped to -80 before exp (which then
+    never goes subnormal), and the masked keys' weights are set to exactly 0 after it (`keep`), so no gradient
+    reaches a padding key: the same function and gradients as eager or sdpa to float rounding
+    (tests/test_llama_forward.py). [64 rows, 4 heads, 11 queries x 11 keys, 2 key/value heads], one thread:
+    forward 0.19 ms (sdpa 0.59, eager 0.69), forward and backward 0.61 ms (sdpa 1.18, eager 1.49); from 16
+    keys on, sdpa's fused kernel is faster and takes over. Grouped-query heads attend as one [G x queries]
+    block per key/value head, without copying the keys and values G times."""
+
+    @staticmethod
+    def forward(ctx, queries, keys, values, bias, keep, scale):
+        rows, kv_heads, columns, dim = keys.shape
+        heads, width = queries.shape[1], queries.shape[2]
+        grouped = queries.reshape(rows, kv_heads, heads // kv_heads * width, dim)
+        scores = torch.matmul(grouped, keys.transpose(2, 3)).view(rows, heads, width, columns).to(bias.dtype)
+        scores = scores * scale + bias
+        probs = (scores - scores.amax(-1, keepdim=True)).clamp_min_(-80).exp_().mul_(keep)
+        probs = probs.div_(probs.sum(-1, keepdim=True))
+        flat = probs.to(queries.dtype).view(rows, kv_heads, -1, columns)
+        ctx.save_for_backward(grouped, keys, values, probs)
+        ctx.scale = scale
+        return torch.matmul(flat, values).view(rows, heads, width, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grouped, keys, values, probs = ctx.saved_tensors
+        rows, kv_heads, columns, dim = keys.shape
+        flat = probs.view(rows, kv_heads, -1, columns)
+        grad = grad.reshape(rows, kv_heads, -1, dim).to(values.dtype)  # no autocast here: every product's types
+        grad_values = torch.matmul(flat.to(values.dtype).transpose(2, 3), grad)
+        grad_probs = torch.matmul(grad, values.transpose(2, 3)).to(probs.dtype)
+        grad_scores = (flat * (grad_probs - (grad_probs * flat).sum(-1, keepdim=True)) * ctx.scale).to(keys.dtype)
+        grad_queries = torch.matmul(grad_scores, keys).view(rows, -1, probs.shape[2], dim).to(grouped.dtype)
+        grad_keys = torch.matmul(grad_scores.transpose(2, 3), grouped.to(keys.dtype))
+        return grad_queries, grad_keys, grad_values, None, None, None
 
 
 def _linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:

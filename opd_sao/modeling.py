@@ -17,94 +17,34 @@ One function computes a token's logprob, so engine and trainer agree by construc
 """
 from __future__ import annotations
 
-import functools
 import hashlib
-import inspect
 import threading
-import weakref
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
 import torch
-from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from opd_sao.errors import UsageError
+from opd_sao import llama_forward
+from opd_sao.decoders import (
+    activation_checkpointing,
+    attention_window,
+    check_plain_logits,
+    decoder_of,
+    last_feed_forward,
+    unwrap,
+)
 
 VOCAB_CHUNK = 8192  # vocabulary columns per lm-head chunk
 ROW_BLOCK = 256  # rows per block: ROW_BLOCK x VOCAB_CHUNK fp32 logits = 8 MiB at a time, which stays in a CPU's
 # last-level cache between the matmul and the passes over it (1,024 rows, 32 MiB, ran the lm head 1.5-2x slower)
 MASKED = -1.0e30  # finite stand-in for -inf inside logsumexp, so an empty set has a finite gradient (0)
-# A forward argument that only a module mixing positions needs (attention, state-space mixers).
-MIXER_ARGS = frozenset({"attention_mask", "position_embeddings", "position_ids", "cache", "past_key_value",
-                        "past_key_values", "cache_params", "layer_past", "cache_position"})
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions count real tokens only, so left and right padding give the same positions."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def unwrap(model) -> torch.nn.Module:
-    """The transformers model inside a wrapper that keeps it as `.module` (a DeepSpeed engine)."""
-    return getattr(model, "module", model)
-
-
-def decoder_of(model) -> nn.Module:
-    """The decoder stack under a causal LM's head: transformers' `get_decoder`, which returns the LM itself for a few
-    (Llama 4's text model), then its `.model`."""
-    model = unwrap(model)
-    decoder = model.get_decoder()
-    return getattr(model, "model", decoder) if decoder is model else decoder
-
-
-def decoder_layers(backbone: nn.Module) -> list[nn.Module]:
-    """The decoder layers: the module list with one entry per hidden layer of the model's config."""
-    config = backbone.config.get_text_config() if hasattr(backbone.config, "get_text_config") else backbone.config
-    n = getattr(config, "num_hidden_layers", None)
-    return next((list(m) for m in backbone.modules() if isinstance(m, nn.ModuleList) and n and len(m) == n), [])
-
-
-def mixes_positions(module: nn.Module) -> bool:
-    """Whether a decoder layer's child mixes positions (its forward takes a mask, positions or a cache)."""
-    return _takes_mixer_args(module.forward.__func__ if hasattr(module.forward, "__func__") else module.forward)
-
-
-@functools.lru_cache(maxsize=None)
-def _takes_mixer_args(forward) -> bool:  # per class's forward: read_only_at asks on every forward pass
-    return bool(MIXER_ARGS & set(inspect.signature(forward).parameters))
-
-
-def feed_forward_blocks(layer: nn.Module) -> list[nn.Module]:
-    """A decoder layer's feed-forward blocks: the children with weight matrices that see only the hidden states."""
-    return [child for child in layer.children()
-            if not mixes_positions(child) and any(p.dim() >= 2 for p in child.parameters())]
-
-
-def expert_counts(block: nn.Module) -> set[int]:
-    """How many experts a feed-forward block holds (fused [n_experts, ...] weights, or one module per expert in a
-    module list); empty for a dense MLP."""
-    counts = {p.shape[0] for p in block.parameters() if p.dim() == 3}
-    return counts | {len(m) for m in block.modules() if isinstance(m, nn.ModuleList)}
-
-
-def moe_blocks(backbone: nn.Module) -> list[nn.Module]:
-    """The decoder layers' mixture-of-experts blocks (none in a dense model)."""
-    return [block for layer in decoder_layers(backbone) for block in feed_forward_blocks(layer) if expert_counts(block)]
-
-
-_LAST_FEED_FORWARD: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _last_feed_forward(model: nn.Module) -> tuple[Optional[nn.Module], Optional[nn.Module]]:
-    """(the last decoder layer, its one feed-forward block or None), found once per model: a walk over every module
-    on each forward pass costs a 28-layer model milliseconds."""
-    if model not in _LAST_FEED_FORWARD:
-        layers = decoder_layers(model)
-        blocks = feed_forward_blocks(layers[-1]) if layers else []
-        _LAST_FEED_FORWARD[model] = (layers[-1] if layers else None, blocks[0] if len(blocks) == 1 else None)
-    return _LAST_FEED_FORWARD[model]
 
 
 @contextmanager
@@ -118,7 +58,7 @@ def read_only_at(model, read: Optional[torch.Tensor]):
     one). The hidden states at the unread positions are the attention output alone: the caller must not read
     them. A no-op where `read` is None, the layer has no single feed-forward block, or under activation
     checkpointing (its backward re-runs the layer outside this context)."""
-    layer, block = _last_feed_forward(unwrap(model)) if read is not None else (None, None)
+    layer, block = last_feed_forward(unwrap(model)) if read is not None else (None, None)
     if block is None or getattr(layer, "gradient_checkpointing", False):  # checkpointing: transformers' flag
         yield
         return
@@ -153,39 +93,12 @@ def read_only_at(model, read: Optional[torch.Tensor]):
             handle.remove()
 
 
-def activation_checkpointing(model) -> bool:
-    """Whether transformers' activation checkpointing is on: the decoder layers' flag, read off the last one
-    (`is_activation_checkpointing` walks every module, milliseconds per forward on a large model)."""
-    layer, _ = _last_feed_forward(unwrap(model))
-    if layer is None:
-        return bool(getattr(unwrap(model), "is_activation_checkpointing", False))
-    return bool(getattr(layer, "gradient_checkpointing", False))
-
-
 def marked(like: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """[B, T] bool (the shape of `like`'s first two dims), True at each (rows[i], columns[i]): the positions a caller
     reads, for `read_only_at`."""
     mask = torch.zeros(like.shape[:2], dtype=torch.bool, device=like.device)
     mask[rows, columns] = True
     return mask
-
-
-# config fields by which a causal LM's forward changes its logits after the lm head: Gemma 2's and others' tanh
-# soft-capping, Cohere's scale, Granite's and MiniCPM 3's divisor, and multipliers (1 or None: unchanged)
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
-                    "output_multiplier_scale")
-
-
-def check_plain_logits(config, what: str = "the model") -> None:
-    """UsageError where the config's model changes its logits after the lm head: opd-sao's vocabulary-chunked
-    logprobs compute hidden @ lm_head.weight.T (+ bias), and the engine samples from the model's own logits."""
-    text = getattr(config, "text_config", None)  # a multimodal model's decoder
-    for part in (config,) if text is None else (config, text):
-        for attr in LOGIT_TRANSFORMS:
-            if getattr(part, attr, None) not in (None, 1, 1.0):
-                raise UsageError(f"{what} ({part.model_type}) transforms its logits after the lm head ({attr} = "
-                                 f"{getattr(part, attr)}); opd-sao's logprobs need logits = hidden @ lm_head.weight.T "
-                                 "(+ bias)")
 
 
 def lm_head(model) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -217,6 +130,8 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         shared = shared_prefix_hidden_states(model, input_ids, attention_mask, prefix_lengths)
         if shared is not None:
             return shared
+    if llama_forward.serves(model):
+        return llama_forward.hidden_states_at(model, input_ids, attention_mask, position_ids_for(attention_mask), read)
     decoder = decoder_of(model)
     with read_only_at(model, read):
         return decoder(input_ids=input_ids, attention_mask=attention_mask,
@@ -235,23 +150,6 @@ def batch_kv_cache(model) -> DynamicCache:
     cache = DynamicCache(config=unwrap(model).config)
     cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
     return cache
-
-
-def attention_window(model) -> Optional[int]:
-    """The narrowest span a layer's attention is limited to (a sliding window, or Llama 4's attention chunk);
-    None where every layer sees the whole sequence. Read from the config as transformers reads it."""
-    config = _text_config(model)
-    kinds = getattr(config, "layer_types", None)
-    spans = [getattr(config, field, None) for field, kind in (("sliding_window", "sliding_attention"),
-                                                              ("attention_chunk_size", "chunked_attention"))
-             if kinds is None or kind in kinds]
-    return min((span for span in spans if span is not None), default=None)
-
-
-def _text_config(model):
-    """The decoder's config: a multimodal model's `text_config` (transformers' get_text_config costs ~75 us)."""
-    config = unwrap(model).config
-    return getattr(config, "text_config", None) or config
 
 
 def shared_prefix_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,

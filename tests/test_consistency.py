@@ -90,8 +90,8 @@ def _gate(engine, backend, tokenizer, tmp_path, deterministic=False, **threshold
                            eps_low=0.3, eps_high=5.0, deterministic=deterministic)
 
 
-def _trainer(path, lr=1e-4, attention="eager"):
-    return TorchTrainer(path, TrainerConfig(policy_lr=lr), with_critic=False, attn_implementation=attention)
+def _trainer(path, lr=1e-4, attention="eager", **trainer):
+    return TorchTrainer(path, TrainerConfig(policy_lr=lr, **trainer), with_critic=False, attn_implementation=attention)
 
 
 def _fails(gate, phase="start"):
@@ -405,7 +405,7 @@ def test_an_engine_that_ignores_padding_fails_the_gate_in_deterministic_mode(pea
 
 
 def test_model_code_that_ignores_padding_left_vs_right(peaked_dir, tokenizer, tmp_path):
-    engine, trainer = _engine(peaked_dir, tokenizer, own_forward=False), _trainer(peaked_dir)
+    engine, trainer = _engine(peaked_dir, tokenizer, own_forward=False), _trainer(peaked_dir, own_forward=False)
     for model in (engine.model, trainer.policy_model):  # the bug is in the (transformers) model code both load
         _ignore_padding(model.get_decoder())
     _, diagnosis = _fails(_gate(engine, trainer, tokenizer, tmp_path))

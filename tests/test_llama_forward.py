@@ -105,9 +105,36 @@ def test_short_rows_attention_is_eager_even_for_a_row_with_nothing_to_attend_to(
     mask[2] = 0  # nothing to attend to (at one query: not even itself)
     allowed = llama_forward._allowed(mask, queries)
     with torch.no_grad():
-        got = llama_forward._short_rows(allowed)(q, k, v, allowed, 0.25)
+        got = llama_forward._short_rows(allowed, eager=True)(q, k, v, allowed, 0.25)
         want = llama_forward._eager(q, k, v, allowed, 0.25)
     assert torch.isfinite(got).all() and (got - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("queries", [1, 6])
+def test_short_rows_attention_has_the_gradients_of_sdpa_and_none_at_padding(queries):
+    """The short-row attention trains (the critic's and the policy's forwards on CPU): its written-out backward
+    passes torch's gradient check in float64, agrees with sdpa's (grouped-query heads, padded rows) in float32,
+    and sends exactly nothing to a padding key or value (a leaked 1e-35 would still move a frozen-looking
+    parameter by Adam's full step)."""
+    g = torch.Generator().manual_seed(9)
+    mask = torch.ones(3, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    mask[2, :4] = 0
+    allowed = llama_forward._allowed(mask, queries)
+    for dtype in (torch.float64, torch.float32):
+        q = torch.randn(3, 4, queries, 8, generator=g, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(3, 2, 6, 8, generator=g, dtype=dtype, requires_grad=True) for _ in range(2))
+        short = llama_forward._short_rows(allowed, eager=False)
+        if dtype == torch.float64:
+            assert torch.autograd.gradcheck(lambda *qkv: short(*qkv, allowed, 0.35), (q, k, v))
+            continue
+        upstream = torch.randn(3, 4, queries, 8, generator=g) * mask[:, None, -queries:, None]  # padding: unread
+        got = torch.autograd.grad((short(q, k, v, allowed, 0.35) * upstream).sum(), (q, k, v))
+        want = torch.autograd.grad((llama_forward._sdpa(q, k, v, allowed, 0.35) * upstream).sum(), (q, k, v))
+        for mine, theirs in zip(got, want):
+            assert (mine - theirs).abs().max() < 1e-5
+        padding = ~mask.bool()
+        assert padding.any() and not got[1].transpose(1, 2)[padding].any() and not got[2].transpose(1, 2)[padding].any()
 
 
 def test_the_engine_samples_the_same_with_either_forward(tokenizer, tiny_model_dir):
@@ -134,8 +161,8 @@ def test_the_critic_trains_through_it_as_through_transformers(tiny_model_dir):
     torch.nn.init.normal_(ours.value_head.weight, generator=torch.Generator().manual_seed(0))
     ours.freeze_attention()
     theirs = copy.deepcopy(ours)
-    theirs.own_forward = False
-    assert ours.own_forward
+    llama_forward.keep_transformers(theirs.backbone)
+    assert llama_forward.serves(ours.backbone) and not llama_forward.serves(theirs.backbone)
     ids, mask = _batch(torch.Generator().manual_seed(4), rows=6, width=10, left=False)
     ids = ids % ours.backbone.config.vocab_size
     actions = torch.zeros_like(mask)
@@ -144,6 +171,27 @@ def test_the_critic_trains_through_it_as_through_transformers(tiny_model_dir):
     got, want = ours(ids, mask, actions), theirs(ids, mask, actions)
     assert (got - want).abs().max() < 1e-5
     assert_same_gradients(got, want, ours, theirs, torch.Generator().manual_seed(5), 1e-4)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("width", [9, 20])  # short rows (`_ShortRows`), then the model's own attention kernel
+def test_the_policy_trains_through_it_as_through_transformers(attention, width):
+    """The trainer's logprobs (`modeling.sequence_logprobs`, the actions only and every position) and every
+    parameter's gradient, attention and embeddings included, equal transformers' forward on a copy."""
+    from opd_sao.modeling import sequence_logprobs
+
+    ours = _model("Qwen2", attention=attention).train()
+    theirs = copy.deepcopy(ours)
+    llama_forward.keep_transformers(theirs)
+    assert llama_forward.serves(ours) and not llama_forward.serves(theirs)
+    ids, mask = _batch(torch.Generator().manual_seed(11), rows=6, width=width, left=False)
+    only = (torch.arange(width) >= 5).long().expand(6, width) * mask
+    for chosen in (only, None):
+        got, want = (sequence_logprobs(model, ids, mask, 0.8, only=chosen) for model in (ours, theirs))
+        assert got.abs().sum() > 0 and (got - want).abs().max() < 1e-5
+        for model in (ours, theirs):
+            model.zero_grad()
+        assert_same_gradients(got, want, ours, theirs, torch.Generator().manual_seed(12), 1e-4)
 
 
 def test_a_steps_critic_forwards_reuse_the_frozen_start_exactly(tiny_model_dir):

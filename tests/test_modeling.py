@@ -10,18 +10,11 @@ import pytest
 import torch
 from gradients import assert_same_gradients
 
+from opd_sao import llama_forward
 from opd_sao.algorithms import sft_loss
 from opd_sao.checkpoints import load_causal_lm
-from opd_sao.modeling import (
-    decoder_layers,
-    decoder_of,
-    feed_forward_blocks,
-    forward_logits,
-    nucleus_logprobs,
-    read_only_at,
-    sequence_logprobs,
-    token_logprobs,
-)
+from opd_sao.decoders import decoder_layers, decoder_of, feed_forward_blocks
+from opd_sao.modeling import forward_logits, nucleus_logprobs, read_only_at, sequence_logprobs, token_logprobs
 
 
 def naive(hidden, weight, bias, targets, temperature, top_p=None):
@@ -104,6 +97,8 @@ def test_sequence_logprobs_only_at_chosen_positions(tiny_model_dir):
     mask[1, 6:] = 0
     only = torch.zeros_like(ids)
     only[0, 3:], only[1, 2:] = 1, 1
+    for model in (full, part):  # read_only_at: opd-sao's own forward reads the chosen positions alone (its tests)
+        llama_forward.keep_transformers(model)
     seen = []
     block = feed_forward_blocks(decoder_layers(part.get_decoder())[-1])[0]
     block.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[:-1].numel()))  # its input
@@ -136,6 +131,7 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_values_and_gradients(ar
     path = request.getfixturevalue({"tiny": "tiny_model_dir", "qwen2": "qwen_model_dir",
                                     "llama": "llama_model_dir"}[arch])
     shared, plain = (load_causal_lm(path, attn_implementation=attention) for _ in range(2))
+    llama_forward.keep_transformers(plain)  # its decoder's forward is what the hooks count
     g = torch.Generator().manual_seed(2)
     ids, mask, only = _rows_sharing_prompts(g, (5, 3, 6), [(0, 4), (0, 2), (1, 5), (0, 4), (2, 1), (1, 5), (2, 3),
                                                             (1, 1)])

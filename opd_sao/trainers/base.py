@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from .. import llama_forward
 from ..algorithms import lr_multiplier
 from ..config import TrainerConfig
 from ..modeling import (
@@ -76,10 +77,12 @@ def weights_dtype(cfg: TrainerConfig) -> str:
 
 
 def prepare(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
-    """Train mode, and `trainer.gradient_checkpointing` (transformers' activation checkpointing, formerly
+    """Train mode, `trainer.own_forward`, and `trainer.gradient_checkpointing` (transformers' activation checkpointing, formerly
     gradient_checkpointing_enable: each decoder layer, in train mode only; non-reentrant, so the chunked lm head
     and DeepSpeed's hooks see ordinary autograd)."""
     model.train()
+    if not cfg.own_forward:
+        llama_forward.keep_transformers(getattr(model, "backbone", model))  # the critic's backbone
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model

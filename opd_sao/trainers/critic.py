@@ -36,14 +36,8 @@ from transformers import AutoModel
 from opd_sao import llama_forward
 from opd_sao.checkpoints import DTYPES, MODEL_INIT_LOCK, check_attention
 
-from ..modeling import (
-    decoder_layers,
-    expert_counts,
-    feed_forward_blocks,
-    mixes_positions,
-    position_ids_for,
-    read_only_at,
-)
+from ..decoders import decoder_layers, expert_counts, feed_forward_blocks, mixes_positions
+from ..modeling import position_ids_for, read_only_at
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 FROZEN_START_BYTES = 256 << 20  # the most `reusing_frozen_start` keeps: it pays on small models (see there)
@@ -128,7 +122,6 @@ class ValueModel(nn.Module):
     def __init__(self, backbone: nn.Module, hidden_size: int):
         super().__init__()
         self.backbone = backbone
-        self.own_forward = llama_forward.unsupported(backbone) is None  # a Llama-family decoder: opd-sao's forward
         self._starts: Optional[list] = None  # within reusing_frozen_start: (input_ids, mask, read, start) of each
         self._start_bytes = 0
         self.value_head = nn.Linear(hidden_size, 1, dtype=backbone.dtype)
@@ -183,8 +176,7 @@ class ValueModel(nn.Module):
         attention untrained). Exact: the same tensors as computing them again. On the vs-TRL model (2 layers) it saves
         about a quarter of each later forward; on an L-layer model about 1/(2L), and it holds the state, [B, T, H]
         twice, so it keeps at most FROZEN_START_BYTES and computes the rest as usual."""
-        usable = (self.own_forward and llama_forward.usable_now(self.backbone)
-                  and llama_forward.frozen_start(self.backbone))
+        usable = llama_forward.serves(self.backbone) and llama_forward.frozen_start(self.backbone)
         self._starts, self._start_bytes = ([] if usable else None), 0
         try:
             yield
@@ -214,11 +206,9 @@ class ValueModel(nn.Module):
         keep = attention_mask if actions is None else attention_mask * actions.to(attention_mask.dtype)
         read = None if actions is None else F.pad(keep[:, 1:], (0, 1))  # V(s_t) is read off token t - 1
         positions = position_ids_for(attention_mask)
-        if self.own_forward and read is not None and llama_forward.usable_now(self.backbone):
-            where = read.bool().flatten().nonzero().squeeze(1)
-            hidden = llama_forward.hidden_states(self.backbone, input_ids, attention_mask, positions, read=where,
-                                                 start=self._start_for(input_ids, attention_mask, where))
-            hidden = hidden.new_zeros(read.numel(), hidden.shape[-1]).index_copy(0, where, hidden).view(*read.shape, -1)
+        if read is not None and llama_forward.serves(self.backbone):
+            hidden = llama_forward.hidden_states_at(self.backbone, input_ids, attention_mask, positions, read,
+                                                    start=self._start_for(input_ids, attention_mask, read))
         else:
             with read_only_at(self.backbone, read):
                 hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
