@@ -125,7 +125,8 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
     `prefix_lengths` [B] (right-padded rows whose first `prefix_lengths[r]` tokens are real: the prompt): rows with
     the same prefix run it once (`shared_prefix_hidden_states`) where several rows share one. `read` [B, T]: the
-    positions the caller reads; the others may hold anything (`read_only_at`)."""
+    positions the caller reads; the others may hold anything (`read_only_at`). A Llama-family model runs opd-sao's
+    own forward (`llama_forward.serves`), any other transformers'."""
     if prefix_lengths is not None:
         shared = shared_prefix_hidden_states(model, input_ids, attention_mask, prefix_lengths)
         if shared is not None:
