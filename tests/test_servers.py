@@ -165,3 +165,37 @@ def test_stage_trains_through_the_router_and_a_killed_server_loses_no_trajectory
     assert all(requests.get(u + "/get_model_info").json()["weight_version"] == "4" for u in urls[:-1])
     assert max(max(t.versions) for t in arrived) >= 1
     engine.close()
+
+
+@pytest.mark.parametrize("status,answer,said", [
+    (400, {"error": {"message": "the sampler refused a NaN probability"}}, "the sampler refused a NaN probability"),
+    (200, {"meta_info": {"output_token_logprobs": [[-0.1, 5, None]]}}, "does not return output_token_sampling_logprobs"),
+])
+def test_the_top_p_probe_says_what_the_server_answered(status, answer, said):
+    """Before rollouts at top_p < 1 the client probes each server: a server that fails the probe is reported with
+    its own error (a server bug is not a missing feature); one that answers without the renormalised logprobs is
+    reported as lacking them."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from opd_sao.engines.http import SGLangClient
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ValueError, match=said):
+            SGLangClient(f"http://127.0.0.1:{server.server_port}", retries=0).check_sampling_mask()
+    finally:
+        server.shutdown()

@@ -188,8 +188,9 @@ class SGLangClient:
                    "return_logprob": True, "return_sampling_mask": True}
         try:
             meta = self._call("POST", "/generate", payload).json()["meta_info"]
-        except ServerError as err:
-            meta = {"error": str(err)}
+        except ServerError as err:  # the server's own error, not a missing field: say it
+            raise ValueError(f"rollout server {self.url} failed the top-p probe (one token from the prompt [0] at "
+                             f"top_p 0.9 with return_sampling_mask): {err}") from None
         if "output_token_sampling_logprobs" not in meta:
             raise ValueError(f"rollout server {self.url} does not return output_token_sampling_logprobs for "
                              "return_sampling_mask (SGLang 0.5.23 does), which rollouts at top_p < 1 need: use "
