@@ -244,3 +244,12 @@ def test_other_models_keep_transformers_forward():
     assert llama_forward.usable_now(checkpointed)
     checkpointed.activation_checkpointing_enable()
     assert not llama_forward.usable_now(checkpointed)  # its backward re-runs transformers' layers
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_trainer_own_forward_chooses_the_policys_and_the_critics_forward(tiny_model_dir, own):
+    from opd_sao.config import TrainerConfig
+    from opd_sao.trainers import TorchTrainer
+
+    trainer = TorchTrainer(tiny_model_dir, TrainerConfig(own_forward=own), with_critic=True)
+    assert llama_forward.serves(trainer.policy) is own and llama_forward.serves(trainer.critic.backbone) is own
