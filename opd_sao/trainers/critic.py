@@ -184,12 +184,13 @@ class ValueModel(nn.Module):
             self._starts = None
 
     def _start_for(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, read: torch.Tensor) -> Optional[dict]:
-        """The kept start of these rows, a new one to fill where the budget allows, or None (outside the scope)."""
+        """The kept start of these rows and read positions (`read` [B, T]), a new one to fill where the budget
+        allows, or None (outside the scope)."""
         if self._starts is None:
             return None
-        for ids, mask, where, start in self._starts:
+        for ids, mask, marks, start in self._starts:
             if (ids.shape == input_ids.shape and torch.equal(ids, input_ids) and torch.equal(mask, attention_mask)
-                    and where.shape == read.shape and torch.equal(where, read)):
+                    and marks.shape == read.shape and torch.equal(marks, read)):
                 return start
         size = 2 * input_ids.numel() * self.backbone.config.hidden_size * self.value_head.weight.element_size()
         if self._start_bytes + size > FROZEN_START_BYTES:
