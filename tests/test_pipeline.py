@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opd_sao.config import ConfigError, parse_config
 from opd_sao.errors import UsageError
@@ -43,8 +44,16 @@ def test_reasoning_stage_end_to_end(tmp_path, algo):
     assert {"reward_mean", "mask_fraction", "staleness_hist", "trainer_idle_fraction", "samples_per_s"} <= set(metrics[-1])
     trained = [t for line in (stage_dir / "trained.jsonl").read_text().splitlines() for t in json.loads(line)["traj_ids"]]
     assert len(trained) == 16 and len(set(trained)) == 16
-    model = AutoModelForCausalLM.from_pretrained(stage_dir / "checkpoint")  # plain transformers loads it
-    assert model.config.vocab_size > 0
+    # the end of the line: plain transformers loads the checkpoint with its tokenizer, in the configured shape, and
+    # it is the trained model (its logits are not the base model's)
+    model = AutoModelForCausalLM.from_pretrained(stage_dir / "checkpoint")
+    tokenizer = AutoTokenizer.from_pretrained(stage_dir / "checkpoint")
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (TINY["hidden_size"], TINY["num_layers"])
+    ids = tokenizer("3+4=", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits, base = model(ids).logits, AutoModelForCausalLM.from_pretrained(tmp_path / "base_model")(ids).logits
+    assert logits.shape[-1] >= len(tokenizer) and torch.isfinite(logits).all()
+    assert not torch.allclose(logits, base)
 
 
 def _cli(*args, cwd):

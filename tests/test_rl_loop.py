@@ -182,9 +182,16 @@ def test_async_grpo_batches_hold_whole_groups_under_long_tailed_lengths_with_dro
     assert {g for g in finished if sum(t.startswith(g + "-") for t in arrivals) == 4} >= set(seen)
 
 
+CALLS: list[float] = []  # the mean advantage of each call of the estimator below
+
+
 @A.register_advantage("reinforce")  # REINFORCE without a baseline: an algorithm added as a user's own file would
 def raw_reward(x: A.AdvantageInputs, rl):
-    return A.broadcast_sequence_advantage(x.rewards.sum(-1), x.action_mask), None
+    """The reward plus 1: the untrained tiny model scores 0 on arithmetic, and a zero advantage moves nothing, so
+    the shift is what lets the test see this function's advantages drive the update."""
+    adv = A.broadcast_sequence_advantage(x.rewards.sum(-1) + 1.0, x.action_mask)
+    CALLS.append(float(adv[x.action_mask.bool()].mean()))
+    return adv, None
 
 
 A.register_preset("reinforce", advantage="reinforce", policy_loss="dis")
@@ -198,11 +205,14 @@ def test_a_new_algorithm_is_one_registered_function(tmp_path, tiny_model_dir, to
 
     loop, _ = _loop(tmp_path, tiny_model_dir, tokenizer, [2] * 50, algo=algo, rl=rl)
     before = {k: v.clone() for k, v in loop.learner.backend.policy.state_dict().items()}
+    CALLS.clear()
     history = loop.run(steps=2)
     after = loop.learner.backend.policy.state_dict()
     assert len(history) == 2 and "policy_loss" in history[-1] and "value_loss" not in history[-1]
     assert loop.learner.backend.critic is None and loop.learner.algorithm.policy_loss.name == "dis"
-    assert any(not torch.equal(before[k], after[k]) for k in before) or all(m["adv_mean"] == 0 for m in history)
+    # the loop trained on this function's advantages (once per step, >= 1 each), and they moved the policy
+    assert [m["adv_mean"] for m in history] == pytest.approx(CALLS) and len(CALLS) == 2 and min(CALLS) >= 1.0
+    assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
 def test_ttur_order_the_policy_advantages_read_the_critic_after_its_k_updates(tiny_model_dir, tokenizer):
