@@ -24,7 +24,6 @@ setup(
         "zarr>=3",
         "numcodecs",  # zarr's Blosc-lz4 codec
         "numpy",
-        "tqdm",
         "matplotlib",  # report.md's plots
         "requests",
         "urllib3>=2",  # the one HTTP retry policy (urllib3's Retry)

@@ -306,7 +306,10 @@ class EvalConfig(Strict):
 
     num_tasks: int = describe("eval tasks per domain", 64, ge=1)
     temperature: float = describe("sampling temperature (sampled with a fixed seed, so runs compare)", 1.0, gt=0)
-    samples_per_task: int = describe("episodes per task", 1, ge=1)
+    samples_per_task: int = describe("episodes per task (a score's standard error is over tasks, each task's "
+                                     "samples averaged first)", 1, ge=1)
+    greedy: bool = describe("argmax decoding (top_k 1) instead of sampling at `temperature`: one deterministic "
+                            "answer per task", False)
 
 
 class GateConfig(Strict):
@@ -462,7 +465,11 @@ class LoggingConfig(Strict):
 
     wandb: bool = describe("log to wandb (offline unless WANDB_MODE says otherwise)", True)
     wandb_project: str = describe("wandb project name", "opd-sao")
-    progress: bool = describe("live progress bars", True)
+    progress: bool = describe("progress lines on stdout: stage, step/steps, reward or loss, seconds per step and "
+                              "ETA (docs/usage.md, \"Progress output\")", True)
+    progress_every: int = describe("a progress line every this many steps (and after a task's last step)", 10, ge=1)
+    progress_interval_s: float = describe("a line at least this often while a stage runs (between steps, and during "
+                                          "evaluation, the gate and other work without steps)", 30.0, gt=0)
 
 
 SEED_LIMIT = 2**32  # numpy, torch and random all take seeds below this (and small offsets of them)

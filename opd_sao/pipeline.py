@@ -16,11 +16,13 @@ from opd_sao.engines import check_engine
 from opd_sao.errors import UsageError
 from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, disk_use
 from opd_sao.runs.data_fingerprint import check_data_record, write_data_record
-from opd_sao.runs.evaluation import evaluate
 from opd_sao.runs.files import atomic_write, write_json
+from opd_sao.runs.evaluation import Score, evaluate_score
 from opd_sao.runs.fingerprint import check_resume, started_stages, write_record
 from opd_sao.runs.lock import locked_run_dir
+from opd_sao.runs.progress import StageProgress
 from opd_sao.runs.report import forgetting, write_report
+from opd_sao.runs.timing import PhaseTimer, peak_memory, reset_peak_memory
 from opd_sao.runs.tracking import start_wandb
 
 from .config import BEST_CHECKPOINT, RunConfig
@@ -136,10 +138,10 @@ def ensure_base_model(cfg: RunConfig, run_dir: Path) -> Path:
     texts = []
     for name in ENVIRONMENTS.names():  # every domain, so later stages' text tokenizes well too
         texts.extend(ENVIRONMENTS.get(name)().corpus())
-    for stage in cfg.stages:  # and every configured domain whose texts come from its options (a data file)
-        env_cls = ENVIRONMENTS.get(stage.env) if stage.env else None
-        if env_cls is not None and env_cls.corpus_from_options:
-            texts.extend(env_cls(**stage.env_options).corpus())
+    for _, env, options in configured_environments(cfg):  # and every configured domain whose texts come from its
+        env_cls = ENVIRONMENTS.get(env)  # options (a data file)
+        if env_cls.corpus_from_options:
+            texts.extend(env_cls(**options).corpus())
     return build_tiny_model(run_dir / "base_model", texts, cfg.model.tiny, cfg.seed)
 
 
@@ -151,15 +153,15 @@ class Evaluator:
 
         self.cfg, self.tokenizer = cfg, tokenizer
         self.domains = {name: Domain(name, None, cfg.stages, cfg.device) for name in eval_domains(cfg)}
-        self._seen: dict[str, dict[str, float]] = {}
+        self._seen: dict[str, dict[str, Score]] = {}
 
-    def __call__(self, checkpoint: Path) -> dict[str, float]:
+    def scores(self, checkpoint: Path) -> dict[str, Score]:
         key = str(Path(checkpoint).resolve())
         if key not in self._seen:
             self._seen[key] = {
-                name: round(evaluate(checkpoint, d.factory, self.tokenizer, domain=name, rollout=d.eval_rollout,
+                name: evaluate_score(checkpoint, d.factory, self.tokenizer, domain=name, rollout=d.eval_rollout,
                                      eval_cfg=d.eval_cfg, seed=self.cfg.seed, device=self.cfg.engine_device,
-                                     attn_implementation=self.cfg.model.attn_implementation), 4)
+                                     attn_implementation=self.cfg.model.attn_implementation)
                 for name, d in self.domains.items()
             }
         return self._seen[key]
@@ -208,6 +210,7 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
         torch.set_num_threads(cfg.torch_threads)
     base = ensure_base_model(cfg, run_dir)
     tokenizer = load_tokenizer(base)
+    check_vocab(cfg, json.loads((base / "config.json").read_text()).get("vocab_size"))
     check_teachers(cfg, base, tokenizer)
     wandb_run = start_wandb(cfg.logging.wandb_project, run_dir, cfg.model_dump(mode="json"), cfg.logging.wandb)
     ctx = RunContext(cfg=cfg, run_dir=run_dir, base_checkpoint=base, tokenizer=tokenizer, wandb_run=wandb_run,
@@ -230,12 +233,23 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
             if cfg.checkpointing.keep_state == "last":  # a stage starts: every finished stage's state goes
                 for finished in ctx.checkpoints:
                     discard_state(run_dir / "stages" / finished, STATE_DIRS)
-            result = STAGES.get(stage_cfg.kind)(stage_cfg, ctx).run()
+            ctx.timer = PhaseTimer()
+            ctx.progress = StageProgress(stage_cfg.name, enabled=cfg.logging.progress,
+                                         every=cfg.logging.progress_every, interval_s=cfg.logging.progress_interval_s)
+            reset_peak_memory()
+            try:
+                result = STAGES.get(stage_cfg.kind)(stage_cfg, ctx).run()
+                start = result.start_checkpoint or ctx.resolve_checkpoint(stage_cfg.init_from)
+                with ctx.timer.phase("evaluation"), ctx.progress.activity("evaluation"):
+                    scored = {"eval_before": evaluator(start), "eval_after": evaluator(result.checkpoint),
+                              "eval_before_error": evaluator.errors(start),
+                              "eval_after_error": evaluator.errors(result.checkpoint)}
+            finally:
+                ctx.progress.close()
             entry = {
                 "name": stage_cfg.name,
                 "kind": stage_cfg.kind,
-                "eval_before": evaluator(result.start_checkpoint or ctx.resolve_checkpoint(stage_cfg.init_from)),
-                "eval_after": evaluator(result.checkpoint),
+                **scored,
                 "checkpoint": str(result.checkpoint),
                 **result.summary,
                 "wall_s": round(time.perf_counter() - t0, 1),

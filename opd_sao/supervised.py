@@ -93,9 +93,9 @@ def run_sft(checkpoint: Path, out_dir: Path, examples, tokenizer, cfg: SFTConfig
         logp = backend.policy_logprobs(batch, 1.0, grad=True)
         loss = sft_loss(logp, batch.action_mask.to(logp.device))
         backend.step_policy(loss)
-        if progress is not None:
-            progress.update(1)
+        if progress is not None:  # the figures first: the line `update` may print shows this step's
             progress.set_postfix(loss=f"{loss.item():.3f}")
+            progress.update(1)
         if logger is not None:
             logger.log({"loss": round(loss.item(), 5), "examples": picks}, step)
             if save_every and (step + 1) % save_every == 0 and step + 1 < cfg.steps:

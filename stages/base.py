@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
 from pydantic import BaseModel, ConfigDict, ValidationError
-from tqdm import tqdm
 
 from opd_sao.config import COMMON_STAGE_FIELDS, RunConfig, StageConfig, TrainerConfig
 from opd_sao.consistency.gate import ConsistencyGate
@@ -16,6 +16,8 @@ from opd_sao.registry import Registry
 from opd_sao.rl.buffer import TrajectoryBuffer, recover
 from opd_sao.rl.loop import RLLoop
 from opd_sao.runs.checkpointing import StageState, truncate_step_log
+from opd_sao.runs.progress import StageProgress
+from opd_sao.runs.timing import PhaseTimer
 from opd_sao.runs.tracking import MetricsLogger
 from opd_sao.supervised import discard_sft_state, run_sft, sft_resume_step
 
@@ -56,6 +58,10 @@ class RunContext:
     scores: dict[str, dict[str, float]] = field(default_factory=dict)  # completed stage -> held-out score per domain
     wandb_run: Any = None
     resume: bool = False
+    # the running stage's: seconds per phase (metrics.jsonl, summary.json) and its progress lines on stdout; the
+    # pipeline gives every stage fresh ones
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    progress: StageProgress = field(default_factory=lambda: StageProgress("stage", enabled=False))
 
     def stage_dir(self, name: str) -> Path:
         path = self.run_dir / "stages" / name
@@ -123,9 +129,15 @@ class Stage(ABC):
         cls.parse_options(cfg)
 
     def progress(self, total: int, what: str):
-        """The stage's live progress bar (`logging.progress: false` turns it off)."""
-        return tqdm(total=total, desc=f"{self.cfg.name}: {what}", disable=not self.ctx.cfg.logging.progress,
-                    leave=False, dynamic_ncols=True)
+        """A stepped task's progress lines (runs/progress.py; `logging.progress: false` turns them off)."""
+        return self.ctx.progress.task(what, total)
+
+    def timed(self, phase: str):
+        """Work counted as `phase` in the stage's timing, and named by the progress heartbeat while it runs."""
+        stack = ExitStack()
+        stack.enter_context(self.ctx.timer.phase(phase))
+        stack.enter_context(self.ctx.progress.activity(phase))
+        return stack
 
     def sft(self, start: Path, examples, out: Path) -> tuple[Path, dict]:
         """Supervised training on `examples` into `out`, resumable like the RL loop (opd_sao.supervised.run_sft,
@@ -133,7 +145,7 @@ class Stage(ABC):
         from_step = sft_resume_step(self.dir) if self.ctx.resume else 0
         if not self.ctx.resume:
             discard_sft_state(self.dir)
-        with self.progress(self.cfg.sft.steps, "sft") as bar:
+        with self.progress(self.cfg.sft.steps, "sft") as bar, self.ctx.timer.phase("sft"):
             checkpoint = run_sft(start, out, examples, self.ctx.tokenizer, self.cfg.sft, self.ctx.cfg.seed, bar,
                                  trainer=self.ctx.cfg.stage_trainer(self.cfg), work_dir=self.dir,
                                  save_every=self.cfg.checkpoint_every, resume=self.ctx.resume,
@@ -160,9 +172,11 @@ class Stage(ABC):
         state = StageState(self.dir)
 
         def after_step(step: int) -> None:
-            gate.after_step(step)
+            with self.timed("gate"):
+                gate.after_step(step)
             if (step + 1) % cfg.checkpoint_every == 0:
-                state.save(backend, step + 1, {"learner": learner.state()})
+                with self.timed("checkpoint"):
+                    state.save(backend, step + 1, {"learner": learner.state()})
 
         buffer = TrajectoryBuffer(cfg.rollout.group_size, spill_dir=self.dir / "buffer", memory_budget=cfg.buffer_memory)
         with self.progress(cfg.steps, what) as bar:
@@ -172,9 +186,11 @@ class Stage(ABC):
                           logger=MetricsLogger(self.dir / "metrics.jsonl", stage=cfg.name, wandb_run=self.ctx.wandb_run),
                           trained_log=self.dir / "trained.jsonl", slowdown_s=trainer_cfg.slowdown_s, progress=bar,
                           after_step=after_step, buffer=buffer, stop_when=stop_when)
-            gate.run("start", sync=loop.sync_weights)
+            with self.timed("gate"):
+                gate.run("start", sync=loop.sync_weights)
             loop.run(cfg.steps, start_step, waiting)
-            gate.run("final", sync=loop.sync_weights)  # before the checkpoint is promoted
+            with self.timed("gate"):
+                gate.run("final", sync=loop.sync_weights)  # before the checkpoint is promoted
         return gate, resumed
 
     def resume_point(self, backend, learner) -> tuple[int, list, dict]:

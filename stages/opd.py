@@ -105,10 +105,11 @@ class OPDStage(Stage):
                                     total_steps=cfg.steps)
             engine = build_engine(run.engine, start, tok, seed=run.seed, device=run.device,
                                   attn_implementation=attention)
-            learner = OPDLearner(backend, opd, cfg.rl, targets)
+            learner = OPDLearner(backend, opd, cfg.rl, targets, timer=self.ctx.timer)
             schedule = DomainSchedule(names, opd.target, opd.min_share)
             gate, resumed = self._train(domains, backend, engine, learner, trainer_cfg, schedule, registry)
-            checkpoint = backend.export_policy(self.dir / "checkpoint", tok)
+            with self.timed("checkpoint"):
+                checkpoint = backend.export_policy(self.dir / "checkpoint", tok)
         finally:
             if engine is not None:
                 engine.close()
@@ -116,6 +117,8 @@ class OPDStage(Stage):
             if targets is not None:
                 targets.close()  # every record trained on is committed before the stage is recorded
         history = read_jsonl(self.dir / "metrics.jsonl")
+        with self.timed("evaluation"):
+            distillation = self._distillation(domains, registry, start, checkpoint)
         summary = {
             "algo": "opd", "steps": len(history), "start_checkpoint": str(start),
             "granularity": opd.granularity, "divergence": opd.divergence, "teachers": describe(registry),
@@ -123,7 +126,7 @@ class OPDStage(Stage):
             "train": _train_summary(history), "prefetch": {**{k: round(v, 4) if isinstance(v, float) else v
                                                               for k, v in prefetcher.stats.items()},
                                                            "enabled": opd.prefetch, "max_resident": opd.max_resident},
-            "distillation": self._distillation(domains, registry, start, checkpoint), "gate": gate.summary(),
+            "distillation": distillation, "gate": gate.summary(),
             "schedule": {**schedule.summary(), "probe_every": opd.probe_every, "budget_steps": cfg.steps},
         }
         if resumed:
@@ -154,10 +157,12 @@ class OPDStage(Stage):
             """Probe every domain when due (and first thing, fresh or resumed); True once every domain is done."""
             every = self.cfg.opd.probe_every
             if every and (steps_done % every == 0 or not schedule.probes):
-                student = backend.export_policy(self.dir / "probe_checkpoint", tok)
-                scores = {name: self._score(student, d, PROBE_SEED_OFFSET, cached=False) for name, d in domains.items()}
-                teachers = {name: self._score(registry.teacher_for(name).checkpoint, d, PROBE_SEED_OFFSET)
-                            for name, d in domains.items()}
+                with self.timed("evaluation"):
+                    student = backend.export_policy(self.dir / "probe_checkpoint", tok)
+                    scores = {name: self._score(student, d, PROBE_SEED_OFFSET, cached=False)
+                              for name, d in domains.items()}
+                    teachers = {name: self._score(registry.teacher_for(name).checkpoint, d, PROBE_SEED_OFFSET)
+                                for name, d in domains.items()}
                 schedule.update(steps_done, scores, teachers)
             return schedule.done
 

@@ -17,7 +17,7 @@ from opd_sao.errors import UsageError
 from opd_sao.rl.learner import Learner, needs_critic
 from opd_sao.rl.rollout import Episode, check_prompts, episodes_for
 from opd_sao.rl.value_pretrain import pretrain_critic
-from opd_sao.runs.evaluation import evaluate
+from opd_sao.runs.evaluation import evaluate_score
 from opd_sao.runs.files import write_json
 from opd_sao.runs.tracking import read_jsonl
 from opd_sao.stages.envs.validity import require_valid
@@ -53,21 +53,23 @@ class RLStage(Stage):
 
     def warm_start(self, start, env_factory) -> tuple:
         """SFT on reference solutions when configured (resumable, Stage.sft); returns (checkpoint, eval before SFT
-        or None, resume report)."""
+        ({"eval_init": score, "error": its standard error and n}) or None, resume report)."""
         cfg, run = self.cfg, self.ctx.cfg
         if not cfg.sft.steps:
             return start, None, {}
         tok, done = self.ctx.tokenizer, self.dir / "sft_checkpoint"
         record = self.dir / "sft_eval.json"
         if self.ctx.resume and record.is_file():
-            before = json.loads(record.read_text())["eval_init"]
+            before = json.loads(record.read_text())
             if (done / "config.json").is_file():
                 return done, before, {"sft_from_step": cfg.sft.steps}
         else:
-            before = evaluate(start, env_factory, tok, domain=cfg.env, rollout=cfg.rollout, eval_cfg=cfg.eval,
-                              seed=run.seed, device=run.engine_device,
-                              attn_implementation=run.model.attn_implementation)
-            record.write_text(json.dumps({"eval_init": before}))
+            with self.timed("evaluation"):
+                score = evaluate_score(start, env_factory, tok, domain=cfg.env, rollout=cfg.rollout,
+                                       eval_cfg=cfg.eval, seed=run.seed, device=run.engine_device,
+                                       attn_implementation=run.model.attn_implementation)
+            before = {"eval_init": score.mean, "error": score.error()}
+            record.write_text(json.dumps(before))
         examples = sft_examples(env_factory, tok, n=TRAIN_TASK_POOL, seed=run.seed,
                                 prompt_format=PromptFormat.from_rollout(tok, cfg.rollout))
         sft_ckpt, resumed = self.sft(start, examples, done)
@@ -106,7 +108,7 @@ class RLStage(Stage):
                               attn_implementation=attention)
         learner = Learner(backend, algo, cfg.rl, critic_steps=trainer_cfg.critic_steps,
                           critic_warmup_steps=trainer_cfg.critic_warmup_steps,
-                          critic_minibatches=trainer_cfg.critic_minibatches)
+                          critic_minibatches=trainer_cfg.critic_minibatches, timer=self.ctx.timer)
         train_env = self.env_factory(train_step=lambda: learner.steps_done)
         tasks = sample_tasks(pool, run.seed)
         groups = itertools.count()
@@ -119,7 +121,7 @@ class RLStage(Stage):
         pretrain_record = self.dir / "critic_pretrain.json"
 
         def pretrain_critic_first() -> None:
-            with self.progress(pretrain.steps, "critic pre-training") as bar:
+            with self.progress(pretrain.steps, "critic pre-training") as bar, self.ctx.timer.phase("critic_pretrain"):
                 report = pretrain_critic(backend, engine, make_episodes, rollouts=pretrain.rollouts,
                                          steps=pretrain.steps,
                                          batch_size=pretrain.batch_size or trainer_cfg.train_batch_size,
@@ -131,9 +133,10 @@ class RLStage(Stage):
                                                                      n=cfg.gate.probe_size, seed=run.seed),
                                    trainer_cfg=trainer_cfg, what=algo,
                                    before_loop=pretrain_critic_first if critic and pretrain.rollouts else None)
-        checkpoint = backend.export_policy(self.dir / "checkpoint", tok)
-        if critic and self.critic_carried_later():
-            backend.export_critic(self.dir / CRITIC_DIR)
+        with self.timed("checkpoint"):
+            checkpoint = backend.export_policy(self.dir / "checkpoint", tok)
+            if critic and self.critic_carried_later():
+                backend.export_critic(self.dir / CRITIC_DIR)
         engine.close()
         history = read_jsonl(self.dir / "metrics.jsonl")  # the whole stage, resumed or not
         summary = {"algo": algo, "steps": len(history), "start_checkpoint": str(start), "train": _train_summary(history),
@@ -147,7 +150,9 @@ class RLStage(Stage):
         if pretrain_record.is_file():
             summary["critic_pretrain"] = json.loads(pretrain_record.read_text())
         if eval_init is not None:
-            summary["eval_init"] = {cfg.env: eval_init}
+            summary["eval_init"] = {cfg.env: eval_init["eval_init"]}
+            if "error" in eval_init:  # not in the record of a run started before scores had one
+                summary["eval_init_error"] = {cfg.env: eval_init["error"]}
         return StageResult(checkpoint, summary, start_checkpoint=start)
 
 

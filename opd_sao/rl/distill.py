@@ -245,8 +245,9 @@ class RowStats:
 
 
 class OPDLearner(ResumableLearner):
-    def __init__(self, backend, opd: OPDConfig, sao: AlgoConfig, targets, *, overlap_k: Optional[int] = None):
-        super().__init__(sao.baseline_window)
+    def __init__(self, backend, opd: OPDConfig, sao: AlgoConfig, targets, *, overlap_k: Optional[int] = None,
+                 timer=None):
+        super().__init__(sao.baseline_window, timer)
         self.backend, self.opd, self.sao, self.targets = backend, opd, sao, targets
         self.overlap_k = overlap_k or opd.top_k
 
@@ -257,7 +258,12 @@ class OPDLearner(ResumableLearner):
         return super().state()
 
     def step(self, batch: Batch, temperature: float) -> dict:
-        fetched = self.targets.fetch(batch.trajectories)
+        with self.timer.phase("teacher"):  # cache reads, teacher scoring and prefetch stalls
+            fetched = self.targets.fetch(batch.trajectories)
+        with self.timer.phase("policy"):
+            return self._train(batch, temperature, fetched)
+
+    def _train(self, batch: Batch, temperature: float, fetched) -> dict:
         rows = Rows.of(batch, fetched, self.targets.registry.specs)
         stats = RowStats.empty(len(rows.b), rows.device)
         metrics: dict = {"reward_mean": float(rows.seq_rewards.mean()), "batch_size": float(len(batch.trajectories)),

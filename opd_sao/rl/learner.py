@@ -10,6 +10,7 @@ import torch
 
 from opd_sao import algorithms as A
 from opd_sao.config import AlgoConfig
+from opd_sao.runs.timing import PhaseTimer
 from opd_sao.trainers.base import TrainerBackend
 from opd_sao.trajectory import Batch
 
@@ -22,9 +23,10 @@ class ResumableLearner:
     """The step count and running-mean window: what a resumed stage needs beyond the backend's weights and
     optimizers (the RL learner and the OPD learner both keep them)."""
 
-    def __init__(self, baseline_window: int):
+    def __init__(self, baseline_window: int, timer: PhaseTimer | None = None):
         self.baseline = A.RunningMeanBaseline(baseline_window)
         self.steps_done = 0
+        self.timer = timer if timer is not None else PhaseTimer()  # the stage's (RLLoop times with it too)
 
     def state(self) -> dict:
         return {"steps_done": self.steps_done, "baseline": list(self.baseline.rewards)}
@@ -36,8 +38,8 @@ class ResumableLearner:
 
 class Learner(ResumableLearner):
     def __init__(self, backend: TrainerBackend, algo: str, cfg: AlgoConfig, *, critic_steps: int,
-                 critic_warmup_steps: int, critic_minibatches: bool = False):
-        super().__init__(cfg.baseline_window)
+                 critic_warmup_steps: int, critic_minibatches: bool = False, timer: PhaseTimer | None = None):
+        super().__init__(cfg.baseline_window, timer)
         self.backend, self.algo, self.cfg = backend, algo, cfg
         self.algorithm = A.resolve_algorithm(algo, cfg)
         self.critic_steps = critic_steps
@@ -53,14 +55,16 @@ class Learner(ResumableLearner):
         mask = batch.action_mask
         seq_rewards = batch.rewards.sum(-1)
         metrics: dict[str, float] = {"reward_mean": float(seq_rewards.mean()), "batch_size": float(len(seq_rewards))}
-        values = self._critic_update(batch, metrics) if self.algorithm.critic else None
+        with self.timer.phase("critic"):
+            values = self._critic_update(batch, metrics) if self.algorithm.critic else None
         advantages, _ = self.algorithm.advantage(self._inputs(batch, values), self.cfg)
         self.baseline.update(seq_rewards)
         acted = mask.bool()
         metrics["adv_mean"] = float(advantages[acted].mean()) if acted.any() else 0.0
         metrics["adv_std"] = float(advantages[acted].std()) if acted.sum() > 1 else 0.0
         if not self.warming_up:
-            metrics.update(self._policy_update(batch, advantages, temperature))
+            with self.timer.phase("policy"):
+                metrics.update(self._policy_update(batch, advantages, temperature))
         metrics["critic_warmup"] = float(self.warming_up)
         self.steps_done += 1
         return metrics

@@ -38,6 +38,9 @@ class RLLoop:
         self.rollout, self.batch_size, self.pad_id = rollout, train_batch_size, pad_id
         self.logger, self.trained_log, self.slowdown_s = logger, Path(trained_log), slowdown_s
         self.after_step, self.progress, self.stop_when = after_step, progress, stop_when
+        # the learner's: generation (waiting for a batch) and weight sync timed here, critic / policy / teacher in
+        # the learner, the rest (gate, checkpoint, evaluation) in the stage's hooks: each metrics line's `time/*`
+        self.timer = learner.timer
         self.buffer = buffer if buffer is not None else TrajectoryBuffer(rollout.group_size)
         self._started = 0
         self._steps_done = 0
@@ -60,7 +63,8 @@ class RLLoop:
             return True
 
     def sync_weights(self) -> None:
-        self.engine.update_weights(self.backend.policy_state_dict(), self.backend.policy_version)
+        with self.timer.phase("sync"):
+            self.engine.update_weights(self.backend.policy_state_dict(), self.backend.policy_version)
 
     def run(self, steps: int, start_step: int = 0, waiting: list[Trajectory] = ()) -> list[dict]:
         """Train until `steps`, or until `stop_when(steps done)` says so (asked before the first step and after every
@@ -78,10 +82,12 @@ class RLLoop:
         tokens_start = getattr(self.engine, "tokens_generated", 0)
         idle_total = 0.0
         worker.start()
+        self.timer.begin_steps()
         try:
             for step in range(start_step, steps):
                 t0 = time.perf_counter()
-                trajs = self._wait_for_batch(worker)
+                with self.timer.phase("generation"):
+                    trajs = self._wait_for_batch(worker)
                 idle = time.perf_counter() - t0
                 idle_total += idle
                 with self.engine.trainer_turn():  # engine.overlap false: the engine waits until the step is done
@@ -97,11 +103,13 @@ class RLLoop:
                         dropped_stale_groups=self.buffer.dropped_stale_groups,
                         policy_version=self.backend.policy_version,
                     )
+                    metrics.update(self.timer.step_phases())  # since the previous line: a checkpoint saved or a
+                    # probe run after step k's line counts in step k+1's
                     self.logger.log(metrics, step)
                     history.append(metrics)
                     if self.progress is not None:
+                        self.progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
                         self.progress.update(1)
-                        self.progress.set_postfix(reward=f"{metrics['reward_mean']:.2f}")
                     if self.after_step is not None:
                         self.after_step(step)
                 if self.stop_when is not None and step + 1 < steps and self.stop_when(step + 1):

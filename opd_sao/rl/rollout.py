@@ -63,13 +63,14 @@ def check_prompts(env_factory, tasks: list[dict], tokenizer, rollout, *, domain:
 
 def episodes_for(env_factory, task: dict, tokenizer, rollout, *, domain: str, count: int = 1, group: int = -1,
                  temperature: Optional[float] = None, traj_ids: Optional[list[str]] = None,
-                 sampling_seed: Optional[int] = None) -> list["Episode"]:
+                 sampling_seed: Optional[int] = None, top_k: Optional[int] = None) -> list["Episode"]:
     """The `count` episodes of one task as every caller plays them (training, OPD, evaluation, gate probes):
     the rollout config's sampling, episode lengths, compaction and prompt format; `temperature` overrides the
-    sampling one. With `sampling_seed` (evaluation) the i-th episode's draws are keyed by (seed, domain, task, i)
-    alone: the same for any checkpoint, batch or engine load."""
+    sampling one, `top_k` cuts it (1: greedy, evaluation's eval.greedy). With `sampling_seed` (evaluation) the
+    i-th episode's draws are keyed by (seed, domain, task, i) alone: the same for any checkpoint, batch or engine
+    load."""
     params = SamplingParams(rollout.temperature if temperature is None else temperature, rollout.top_p,
-                            rollout.max_new_tokens)
+                            rollout.max_new_tokens, top_k=-1 if top_k is None else top_k)
     compaction, prompt_format = Compaction.from_rollout(rollout), PromptFormat.from_rollout(tokenizer, rollout)
     keyed = [params if sampling_seed is None else replace(params, sampling_seed=seed_of(
         sampling_seed, domain, str(task["id"]), i)) for i in range(count)]
@@ -106,7 +107,7 @@ class Episode:
         seed = self.params.sampling_seed  # one key per request: the segment, the turn, a summary or an action
         params = SamplingParams(self.params.temperature, self.params.top_p,
                                 max(1, min(self.params.max_new_tokens, room)), self.params.ignore_eos,
-                                sampling_seed=None if seed is None else seed_of(
+                                top_k=self.params.top_k, sampling_seed=None if seed is None else seed_of(
                                     seed, len(self.segments), self.turns, self._summarising is not None))
         return GenerationRequest(ids, params, tag=self, est_tokens=params.max_new_tokens)
 

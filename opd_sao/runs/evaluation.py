@@ -1,6 +1,10 @@
-"""Held-out evaluation: a domain's score is the mean episode reward on its eval split."""
+"""Held-out evaluation: a domain's score is the mean episode reward on its eval split, with its standard error
+over the tasks (`Score`)."""
 from __future__ import annotations
 
+import math
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -14,19 +18,46 @@ from opd_sao.errors import UsageError
 from opd_sao.rl.rollout import Episode, episodes_for, run_episodes
 
 
+@dataclass(frozen=True)
+class Score:
+    """A held-out score: the mean reward, its standard error over tasks (None with one task) and the task count."""
+
+    mean: float
+    stderr: Optional[float]
+    n: int
+
+    def error(self) -> dict:
+        """For summary.json, beside the score: {"stderr", "n"} (`<score field>_error` per domain)."""
+        return {"stderr": None if self.stderr is None else round(self.stderr, 4), "n": self.n}
+
+
+def task_score(rewards: dict[str, list[float]]) -> Score:
+    """The mean and standard error over tasks, each task's samples averaged first: the samples of one task are not
+    independent draws of the score (they share the task), so the error is that of the mean of n task means,
+    sd(task means) / sqrt(n), with sd the sample standard deviation. With as many samples per every task, the mean
+    is the mean of all episodes."""
+    means = [statistics.fmean(r) for r in rewards.values() if r]
+    if not means:
+        raise ValueError("no episode rewards to score")
+    stderr = statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else None
+    return Score(statistics.fmean(means), stderr, len(means))
+
+
 def make_episodes(env_factory, tasks, tokenizer, rollout: RolloutConfig, *, domain: str, temperature: float,
-                  repeats: int = 1, sampling_seed: Optional[int] = None) -> list[Episode]:
+                  repeats: int = 1, sampling_seed: Optional[int] = None, greedy: bool = False) -> list[Episode]:
     """Episodes played as in training, compaction included, so a held-out score measures the trained behaviour;
-    `sampling_seed` keys every draw (see episodes_for)."""
+    `sampling_seed` keys every draw (see episodes_for); `greedy`: argmax decoding (top_k 1)."""
     return [episode for task in tasks
             for episode in episodes_for(env_factory, task, tokenizer, rollout, domain=domain, count=repeats,
                                         temperature=temperature, sampling_seed=sampling_seed,
+                                        top_k=1 if greedy else None,
                                         traj_ids=[f"eval-{domain}-{task['id']}-{r}" for r in range(repeats)])]
 
 
 def evaluate(checkpoint: Path, env_factory, tokenizer, *, domain: str, rollout: RolloutConfig, eval_cfg: EvalConfig,
              seed: int, device: Optional[str] = None, attn_implementation: str = "eager") -> float:
-    """Sampled (not greedy) at eval_cfg.temperature, every draw keyed by (seed, task, sample, turn, position), so a
+    """The mean reward (`evaluate_score` gives its standard error too). Sampled at eval_cfg.temperature (argmax
+    with eval_cfg.greedy), every draw keyed by (seed, task, sample, turn, position), so a
     checkpoint scores the same whatever the batching or the load, and two checkpoints are compared on common random
     numbers: where their policies agree they draw the same tokens, and the difference of their scores is the
     difference of the policies, not of the draws (docs/benchmarks.md, "Evaluation on common random numbers").
@@ -34,9 +65,17 @@ def evaluate(checkpoint: Path, env_factory, tokenizer, *, domain: str, rollout: 
     `device`: where the model generates (the run's engine device; None: auto); `attn_implementation`: the
     engine's (model.attn_implementation).
     """
-    rewards = episode_rewards(checkpoint, env_factory, tokenizer, domain=domain, rollout=rollout, eval_cfg=eval_cfg,
-                              seed=seed, device=device, attn_implementation=attn_implementation)
-    return sum(r for per_task in rewards.values() for r in per_task) / sum(len(r) for r in rewards.values())
+    return evaluate_score(checkpoint, env_factory, tokenizer, domain=domain, rollout=rollout, eval_cfg=eval_cfg,
+                          seed=seed, device=device, attn_implementation=attn_implementation).mean
+
+
+def evaluate_score(checkpoint: Path, env_factory, tokenizer, *, domain: str, rollout: RolloutConfig,
+                   eval_cfg: EvalConfig, seed: int, device: Optional[str] = None,
+                   attn_implementation: str = "eager") -> Score:
+    """`evaluate`'s score with its standard error over the tasks and their number."""
+    return task_score(episode_rewards(checkpoint, env_factory, tokenizer, domain=domain, rollout=rollout,
+                                      eval_cfg=eval_cfg, seed=seed, device=device,
+                                      attn_implementation=attn_implementation))
 
 
 def episode_rewards(checkpoint: Path, env_factory, tokenizer, *, domain: str, rollout: RolloutConfig,
@@ -50,7 +89,7 @@ def episode_rewards(checkpoint: Path, env_factory, tokenizer, *, domain: str, ro
     engine = EmbeddedEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, max_batch=64,
                             seed=seed)
     episodes = make_episodes(env_factory, tasks, tokenizer, rollout, domain=domain, temperature=eval_cfg.temperature,
-                             repeats=eval_cfg.samples_per_task, sampling_seed=seed)
+                             repeats=eval_cfg.samples_per_task, sampling_seed=seed, greedy=eval_cfg.greedy)
     with torch.no_grad():
         trajs = run_episodes(engine, episodes)
     rewards: dict[str, list[float]] = {str(task["id"]): [] for task in tasks}

@@ -106,6 +106,45 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
+def _errors(summary: dict, domain: str) -> list:
+    """A domain's {"stderr", "n"} per column of domain_table (None where the run did not record one)."""
+    stages = summary["stages"]
+    return [stages[0].get("eval_before_error", {}).get(domain)] + [
+        s.get("eval_after_error", {}).get(domain) for s in stages]
+
+
+def score_cell(value, error) -> str:
+    """0.420 ± 0.030 (n=200): a score with its standard error over the tasks and their number."""
+    if value is None or not error:
+        return _fmt(value)
+    spread = "" if error["stderr"] is None else f" ± {error['stderr']:.3f}"
+    return f"{value:.3f}{spread} (n={error['n']})"
+
+
+def _time_lines(summary: dict) -> list[str]:
+    """Per stage: wall time, seconds per phase (runs/timing.py) and peak memory."""
+    stages = [s for s in summary["stages"] if "phases_s" in s]
+    if not stages:
+        return []
+    phases = sorted({p for s in stages for p in s["phases_s"]}, key=lambda p: -sum(s["phases_s"].get(p, 0)
+                                                                                   for s in stages))
+    cuda = any("peak_cuda_mb" in s for s in stages)
+    head = ["stage", "wall s", *(f"{p} s" for p in phases), "other s", "peak RSS MB"] + (["peak CUDA MB"] if cuda else [])
+    lines = ["", "## Time and memory per stage", "",
+             "Seconds in each phase (the trainer thread's: generation is its wait for rollouts), the rest of the "
+             "wall time (other: loading models, building engines, the data), the process's peak resident memory up "
+             "to the stage's end" + (" and the stage's peak CUDA memory allocated" if cuda else "") + ".", "",
+             "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for s in stages:
+        spent = [s["phases_s"].get(p, 0.0) for p in phases]
+        row = [s["name"], f"{s['wall_s']:.1f}", *(f"{v:.1f}" for v in spent),
+               f"{max(0.0, s['wall_s'] - sum(spent)):.1f}", f"{s.get('peak_rss_mb', 0):.0f}"]
+        if cuda:
+            row.append(f"{s['peak_cuda_mb']:.0f}" if "peak_cuda_mb" in s else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
 def _schedule_lines(stage: dict) -> list[str]:
     """An OPD stage's per-domain schedule: each probe's held-out score, share of the teacher's, and rollout share."""
     schedule = stage.get("schedule")
@@ -139,8 +178,11 @@ def write_report(run_dir: Path) -> Path:
 
     columns, domains, rows = domain_table(summary)
     lines = [f"# Run report: {run_dir.name}", "", "## Held-out score of every domain after every stage", "",
+             "Each cell: the mean reward ± its standard error over the n eval tasks (a task's samples averaged "
+             "first).", "",
              "| domain | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    lines += [f"| {d} | " + " | ".join(_fmt(v) for v in rows[d]) + " |" for d in domains]
+    lines += [f"| {d} | " + " | ".join(score_cell(v, e) for v, e in zip(rows[d], _errors(summary, d))) + " |"
+              for d in domains]
     recovered = forgetting(summary)
     if recovered:
         last = summary["stages"][-1]["name"]
@@ -160,6 +202,7 @@ def write_report(run_dir: Path) -> Path:
         resumed = s.get("resume", {}).get("from_step", "-")
         lines.append(f"| {s['name']} | {s['kind']} | {s.get('algo', '-')} | {s.get('steps', '-')} | "
                      f"{s.get('wall_s', '-')} | {verdict} | {resumed} |")
+    lines += _time_lines(summary)
     for s in summary["stages"]:
         lines += _schedule_lines(s)
     if plt is None:
