@@ -1,6 +1,7 @@
 """The one config schema: it mirrors the YAML, holds every default, and validates before any work starts."""
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from types import UnionType
@@ -85,7 +86,9 @@ class TinyModelConfig(Strict):
 class ModelConfig(Strict):
     """The base model every stage starts from."""
 
-    path: str = describe("'tiny': build the embedded tiny model; otherwise a local HF-format model directory", "tiny")
+    path: str = describe("'tiny': build the embedded tiny model; otherwise a local HF-format model directory, and then "
+                         "the settings left unset that are the tiny model's get real-model values (trainer.policy_lr, "
+                         "trainer.critic_lr, prompt_format) or a warning line each (docs/usage.md)", "tiny")
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = describe(
         "transformers attention of the policy in the trainer (SFT too), the embedded engine and evaluation (the same "
         "one: the gate compares trainer and engine); sdpa and flash_attention_2 never hold the [B, heads, T, T] scores; flash_attention_2 needs "
@@ -155,8 +158,10 @@ class TrainerConfig(Strict):
 
     backend: Literal["torch", "deepspeed"] = describe("torch: one process; deepspeed: ZeRO 1/2/3 over torchrun ranks",
                                                       "torch")
-    policy_lr: float = describe("policy AdamW learning rate", 1e-4, gt=0)
-    critic_lr: float = describe("critic AdamW learning rate", 5e-4, gt=0)
+    policy_lr: float = describe("policy AdamW learning rate (the tiny model's; unset with a checkpoint as model.path: "
+                                "1e-6, verl's actor lr and TRL's GRPOConfig default)", 1e-4, gt=0)
+    critic_lr: float = describe("critic AdamW learning rate (the tiny model's; unset with a checkpoint as model.path: "
+                                "1e-5, verl's critic lr)", 5e-4, gt=0)
     critic_steps: int = describe("K critic updates per policy update (TTUR, docs/design.md §2.3)", 2, ge=1)
     critic_minibatches: bool = describe(
         "the K critic updates on K mini-batches of the step's batch (every K-th trajectory), one pass over it, as "
@@ -214,7 +219,8 @@ class RolloutConfig(Strict):
 
     temperature: float = describe("sampling temperature", 1.0, gt=0)
     top_p: float = describe("nucleus sampling mass (1: the whole distribution)", 1.0, gt=0, le=1)
-    max_new_tokens: int = describe("tokens per generation (per turn)", 16, ge=1)
+    max_new_tokens: int = describe("tokens per generation (per turn; the tiny model's: with a checkpoint as model.path, "
+                                   "a warning names the stages that leave it unset)", 16, ge=1)
     asynchronous: bool = describe("True: generation runs ahead of training within the staleness bound; False: "
                                   "synchronous group batching (a step waits for its whole batch)", True)
     group_size: Optional[int] = describe("rollouts per prompt; default from the algorithm (1, or 8 for grouped "
@@ -241,6 +247,12 @@ class RolloutConfig(Strict):
             raise ValueError(f"compaction_budget {self.compaction_budget} + max_new_tokens {self.max_new_tokens} "
                              f"must stay below max_context_tokens {self.max_context_tokens}")
         return self
+
+
+# What a multi-domain stage (OPD, SFT) takes per domain from the stage that trains on it, or from an OPD teacher's
+# `rollout:` (stages/domains.py): the episode's shape, not its sampling.
+EPISODE_FIELDS = ("max_new_tokens", "max_turns", "max_context_tokens", "compaction", "compaction_budget",
+                  "compaction_instruction", "prompt_format", "system_prompt")
 
 
 # The paper's DIS bounds per stage kind (SAO section 4.1): math / reasoning, and code / agent. A stage whose
@@ -297,7 +309,8 @@ class SFTConfig(Strict):
     """A supervised warm start on the environment's reference solutions."""
 
     steps: int = describe("optimizer steps (0: no warm start)", 0, ge=0)
-    lr: float = describe("AdamW learning rate", 3e-3, gt=0)
+    lr: float = describe("AdamW learning rate (the tiny model's: with a checkpoint as model.path, a warning names the "
+                         "stages that leave it unset)", 3e-3, gt=0)
     batch_size: int = describe("examples per step", 32, ge=1)
 
 
@@ -344,6 +357,25 @@ class TeacherConfig(Strict):
     url: Optional[str] = describe("kind sglang: the address of the SGLang-API server (SGLang, or `opd-sao serve`) "
                                   "that serves this teacher; `checkpoint` is then a local directory with its config "
                                   "and tokenizer (for the vocabulary checks; no weights needed)", None)
+    env_options: Optional[dict[str, Any]] = describe(
+        "the environment options of this teacher's domains in this stage (e.g. a `dataset:label` domain's path, "
+        "prompt_key and reward), so OPD runs on your own data with no earlier stage for it; given, they win over "
+        "those of the first other-kind stage whose `env` is the domain; null: that stage's (else none)", None)
+    rollout: Optional[RolloutConfig] = describe(
+        "episode settings of this teacher's domains (only max_new_tokens, max_turns, max_context_tokens, compaction*, "
+        "prompt_format, system_prompt; sampling stays the stage's); each one given wins over the first other-kind "
+        "stage's with that `env` (else the OPD stage's own); probes and evaluation use them too", None)
+    eval: Optional[EvalConfig] = describe(
+        "held-out evaluation of this teacher's domains (probes, the distillation summary); each setting given wins "
+        "over the first other-kind stage's with that `env` (else the OPD stage's `eval`)", None)
+
+    @model_validator(mode="after")
+    def _episode_settings_only(self) -> "TeacherConfig":
+        other = sorted(self.rollout.model_fields_set - set(EPISODE_FIELDS)) if self.rollout is not None else []
+        if other:
+            raise ValueError(f"teacher {self.name!r}: rollout.{other[0]} is the stage's (one sampling setting per "
+                             f"batch); a teacher's rollout may set only {', '.join(EPISODE_FIELDS)}")
+        return self
 
 
 class OPDConfig(Strict):
@@ -474,6 +506,33 @@ class LoggingConfig(Strict):
 
 SEED_LIMIT = 2**32  # numpy, torch and random all take seeds below this (and small offsets of them)
 
+TINY_MODEL = "tiny"  # model.path of the embedded tiny model, which every default is tuned for
+# What a checkpoint as model.path gets for the trainer settings a config leaves unset, in place of the tiny model's
+# (1e-4, 5e-4, which would wreck a pretrained model in a few steps): verl's PPO/GRPO defaults (ppo_trainer.yaml:
+# actor optim lr 1e-6, critic optim lr 1e-5), TRL's GRPOConfig learning_rate 1e-6.
+REAL_MODEL_TRAINER = {"policy_lr": 1e-6, "critic_lr": 1e-5}
+
+
+def has_chat_template(path: str | Path) -> bool:
+    """Whether a model directory's tokenizer has a chat template (tokenizer_config.json's `chat_template`, or the
+    chat_template.jinja / .json file transformers writes), read without loading the tokenizer."""
+    path = Path(path)
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((path / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _given(section: Any) -> Optional[dict]:
+    """The settings a config gives in a section (a mapping, or a model's set fields); None for anything else."""
+    if section is None:
+        return {}
+    if isinstance(section, BaseModel):
+        return section.model_dump(exclude_unset=True)
+    return dict(section) if isinstance(section, dict) else None
+
 
 class RunConfig(Strict):
     """A whole run: the base model, the engine, the trainer and the stages in order."""
@@ -494,7 +553,8 @@ class RunConfig(Strict):
                           "grpo_dis, running_mean, or one added with register_preset): an advantage estimator and a "
                           "policy loss", "sao")
     prompt_format: Literal["raw", "chat"] = describe("every stage's rollout.prompt_format unless the stage sets "
-                                                     "its own (raw | chat)", "raw")
+                                                     "its own (raw | chat); unset with a checkpoint as model.path "
+                                                     "whose tokenizer has a chat template: chat", "raw")
     run_dir: Optional[str] = describe("the run directory (default: runs/<timestamp>-<config name>)", None)
     model: ModelConfig = describe("the base model", ModelConfig())
     engine: EngineConfig = describe("the rollout engine", EngineConfig())
@@ -504,6 +564,23 @@ class RunConfig(Strict):
     eval_domains: list[str] = describe("environments evaluated after every stage (default: every stage's env)", [])
     stages: list[StageConfig] = describe("the stages, run in order", min_length=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _real_model_defaults(cls, data: Any) -> Any:
+        """A checkpoint as model.path (anything but `tiny`): the settings the config leaves unset get real-model
+        values instead of the tiny model's (REAL_MODEL_TRAINER; prompt_format chat when the checkpoint's tokenizer
+        has a chat template). They are filled into the config itself, so the run's config.yaml holds them and
+        `--resume` reads the same values."""
+        if not isinstance(data, dict):
+            return data
+        model, trainer = _given(data.get("model")), _given(data.get("trainer"))
+        if model is None or trainer is None or model.get("path", TINY_MODEL) == TINY_MODEL:
+            return data
+        data = {**data, "trainer": {**REAL_MODEL_TRAINER, **trainer}}
+        if "prompt_format" not in data and has_chat_template(model["path"]):
+            data["prompt_format"] = "chat"
+        return data
+
     @model_validator(mode="after")
     def _validate(self) -> "RunConfig":
         """The defaults that depend on other settings, filled first; then each check, one concern each."""
@@ -511,7 +588,27 @@ class RunConfig(Strict):
         for check in (self._check_stage_order, self._check_teachers, self._check_devices, self._check_groups,
                       self._check_eval_domains):
             check()
+        self._warn_tiny_defaults()
         return self
+
+    def _warn_tiny_defaults(self) -> None:
+        """With a checkpoint as model.path, one warning line per tiny-model default still in use that is not
+        replaced automatically (`_real_model_defaults`): the user should choose it for their model."""
+        if self.model.path == TINY_MODEL:
+            return
+        tiny = [(f"rollout.{key}", RolloutConfig.model_fields[key].default,
+                 [s.name for s in self.stages if s.kind != "sft" and key not in s.rollout.model_fields_set])
+                for key in ("max_new_tokens", "max_context_tokens")]  # (an sft stage generates nothing)
+        tiny.append(("sft.lr", SFTConfig.model_fields["lr"].default,
+                     [s.name for s in self.stages if s.sft.steps and "lr" not in s.sft.model_fields_set]))
+        for key, default, stages in tiny:
+            if stages:
+                log.warning("model.path %r is a checkpoint: %s is the tiny model's default %s in stage%s %s; set it "
+                            "for this model", self.model.path, key, default, "s" * (len(stages) > 1),
+                            ", ".join(map(repr, stages)))
+        if "torch_threads" not in self.model_fields_set:
+            log.warning("model.path %r is a checkpoint: torch_threads is the tiny model's default %s; set it for this "
+                        "model (null: torch's default)", self.model.path, self.torch_threads)
 
     def _fill_stage_defaults(self) -> None:
         """A stage's prompt format is the run's, its DIS band its kind's paper values, its group size 8 for a grouped

@@ -43,14 +43,25 @@ def eval_domains(cfg: RunConfig) -> dict[str, object]:
     return domains
 
 
+def configured_environments(cfg: RunConfig) -> list[tuple[str, str, dict]]:
+    """(stage name, environment name, env_options) of every environment the config gives options for: each stage's
+    `env`, and each domain of an OPD teacher with its own `env_options`."""
+    found = [(stage.name, stage.env, stage.env_options) for stage in cfg.stages if stage.env]
+    return found + [(stage.name, domain, teacher.env_options) for stage in cfg.stages for teacher in stage.opd.teachers
+                    if teacher.env_options is not None for domain in teacher.domains]
+
+
 def check_before_work(cfg: RunConfig, *, resume: bool = False) -> None:
     """What the schema cannot check alone (it needs the registries or the disk), checked before anything is written:
     every stage's kind, the sections it reads (no other; not on `resume`: a run's config.yaml writes every field
     out, and it was checked when the run started) and the settings that kind needs, every environment's options and
-    the files they name (a dataset path of the last stage fails before the first stage), the model path, and an http
+    the files they name (a dataset path of the last stage fails before the first stage), that every domain of a
+    multi-domain stage (OPD, SFT) resolves to an environment with train and eval tasks (stages.domains.Domain), that
+    a stage with a critic trains its policy at all (steps > critic_warmup_steps), the model path, and an http
     engine's fleet (every URL answers, every router has workers). Teachers are checked once the base model exists
     (`check_teachers`)."""
     from opd_sao.stages import STAGES
+    from opd_sao.stages.domains import Domain
     from opd_sao.stages.envs import ENVIRONMENTS
 
     for stage in cfg.stages:
@@ -58,11 +69,18 @@ def check_before_work(cfg: RunConfig, *, resume: bool = False) -> None:
         if not resume:
             kind.check_sections(stage)
         kind.check(stage)
-        if stage.env:
+    for stage_name, env, options in configured_environments(cfg):
+        try:
+            ENVIRONMENTS.get(env).check_options(options)
+        except (KeyError, ValueError) as err:
+            raise UsageError(f"stage {stage_name!r}: env_options of {env!r}: {err.args[0]}") from None
+    for stage in cfg.stages:
+        kind = STAGES.get(stage.kind)
+        for name in kind.domain_names(stage) if "domains" in kind.sections else ():
             try:
-                ENVIRONMENTS.get(stage.env).check_options(stage.env_options)
+                Domain(name, stage, cfg.stages).check(cfg.seed)
             except (KeyError, ValueError) as err:
-                raise UsageError(f"stage {stage.name!r}: env_options of {stage.env!r}: {err.args[0]}") from None
+                raise UsageError(f"stage {stage.name!r}: domain {name!r}: {err.args[0]}") from None
     if cfg.model.path != "tiny" and not (Path(cfg.model.path) / "config.json").is_file():
         raise UsageError(f"model.path {cfg.model.path!r} is not an HF-format model directory (no config.json)")
     if cfg.model.path != "tiny":
@@ -70,20 +88,35 @@ def check_before_work(cfg: RunConfig, *, resume: bool = False) -> None:
 
         check_plain_logits(AutoConfig.from_pretrained(cfg.model.path), f"model.path {cfg.model.path!r}")
     check_attention(cfg.model.attn_implementation)  # flash_attention_2 without CUDA or flash_attn
+    check_critic_warmup(cfg)
     # a rollout fleet that cannot take weights (or sample at a stage's top_p) fails now, not after an SFT warm start
     check_engine(cfg.engine, nucleus=any(stage.rollout.top_p < 1 for stage in cfg.stages), model_path=cfg.model.path)
+
+
+def check_critic_warmup(cfg: RunConfig) -> None:
+    """A stage that trains with a critic (a kind reading `algo`, an algorithm whose estimator reads values) and whose
+    `steps` are all critic warm-up would end with its start policy unchanged: refused, not run."""
+    from opd_sao.algorithms import resolve_algorithm
+    from opd_sao.stages import STAGES
+
+    for stage in cfg.stages:
+        warmup = cfg.stage_trainer(stage).critic_warmup_steps
+        if "algo" in STAGES.get(stage.kind).sections and 0 < stage.steps <= warmup \
+                and resolve_algorithm(cfg.stage_algo(stage), stage.rl).critic:
+            raise UsageError(f"stage {stage.name!r}: steps {stage.steps} <= trainer.critic_warmup_steps {warmup}: "
+                             f"the policy would never be trained (only the critic warms up); raise steps or lower "
+                             f"critic_warmup_steps")
 
 
 def stage_data_files(cfg: RunConfig) -> dict[str, list[str]]:
     """Stage name -> the data files its environment reads (`Environment.data_files`), for the data record."""
     from opd_sao.stages.envs import ENVIRONMENTS
 
-    found = {}
-    for stage in cfg.stages:
-        if stage.env:
-            files = ENVIRONMENTS.get(stage.env).data_files(stage.env_options)
-            if files:
-                found[stage.name] = files
+    found: dict[str, list[str]] = {}
+    for stage_name, env, options in configured_environments(cfg):
+        files = ENVIRONMENTS.get(env).data_files(options)
+        if files:
+            found[stage_name] = sorted({*found.get(stage_name, []), *files})
     return found
 
 

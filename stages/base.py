@@ -122,6 +122,12 @@ class Stage(ABC):
                 raise UsageError(f"stage {cfg.name!r} ({cfg.kind}): `{name}:` is not read by {cfg.kind} stages "
                                  f"(their sections: {reads})")
 
+    @staticmethod
+    def domain_names(cfg: StageConfig) -> list[str]:
+        """A kind that reads `domains` (a multi-domain stage): the domains it uses, each checked before any work for
+        an environment with train and eval tasks (stages/domains.py)."""
+        return list(cfg.domains)
+
     @classmethod
     def check(cls, cfg: StageConfig) -> None:
         """Raise ValueError for a stage config this kind cannot run; called for every stage before any work.

@@ -15,8 +15,9 @@ after `steps` (the budget). The probes, shares and rollouts per domain go to sum
 the report.
 
 Per domain, episodes use the environment options and rollout lengths of the stage of the run that trained
-on that environment (opd_sao.stages.domains.Domain); temperature and top_p are this stage's (one policy
-temperature per batch).
+on that environment, or those the domain's teacher gives (its `env_options`, `rollout`, `eval`: OPD on datasets no
+earlier stage trains on; opd_sao.stages.domains.Domain); temperature and top_p are this stage's (one policy
+temperature per batch). Every domain is checked for train and eval tasks before the run's first stage.
 
 Teachers are scored in the trainer thread, one after another, with the next teacher prefetched (copied
 to the local disk tier and loaded into host memory) in the background while the current one scores.
