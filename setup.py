@@ -30,6 +30,7 @@ setup(
         "pyarrow",  # dataset environments: Parquet files
         "datasets",  # dataset environments: save_to_disk directories
         "math-verify",  # the math reward (LaTeX parsing through latex2sympy2-extended, which brings antlr4)
+        "reasoning-gym",  # env: reasoning_gym, procedural reasoning tasks with their own scorers (small pure-Python deps)
         "openai",  # the LLM-judge reward's client
         "fastapi",  # opd-sao serve: the stack SGLang serves on
         "uvicorn",

@@ -72,6 +72,48 @@ def test_math_table_is_judged_correctly():
     assert reward.stats()["timeouts"] == 0
 
 
+# (response, reference, score) by hand: a final answer is a value, not the question's operation left to do, and never
+# the prompt echoed (stages/envs/answers.py). PROMPT is the task's prompt for every row.
+PROMPT = "Calculate 66 - 8. Give the final answer as a number."
+UNEVALUATED_TABLE = [
+    ("66 - 8", "58", 0.0),
+    ("Calculate 66 - 8.", "58", 0.0),
+    (PROMPT, "58", 0.0),
+    (PROMPT + " ", "58", 0.0),
+    (r"\boxed{66 - 8}", "58", 0.0),
+    (r"\boxed{2 \times 29}", "58", 0.0),
+    ("#### 116/2", "58", 0.0),
+    (r"\boxed{\frac{116}{2}}", "58", 0.0),
+    ("(50 + 8)", "58", 0.0),
+    ("58 = 66 - 8", "58", 0.0),  # the last expression is the final answer
+    ("58", "58", 1.0),
+    ("The answer is 58.", "58", 1.0),
+    ("66 - 8 = 58", "58", 1.0),
+    (r"\boxed{58}", "58", 1.0),
+    ("#### 58", "58", 1.0),
+    (PROMPT + "\n58", "58", 1.0),  # the prompt repeated, then answered
+    ("-5 * -6", "30", 0.0),
+    ("The answer is -30.", "-30", 1.0),  # a leading sign is no operation
+    (r"\frac{1}{2}", "1/2", 1.0),
+    ("0.5", "1/2", 1.0),
+    ("1/2", "1/2", 1.0),
+    ("2/4", r"\frac{1}{2}", 1.0),  # a fraction that is not whole is a value
+    ("1 - 1/2", "1/2", 0.0),
+    ("3*4+2", "3*4+2", 1.0),  # the reference is itself an expression: compared as before
+    ("116/2", "116/2", 1.0),
+]
+
+
+def test_math_refuses_unevaluated_answers_and_echoed_prompts():
+    reward = MathReward(timeout_s=3)
+    wrong = [(p, r) for p, r, want in UNEVALUATED_TABLE
+             if reward.score({"answer": r, "prompt": PROMPT}, p).score != want]
+    assert wrong == []
+    assert reward.score({"answer": "58"}, PROMPT).score == 0.0  # the prompt's own last expression, prompt unknown
+    stats = reward.stats()
+    assert stats["unevaluated"] == 11 and stats["no_answer"] == 2 and stats["timeouts"] == 0
+
+
 def test_math_check_past_its_deadline_is_counted_and_scored_zero():
     reward = MathReward(timeout_s=1)
     reward.checker.startup_s = -2.0  # a fresh checker's deadline, 2 x timeout_s + startup_s, is then 0 s

@@ -2,8 +2,14 @@
 
 On a sample of train and eval tasks: the oracle solution must score 1, a no-op must score 0, and the
 untouched initial state (submitting nothing) must score 0, and every score must be a finite number in the
-reward's range (a NaN fails no comparison, so it would pass the three checks). A verifier that fails any of these would
-reward the wrong thing, so an environment that fails is refused at stage start. Environments without
+reward's range (a NaN fails no comparison, so it would pass the three checks). Two probes catch a verifier a policy
+can game without solving anything (a math checker that evaluates the question's own expression): a response that
+echoes the prompt verbatim must score 0, and so must one that restates the prompt's arithmetic expression
+(stages/envs/answers.py: `66 - 8` for "Calculate 66 - 8.", bare and as `\\boxed{66 - 8}`); the restate probe is
+skipped on a task whose prompt holds no expression, or whose reference's final answer is itself an expression (a
+task that asks for one). The probes run wherever the oracle check runs: every environment with oracle actions,
+i.e. a verifier reward. A verifier that fails any of these would reward the wrong thing, so an environment that
+fails is refused at stage start. Environments without
 oracle actions (`Environment.oracle_actions`: by default the reference actions) have no oracle to check: the check is skipped. A stochastic reward (a noisy judge) is
 replayed: the oracle must score 1 at least once, the no-op and the initial state never.
 """
@@ -13,11 +19,14 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from opd_sao.errors import UsageError
+from opd_sao.stages.envs.answers import prompt_expression, unevaluated
+from opd_sao.stages.envs.dataset.rewards import marked_answer
 from opd_sao.stages.envs.rewards import BadScore
 
 STOCHASTIC_REPLAYS = 64  # a noisy judge passing a good answer 1 time in 5 still misses all 64 with p ~ 1e-6
 CHECKS = {"oracle": "the oracle does not score 1", "noop": "a no-op scores above 0",
-          "initial": "the untouched initial state scores above 0",
+          "initial": "the untouched initial state scores above 0", "echo": "echoing the prompt scores above 0",
+          "restate": "restating the prompt's expression scores above 0",
           "reward": "the reward is not a finite number in its range"}
 
 
@@ -63,8 +72,18 @@ def play(env, task: dict, actions: list[str]) -> float:
     return total
 
 
+def probes(prompt: str, oracle: list[str]) -> dict[str, list[list[str]]]:
+    """The gaming probes of one task: episodes that answer with the prompt, or with its expression restated."""
+    out = {"echo": [[prompt]]}
+    expression = prompt_expression(prompt)
+    if expression and not (oracle and unevaluated(marked_answer(oracle[-1]) or oracle[-1])):
+        out["restate"] = [[expression], [f"\\boxed{{{expression}}}"]]
+    return out
+
+
 def check_environment(name: str, env_factory, n: int = 16, seed: int = 0) -> ValidityReport:
-    """Oracle, no-op and initial state on up to n tasks, half from each split; fresh environment per play."""
+    """Oracle, no-op, initial state and the gaming probes on up to n tasks, half from each split; fresh environment
+    per play."""
     probe = env_factory()
     problems = probe.data_problems()
     train, held_out = probe.make_tasks("train", n - n // 2, seed), probe.make_tasks("eval", max(1, n // 2), seed)
@@ -78,8 +97,11 @@ def check_environment(name: str, env_factory, n: int = 16, seed: int = 0) -> Val
         return report
     replays = STOCHASTIC_REPLAYS if probe.stochastic_reward else 1
     for task, oracle in zip(tasks, oracles):
-        plays = {"oracle": oracle or [], "noop": [probe.noop_action(task)], "initial": [""]}
-        for check, actions in plays.items():
+        plays = [("oracle", oracle or []), ("noop", [probe.noop_action(task)]), ("initial", [""])]
+        plays += [(check, actions) for check, tries in probes(probe.reset(task), oracle or []).items() for actions in tries]
+        for check, actions in plays:
+            if task["id"] in report.failures[check]:
+                continue
             try:
                 scores = [play(env_factory(), task, actions) for _ in range(replays)]
             except BadScore as err:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from opd_sao.errors import UsageError
+from opd_sao.stages.envs.answers import after_prompt, unevaluated
 from opd_sao.stages.envs.rewards import Reward, RewardFailure, Verdict, register_reward
 
 from .python_worker import import_function
@@ -118,6 +119,12 @@ class MathReward(Reward):
     answer field, as MATH-style datasets store bare LaTeX answers. With `strict`, a response must mark its answer
     (\\boxed{} or `####`): an unmarked one scores 0 (a stray last number, `1==зе return`, is no answer).
 
+    A final answer is a value, not an operation left to do (stages/envs/answers.py): when the final expression of
+    the marked answer, or of an unmarked response, holds an operation between plain numbers (`66 - 8`,
+    `Calculate 66 - 8.`, `\\boxed{2 \\times 29}`, `116/2`; not a leading sign, not a non-whole fraction `1/2`),
+    it scores 0 (counted: `unevaluated`), unless the reference's final answer is itself such an expression. The
+    answer is read after the last verbatim copy of the prompt in the response, so an echoed prompt answers nothing.
+
     Each check gets `timeout_s` seconds per parse and per comparison (math-verify's own limit, in a checker
     process: `math_worker.py`), and a backstop of twice that (plus `startup_s` for a fresh process) after which
     the process is killed; a check past it scores 0 and is counted (`stats`: checks, timeouts, no_answer).
@@ -130,13 +137,17 @@ class MathReward(Reward):
             raise UsageError(f"math reward: timeout_s must be >= 1 (got {timeout_s})")
         self.timeout_s, self.checker, self.strict = int(timeout_s), Worker("math_worker.py", startup_s=startup_s), strict
         self._cache: dict[tuple[str, str], bool] = {}
-        self.counts = {"checks": 0, "timeouts": 0, "no_answer": 0}
+        self.counts = {"checks": 0, "timeouts": 0, "no_answer": 0, "unevaluated": 0}
 
     def score(self, task: dict, response: str) -> Verdict:
         reference = marked_answer(task["answer"]) or task["answer"].strip()  # MATH-style answers are bare LaTeX
+        response = after_prompt(response, task.get("prompt"))
         prediction = marked_answer(response)
         if prediction is None and (self.strict or (last_number(response) is None and "\\" not in response)):
             self.counts["no_answer"] += 1
+            return Verdict(0.0)
+        if unevaluated(response if prediction is None else prediction) and not unevaluated(reference):
+            self.counts["unevaluated"] += 1
             return Verdict(0.0)
         if reference in (prediction, prediction is None and last_number(response)):
             return Verdict(1.0)
