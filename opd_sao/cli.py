@@ -117,7 +117,7 @@ def _environment(name: str):
 
 
 def _cmd_validate_env(args) -> int:
-    """`opd-sao validate-env NAME`: the three-way validity check as JSON; exit status 1 when it fails."""
+    """`opd-sao validate-env NAME`: the validity check (stages/envs/validity.py) as JSON; exit status 1 when it fails."""
     from opd_sao.stages.envs.validity import check_environment
 
     env_cls = _environment(args.name)
@@ -200,8 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("action", choices=["inspect", "verify", "gc"])
     cache.add_argument("dir", help="a logit cache directory (e.g. runs/<run>/stages/<opd stage>/logit_cache)")
     cache.set_defaults(func=_cmd_cache)
-    validate = sub.add_parser("validate-env", help="check an environment: the oracle scores 1, a no-op and the "
-                                                   "untouched initial state score 0")
+    validate = sub.add_parser("validate-env", help="check an environment: the oracle scores 1; a no-op, the "
+                                                   "untouched initial state, the echoed prompt and its restated "
+                                                   "expression score 0")
     validate.add_argument("name", help="a registered environment")
     validate.add_argument("--options", default="{}", help='environment options as a JSON object, e.g. \'{"tests": 3}\'')
     validate.add_argument("--n", type=int, default=16, help="tasks to check, half from each split (default 16)")

@@ -79,3 +79,15 @@ def test_a_short_rl_run_on_basic_arithmetic(tmp_path):
     assert set(done["eval_after"]) == {"reasoning_gym:basic_arithmetic"}
     assert done["reasoning_gym"]["task"] == "basic_arithmetic" and done["reasoning_gym"]["train"] == 64
     assert len((tmp_path / "stages" / "reasoning" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_the_documented_stage_is_valid():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "data.md").read_text()
+    (stage,) = [block for block in re.findall(r"```yaml\n(.*?)```", text, re.S) if "reasoning_gym:" in block]
+    (stage,) = yaml.safe_load(stage)
+    assert stage["env"] == "reasoning_gym:basic_arithmetic" and ReasoningGymEnv.check_options(stage["env_options"])
