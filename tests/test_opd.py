@@ -630,6 +630,9 @@ def test_opd_stage_end_to_end(tmp_path):
     needed = {"kl", "kl_teacher/t_rev", "kl_teacher/t_sort", "kl_domain/digits_reverse", "kl_domain/digits_sort",
               "support_mass", "topk_overlap", "cache_hit_rate", "prefetch_stall_s", "reward_mean", "staleness_mean"}
     assert needed <= set().union(*metrics)
+    assert metrics[0]["time/teacher"] > 0 and metrics[0]["time/policy"] > 0  # the first batch's teachers score it
+    probed = summary["stages"][3]
+    assert probed["phases_s"]["evaluation"] > 0  # its probes and the pipeline's evaluation
     cache = LogitCache(stage_dir / "logit_cache")
     assert set(cache.teachers()) == {"t_rev", "t_sort"}
     assert sum(len(cache.open_teacher(meta)) for meta in cache.teachers().values()) >= 8

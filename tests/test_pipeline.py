@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from opd_sao.config import ConfigError, parse_config
 from opd_sao.errors import UsageError
 from opd_sao.pipeline import run_pipeline
+from opd_sao.runs.timing import PHASES
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
@@ -42,6 +44,19 @@ def test_reasoning_stage_end_to_end(tmp_path, algo):
     metrics = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 4
     assert {"reward_mean", "mask_fraction", "staleness_hist", "trainer_idle_fraction", "samples_per_s"} <= set(metrics[-1])
+    for line in metrics:  # where each step's time went; the phases never add up past the step (4-place rounding)
+        phases = [line[f"time/{p}"] for p in PHASES]
+        assert all(t >= 0 for t in phases) and sum(phases) <= line["time/step"] + 1e-3, line
+    assert metrics[-1]["time/policy"] > 0  # (a critic algorithm's first step only warms the critic up)
+    assert (metrics[0]["time/critic"] > 0) == (algo in ("sao", "ppo"))  # only critic algorithms spend time there
+    assert stage["wall_s"] > 0 and stage["peak_rss_mb"] > 0
+    assert {"sft", "evaluation", "policy", "gate", "checkpoint", "generation"} <= set(stage["phases_s"])
+    assert sum(stage["phases_s"].values()) <= stage["wall_s"] + 0.1  # totals rounded to 0.01 s, wall time to 0.1 s
+    for field in ("eval_init_error", "eval_before_error", "eval_after_error"):
+        assert stage[field]["arithmetic"]["n"] == 8 and stage[field]["arithmetic"]["stderr"] >= 0
+    report = (tmp_path / "report.md").read_text()
+    assert re.search(r"\| arithmetic \| \d\.\d{3} ± \d\.\d{3} \(n=8\) \|", report)
+    assert "## Time and memory per stage" in report and "| reasoning | " in report.split("Time and memory")[1]
     trained = [t for line in (stage_dir / "trained.jsonl").read_text().splitlines() for t in json.loads(line)["traj_ids"]]
     assert len(trained) == 16 and len(set(trained)) == 16
     # the end of the line: plain transformers loads the checkpoint with its tokenizer, in the configured shape, and
@@ -87,6 +102,25 @@ def test_bad_overrides_are_reported(tmp_path, override, needle):
 def test_missing_config_file(tmp_path):
     result = _cli("run", "nowhere.yaml", cwd=tmp_path)
     assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def test_run_prints_progress_lines_with_an_eta_on_stdout(tmp_path):
+    """`opd-sao run` with its output in a pipe (no terminal): plain progress lines on stdout, every
+    logging.progress_every steps and after each task's last, each with the step, the task's figure, seconds per
+    step and the ETA."""
+    cfg = _config()
+    cfg["logging"] = {"wandb": False, "progress_every": 2, "progress_interval_s": 3600}  # no heartbeat lines (their
+    # test is in test_timing_progress.py): a loaded machine gets the same lines
+    (tmp_path / "run.yaml").write_text(json.dumps(cfg))
+    result = _cli("run", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    figure = r", [0-9.]+ s/step, ETA \d+(s|m\d\ds|h\d\dm)"
+    sft = [line for line in lines if line.startswith("[reasoning] sft")]
+    assert [line.split(",")[0] for line in sft] == ["[reasoning] sft step 2/3", "[reasoning] sft step 3/3"]
+    assert all(re.fullmatch(r"\[reasoning\] sft step \d/3, loss [0-9.]+" + figure, line) for line in sft), sft
+    sao = [line for line in lines if re.fullmatch(r"\[reasoning\] sao step \d/4, reward [0-9.]+" + figure, line)]
+    assert [line.split(",")[0] for line in sao] == ["[reasoning] sao step 2/4", "[reasoning] sao step 4/4"]
 
 
 def test_sft_stage_warms_up_every_domain_before_the_rl_stages(tmp_path):

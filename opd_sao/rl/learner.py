@@ -55,8 +55,10 @@ class Learner(ResumableLearner):
         mask = batch.action_mask
         seq_rewards = batch.rewards.sum(-1)
         metrics: dict[str, float] = {"reward_mean": float(seq_rewards.mean()), "batch_size": float(len(seq_rewards))}
-        with self.timer.phase("critic"):
-            values = self._critic_update(batch, metrics) if self.algorithm.critic else None
+        values = None
+        if self.algorithm.critic:
+            with self.timer.phase("critic"):
+                values = self._critic_update(batch, metrics)
         advantages, _ = self.algorithm.advantage(self._inputs(batch, values), self.cfg)
         self.baseline.update(seq_rewards)
         acted = mask.bool()
