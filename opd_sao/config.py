@@ -588,27 +588,26 @@ class RunConfig(Strict):
         for check in (self._check_stage_order, self._check_teachers, self._check_devices, self._check_groups,
                       self._check_eval_domains):
             check()
-        self._warn_tiny_defaults()
         return self
 
-    def _warn_tiny_defaults(self) -> None:
+    def tiny_defaults_left(self) -> list[str]:
         """With a checkpoint as model.path, one warning line per tiny-model default still in use that is not
-        replaced automatically (`_real_model_defaults`): the user should choose it for their model."""
+        replaced automatically (`_real_model_defaults`): the user should choose it for their model. A fresh run
+        logs them; a resumed one has none (its config.yaml sets every field)."""
         if self.model.path == TINY_MODEL:
-            return
+            return []
         tiny = [(f"rollout.{key}", RolloutConfig.model_fields[key].default,
                  [s.name for s in self.stages if s.kind != "sft" and key not in s.rollout.model_fields_set])
                 for key in ("max_new_tokens", "max_context_tokens")]  # (an sft stage generates nothing)
         tiny.append(("sft.lr", SFTConfig.model_fields["lr"].default,
                      [s.name for s in self.stages if s.sft.steps and "lr" not in s.sft.model_fields_set]))
-        for key, default, stages in tiny:
-            if stages:
-                log.warning("model.path %r is a checkpoint: %s is the tiny model's default %s in stage%s %s; set it "
-                            "for this model", self.model.path, key, default, "s" * (len(stages) > 1),
-                            ", ".join(map(repr, stages)))
+        lines = [f"model.path {self.model.path!r} is a checkpoint: {key} is the tiny model's default {default} in "
+                 f"stage{'s' * (len(stages) > 1)} {', '.join(map(repr, stages))}; set it for this model"
+                 for key, default, stages in tiny if stages]
         if "torch_threads" not in self.model_fields_set:
-            log.warning("model.path %r is a checkpoint: torch_threads is the tiny model's default %s; set it for this "
-                        "model (null: torch's default)", self.model.path, self.torch_threads)
+            lines.append(f"model.path {self.model.path!r} is a checkpoint: torch_threads is the tiny model's default "
+                         f"{self.torch_threads}; set it for this model (null: torch's default)")
+        return lines
 
     def _fill_stage_defaults(self) -> None:
         """A stage's prompt format is the run's, its DIS band its kind's paper values, its group size 8 for a grouped

@@ -224,6 +224,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
                 log(f"resuming with changed {', '.join(allowed)} (--allow-config-change)")
             return _run_stages(cfg, run_dir, log, resume=True)
     check_before_work(cfg)
+    for line in cfg.tiny_defaults_left():
+        log(f"warning: {line}")
     existing = create_run_dir(run_dir)
     with locked_run_dir(run_dir):  # refused: nothing is removed, the directory is the other run's
         try:

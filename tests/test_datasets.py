@@ -238,7 +238,7 @@ def test_byo_pipeline_smoke(tmp_path):
     from opd_sao.pipeline import run_pipeline
 
     overrides = ["logging.progress=false", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64",
-                 "trainer.train_batch_size=8", f"stages.chat.env_options.reward_options.path={tmp_path / 'rm'}",
+                 "trainer.train_batch_size=8", "trainer.critic_warmup_steps=1", f"stages.chat.env_options.reward_options.path={tmp_path / 'rm'}",
                  "stages.chat.env_options.reward_options.train_steps=5", "stages.opd.trainer.train_batch_size=6"]
     for stage in ("reasoning", "agent", "chat", "opd"):
         overrides += [f"stages.{stage}.steps=2", f"stages.{stage}.eval.num_tasks=2", f"stages.{stage}.eval.samples_per_task=1",

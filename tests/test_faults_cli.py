@@ -26,7 +26,7 @@ class NoopScoresEnv(ArithmeticEnv):
 
 def _config(tmp_path, **stage):
     config = {"seed": 0, "model": {"tiny": TINY}, "logging": {"wandb": False, "progress": False},
-              "trainer": {"train_batch_size": 4},
+              "trainer": {"train_batch_size": 4, "critic_warmup_steps": 0},
               "stages": [{"name": "r", "kind": "reasoning", "env": "arithmetic", "env_options": {"max_operand": 9},
                           "steps": 2, **stage}]}
     path = tmp_path / "run.yaml"

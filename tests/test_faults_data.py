@@ -63,7 +63,7 @@ def test_a_declared_reward_range_is_honoured(tmp_path):
 
 def _run_config(tmp_path: Path, env_options: dict, **stage) -> dict:
     return {"seed": 0, "model": {"tiny": TINY}, "logging": {"wandb": False, "progress": False},
-            "trainer": {"train_batch_size": 4},
+            "trainer": {"train_batch_size": 4, "critic_warmup_steps": 0},
             "stages": [{"name": "r", "kind": "reasoning", "env": "dataset", "env_options": env_options, "steps": 3,
                         "checkpoint_every": 1, "rollout": {"max_new_tokens": 4}, "eval": {"num_tasks": 2},
                         "gate": {"enabled": False}, **stage}]}

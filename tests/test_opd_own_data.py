@@ -4,7 +4,6 @@ follow the model (a checkpoint as model.path gets real-model values for what the
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from pathlib import Path
 
@@ -111,39 +110,39 @@ def test_a_stage_whose_steps_are_all_critic_warm_up_is_refused_in_one_line(tmp_p
     check_before_work(parse_config({**config, "stages": [{**stage, "steps": 11}]}))
 
 
-def test_a_checkpoint_gets_real_model_defaults_for_what_is_unset_and_its_run_keeps_them(tmp_path, tiny_model_dir,
-                                                                                       caplog):
+def test_a_checkpoint_gets_real_model_defaults_for_what_is_unset_and_its_run_keeps_them(tmp_path, tiny_model_dir):
     stage = {"name": "warm", "kind": "sft", "domains": ["arithmetic"], "sft": {"steps": 1, "batch_size": 4}}
     reasoning = {"name": "r", "kind": "reasoning", "env": "arithmetic", "steps": 20}
     config = {"seed": 0, "model": {"path": str(tiny_model_dir)}, **QUIET, "stages": [stage]}
-    with caplog.at_level(logging.WARNING, logger="opd_sao.config"):
-        cfg = parse_config({**config, "stages": [stage, reasoning]})
+    cfg = parse_config({**config, "stages": [stage, reasoning]})
     assert (cfg.trainer.policy_lr, cfg.trainer.critic_lr, cfg.prompt_format) == (1e-6, 1e-5, "chat")
     assert cfg.stages[1].rollout.prompt_format == "chat"  # (its tokenizer has a chat template)
-    lines = [r.getMessage() for r in caplog.records]
+    lines = cfg.tiny_defaults_left()  # one line per setting, naming the stages
     assert len(lines) == 3 and all(line.startswith(f"model.path {str(tiny_model_dir)!r} is a checkpoint: ")
                                    for line in lines)
-    assert "sft.lr is the tiny model's default 0.003 in stage 'warm'" in lines[2]  # one line per setting
-    assert "rollout.max_new_tokens is the tiny model's default 16 in stage 'r'" in lines[0]
-    assert "rollout.max_context_tokens" in lines[1]
+    assert "rollout.max_new_tokens is the tiny model's default 16 in stage 'r';" in lines[0]
+    assert "rollout.max_context_tokens is the tiny model's default 512 in stage 'r';" in lines[1]
+    assert "sft.lr is the tiny model's default 0.003 in stage 'warm';" in lines[2]  # (sft stages generate nothing)
     # what the user set is kept
     mine = parse_config({**config, "prompt_format": "raw", "trainer": {"policy_lr": 3e-4}})
     assert (mine.trainer.policy_lr, mine.trainer.critic_lr, mine.prompt_format) == (3e-4, 1e-5, "raw")
     # the tiny model keeps its own
     tiny = parse_config({**config, "model": {"path": "tiny"}})
     assert (tiny.trainer.policy_lr, tiny.trainer.critic_lr, tiny.prompt_format) == (1e-4, 5e-4, "raw")
+    assert tiny.tiny_defaults_left() == []
     # a tokenizer without a chat template: raw
     plain = shutil.copytree(tiny_model_dir, tmp_path / "plain")
     (plain / "chat_template.jinja").unlink()
     assert parse_config({**config, "model": {"path": str(plain)}}).prompt_format == "raw"
     # the run's config.yaml holds the resolved values, and --resume reads them back unchanged
-    cfg = parse_config(config)
-    run_pipeline(cfg, tmp_path / "run", log=lambda _msg: None)
+    cfg, logged = parse_config(config), []
+    run_pipeline(cfg, tmp_path / "run", log=logged.append)  # the run says what is left at the tiny model's
+    assert logged[0] == f"warning: {cfg.tiny_defaults_left()[0]}" and "sft.lr" in logged[0]
     written = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert written["trainer"]["policy_lr"] == 1e-6 and written["trainer"]["critic_lr"] == 1e-5
     assert written["prompt_format"] == "chat" and written["stages"][0]["rollout"]["prompt_format"] == "chat"
     resumed = load_config(tmp_path / "run" / "config.yaml")
-    assert resumed.model_dump() == cfg.model_dump()
+    assert resumed.model_dump() == cfg.model_dump() and resumed.tiny_defaults_left() == []
     logged = []
     run_pipeline(resumed, tmp_path / "run", log=logged.append, resume=True)
     assert logged[0] == "[warm] already complete, skipped"
