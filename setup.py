@@ -26,7 +26,7 @@ setup(
         "numpy",
         "matplotlib",  # report.md's plots
         "requests",
-        "urllib3>=2",  # the one HTTP retry policy (urllib3's Retry)
+        "urllib3>=2",  # the HTTP retry policy of the engines' clients (urllib3's Retry)
         "pyarrow",  # dataset environments: Parquet files
         "datasets",  # dataset environments: save_to_disk directories
         "math-verify",  # the math reward (LaTeX parsing through latex2sympy2-extended, which brings antlr4)

@@ -1,4 +1,7 @@
-"""The one retry policy of opd-sao's HTTP calls: urllib3's `Retry`, mounted on a `requests.Session`.
+"""The retry policy of opd-sao's `requests` calls (the SGLang-API clients, the fleet, weight sync, the served
+teacher): urllib3's `Retry`, mounted on a `requests.Session`. The LLM judge (`judge` reward,
+stages/envs/dataset/rewards.py) keeps a loop of its own: it talks through the `openai` client, honours
+`Retry-After`, and also tries again on a reply without a score, which no HTTP-level policy can see.
 
 Transient failures are tried again with exponential backoff: a connection refused or reset, a connect
 timeout, and the statuses a proxy or an overloaded server answers with (502/503/504; from a router also
