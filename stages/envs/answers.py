@@ -28,6 +28,8 @@ LINK = re.compile(r"[-+*/][-+]?")  # one binary operator between two numbers, th
 
 
 def normalised(text: str) -> str:
+    """LaTeX as plain arithmetic: integer fractions as a/b, operators as `* / -`, braces as parentheses, and every
+    other command, power or subscript as the letter E, so that the numbers inside it are not plain numbers."""
     text = FRACTION.sub(r"(\1/\2)", text)
     while NOT_PLAIN.search(text):  # innermost first: \sqrt{\frac{a}{b}} is one letter in the end
         text = NOT_PLAIN.sub("E", text)
