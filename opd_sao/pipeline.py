@@ -16,8 +16,8 @@ from opd_sao.engines import check_engine
 from opd_sao.errors import UsageError
 from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, disk_use
 from opd_sao.runs.data_fingerprint import check_data_record, write_data_record
-from opd_sao.runs.files import atomic_write, write_json
 from opd_sao.runs.evaluation import Score, evaluate_score
+from opd_sao.runs.files import atomic_write, write_json
 from opd_sao.runs.fingerprint import check_resume, started_stages, write_record
 from opd_sao.runs.lock import locked_run_dir
 from opd_sao.runs.progress import StageProgress
@@ -199,6 +199,14 @@ class Evaluator:
             }
         return self._seen[key]
 
+    def __call__(self, checkpoint: Path) -> dict[str, float]:
+        """Every domain's score, rounded to 4 places."""
+        return {name: round(score.mean, 4) for name, score in self.scores(checkpoint).items()}
+
+    def errors(self, checkpoint: Path) -> dict[str, dict]:
+        """Every domain's standard error and task count ({"stderr", "n"})."""
+        return {name: score.error() for name, score in self.scores(checkpoint).items()}
+
 
 def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = False,
                  allow_config_change: bool = False) -> dict:
@@ -257,6 +265,7 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
         for entry in summary["stages"]:
             ctx.checkpoints[entry["name"]] = Path(entry["checkpoint"])
             ctx.scores[entry["name"]] = entry["eval_after"]
+            ctx.score_errors[entry["name"]] = entry.get("eval_after_error", {})
     done = set(ctx.checkpoints)
     try:
         for stage_cfg in cfg.stages:
@@ -273,7 +282,9 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
                                          every=cfg.logging.progress_every, interval_s=cfg.logging.progress_interval_s)
             reset_peak_memory()
             try:
-                result = STAGES.get(stage_cfg.kind)(stage_cfg, ctx).run()
+                with ctx.progress.activity(f"{stage_cfg.kind} stage"):  # the heartbeat's line while nothing
+                    # finer runs (loading models, building the engine, a teacher's first load)
+                    result = STAGES.get(stage_cfg.kind)(stage_cfg, ctx).run()
                 start = result.start_checkpoint or ctx.resolve_checkpoint(stage_cfg.init_from)
                 with ctx.timer.phase("evaluation"), ctx.progress.activity("evaluation"):
                     scored = {"eval_before": evaluator(start), "eval_after": evaluator(result.checkpoint),
@@ -288,9 +299,12 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
                 "checkpoint": str(result.checkpoint),
                 **result.summary,
                 "wall_s": round(time.perf_counter() - t0, 1),
+                "phases_s": ctx.timer.stage_totals(),
+                **peak_memory(),
             }
             ctx.checkpoints[stage_cfg.name] = result.checkpoint
             ctx.scores[stage_cfg.name] = entry["eval_after"]
+            ctx.score_errors[stage_cfg.name] = entry["eval_after_error"]
             write_json(ctx.stage_dir(stage_cfg.name) / "summary.json", entry)
             summary["stages"].append(entry)
             write_json(run_dir / "summary.json", summary)

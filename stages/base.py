@@ -56,6 +56,7 @@ class RunContext:
     tokenizer: Any
     checkpoints: dict[str, Path] = field(default_factory=dict)  # completed stage name -> checkpoint
     scores: dict[str, dict[str, float]] = field(default_factory=dict)  # completed stage -> held-out score per domain
+    score_errors: dict[str, dict[str, dict]] = field(default_factory=dict)  # and its {stderr, n} per domain
     wandb_run: Any = None
     resume: bool = False
     # the running stage's: seconds per phase (metrics.jsonl, summary.json) and its progress lines on stdout; the

@@ -41,7 +41,7 @@ from opd_sao.engines import build_engine
 from opd_sao.errors import UsageError
 from opd_sao.rl.distill import DISTILL_TEMPERATURE, DomainSchedule, OPDLearner
 from opd_sao.rl.rollout import Episode, episodes_for
-from opd_sao.runs.evaluation import evaluate
+from opd_sao.runs.evaluation import evaluate_score
 from opd_sao.runs.tracking import read_jsonl
 from opd_sao.teachers import TEACHER_KINDS, Prefetcher, TeacherSet, TeacherTargets
 from opd_sao.teachers.routing import describe
@@ -97,6 +97,9 @@ class OPDStage(Stage):
         self._scores: dict[tuple[str, str, int], float] = {
             (str(Path(ckpt).resolve()), name, 0): score for stage, ckpt in self.ctx.checkpoints.items()
             for name, score in self.ctx.scores.get(stage, {}).items() if name in domains}
+        self._errors: dict[tuple[str, str, int], dict] = {  # and their standard errors ({stderr, n})
+            (str(Path(ckpt).resolve()), name, 0): error for stage, ckpt in self.ctx.checkpoints.items()
+            for name, error in self.ctx.score_errors.get(stage, {}).items() if name in domains}
         try:
             targets = TeacherTargets(registry, prefetcher, Path(opd.cache_dir or self.dir / "logit_cache"))
             targets.warm_up()  # teachers copy and load in the background from here on: trainer and engine
@@ -175,12 +178,16 @@ class OPDStage(Stage):
         cached per (checkpoint, domain) unless the checkpoint's weights change under the same path (probes)."""
         key = (str(Path(ckpt).resolve()), d.name, seed_offset)
         if not cached or key not in self._scores:
-            self._scores[key] = round(evaluate(ckpt, d.factory, self.ctx.tokenizer, domain=d.name,
-                                               rollout=d.eval_rollout, eval_cfg=d.eval_cfg,
-                                               seed=self.ctx.cfg.seed + seed_offset,
-                                               device=self.ctx.cfg.engine_device,
-                                               attn_implementation=self.ctx.cfg.model.attn_implementation), 4)
+            score = evaluate_score(ckpt, d.factory, self.ctx.tokenizer, domain=d.name, rollout=d.eval_rollout,
+                                   eval_cfg=d.eval_cfg, seed=self.ctx.cfg.seed + seed_offset,
+                                   device=self.ctx.cfg.engine_device,
+                                   attn_implementation=self.ctx.cfg.model.attn_implementation)
+            self._scores[key], self._errors[key] = round(score.mean, 4), score.error()
         return self._scores[key]
+
+    def _error(self, ckpt: Path, d: Domain) -> dict | None:
+        """The standard error of `_score(ckpt, d)` (None for a score from a run recorded before scores had one)."""
+        return self._errors.get((str(Path(ckpt).resolve()), d.name, 0))
 
     def _distillation(self, domains: dict[str, Domain], registry, start: Path, checkpoint: Path) -> dict:
         """Per domain: teacher score, student before / after, and the share of the teacher's score reached."""
@@ -190,7 +197,10 @@ class OPDStage(Stage):
             teacher, before, after = self._score(spec.checkpoint, d), self._score(start, d), self._score(checkpoint, d)
             out[name] = {"teacher": spec.name, "teacher_score": teacher, "student_before": before,
                          "student_after": after,
-                         "recovered": round(after / teacher, 4) if teacher > 0 else None}
+                         "recovered": round(after / teacher, 4) if teacher > 0 else None,
+                         "teacher_score_error": self._error(spec.checkpoint, d),
+                         "student_before_error": self._error(start, d),
+                         "student_after_error": self._error(checkpoint, d)}
         return out
 
 

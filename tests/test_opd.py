@@ -621,8 +621,11 @@ def test_opd_stage_end_to_end(tmp_path):
     for domain, row in stage["distillation"].items():
         assert {"teacher", "teacher_score", "student_before", "student_after", "recovered"} <= set(row)
         assert row["student_after"] == stage["eval_after"][domain]  # same settings as the pipeline's evaluation
+        assert row["student_after_error"] == stage["eval_after_error"][domain] and row["student_after_error"]["n"] > 1
     rev = summary["stages"][0]["eval_after"]["digits_reverse"]
     assert stage["distillation"]["digits_reverse"]["teacher_score"] == rev
+    assert stage["distillation"]["digits_reverse"]["teacher_score_error"] == \
+        summary["stages"][0]["eval_after_error"]["digits_reverse"]  # the pipeline's, not scored again
     assert stage["prefetch"]["loads"] >= 2 and stage["gate"]["passed"]
     stage_dir = tmp_path / "stages" / "opd"
     metrics = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines()]
