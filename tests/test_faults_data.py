@@ -15,6 +15,7 @@ from opd_sao.config import TrainerConfig, parse_config
 from opd_sao.pipeline import run_pipeline
 from opd_sao.runs.checkpointing import StageState
 from opd_sao.stages.envs.dataset import DatasetEnv
+from opd_sao.stages.envs.rewards import RewardFailure
 from opd_sao.stages.envs.validity import check_environment
 from opd_sao.trainers.base import NonFiniteError
 from opd_sao.trainers.torch_backend import TorchTrainer
@@ -42,9 +43,14 @@ def python_reward(tmp_path: Path, otherwise: str, *, oracle: str = "1.0", empty:
 
 @pytest.mark.parametrize("value", ["math.nan", "math.inf", "-1e308", "1.5"])
 def test_a_reward_outside_its_range_fails_the_validity_check_naming_the_tasks(tmp_path, value):
-    """Before: NaN (and -1e308 from a no-op) passed the check, since every comparison with NaN is false."""
+    """Before: NaN (and -1e308 from a no-op) passed the check, since every comparison with NaN is false. A python
+    reward's NaN or infinity is a reward error since issue 43: scored 0, and the check stops past `max_errors`."""
     function = python_reward(tmp_path, "0.0", oracle=value)
     env = lambda: DatasetEnv(path=str(rows_file(tmp_path)), reward="python", reward_options={"function": function})
+    if value in ("math.nan", "math.inf"):
+        with pytest.raises(RewardFailure, match=r"failed on task 'q\d+': ValueError: returned (nan|inf), not a finite"):
+            check_environment("dataset", env)
+        return
     report = check_environment("dataset", env)
     assert not report.ok and len(report.failures["reward"]) == len(report.tasks) == 16
     assert "finite number in reward_range [0.0, 1.0]" in report.describe() and "q" in report.describe()
@@ -72,10 +78,11 @@ def _run_config(tmp_path: Path, env_options: dict, **stage) -> dict:
 def test_a_nan_reward_during_rollouts_stops_the_run_naming_the_task_and_nothing_is_saved(tmp_path):
     """Before: the NaN trained, the checkpoint and the resumable state were written as NaN, and evaluation
     crashed with a multinomial traceback. The oracle and the no-op score 1 and 0, so the validity check passes."""
-    function = python_reward(tmp_path, "math.nan")
+    function = python_reward(tmp_path, "math.nan")  # a reward error since issue 43: here, no error is tolerated
+    options = {"function": function, "max_errors": 0, "max_error_rate": 0}
     cfg = parse_config(_run_config(tmp_path, {"path": str(rows_file(tmp_path)), "reward": "python",
-                                              "reward_options": {"function": function}}))
-    with pytest.raises(ValueError, match=r"PythonReward scored task 'q\d+' nan: a score must be a finite number"):
+                                              "reward_options": options}))
+    with pytest.raises(RewardFailure, match=r"failed on task 'q\d+': ValueError: returned nan, not a finite number"):
         run_pipeline(cfg, tmp_path / "run", log=lambda m: None)
     stage = tmp_path / "run" / "stages" / "r"
     assert not (stage / "state").exists() and not (stage / "checkpoint").exists()
@@ -271,7 +278,7 @@ def test_a_python_reward_that_hangs_times_out_scores_zero_and_is_counted(tmp_pat
     verdict = reward.score(ROWS[0], "hang")
     assert verdict.score == 0.0 and verdict.info == {"timeout": True}
     assert reward.score(ROWS[1], ROWS[1]["answer"]).score == 1.0  # a fresh worker
-    assert reward.stats() == {"calls": 3, "timeouts": 1}
+    assert reward.stats() == {"calls": 3, "timeouts": 1, "errors": 0, "output_bytes": 0}
 
 
 def test_the_judge_honours_retry_after_and_reads_the_last_score():

@@ -159,8 +159,8 @@ def test_python_reward_float_and_info(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))  # module:function form, importable from sys.path
     verdict = build_reward("python", {"function": "my_rewards:graded"}).score({"answer": "4"}, "5")
     assert (verdict.score, verdict.feedback) == (0.0, "try again")
-    with pytest.raises(ValueError, match="must return a float"):
-        build_reward("python", {"function": f"{path}:bad"}).score({}, "x")
+    bad = build_reward("python", {"function": f"{path}:bad"}).score({}, "x")  # a reward error: 0, counted
+    assert bad.score == 0.0 and "must return a float" in bad.info["error"]
     with pytest.raises(ValueError, match="has no function 'missing'"):
         build_reward("python", {"function": f"{path}:missing"})
     with pytest.raises(ValueError, match="module:function"):

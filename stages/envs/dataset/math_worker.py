@@ -1,10 +1,8 @@
-"""The math reward's checker process: reads {"prediction", "reference", "timeout_s"} lines on stdin, writes
-{"equal": bool} lines. It is a separate process because math-verify's per-verification timeout uses
+"""The math reward's checker, the handler of a worker process (`worker_loop.py`): answers {"prediction",
+"reference", "timeout_s"} jobs with {"equal": bool}. It is a separate process because math-verify's per-verification timeout uses
 signal.alarm, which works only in a main thread (rollouts score on worker threads), and because a sympy
-call stuck past every timeout can then be killed. Standalone: run as a script, it imports only math-verify.
+call stuck past every timeout can then be killed. Standalone: loaded by path, it imports only math-verify.
 """
-import json
-import sys
 
 
 def equivalent(prediction: str, reference: str, timeout_s: int) -> bool:
@@ -17,18 +15,15 @@ def equivalent(prediction: str, reference: str, timeout_s: int) -> bool:
     return bool(gold) and bool(pred) and bool(verify(gold, pred, timeout_seconds=timeout_s))
 
 
-if __name__ == "__main__":
+def handler():
     import logging
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the run, which ends this process itself
 
     logging.disable(logging.WARNING)  # math-verify logs every unparsable answer
-    for line in sys.stdin:
-        job = json.loads(line)
+
+    def handle(job: dict) -> dict:
         try:
-            equal = equivalent(job["prediction"], job["reference"], job["timeout_s"])
+            return {"equal": equivalent(job["prediction"], job["reference"], job["timeout_s"])}
         except Exception:  # an answer math-verify cannot handle is not equal
-            equal = False
-        sys.stdout.write(json.dumps({"equal": equal}) + "\n")
-        sys.stdout.flush()
+            return {"equal": False}
+
+    return handle

@@ -1,13 +1,13 @@
-"""The python reward's worker process: imports the reward function once, then reads {"task", "response"} lines and
-writes {"out": the function's return value} or {"error": one line} lines. Standalone (the stdlib only, as the
-math worker), so it starts fast; `import_function` is also the reward's, which checks the name in the run. A process of its own so that a function
-that hangs can be killed at its deadline (`timeout_s`); it sees the run's sys.path (argv[1]), so a function
-importable in the run is importable here. Ctrl-C is ignored: the run ends this process itself.
+"""The python reward's handler in its worker process (`worker_loop.py`): imports the reward function once, then
+answers each {"task", "response"} job with {"score": a finite float, "info": a dict} or {"error": one line}.
+Standalone (the stdlib only, as the math checker), so it starts fast; `import_function` is also the reward's,
+which checks the name in the run. A process of its own so that a function that hangs can be killed at its deadline
+(`timeout_s`); it sees the run's sys.path, so a function importable in the run is importable here.
 """
 import importlib
 import importlib.util
 import json
-import signal
+import math
 import sys
 from pathlib import Path
 from typing import Callable
@@ -35,16 +35,30 @@ def import_function(spec: str) -> Callable:
     return function
 
 
-if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.path[:] = json.loads(sys.argv[1])
-    function = import_function(sys.argv[2])
-    for line in sys.stdin:
-        job = json.loads(line)
-        try:
-            answer = {"out": function(job["task"], job["response"])}
-            text = json.dumps(answer, default=float)  # numpy scalars too
-        except Exception as err:  # the reward's own failure, reported to the run
-            text = json.dumps({"error": f"{type(err).__name__}: {err}".splitlines()[0][:300]})
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
+def as_score(value) -> float:
+    """A finite float from what the function returned: a number (an int, a float, a numpy scalar), else ValueError."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        raise ValueError(f"must return a float or (float, dict), got {value!r:.80}")
+    try:
+        score = float(value)
+    except OverflowError:
+        raise ValueError(f"returned {str(value)[:40]}..., too large for a float") from None
+    if not math.isfinite(score):
+        raise ValueError(f"returned {score}, not a finite number")
+    return score
+
+
+def handler(path: str, spec: str) -> Callable[[dict], dict]:
+    sys.path[:] = json.loads(path)
+    function = import_function(spec)
+
+    def handle(job: dict) -> dict:
+        out = function(job["task"], job["response"])
+        info = {}
+        if isinstance(out, (tuple, list)):
+            if len(out) != 2 or not isinstance(out[1], dict):
+                raise ValueError(f"must return a float or (float, dict), got {out!r:.80}")
+            out, info = out
+        return {"score": as_score(out), "info": json.loads(json.dumps(info, default=str))}
+
+    return handle

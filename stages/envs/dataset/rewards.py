@@ -7,17 +7,21 @@ exact, math, code_tests and (by default) python; not the reward model and the ju
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
+import os
 import re
 import select
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from opd_sao.errors import UsageError
 from opd_sao.stages.envs.answers import after_prompt, unevaluated
@@ -86,29 +90,91 @@ def last_number(text: str) -> Optional[str]:
 
 
 class Worker:
-    """One worker process (a script of this package, run with `args`), asked one JSON job at a time; a job past its
-    deadline kills it (a new one starts on the next job) and has no answer (None). Workers ignore Ctrl-C: the run
-    ends them, so an interrupted run is not reported as a reward timing out."""
+    """One worker process (`worker_loop.py` with the handler script `script` of this package and `args`), asked one
+    JSON job at a time over a socket of its own, each answer matched to its request by id. A job past its deadline
+    kills the worker (a new one starts on the next job) and has no answer (None); a worker that dies answers
+    {"error": ...}. The worker runs in a session of its own, and its whole process group (what the reward forked)
+    is killed with it: when it is replaced, when the run exits, and by the worker itself when the run is gone. Its
+    stdout and stderr (a reward's prints) are read and counted (`output_bytes`), never parsed; the first line is
+    logged once. Workers are outside the terminal's process group: Ctrl-C reaches the run, which ends them."""
 
     def __init__(self, script: str, args: tuple[str, ...] = (), startup_s: float = 60.0, isolated: bool = True):
-        self.command = [sys.executable, *(["-I"] if isolated else []), str(Path(__file__).with_name(script)), *args]
+        here = Path(__file__).parent
+        self.command = [sys.executable, *(["-I"] if isolated else []), str(here / "worker_loop.py")]
+        self.args = (str(here / script), *args)
         self.startup_s, self._proc, self._lock = startup_s, None, threading.Lock()
+        self._channel: Optional[socket.socket] = None
+        self._buffer, self._next_id, self.output_bytes = b"", 0, 0
+        atexit.register(self.close)
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair()
+        self._proc = subprocess.Popen([*self.command, str(theirs.fileno()), *self.args], pass_fds=(theirs.fileno(),),
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        theirs.close()
+        self._channel, self._buffer = ours, b""
+        threading.Thread(target=self._drain, args=(self._proc.stdout,), daemon=True).start()
+
+    def _drain(self, output) -> None:
+        """Counts what the worker (the reward) prints; logs its first line once, so a debugging print is seen."""
+        while chunk := output.read1(65536):
+            if not self.output_bytes:
+                logger.warning("a reward worker (%s) printed %r...; its output is counted (output_bytes), not kept",
+                               Path(self.args[0]).name, chunk.splitlines()[0][:200].decode(errors="replace"))
+            self.output_bytes += len(chunk)
+        output.close()
+
+    def _read(self, request_id: int, deadline: float) -> Optional[dict]:
+        """The answer to `request_id`; None at the deadline; {"error"} when the worker closed its end."""
+        while True:
+            while b"\n" in self._buffer:
+                line, self._buffer = self._buffer.split(b"\n", 1)
+                answer = json.loads(line)
+                if answer.pop("id", None) == request_id:
+                    return answer
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._channel], [], [], left)[0]:
+                return None
+            chunk = self._channel.recv(65536)
+            if not chunk:
+                code = self._proc.wait()
+                return {"error": f"the worker process exited (code {code}) before answering"}
+            self._buffer += chunk
 
     def ask(self, job: dict, deadline_s: float) -> Optional[dict]:
         with self._lock:
-            fresh = self._proc is None or self._proc.poll() is not None
+            fresh = self._proc is None
             if fresh:
-                self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            self._proc.stdin.write(json.dumps(job, default=str) + "\n")
-            self._proc.stdin.flush()
-            if select.select([self._proc.stdout], [], [], deadline_s + (self.startup_s if fresh else 0))[0]:
-                line = self._proc.stdout.readline()
-                if line:
-                    return json.loads(line)
-            self._proc.kill()
-            self._proc.wait()
-            self._proc = None
-            return None
+                self._start()
+            self._next_id += 1
+            try:
+                self._channel.sendall((json.dumps({"id": self._next_id, "job": job}, default=str) + "\n").encode())
+                answer = self._read(self._next_id, time.monotonic() + deadline_s + (self.startup_s if fresh else 0))
+            except (BrokenPipeError, ConnectionResetError):
+                answer = {"error": f"the worker process exited (code {self._proc.wait()}) before answering"}
+            if answer is None or self._proc.poll() is not None:
+                self._stop()
+            return answer
+
+    def _stop(self) -> None:
+        """Kills the worker's process group (the worker and whatever the reward started) and closes its socket."""
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._proc.wait()
+        self._channel.close()
+        self._proc, self._channel = None, None
+
+    def close(self) -> None:
+        """At exit: kill the group, without the lock (a rollout thread may be waiting on this worker)."""
+        proc = self._proc
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @register_reward("math")
@@ -127,7 +193,8 @@ class MathReward(Reward):
 
     Each check gets `timeout_s` seconds per parse and per comparison (math-verify's own limit, in a checker
     process: `math_worker.py`), and a backstop of twice that (plus `startup_s` for a fresh process) after which
-    the process is killed; a check past it scores 0 and is counted (`stats`: checks, timeouts, no_answer).
+    the process is killed; a check past it (or whose checker died) scores 0 and is counted (`stats`: checks, timeouts,
+    no_answer).
     """
 
     needs = ("answer",)
@@ -157,7 +224,7 @@ class MathReward(Reward):
             self.counts["checks"] += 1
             job = {"prediction": key[0], "reference": key[1], "timeout_s": self.timeout_s}
             answer = self.checker.ask(job, 2 * self.timeout_s)  # parse twice, verify once, each limited
-            equal = None if answer is None else bool(answer["equal"])
+            equal = None if answer is None or "equal" not in answer else bool(answer["equal"])
             if equal is None:
                 self.counts["timeouts"] += 1
                 logger.warning("math reward: checking %r against %r timed out; scored 0", *key)
@@ -444,12 +511,18 @@ class PythonReward(Reward):
     it reads ("answer", "tests"), so rows without them are reported as malformed; `reward_range` is the range its
     scores must lie in ([0, 1]).
 
-    It runs in a worker process (`python_worker.py`, as the math checker), one call at a time: a call that takes
-    longer than `timeout_s` kills the worker and scores 0, counted (`stats`: calls, timeouts) and logged."""
+    It runs in a worker process (`python_worker.py` under `worker_loop.py`, as the math checker), one call at a
+    time, answering over a socket of its own: the function may print, run subprocesses or fork freely. A call that
+    takes longer than `timeout_s` kills the worker (and whatever it started) and scores 0, counted (`stats`: calls,
+    timeouts) and logged. A reward error (an exception, `sys.exit`, a worker that dies, a return that is not a finite
+    number or (number, dict): a string, None, 10**400, NaN) scores 0 too (the low end of `reward_range` when 0 is
+    outside it), counted (`errors`, `first_error`) and logged; the run stops with one line once there are more than
+    `max_errors` of them and they are more than `max_error_rate` of the calls: a function that fails on most tasks is
+    a bug to fix, not a reward to train on."""
 
     def __init__(self, function: str, verifier: bool = True, multi_turn: bool = False, slow: bool = False,
                  needs: tuple[str, ...] = (), reward_range: tuple[float, float] = (0.0, 1.0), timeout_s: float = 30.0,
-                 startup_s: float = 60.0):
+                 startup_s: float = 60.0, max_errors: int = 10, max_error_rate: float = 0.05):
         import_function(function)  # a bad name is one line now, not a dead worker later
         self.name = function
         self.verifier, self.multi_turn, self.slow, self.needs = verifier, multi_turn, slow, tuple(needs)
@@ -458,30 +531,42 @@ class PythonReward(Reward):
             raise UsageError(f"python reward: reward_range must be [low, high], finite, low < high (got {reward_range!r})")
         if not timeout_s > 0:
             raise UsageError(f"python reward: timeout_s must be > 0 (got {timeout_s})")
+        if max_errors < 0 or not 0 <= max_error_rate <= 1:
+            raise UsageError(f"python reward: need max_errors >= 0 and max_error_rate in [0, 1] (got {max_errors}, "
+                             f"{max_error_rate})")
         self.reward_range = (float(reward_range[0]), float(reward_range[1]))
+        self.zero = min(max(0.0, self.reward_range[0]), self.reward_range[1])  # what a failed call scores
         self.timeout_s = float(timeout_s)
+        self.max_errors, self.max_error_rate = max_errors, max_error_rate
         self.worker = Worker("python_worker.py", (json.dumps(sys.path), function), startup_s, isolated=False)
-        self.counts = {"calls": 0, "timeouts": 0}
+        self.counts = {"calls": 0, "timeouts": 0, "errors": 0}
+        self.first_error = ""
 
     def score(self, task: dict, response: str) -> Verdict:
         self.counts["calls"] += 1
         answer = self.worker.ask({"task": task, "response": response}, self.timeout_s)
         if answer is None:
             self.counts["timeouts"] += 1
-            logger.warning("python reward %s: no answer on task %r within timeout_s=%s; scored 0", self.name,
-                           task.get("id"), self.timeout_s)
-            return Verdict(0.0, info={"timeout": True})
+            logger.warning("python reward %s: no answer on task %r within timeout_s=%s; scored %s", self.name,
+                           task.get("id"), self.timeout_s, self.zero)
+            return Verdict(self.zero, info={"timeout": True})
         if "error" in answer:
-            raise ValueError(f"python reward {self.name} failed on task {task.get('id')!r}: {answer['error']}")
-        out: Any = answer["out"]
-        info = {}
-        if isinstance(out, list):  # a (float, dict) tuple, through JSON
-            if len(out) != 2 or not isinstance(out[1], dict):
-                raise ValueError(f"python reward {self.name}: must return a float or (float, dict), got {out!r}")
-            out, info = out
-        if not isinstance(out, (int, float)):
-            raise ValueError(f"python reward {self.name}: must return a float or (float, dict), got {out!r}")
-        return Verdict(float(out), str(info.get("feedback", "")), info)
+            return self._error(task, answer["error"])
+        info = answer["info"]
+        return Verdict(answer["score"], str(info.get("feedback", "")), info)
+
+    def _error(self, task: dict, error: str) -> Verdict:
+        """A reward error: scored `zero`, counted and logged; past the limits, the end of the run."""
+        why = f"python reward {self.name} failed on task {task.get('id')!r}: {error}"
+        self.counts["errors"] += 1
+        self.first_error = self.first_error or why
+        errors, calls = self.counts["errors"], self.counts["calls"]
+        if errors > self.max_errors and errors > self.max_error_rate * calls:
+            raise RewardFailure(f"{why} ({errors} reward errors in {calls} calls: more than max_errors="
+                                f"{self.max_errors} and max_error_rate={self.max_error_rate})")
+        logger.warning("%s; scored %s (reward error %d)", why, self.zero, errors)
+        return Verdict(self.zero, info={"error": error})
 
     def stats(self) -> dict:
-        return dict(self.counts)
+        return {**self.counts, "output_bytes": self.worker.output_bytes,
+                **({"first_error": self.first_error} if self.first_error else {})}
