@@ -16,10 +16,24 @@ from opd_sao.consistency.audit import json_options
 from opd_sao.errors import OpdSaoError, UsageError
 
 
+def _launch_env(name: str, default: int) -> int:
+    """RANK or WORLD_SIZE as a launcher sets them; anything else is refused before any work (a bad WORLD_SIZE
+    used to be read only after the whole run had finished)."""
+    raw = os.environ.get(name, str(default))
+    try:
+        return int(raw)
+    except ValueError:
+        raise UsageError(f"environment variable {name}={raw!r} is not a whole number (set by a launcher such as "
+                         f"torchrun; unset it for a single process)") from None
+
+
 def _cmd_run(args) -> int:
     from .config import load_config
     from .pipeline import default_run_dir, run_pipeline
 
+    rank, world = _launch_env("RANK", 0), _launch_env("WORLD_SIZE", 1)
+    if not 0 <= rank < world:
+        raise UsageError(f"environment variables RANK={rank} and WORLD_SIZE={world}: a rank is in [0, WORLD_SIZE)")
     if args.resume:
         run_dir = Path(args.resume)
         if args.config or args.overrides:
@@ -32,7 +46,7 @@ def _cmd_run(args) -> int:
             raise UsageError("give a config file (opd-sao run CONFIG) or --resume RUN_DIR")
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(args.run_dir or cfg.run_dir or default_run_dir(args.config))
-    if int(os.environ.get("RANK", "0")) > 0:  # a further rank of a DeepSpeed launch: rank 0 runs the pipeline
+    if rank > 0:  # a further rank of a DeepSpeed launch: rank 0 runs the pipeline
         from .trainers.deepspeed_backend import follow
 
         return follow(cfg)
@@ -50,6 +64,8 @@ def _cmd_run(args) -> int:
             raise
         print(_resume_hint(run_dir, f"error: {why}"), file=sys.stderr)
         return 1
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _finished_on_sigterm)
     print(f"\nrun finished: {run_dir}")
     print(f"{'stage':<12} {'kind':<10} {'algo':<8} {'gate':<7} eval after (held-out, per domain)")
     for stage in summary["stages"]:
@@ -100,6 +116,17 @@ def _resume_hint(run_dir: Path, what: str) -> str:
 def _stop_on_sigterm(signum, frame) -> None:
     """SIGTERM ends a run as Ctrl-C does (the loops unwind, the resume command is printed)."""
     raise KeyboardInterrupt("SIGTERM")
+
+
+def _finished_on_sigterm(signum, frame) -> None:
+    """SIGTERM once the run has finished (summary.json written) ends the process at once with status 0: nothing is
+    left to stop, and an exception raised into the final output or interpreter teardown is a traceback."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
 
 
 def _cmd_cache(args) -> int:
@@ -183,6 +210,18 @@ def _cmd_models(args) -> int:
     return 0
 
 
+def _int_in(low: int, high: int):
+    """An argparse type: a whole number in [low, high] (argparse names the flag when it is refused)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
+        return value
+
+    parse.__name__ = "whole number"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opd-sao", description=__doc__)
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher's
@@ -225,13 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_audit_parser(sub, _environment)
     serve = sub.add_parser("serve", help="serve a checkpoint for rollouts over SGLang's native HTTP API")
     serve.add_argument("checkpoint", help="a local HF-format model directory")
-    serve.add_argument("--port", type=int, required=True)
+    serve.add_argument("--port", type=_int_in(1, 65535), required=True)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--max-batch", type=int, default=32, help="sequences decoded together (continuous batch)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     serve.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     serve.add_argument("--seed", type=int, default=0, help="sampling seed")
-    serve.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    serve.add_argument("--threads", type=_int_in(0, 4096), default=0,  # config's MAX_THREADS
+                       help="torch CPU threads (0: torch's default)")
     serve.add_argument("--weight-version", default="default", help="reported until the first weight update (as SGLang)")
     serve.add_argument("--max-new-tokens", type=int, default=8192,
                        help="the most sampling_params.max_new_tokens a request may ask for (more: HTTP 400)")
@@ -316,7 +356,7 @@ def _leave_the_launch(code: int) -> None:
     if "torch.distributed" in sys.modules:
         import torch.distributed as dist
 
-        if dist.is_initialized() or int(os.environ.get("RANK", "0")) > 0:
+        if dist.is_initialized() or _launch_env("RANK", 0) > 0:
             from .trainers.deepspeed_backend import shut_down
 
             shut_down(code)
@@ -339,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code = args.func(args)
-        if args.command == "run" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if args.command == "run" and _launch_env("WORLD_SIZE", 1) > 1:
             _leave_the_launch(code)
         return code
     except Exception as err:

@@ -14,6 +14,8 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 
@@ -49,8 +51,44 @@ class ConfigError(UsageError):
     """A user mistake in a config file or override, reported as one line."""
 
 
+def _one_path_component(value: str) -> str:
+    """A name that becomes a folder or file name (a stage's folder, a teacher's disk-tier copy): exactly one path
+    component, so that no name reaches outside the run directory or lands in its parent folder."""
+    if not value or value in (".", "..") or any(c in value for c in "/\\\0"):
+        raise ValueError(f"{value!r} is not a usable name: it becomes a folder name, so it must be non-empty, not "
+                         f"'.' or '..', and hold no '/', '\\' or NUL")
+    return value
+
+
+PathName = Annotated[str, AfterValidator(_one_path_component)]
+MAX_BATCH = 2**20  # the most of anything one step or call may hold (trajectories, examples, sequences)
+MAX_THREADS = 4096
+
+
+def _plain_type(annotation) -> set:
+    """The classes an annotation admits (Optional and Annotated unwrapped)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _plain_type(args[0])
+    if origin in (Union, UnionType):
+        return set().union(*(_plain_type(a) for a in args))
+    return {origin or annotation}
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """Every section: unknown keys refused, and every float finite (`gt=0` alone lets `.inf` through)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """`steps: true` is a mistake, not the number 1 (pydantic's lax mode would read it so)."""
+        if isinstance(value, bool):
+            kinds = _plain_type(cls.model_fields[info.field_name].annotation)
+            if kinds & {int, float} and bool not in kinds and Any not in kinds:
+                raise ValueError(f"a number is needed, not the boolean {str(value).lower()}")
+        return value
 
 
 def describe(description: str, default: Any = ..., **constraints) -> Any:
@@ -81,6 +119,16 @@ class TinyModelConfig(Strict):
     num_heads: int = describe("attention heads", 4, ge=1)
     num_kv_heads: int = describe("key/value heads (grouped-query attention when fewer than num_heads)", 2, ge=1)
     max_positions: int = describe("maximum sequence length (positions)", 1024, ge=64)
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> "TinyModelConfig":
+        """The shapes transformers would refuse (or mis-build) only when the model is built, refused here."""
+        if self.hidden_size % (2 * self.num_heads):
+            raise ValueError(f"hidden_size {self.hidden_size} must be a multiple of 2 x num_heads {self.num_heads} "
+                             f"(an even head size, as rotary embeddings need)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads {self.num_kv_heads} must divide num_heads {self.num_heads}")
+        return self
 
 
 class ModelConfig(Strict):
@@ -128,7 +176,7 @@ class EngineConfig(Strict):
     admin_api_key: Optional[str] = describe(
         "kind=http: the key SGLang's admin endpoints (weight updates, /flush_cache) are sent with (its "
         "--admin-api-key); default: the environment's OPD_SAO_ADMIN_API_KEY, else api_key", None)
-    max_batch: int = describe("concurrent sequences in the continuous batch", 32, ge=1)
+    max_batch: int = describe("concurrent sequences in the continuous batch", 32, ge=1, le=MAX_BATCH)
     dtype: Dtype = describe("embedded engine weights' dtype", "float32")
     overlap: bool = describe(
         "embedded: generate while the trainer computes (two threads at once: less wall time); false: the two take "
@@ -173,14 +221,14 @@ class TrainerConfig(Strict):
     adam_betas: tuple[float, float] = describe("policy and critic AdamW betas (torch; DeepSpeed unless its config "
                                                "names an optimizer)", (0.9, 0.999))
     weight_decay: float = describe("AdamW weight decay", 0.0, ge=0)
-    train_batch_size: int = describe("trajectories per policy step", 16, ge=1)
+    train_batch_size: int = describe("trajectories per policy step", 16, ge=1, le=MAX_BATCH)
     dtype: TrainerDtype = describe("the trainer's compute dtype; bfloat16 is mixed precision: weights, gradients and "
                                    "optimizer stay float32 (torch: autocast; deepspeed: its bf16 mode), checkpoints "
                                    "are written float32 (torch) or bfloat16 (deepspeed); float64: weights, optimizer "
                                    "and compute in float64 (exactness checks)", "float32")
     micro_batch_size: Optional[int] = describe(
         "trajectories per forward/backward pass (per rank under DeepSpeed); a step's gradients are accumulated over "
-        "its micro-batches and its update is the whole batch's (null: the whole batch at once)", None, ge=1)
+        "its micro-batches and its update is the whole batch's (null: the whole batch at once)", None, ge=1, le=MAX_BATCH)
     max_tokens_per_micro_batch: Optional[int] = describe(
         "token budget of a forward/backward pass: rows x longest sequence (padding included); trajectories are "
         "packed by length to minimise padding, a longer one goes alone (null: no budget; with micro_batch_size "
@@ -224,7 +272,7 @@ class RolloutConfig(Strict):
     asynchronous: bool = describe("True: generation runs ahead of training within the staleness bound; False: "
                                   "synchronous group batching (a step waits for its whole batch)", True)
     group_size: Optional[int] = describe("rollouts per prompt; default from the algorithm (1, or 8 for grouped "
-                                         "algorithms)", None, ge=1)
+                                         "algorithms)", None, ge=1, le=MAX_BATCH)
     max_staleness: int = describe("policy versions a trajectory may lag; older ones are dropped", 4, ge=0)
     sync_every: int = describe("policy steps between weight syncs to the engine", 1, ge=1)
     max_turns: int = describe("environment turns per episode", 1, ge=1)
@@ -275,7 +323,8 @@ class AlgoConfig(Strict):
                               "value, agent 0.8, reasoning and others 0.3)", DEFAULT_DIS_BOUNDS[0], ge=0, le=1)
     eps_high: float = describe("DIS: tokens with ratio above 1 + eps_high are masked (unset: the stage kind's paper "
                                "value, agent 3.0, reasoning and others 5.0)", DEFAULT_DIS_BOUNDS[1], ge=0)
-    alpha: float = describe("length-adaptive policy lambda = 1 - 1/(alpha * l)", 1.5, gt=0)
+    alpha: float = describe("length-adaptive policy lambda = 1 - 1/(alpha * l), l >= 1 action tokens (alpha >= 1 "
+                            "keeps lambda in [0, 1))", 1.5, ge=1, le=1e6)
     gamma: float = describe("discount", 1.0, ge=0, le=1)
     ppo_clip: float = describe("ppo, grpo: clip range of the ratio to pi_old", 0.2, gt=0)
     ppo_lambda: float = describe("ppo: GAE lambda", 0.95, ge=0, le=1)
@@ -288,10 +337,10 @@ class CriticPretrainConfig(Strict):
     rolls out on training tasks and the critic is fitted to those rollouts' Monte-Carlo returns, so the first
     policy steps get advantages from a critic that already knows the task instead of a zero value head."""
 
-    rollouts: int = describe("rollouts of the start policy to fit the critic on (0: off)", 0, ge=0)
+    rollouts: int = describe("rollouts of the start policy to fit the critic on (0: off)", 0, ge=0, le=MAX_BATCH)
     steps: int = describe("critic optimizer steps on minibatches of those rollouts", 0, ge=0)
     batch_size: Optional[int] = describe("trajectories per critic step (default: the stage's "
-                                         "trainer.train_batch_size)", None, ge=1)
+                                         "trainer.train_batch_size)", None, ge=1, le=MAX_BATCH)
     carry_over: bool = describe(
         "start the critic from the one the latest earlier stage with the same env trained (saved next to its "
         "checkpoint, stages/<name>/critic) instead of from the start policy's backbone; pre-training, if on, "
@@ -311,16 +360,16 @@ class SFTConfig(Strict):
     steps: int = describe("optimizer steps (0: no warm start)", 0, ge=0)
     lr: float = describe("AdamW learning rate (the tiny model's: with a checkpoint as model.path, a warning names the "
                          "stages that leave it unset)", 3e-3, gt=0)
-    batch_size: int = describe("examples per step", 32, ge=1)
+    batch_size: int = describe("examples per step", 32, ge=1, le=MAX_BATCH)
 
 
 class EvalConfig(Strict):
     """Held-out evaluation after every stage."""
 
-    num_tasks: int = describe("eval tasks per domain", 64, ge=1)
+    num_tasks: int = describe("eval tasks per domain", 64, ge=1, le=MAX_BATCH)
     temperature: float = describe("sampling temperature (sampled with a fixed seed, so runs compare)", 1.0, gt=0)
     samples_per_task: int = describe("episodes per task (a score's standard error is over tasks, each task's "
-                                     "samples averaged first)", 1, ge=1)
+                                     "samples averaged first)", 1, ge=1, le=MAX_BATCH)
     greedy: bool = describe("argmax decoding (top_k 1) instead of sampling at `temperature`: one deterministic "
                             "answer per task", False)
 
@@ -333,7 +382,7 @@ class GateConfig(Strict):
     p99_abs_diff: float = describe("fail when the 99th percentile of |dlogp| exceeds this", 1e-2, gt=0)
     every: int = describe("also gate every N policy steps, on the engine's weights of that version (0: only at "
                           "start, before promotion and after a rollout server rejoins the fleet)", 50, ge=0)
-    probe_size: int = describe("probe rollouts per check", 8, ge=1)
+    probe_size: int = describe("probe rollouts per check", 8, ge=1, le=MAX_BATCH)
 
 
 BEST_CHECKPOINT = "best"  # TeacherConfig.checkpoint: the earlier stage that scored highest on the domain
@@ -342,7 +391,8 @@ BEST_CHECKPOINT = "best"  # TeacherConfig.checkpoint: the earlier stage that sco
 class TeacherConfig(Strict):
     """One OPD teacher."""
 
-    name: str = describe("a unique name (cache folders and metrics use it)")
+    name: PathName = describe("a unique name (cache folders, its disk-tier copy and metrics use it: one folder "
+                              "name, no '/')")
     checkpoint: str = describe(
         "a local HF directory, the name of an earlier stage of this run, or `best`: the completed stage whose "
         "checkpoint scored highest on the teacher's (single) domain's held-out set, chosen when the stage starts "
@@ -399,7 +449,7 @@ class OPDConfig(Strict):
                                         "dir>/teacher_tier)", None)
     copy_bandwidth_mb_s: Optional[float] = describe("throttle the copy to the disk tier (simulates slow storage)",
                                                     None, gt=0)
-    score_batch_size: int = describe("trajectories per teacher forward pass", 32, ge=1)
+    score_batch_size: int = describe("trajectories per teacher forward pass", 32, ge=1, le=MAX_BATCH)
     vocab_chunk: int = describe("vocabulary columns per lm-head chunk (teacher scoring, student support)", 8192, ge=1)
     target: float = describe("a domain is done once its held-out probe score reaches target x its teacher's score: it "
                              "stops drawing rollouts, and the stage ends when every domain is done (`steps` is the "
@@ -434,7 +484,7 @@ COMMON_STAGE_FIELDS = frozenset({"name", "kind", "init_from", "trainer", "option
 class StageConfig(Strict):
     """One stage of the pipeline. A field its kind does not read (see each description) is refused before any work."""
 
-    name: str = describe("a unique stage name (its folder under stages/)")
+    name: PathName = describe("a unique stage name (its folder under stages/: one folder name, no '/')")
     kind: str = describe("a stage kind registered in stages/ (sft, reasoning, agent, chat, opd, ...)")
     env: Optional[str] = describe("reasoning, agent, chat: an environment registered in stages/envs (evaluated "
                                   "after every stage with this stage's env_options, rollout and eval)", None)
@@ -548,7 +598,7 @@ class RunConfig(Strict):
                                   "override it", "auto")
     torch_threads: Optional[int] = describe("torch threads per process (tiny models run fastest single-threaded, and "
                                             "the rollout and trainer threads each get a core); null: torch's default",
-                                            1, ge=1)
+                                            1, ge=1, le=MAX_THREADS)
     algo: Algo = describe("the RL algorithm preset of every stage (opd_sao.algorithms.PRESETS: sao, ppo, grpo, "
                           "grpo_dis, running_mean, or one added with register_preset): an advantage estimator and a "
                           "policy loss", "sao")
@@ -772,16 +822,70 @@ def format_error(err: ValidationError) -> str:
     return f"{where + ': ' if where else ''}{message}{shown}{more}"
 
 
+MAX_CONFIG_BYTES = 4 << 20  # a config is settings, not data
+MAX_YAML_NODES = 100_000  # nodes of a document with every alias expanded (a "billion laughs" is 10**9)
+MAX_YAML_DEPTH = 64
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """Safe YAML with limits: a document is refused before it is built when its aliases would expand it past
+    MAX_YAML_NODES nodes or MAX_YAML_DEPTH levels, and a mapping that sets a key twice is refused (plain YAML keeps
+    the last silently: a second `stages:` replaced the first list)."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        _expanded_size(node, 0, {})
+        return node
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} is set twice (first on line "
+                                  f"{seen[key]}); YAML would keep only the last")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(node: yaml.Node, depth: int, memo: dict) -> tuple[int, int]:
+    """(nodes, height) of `node` with every alias expanded; an alias is a shared node, so each is counted once."""
+    if depth > MAX_YAML_DEPTH:
+        raise ConfigError(f"line {node.start_mark.line + 1}: nested more than {MAX_YAML_DEPTH} levels deep")
+    if id(node) not in memo:
+        children = (node.value if isinstance(node, yaml.SequenceNode) else
+                    [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
+        sizes = [_expanded_size(child, depth + 1, memo) for child in children]
+        memo[id(node)] = (1 + sum(n for n, _ in sizes), 1 + max((h for _, h in sizes), default=0))
+    nodes, height = memo[id(node)]
+    if depth + height > MAX_YAML_DEPTH:
+        raise ConfigError(f"line {node.start_mark.line + 1}: nested more than {MAX_YAML_DEPTH} levels deep")
+    if nodes > MAX_YAML_NODES:
+        raise ConfigError(f"line {node.start_mark.line + 1}: expands to more than {MAX_YAML_NODES:,} values with its "
+                          f"aliases (an alias bomb?)")
+    return nodes, height
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """`text` as YAML under the limits of `_ConfigLoader`; any problem is a ConfigError starting with `where`."""
+    try:
+        return yaml.load(text, Loader=_ConfigLoader)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where}: not valid YAML: {str(err).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested more than {MAX_YAML_DEPTH} levels deep") from None
+
+
 def _apply_override(data: dict, dotted: str) -> None:
     """`a.b.c=value`; list items by index or, for stages, by stage name."""
     if "=" not in dotted:
         raise ConfigError(f"override {dotted!r} must look like key.path=value")
     key, raw = dotted.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw else ""
-    except yaml.YAMLError as err:
-        raise ConfigError(f"override {dotted!r}: the value is not valid YAML ({getattr(err, 'problem', None) or err})"
-                          ) from None
+    value = load_yaml(raw, f"override {dotted!r}: the value") if raw else ""
     node: Any = data
     parts = key.split(".")
     for i, part in enumerate(parts):
@@ -825,10 +929,18 @@ def parse_config(data: dict, overrides: list[str] = ()) -> RunConfig:
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} is not a file")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {str(err).splitlines()[0]}") from None
-    return parse_config(data or {}, overrides)
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {str(path)!r} is {path.stat().st_size:,} bytes; a config is at most "
+                              f"{MAX_CONFIG_BYTES:,}")
+        text = path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {err.object[err.start]:#04x} at "
+                          f"offset {err.start})") from None
+    return parse_config(load_yaml(text, str(path)) or {}, overrides)

@@ -17,7 +17,7 @@ from opd_sao.errors import UsageError
 from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, disk_use
 from opd_sao.runs.data_fingerprint import check_data_record, write_data_record
 from opd_sao.runs.evaluation import Score, evaluate_score
-from opd_sao.runs.files import atomic_write, write_json
+from opd_sao.runs.files import atomic_write, inside, write_json
 from opd_sao.runs.fingerprint import check_resume, started_stages, write_record
 from opd_sao.runs.lock import locked_run_dir
 from opd_sao.runs.progress import StageProgress
@@ -91,6 +91,16 @@ def check_before_work(cfg: RunConfig, *, resume: bool = False) -> None:
     check_critic_warmup(cfg)
     # a rollout fleet that cannot take weights (or sample at a stage's top_p) fails now, not after an SFT warm start
     check_engine(cfg.engine, nucleus=any(stage.rollout.top_p < 1 for stage in cfg.stages), model_path=cfg.model.path)
+
+
+def check_vocab(cfg: RunConfig, vocab: int | None) -> None:
+    """Settings bounded by the base model's vocabulary (every stage's model and teacher shares it), refused once the
+    base model exists, before the first stage, rather than when their stage starts: a top_k OPD stage's top_k."""
+    for stage in cfg.stages:
+        top_k = any((teacher.granularity or stage.opd.granularity) == "top_k" for teacher in stage.opd.teachers)
+        if top_k and vocab and stage.opd.top_k > vocab:
+            raise UsageError(f"stage {stage.name!r}: opd.top_k {stage.opd.top_k} is more than the base model's "
+                             f"vocabulary ({vocab} tokens)")
 
 
 def check_critic_warmup(cfg: RunConfig) -> None:
@@ -276,7 +286,7 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
             log(f"[{stage_cfg.name}] {stage_cfg.kind} stage starting")
             if cfg.checkpointing.keep_state == "last":  # a stage starts: every finished stage's state goes
                 for finished in ctx.checkpoints:
-                    discard_state(run_dir / "stages" / finished, STATE_DIRS)
+                    discard_state(inside(run_dir / "stages", finished), STATE_DIRS)
             ctx.timer = PhaseTimer()
             ctx.progress = StageProgress(stage_cfg.name, enabled=cfg.logging.progress,
                                          every=cfg.logging.progress_every, interval_s=cfg.logging.progress_interval_s)

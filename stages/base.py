@@ -16,6 +16,7 @@ from opd_sao.registry import Registry
 from opd_sao.rl.buffer import TrajectoryBuffer, recover
 from opd_sao.rl.loop import RLLoop
 from opd_sao.runs.checkpointing import StageState, truncate_step_log
+from opd_sao.runs.files import inside
 from opd_sao.runs.progress import StageProgress
 from opd_sao.runs.timing import PhaseTimer
 from opd_sao.runs.tracking import MetricsLogger
@@ -65,7 +66,7 @@ class RunContext:
     progress: StageProgress = field(default_factory=lambda: StageProgress("stage", enabled=False))
 
     def stage_dir(self, name: str) -> Path:
-        path = self.run_dir / "stages" / name
+        path = inside(self.run_dir / "stages", name)
         path.mkdir(parents=True, exist_ok=True)
         return path
 

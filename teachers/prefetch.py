@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
+from opd_sao.runs.files import inside
+
 from .base import Teacher
 
 COPY_BLOCK = 1 << 20
@@ -84,7 +86,7 @@ class Prefetcher:
 
     def local_path(self, name: str) -> Path:
         spec = self.teachers[name].spec
-        return self.local_dir / f"{name}-{spec.checkpoint_hash}"
+        return inside(self.local_dir, f"{name}-{spec.checkpoint_hash}")
 
     def _event(self, what: str, name: str, **extra) -> None:
         self.events.append({"t": round(time.perf_counter() - self._t0, 4), "event": what, "teacher": name, **extra})

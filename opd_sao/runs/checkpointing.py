@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from opd_sao.runs.files import atomic_write
+from opd_sao.runs.files import atomic_write, inside
 from opd_sao.runs.tracking import read_jsonl
 from opd_sao.trainers.base import NonFiniteError
 
@@ -20,7 +20,7 @@ from opd_sao.trainers.base import NonFiniteError
 class StageState:
     def __init__(self, stage_dir: Path, name: str = "state"):
         """`name`: the state's folder in the stage directory (an RL stage's SFT warm start keeps its own)."""
-        self.path = Path(stage_dir) / name
+        self.path = inside(stage_dir, name)
 
     def exists(self) -> bool:
         return (self.path / "loop.json").is_file()
@@ -73,7 +73,7 @@ def discard_state(stage_dir: Path, parts: tuple[str, ...]) -> None:
     """Delete `parts` (directory names, STATE_DIRS: all) of a finished stage's resumable state: nothing reads them
     again once the run has recorded the stage as finished (a resume skips it)."""
     for name in parts:
-        shutil.rmtree(Path(stage_dir) / name, ignore_errors=True)
+        shutil.rmtree(inside(stage_dir, name), ignore_errors=True)
 
 
 def disk_use(path: Path) -> int:

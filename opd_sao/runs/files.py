@@ -7,6 +7,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from opd_sao.errors import UsageError
+
 
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
@@ -30,3 +32,14 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
 
 def write_json(path: str | Path, data, indent: int = 2) -> None:
     atomic_write(path, json.dumps(data, indent=indent))
+
+
+def inside(root: str | Path, path: str | Path) -> Path:
+    """`path` (relative paths are under `root`), refused unless it resolves, symlinks followed, to `root` itself or
+    below it: every place that writes or deletes a run's, a stage's or a teacher copy's files goes through this, so
+    no name or link makes it touch anything outside."""
+    root, path = Path(root), Path(root) / path
+    real_root, real = root.resolve(), path.resolve()
+    if real != real_root and real_root not in real.parents:
+        raise UsageError(f"{str(path)!r} leads outside {str(root)!r} (to {str(real)!r}); refused to write or delete it")
+    return path
