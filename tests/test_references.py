@@ -83,3 +83,29 @@ def test_the_references_checker_catches_a_stale_path():
     assert not _module_exists("opd_sao.distill_old_name") and not _exists("stages/envs/no_such_env.py")
     assert _module_exists("opd_sao.rl.distill") and _module_exists("opd_sao.algorithms.PRESETS")
     assert _module_exists("opd_sao.stages.envs.sandbox") and not _module_exists("opd_sao.stages.no_such_module")
+
+
+def _slugs(markdown: Path) -> set[str]:
+    """GitHub's anchors for a markdown file's headings: lower case, punctuation dropped, spaces -> hyphens."""
+    headings = re.findall(r"^#+ (.+)$", markdown.read_text(encoding="utf-8"), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_cited_doc_sections_exist():
+    """A link to a section (`file.md#anchor`) and a quoted section title of docs/benchmarks.md (`docs/benchmarks.md,
+    "Online learning"`) name a heading that exists: that page was rewritten from a notebook, and code, configs and
+    docs cite its sections by title."""
+    missing = []
+    for path, text in _texts():
+        rel = str(path.relative_to(ROOT))
+        if path.suffix == ".md":
+            for target, anchor in re.findall(r"\]\(([\w./-]*\.md)?#([\w-]+)\)", text):
+                doc = (path.parent / target) if target else path
+                if not doc.is_file() or anchor not in _slugs(doc):
+                    missing.append((rel, f"{target}#{anchor}"))
+        flat = " ".join(text.replace("#", " ").split())  # a title may wrap, in a comment too
+        for doc, title in re.findall(r"(docs/benchmarks\.md),? \"([^\"]+)\"", flat):
+            headings = re.findall(r"^#+ (.+)$", (ROOT / doc).read_text(encoding="utf-8"), re.M)
+            if not any(h.startswith(title) for h in headings):
+                missing.append((rel, f'{doc} "{title}"'))
+    assert not missing, f"cited sections that no heading matches: {sorted(set(missing))}"
