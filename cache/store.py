@@ -35,11 +35,14 @@ each file; the OPD stage then rebuilds that teacher's store and re-scores. Readi
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import fcntl
 import json
 import os
 import shutil
+import stat
+import struct
 import tempfile
 import threading
 import time
@@ -52,8 +55,12 @@ from urllib.parse import quote
 
 import numpy as np
 import zarr
+from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.codecs import BloscCodec
+from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import LocalStore
+
+from opd_sao.regular_files import UnreadableFile, open_regular, read_regular
 
 from .encoding import (
     ENCODING,
@@ -118,9 +125,11 @@ class _CommitLog:
 
     def refresh(self) -> None:
         try:
-            log = open(self.path, "rb")
+            log = open_regular(self.path, root=self.path.parent)
         except FileNotFoundError:
             raise CacheDamagedError(str(self.path.parent), [f"{self.path}: missing (the commit log)"]) from None
+        except UnreadableFile as error:
+            raise CacheDamagedError(str(self.path.parent), [f"{error} (the commit log)"]) from None
         with self._lock, log:
             status = os.fstat(log.fileno())
             if status.st_ino != self._inode or status.st_size < self.offset:
@@ -187,15 +196,46 @@ def _check_identity(path: Path, attributes: dict, meta: CacheMeta) -> None:
         raise CacheMismatchError(str(path), differences)
 
 
+class _StoreFiles(LocalStore):
+    """zarr's LocalStore reading only regular files inside the store, of at most FILE_LIMIT bytes: a chunk that is
+    a FIFO hung every read, one linked to /dev/zero exhausted memory. Such a file raises UnreadableFile, which
+    a record read reports as corrupt (CorruptRecordError) and a metadata read as damage."""
+
+    async def get(self, key, prototype=None, byte_range=None):
+        if not self._is_open:
+            await self._open()
+        try:
+            return await asyncio.to_thread(self._read, key, prototype or default_buffer_prototype(), byte_range)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    def _read(self, key: str, prototype, byte_range):
+        data = read_regular(self.root / key, limit=FILE_LIMIT, root=self.root)
+        if "/c/" in key and (len(data) < BLOSC_HEADER or struct.unpack_from("<I", data, 12)[0] != len(data)):
+            # a blosc frame shorter than its header's size: numcodecs reads past the end (a truncated chunk
+            # crashed the process with SIGSEGV)
+            raise ValueError(f"{self.root / key}: {len(data)} bytes, not the blosc frame its header declares")
+        if isinstance(byte_range, RangeByteRequest):
+            data = data[byte_range.start : byte_range.end]
+        elif isinstance(byte_range, OffsetByteRequest):
+            data = data[byte_range.offset :]
+        elif isinstance(byte_range, SuffixByteRequest):
+            data = data[len(data) - min(byte_range.suffix, len(data)) :]
+        return prototype.buffer.from_bytes(data)
+
+
 def _read_metadata(path: Path) -> dict:
-    """A zarr.json's content; CacheDamagedError naming the file if it is missing or not a JSON object."""
+    """A zarr.json's content; CacheDamagedError naming the file if it is missing, not a regular file of the store
+    (at most FILE_LIMIT bytes) or not a JSON object."""
     try:
-        content = json.loads(path.read_bytes())
+        content = json.loads(read_regular(path, limit=FILE_LIMIT, root=path.parent))
         if not isinstance(content, dict):
             raise ValueError("not a JSON object")
         return content
     except FileNotFoundError:
         raise CacheDamagedError(str(path.parent), [f"{path}: missing"]) from None
+    except UnreadableFile as error:
+        raise CacheDamagedError(str(path.parent), [str(error)]) from None
     except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CacheDamagedError(str(path.parent), [f"{path}: unreadable ({error})"]) from None
 
@@ -216,8 +256,15 @@ def teacher_metadata_problems(path: Path) -> list[str]:
             _read_metadata(path / name / "zarr.json")
         except CacheDamagedError as error:
             problems += error.problems
-    if not (path / INDEX_FILE).is_file():
+    try:
+        open_regular(path / INDEX_FILE, root=path).close()
+    except (FileNotFoundError, IsADirectoryError):
         problems.append(f"{path / INDEX_FILE}: missing (the commit log)")
+    except UnreadableFile as error:
+        problems.append(f"{error} (the commit log)")
+    lock = path / LOCK_FILE  # created when missing; anything else there would hang or misdirect a writer
+    if os.path.lexists(lock) and not stat.S_ISREG(os.lstat(lock).st_mode):
+        problems.append(f"{lock}: not a regular file (the writers' lock)")
     return problems
 
 
@@ -235,7 +282,7 @@ class TeacherCache:
         if problems:
             raise CacheDamagedError(str(path), problems)
         try:
-            group = zarr.open_group(LocalStore(path), mode="r+")  # writes nothing: works read-only
+            group = zarr.open_group(_StoreFiles(path), mode="r+")  # writes nothing: works read-only
             _check_identity(path, group.attrs.asdict(), meta)
             self._arrays = {name: group[name] for name in STREAMS[meta.granularity]}
         except (CacheMismatchError, CacheDamagedError):
@@ -246,13 +293,19 @@ class TeacherCache:
 
     @contextmanager
     def _writing(self, action: str):
-        try:
-            lock = open(self.path / LOCK_FILE, "ab")
+        path = self.path / LOCK_FILE
+        try:  # non-blocking and not through a link: a FIFO or a link out of the store is damage, not a hang
+            lock = os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW
+                                     | os.O_CLOEXEC, 0o644), "ab")
         except OSError as error:
             if error.errno in READ_ONLY_ERRORS:
                 raise CacheReadOnlyError(str(self.path), action, error.strerror) from None
+            if error.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise CacheDamagedError(str(self.path), [f"{path}: not a regular file ({error.strerror})"]) from None
             raise
         with lock:
+            if not stat.S_ISREG(os.fstat(lock.fileno()).st_mode):
+                raise CacheDamagedError(str(self.path), [f"{path}: not a regular file"])
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield self._log.drop_torn_tail()
 
@@ -439,6 +492,13 @@ def chunk_elements(granularity: str, stream: str) -> int:
     if stream in POSITION_STREAMS:
         return 2**13
     return 2**22 if granularity == "full" else 2**17  # full: ~28 positions per chunk instead of one
+
+
+BLOSC_HEADER = 16  # version, flags, typesize, then uint32 nbytes, blocksize and cbytes (the frame's own length)
+# The largest file the store reads: twice the largest chunk (blosc adds at most 16 bytes to incompressible data);
+# zarr.json files are far smaller.
+FILE_LIMIT = 2 * max(chunk_elements(granularity, stream) * STREAM_DTYPES[stream].itemsize
+                     for granularity, streams in STREAMS.items() for stream in streams)
 
 
 def _chunks_in_use(entries, stream: str, chunk: int) -> set[int]:

@@ -4,6 +4,7 @@ full disk and a read-only directory. Real `opd-sao run` subprocesses; each endin
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import socket
@@ -161,3 +162,29 @@ def test_a_full_disk_and_a_read_only_run_dir_end_in_one_line_and_lose_nothing(tm
     finally:
         subprocess.run(["umount", str(read_only)], check=False)
     resume_completes(run_dir)
+
+
+def fill(disk: Path) -> None:
+    """Take every byte left on the tmpfs (ENOSPC ends the write)."""
+    with open(disk / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+        except OSError:
+            pass
+
+
+def test_a_fresh_run_into_a_full_disk_leaves_neither_its_lock_nor_its_directory(tmp_path, small_disk, tiny_model_dir):
+    """Issue 43. Before: writing the lock holder's name failed with ENOSPC before the run's cleanup was armed, so
+    the new directory stayed with an empty `.lock` (and a directory that existed kept a `.lock` it never had)."""
+    fill(small_disk)
+    existing = small_disk / "existing"
+    existing.mkdir()
+    (existing / "mine.txt").touch()  # an inode, no data: fits on the full disk
+    for run_dir in (small_disk / "new", existing):
+        done = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", config(tmp_path, tiny_model_dir),
+                               "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 1
+        assert "the disk is full" in one_line(done.stderr) and "nothing was saved yet" in done.stderr
+    assert not (small_disk / "new").exists()
+    assert os.listdir(existing) == ["mine.txt"]

@@ -4,6 +4,9 @@ Two runs writing one directory interleave their steps, and a resume next to the 
 trajectories twice. The lock is `fcntl.flock` on RUN_DIR/.lock, so the kernel drops it when its holder dies
 (kill -9 too): a lock left by a dead process is simply taken by the next run, which rewrites the holder's
 name (pid and host) that a refused run reports. (flock is per host on NFS: two hosts are not excluded there.)
+The name is written unbuffered and a failed write (a full disk) is ignored: the lock is the flock, not the name,
+and a fresh run that fails must still hold it while it removes what it created (before, the write's ENOSPC
+escaped before that cleanup and left the directory with its `.lock`).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ class RunDirLocked(UsageError):
 def locked_run_dir(run_dir: Path) -> Iterator[None]:
     """Hold RUN_DIR/.lock for the block; refuse (RunDirLocked) when a live process holds it."""
     path = Path(run_dir) / LOCK
-    with open(path, "a+") as f:
+    with open(path, "a+b", buffering=0) as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -41,9 +44,10 @@ def locked_run_dir(run_dir: Path) -> Iterator[None]:
                 named = "another process (it has not written its name yet)"
             raise RunDirLocked(f"run directory {str(run_dir)!r} is in use by the opd-sao run of {named}; wait for "
                                f"it to end or stop it, then resume") from None
-        f.seek(0)
-        f.truncate()
-        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                            "since": time.strftime("%Y-%m-%d %H:%M:%S")}))
-        f.flush()
+        f.truncate(0)
+        try:
+            f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        except OSError:  # a refused run then says "has not written its name yet"
+            pass
         yield
