@@ -7,7 +7,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from launchers import wait_until_healthy
+from launchers import free_port, wait_until_healthy
 
 from opd_sao.engines.base import GenerationRequest, SamplingParams
 
@@ -422,3 +425,74 @@ def engine_state(model_dir) -> dict[str, torch.Tensor]:
     from opd_sao.checkpoints import load_causal_lm
 
     return load_causal_lm(model_dir).state_dict()
+
+
+# ------------------------------------------------------------------------------- issue 43: start-up and Unicode
+@pytest.mark.parametrize("raw,named", [
+    ('{"text": "12+7=\\ud800", "sampling_params": {"max_new_tokens": 2}}', "text holds a lone surrogate (U+D800)"),
+    (b'{"text": "12+7=\xed\xa0\x80", "sampling_params": {"max_new_tokens": 2}}', "text holds a lone surrogate"),
+    ('{"input_ids": %(p)s, "sampling_params": {"max_new_tokens": 2, "stop": ["\\udfff"]}}',
+     "sampling_params.stop[0] holds a lone surrogate"),
+], ids=["escaped", "raw-utf8", "stop"])
+def test_a_lone_surrogate_is_a_400_naming_the_field(server, prompt, raw, named):
+    """Before: 500 (UnicodeEncodeError in the tokenizer). A surrogate pair (an escaped emoji) is still text."""
+    body = raw if isinstance(raw, bytes) else (raw % {"p": json.dumps(prompt)}).encode()
+    bad = requests.post(server + "/generate", data=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert bad.status_code == 400 and named in bad.json()["error"]["message"], bad.text
+    pair = requests.post(server + "/generate", data='{"text": "12+7=\\ud83d\\ude00", "sampling_params": '
+                                                    '{"max_new_tokens": 2, "ignore_eos": true}}', timeout=30,
+                         headers={"Content-Type": "application/json"})
+    assert pair.status_code == 200 and len(pair.json()["output_ids"]) == 2, pair.text
+    _assert_still_serving(server, prompt)
+
+
+def test_a_model_file_linked_outside_the_weights_root_is_refused(tiny_model_dir, start_server, tmp_path):
+    """Before: only the directory was resolved, so a directory under --weights-root whose model.safetensors links
+    outside it was loaded (200)."""
+    root = tmp_path / "root"
+    shutil.copytree(tiny_model_dir, root / "m")
+    (root / "m" / "model.safetensors").unlink()
+    (root / "m" / "model.safetensors").symlink_to(Path(tiny_model_dir) / "model.safetensors")
+    shutil.copytree(tiny_model_dir, root / "real")
+    url, proc = start_server(tiny_model_dir, "--weights-root", root)
+    try:
+        wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=120)
+        linked = requests.post(url + "/update_weights_from_disk", json={"model_path": str(root / "m")}, timeout=60)
+        assert linked.status_code == 400 and "model.safetensors" in linked.json()["message"], linked.text
+        assert "--weights-root" in linked.json()["message"]
+        inside = requests.post(url + "/update_weights_from_disk", json={"model_path": str(root / "real")}, timeout=60)
+        assert inside.status_code == 200 and inside.json()["success"], inside.text
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _serve_fails(*args: str, timeout: float = 120) -> str:
+    """`opd-sao serve ARGS` must exit non-zero with one `opd-sao serve: error:` line and no traceback: that line."""
+    done = subprocess.run([sys.executable, "-m", "opd_sao.cli", "serve", *args, "--threads", "1"],
+                          capture_output=True, text=True, timeout=timeout)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and len(lines) == 1 and lines[0].startswith("opd-sao serve: error:"), done
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", ["missing checkpoint", "--max-new-tokens 0", "missing --weights-root",
+                                  "--max-batch 0", "port in use"])
+def test_serve_start_up_errors_are_one_line_and_exit_non_zero(tiny_model_dir, tmp_path, case):
+    """Before: a traceback (the first three); a healthy server on which every /generate waited for good
+    (--max-batch 0: this test timed out); an error logged by uvicorn, then exit status 0 (port in use)."""
+    model, port = str(tiny_model_dir), str(free_port())
+    if case == "port in use":
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            line = _serve_fails(model, "--port", str(taken.getsockname()[1]))
+        assert "cannot listen on 127.0.0.1" in line and "in use" in line
+        return
+    args = {"missing checkpoint": [str(tmp_path / "nothing"), "--port", port],
+            "--max-new-tokens 0": [model, "--port", port, "--max-new-tokens", "0"],
+            "missing --weights-root": [model, "--port", port, "--weights-root", str(tmp_path / "nothing")],
+            "--max-batch 0": [model, "--port", port, "--max-batch", "0"]}[case]
+    line = _serve_fails(*args)
+    assert {"missing checkpoint": "nothing", "--max-new-tokens 0": "--max-new-tokens must be at least 1",
+            "missing --weights-root": "--weights-root", "--max-batch 0": "--max-batch must be at least 1"}[case] in line

@@ -29,6 +29,7 @@ import queue
 import re
 import secrets
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -51,7 +52,9 @@ from opd_sao.devices import resolve_device
 from opd_sao.engines.base import GenerationRequest, GenerationResult, SamplingParams
 from opd_sao.engines.embedded import EmbeddedEngine
 from opd_sao.engines.weight_sync import WEIGHT_SYNCS, SyncSettings, WeightSyncRefused
+from opd_sao.errors import UsageError
 from opd_sao.modeling import forward_logits
+from opd_sao.runs.files import inside
 
 log = logging.getLogger("opd_sao.engines.server")
 
@@ -270,7 +273,14 @@ def _integer_version(version: str) -> Optional[int]:
 
 
 def _under(path: Path, roots: list[Path]) -> bool:
-    return any(path == root or root in path.parents for root in roots)
+    """Whether `path`, every symlink resolved, lies under one of `roots` (`runs.files.inside`)."""
+    for root in roots:
+        try:
+            inside(root, path)
+            return True
+        except UsageError:
+            pass
+    return False
 
 
 class RolloutServer:
@@ -447,7 +457,8 @@ class RolloutServer:
         return {k: (tuple(v.shape), v.dtype) for k, v in self.engine.model.state_dict().items()}
 
     def load_checkpoint(self, path: str) -> dict[str, torch.Tensor]:
-        """An HF checkpoint under --weights-root (symlinks and `..` resolved first), else WeightSyncRefused."""
+        """An HF checkpoint under --weights-root (symlinks and `..` resolved first, of the directory and of every
+        file in it: a `model.safetensors` linking out is refused too), else WeightSyncRefused."""
         if len(path) > MAX_PATH_CHARS:
             raise WeightSyncRefused(f"model_path has {len(path)} characters (at most {MAX_PATH_CHARS})")
         try:
@@ -460,6 +471,13 @@ class RolloutServer:
                                     f"({', '.join(map(str, self.weights_roots))})")
         if not is_model:
             raise WeightSyncRefused(f"model_path {path[:200]!r} is not an HF model directory")
+        try:
+            escaping = next((f for f in resolved.rglob("*") if not _under(f, self.weights_roots)), None)
+        except (OSError, RuntimeError) as err:  # a symlink loop, an unreadable subdirectory
+            raise WeightSyncRefused(f"model_path {path[:200]!r} cannot be listed: {type(err).__name__}: {err}") from None
+        if escaping is not None:
+            raise WeightSyncRefused(f"{str(escaping)[:200]!r} in model_path leads outside this server's --weights-root "
+                                    f"(to {str(escaping.resolve())[:200]!r})")
         try:
             return load_causal_lm(resolved, self.dtype).state_dict()
         except Exception as err:  # a broken checkpoint is the request's fault
@@ -793,7 +811,31 @@ async def _body(request: Request) -> dict:
         raise BadRequest(f"the body is not JSON: {err}") from None
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    if SURROGATE_BYTES.search(raw):  # only then can a decoded string hold one: large bodies are not walked
+        _refuse_lone_surrogates(body)
     return body
+
+
+SURROGATE_BYTES = re.compile(rb"\\[uU][dD][89a-fA-F]|\xed[\xa0-\xbf]")  # an escaped or raw UTF-16 surrogate
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_lone_surrogates(body: dict) -> None:
+    """BadRequest naming the field of a string (or key) holding a lone surrogate (`"\\ud800"`): Python's JSON parser
+    accepts one, and no tokenizer or UTF-8 writer does (it was a 500). Pairs were joined when parsed."""
+    stack: list[tuple[str, Any]] = [("body", body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if SURROGATE.search(key):
+                    raise BadRequest(f"a key of {where} holds a lone surrogate: not valid Unicode")
+                stack.append((key if where == "body" else f"{where}.{key}", item))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str) and SURROGATE.search(value):
+            raise BadRequest(f"{where} holds a lone surrogate (U+{ord(SURROGATE.search(value)[0]):04X}): "
+                             f"not valid Unicode")
 
 
 def build_app(server: RolloutServer, *,  # noqa: C901  a flat list of routes, each branch one route's binding
@@ -899,15 +941,18 @@ def serve(args) -> int:
     import uvicorn
 
     if not (Path(args.checkpoint) / "config.json").is_file():
-        raise ValueError(f"checkpoint {args.checkpoint!r} is not an HF model directory (no config.json)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.max_new_tokens < 1 or args.max_body_mb < 1:
-        raise ValueError("--max-new-tokens and --max-body-mb must be at least 1")
+        raise UsageError(f"checkpoint {args.checkpoint!r} is not an HF model directory (no config.json)")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--max-body-mb", args.max_body_mb),
+                        ("--max-batch", args.max_batch)):
+        if value < 1:  # --max-batch 0 was healthy, and every /generate waited for a slot for good
+            raise UsageError(f"{flag} must be at least 1 (got {value})")
     roots = [Path(root) for root in args.weights_root or []]
     missing = [str(root) for root in roots if not root.is_dir()]
     if missing:
-        raise ValueError(f"--weights-root {missing[0]} is not a directory")
+        raise UsageError(f"--weights-root {missing[0]} is not a directory")
+    listening = _listen(args.host, args.port)  # before the model loads: a port in use is one line, at once
+    if args.threads:
+        torch.set_num_threads(args.threads)
     server = RolloutServer(args.checkpoint, max_batch=args.max_batch, seed=args.seed, dtype=args.dtype,
                            weight_version=args.weight_version, max_new_tokens=args.max_new_tokens,
                            device=args.device, weights_roots=roots or None, group_timeout_s=args.group_timeout_s)
@@ -923,7 +968,26 @@ def serve(args) -> int:
     print(f"opd-sao serve: {args.checkpoint} on http://{args.host}:{args.port} "
           f"(weight_version {server.weight_version}; {open_to})", flush=True)
     try:
-        uv.run()
-    except (KeyboardInterrupt, SystemExit):
+        uv.run(sockets=[listening])
+    except KeyboardInterrupt:
         pass
+    except SystemExit as stop:  # SIGTERM's exit(0), or uvicorn's exit(1) when it cannot start
+        return stop.code if isinstance(stop.code, int) else 1
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (uvicorn listens on it with its backlog); a port in use or an address that
+    is not this machine's is a UsageError (it was a logged error and exit status 0)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as err:
+        raise UsageError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses a TIME_WAIT port
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
