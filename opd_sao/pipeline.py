@@ -14,6 +14,7 @@ from opd_sao.checkpoints import build_tiny_model, check_attention, load_tokenize
 from opd_sao.decoders import check_plain_logits
 from opd_sao.engines import check_engine
 from opd_sao.errors import UsageError
+from opd_sao.model_import import import_gguf, is_gguf_path, model_config
 from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, disk_use
 from opd_sao.runs.data_fingerprint import check_data_record, write_data_record
 from opd_sao.runs.evaluation import Score, evaluate_score
@@ -81,12 +82,12 @@ def check_before_work(cfg: RunConfig, *, resume: bool = False) -> None:
                 Domain(name, stage, cfg.stages).check(cfg.seed)
             except (KeyError, ValueError) as err:
                 raise UsageError(f"stage {stage.name!r}: domain {name!r}: {err.args[0]}") from None
-    if cfg.model.path != "tiny" and not (Path(cfg.model.path) / "config.json").is_file():
-        raise UsageError(f"model.path {cfg.model.path!r} is not an HF-format model directory (no config.json)")
-    if cfg.model.path != "tiny":
-        from transformers import AutoConfig
-
-        check_plain_logits(AutoConfig.from_pretrained(cfg.model.path), f"model.path {cfg.model.path!r}")
+    if cfg.model.path != "tiny" and not is_gguf_path(cfg.model.path) \
+            and not (Path(cfg.model.path) / "config.json").is_file():
+        raise UsageError(f"model.path {cfg.model.path!r} is not an HF-format model directory (no config.json) "
+                         "nor a .gguf file")
+    if cfg.model.path != "tiny":  # a GGUF file's config is read from its metadata (a file that is not GGUF stops here)
+        check_plain_logits(model_config(cfg.model.path), f"model.path {cfg.model.path!r}")
     check_attention(cfg.model.attn_implementation)  # flash_attention_2 without CUDA or flash_attn
     check_critic_warmup(cfg)
     # a rollout fleet that cannot take weights (or sample at a stage's top_p) fails now, not after an SFT warm start
@@ -174,6 +175,11 @@ def remove_if_no_stage_output(run_dir: Path, existing: set[str] | None) -> None:
 
 
 def ensure_base_model(cfg: RunConfig, run_dir: Path) -> Path:
+    """The model directory every stage starts from: model.path itself, or built (tiny) or converted (a .gguf file)
+    once into the run's base_model/, which a resumed run reuses."""
+    if is_gguf_path(cfg.model.path):
+        base = run_dir / "base_model"
+        return base if (base / "config.json").is_file() else import_gguf(cfg.model.path, base)
     if cfg.model.path != "tiny":  # check_before_work has checked it is a model directory
         return Path(cfg.model.path)
     from opd_sao.stages.envs import ENVIRONMENTS

@@ -15,11 +15,11 @@ def check_engine(cfg, nucleus: bool = False, model_path: str = "tiny") -> None:
     answers, every router in it has workers (no weights move), and with `nucleus` (a stage samples with top_p < 1)
     the servers return the renormalised sampling logprobs."""
     if cfg.kind == "embedded" and model_path != "tiny":
-        from transformers import AutoConfig
+        from opd_sao.model_import import model_config
 
         from .embedded import check_batchable
 
-        check_batchable(AutoConfig.from_pretrained(model_path))
+        check_batchable(model_config(model_path))
     if cfg.kind == "http":
         from .fleet import discover_fleet
 

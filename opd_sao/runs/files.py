@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -12,14 +13,15 @@ from opd_sao.errors import UsageError
 
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """A temporary sibling to write to; it replaces `path` only if the block finishes without an error."""
+    """A temporary sibling to write to (a file, or a directory that replaces an absent or empty one); it replaces
+    `path` only if the block finishes without an error."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
         yield tmp
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
 
 
 def atomic_write(path: str | Path, data: str | bytes) -> None:
