@@ -96,7 +96,7 @@ def _disk_error(err: BaseException, run_dir: Path) -> str | None:
                            (errno.ENOSPC, "file write failed")):
             if text in str(err):
                 return f"{DISK_ERRORS[code]} ({str(err).splitlines()[0][:200]})"
-        err = err.__cause__ or err.__context__
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)  # `from None`: not the cause
     try:
         free = shutil.disk_usage(run_dir).free
     except OSError:
@@ -290,9 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--weight-version", default="default", help="reported until the first weight update (as SGLang)")
     serve.add_argument("--max-new-tokens", type=int, default=8192,
                        help="the most sampling_params.max_new_tokens a request may ask for (more: HTTP 400)")
-    serve.add_argument("--max-body-mb", type=int, default=256,
+    serve.add_argument("--max-body-mb", type=int, default=512,
                        help="the largest request body accepted (more: HTTP 413); /update_weights_from_tensor carries "
-                            "the weights in it, as base64 (4/3 of their bytes)")
+                            "a bucket in it, as base64 (4/3 of its bytes): 512 takes a 256 MiB bucket")
     serve.add_argument("--group-timeout-s", type=float, default=60.0,
                        help="seconds /init_weights_update_group waits for the weight update group to form")
     serve.add_argument("--api-key", default=None, help="every route but /health needs `Authorization: Bearer KEY` "

@@ -96,3 +96,50 @@ def test_metadata_that_is_no_file_of_the_store_is_damage_named_by_its_path(tmp_p
     assert one_error_line(capsys.readouterr().err).startswith(f"damaged: {path}: ")
     teacher = LogitCache(root).rebuild_teacher(make_meta("top_k", k=64))
     assert "traj" not in teacher and verify(root) == (True, [])
+
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
+# Root reads a chmod-000 file anyway: the unreadable case drops the capabilities that let it (DAC override and
+# read-search) from the process's bounding set, so the file is unreadable to the run as it is to any other user.
+NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all"] \
+    if os.geteuid() == 0 and shutil.which("setpriv") else []
+
+
+def data_file(tmp_path: Path, how: str) -> Path:
+    """rows.jsonl that is a FIFO, a link to /dev/zero, or a real file no one may read."""
+    path = tmp_path / "rows.jsonl"
+    if how == "fifo":
+        os.mkfifo(path)
+    elif how == "dev-zero":
+        path.symlink_to("/dev/zero")
+    else:
+        if os.geteuid() == 0 and not NO_DAC:
+            pytest.skip("running as root without setpriv: no way to make a file unreadable to this run")
+        path.write_text('{"id": "q1", "prompt": "1+1=", "answer": "2"}\n')
+        path.chmod(0)
+    return path
+
+
+@pytest.mark.parametrize("how,why", [("fifo", "not a regular file (a FIFO)"),
+                                     ("dev-zero", "not a regular file (a character device)"),
+                                     ("unreadable", "cannot be read (Permission denied)")])
+def test_a_data_file_that_is_no_file_of_bytes_is_refused_naming_it(tmp_path, how, why):
+    """Before: a FIFO hung the run for good, /dev/zero ended in MemoryError, and an unreadable file was reported
+    as `the run directory is not writable`. Now `opd-sao run` and `opd-sao data inspect` refuse it in one line
+    naming the file, and the refused run leaves no directory."""
+    path = data_file(tmp_path, how)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(
+        {"seed": 0, "model": {"tiny": TINY}, "logging": {"wandb": False, "progress": False},
+         "trainer": {"train_batch_size": 4, "critic_warmup_steps": 0},
+         "stages": [{"name": "r", "kind": "reasoning", "env": "dataset", "env_options": {"path": str(path)},
+                     "steps": 3, "rollout": {"max_new_tokens": 4}, "gate": {"enabled": False}}]}))
+    wrap = NO_DAC if how == "unreadable" else []
+    run = subprocess.run([*wrap, sys.executable, "-m", "opd_sao.cli", "run", str(config), "--run-dir",
+                          str(tmp_path / "run")], capture_output=True, text=True, timeout=DEADLINE_S)
+    assert run.returncode == 2
+    assert one_error_line(run.stderr) == f"opd-sao run: error: stage 'r': data file {path}: {why}"
+    assert not (tmp_path / "run").exists()
+    inspect = subprocess.run([*wrap, sys.executable, "-m", "opd_sao.cli", "data", "inspect", str(path)],
+                             capture_output=True, text=True, timeout=DEADLINE_S)
+    assert inspect.returncode == 2 and one_error_line(inspect.stderr).endswith(f"dataset file {path}: {why}")

@@ -8,38 +8,53 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from opd_sao.errors import UsageError
+from opd_sao.regular_files import UnreadableFile, open_regular
 from opd_sao.runs.files import write_json
 
 RECORD = "data.fingerprint.json"
 
 
 def file_fingerprint(path: Path) -> dict:
+    """Only of a regular file (UnreadableFile naming it otherwise: a FIFO hung here, an unreadable file was
+    reported as an unwritable run directory)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    stat = path.stat()
+        stat = os.fstat(f.fileno())
     return {"size": stat.st_size, "mtime": stat.st_mtime, "sha256": digest.hexdigest()}
 
 
 def data_fingerprint(paths: list[str]) -> dict[str, dict]:
-    """file -> {size, mtime, sha256} for every file named or inside a directory named (sorted)."""
+    """file -> {size, mtime, sha256} for every file named or inside a directory named (sorted); a named file
+    that does not exist is left to the environment to report."""
     out = {}
     for name in sorted(set(paths)):
         path = Path(name)
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for file in files:
-            if file.is_file():
+            if os.path.exists(file):
                 out[str(file)] = file_fingerprint(file)
     return out
 
 
+def stage_fingerprints(stage_files: dict[str, list[str]]) -> dict[str, dict[str, dict]]:
+    """stage -> its data_fingerprint; a file that cannot be fingerprinted is one line naming the stage and file."""
+    out = {}
+    for stage, files in stage_files.items():
+        try:
+            out[stage] = data_fingerprint(files)
+        except UnreadableFile as err:
+            raise UsageError(f"stage {stage!r}: data file {err}") from None
+    return out
+
+
 def write_data_record(stage_files: dict[str, list[str]], run_dir: Path) -> None:
-    write_json(Path(run_dir) / RECORD, {stage: data_fingerprint(files) for stage, files in stage_files.items()},
-               indent=1)
+    write_json(Path(run_dir) / RECORD, stage_fingerprints(stage_files), indent=1)
 
 
 def check_data_record(stage_files: dict[str, list[str]], run_dir: Path) -> None:
@@ -50,8 +65,8 @@ def check_data_record(stage_files: dict[str, list[str]], run_dir: Path) -> None:
         write_data_record(stage_files, run_dir)
         return
     recorded = json.loads(path.read_text())
-    for stage, files in stage_files.items():
-        before, now = recorded.get(stage, {}), data_fingerprint(files)
+    for stage, now in stage_fingerprints(stage_files).items():
+        before = recorded.get(stage, {})
         for file in sorted(before.keys() | now.keys()):
             old, new = before.get(file), now.get(file)
             if old is None or new is None or (old["size"], old["sha256"]) != (new["size"], new["sha256"]):

@@ -1,7 +1,9 @@
 """Reading task rows from local files: JSONL, JSON, Parquet, or a `datasets.save_to_disk` directory.
 
 Rows are streamed (JSONL line by line, Parquet batch by batch through pyarrow, a saved dataset through its
-memory-mapped Arrow table), never loaded whole, except a `.json` file, which is one JSON array. A row the
+memory-mapped Arrow table), never loaded whole, except a `.json` file, which is one JSON array. A data file must
+be a regular file (a FIFO would block the read forever, /dev/zero never ends: opd_sao.regular_files), a `.json`
+at most MAX_JSON_BYTES and a JSONL line at most MAX_LINE_BYTES, checked before they are read. A row the
 mapping cannot read (bad JSON, a missing or mistyped field, a duplicate id) is a `BadRow`: one line naming
 the file, the row (1-based) and the field. The environment skips and counts those up to `max_bad_rows` and
 refuses the file past that.
@@ -15,8 +17,11 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from opd_sao.errors import UsageError
+from opd_sao.regular_files import UnreadableFile, open_regular, read_regular
 
 BATCH_ROWS = 1024  # rows per Parquet / Arrow batch
+MAX_JSON_BYTES = 1 << 30  # a .json file is parsed whole (several times its size in memory): larger, use .jsonl
+MAX_LINE_BYTES = 64 << 20  # one JSONL row; a prompt is refused at stage start long before this (max_context_tokens)
 
 
 class DatasetError(UsageError):
@@ -35,32 +40,41 @@ def iter_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
         raise DatasetError(f"dataset file {str(path)!r} does not exist")
     if path.is_dir():
         yield from _saved_dataset_rows(path)
-    elif path.suffix in (".jsonl", ".ndjson"):
-        yield from _jsonl_rows(path)
-    elif path.suffix == ".json":
-        yield from _json_rows(path)
-    elif path.suffix in (".parquet", ".pq"):
-        yield from _parquet_rows(path)
-    else:
+        return
+    readers = {".jsonl": _jsonl_rows, ".ndjson": _jsonl_rows, ".json": _json_rows, ".parquet": _parquet_rows,
+               ".pq": _parquet_rows}
+    if path.suffix not in readers:
         raise DatasetError(f"dataset file {str(path)!r}: unknown format {path.suffix!r} "
                            f"(use .jsonl, .json, .parquet, or a datasets save_to_disk directory)")
+    try:
+        opened = open_regular(path, limit=MAX_JSON_BYTES if path.suffix == ".json" else None)
+    except UnreadableFile as err:
+        raise DatasetError(f"dataset file {err}") from None
+    with opened:
+        yield from readers[path.suffix](path, opened)
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    with path.open("rb") as lines:
-        for number, raw in enumerate(lines, 1):
-            if number == 1 and raw.startswith(codecs.BOM_UTF8):  # written by Windows tools: not part of the row
-                raw = raw[len(codecs.BOM_UTF8):]
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                yield number, BadRow(f"{path}: row {number}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at "
-                                     f"column {err.start + 1})")
-                continue
-            if not line.strip():
-                continue
-            problem = _json_problem(line)
-            yield number, BadRow(f"{path}: row {number}: {problem}") if isinstance(problem, str) else problem[0]
+def _jsonl_rows(path: Path, lines) -> Iterator[tuple[int, Any]]:
+    number = 0
+    while raw := lines.readline(MAX_LINE_BYTES + 1):
+        number += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while (rest := lines.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                pass  # the rest of the line, never held whole
+            yield number, BadRow(f"{path}: row {number}: longer than {MAX_LINE_BYTES} bytes")
+            continue
+        if number == 1 and raw.startswith(codecs.BOM_UTF8):  # written by Windows tools: not part of the row
+            raw = raw[len(codecs.BOM_UTF8):]
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            yield number, BadRow(f"{path}: row {number}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at "
+                                 f"column {err.start + 1})")
+            continue
+        if not line.strip():
+            continue
+        problem = _json_problem(line)
+        yield number, BadRow(f"{path}: row {number}: {problem}") if isinstance(problem, str) else problem[0]
 
 
 def _json_problem(text: str) -> tuple[Any] | str:
@@ -76,8 +90,8 @@ def _json_problem(text: str) -> tuple[Any] | str:
         return f"not valid JSON here ({str(err).split(';')[0]})"
 
 
-def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    raw = path.read_bytes()
+def _json_rows(path: Path, opened) -> Iterator[tuple[int, Any]]:
+    raw = opened.read()
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
@@ -93,11 +107,11 @@ def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
     yield from enumerate(data, 1)
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
+def _parquet_rows(path: Path, opened) -> Iterator[tuple[int, Any]]:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.ParquetFile(path)
+        table = pq.ParquetFile(opened)
     except Exception as err:  # pyarrow raises several kinds for a file that is not Parquet
         raise DatasetError(f"{path}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
     number = 0
@@ -109,7 +123,11 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
 
 def _saved_dataset_rows(path: Path) -> Iterator[tuple[int, Any]]:
     if (path / "dataset_dict.json").is_file():
-        info = _json_problem((path / "dataset_dict.json").read_bytes().decode("utf-8-sig", errors="replace"))
+        try:
+            text = read_regular(path / "dataset_dict.json", limit=MAX_LINE_BYTES)
+        except UnreadableFile as err:
+            raise DatasetError(str(err)) from None
+        info = _json_problem(text.decode("utf-8-sig", errors="replace"))
         splits = info[0].get("splits", []) if isinstance(info, tuple) and isinstance(info[0], dict) else []
         if not isinstance(info, tuple) or not isinstance(info[0], dict) or not isinstance(splits, list):
             raise DatasetError(f"{path / 'dataset_dict.json'}: not a DatasetDict's description (a JSON object with "
