@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_logit_cache import chunk_files, make_meta, teacher_rows
 
 from opd_sao.cache import CorruptRecordError, LogitCache, encode_top_k
 from opd_sao.cache.cli import gc, verify
 from opd_sao.cache.cli import main as cache_main
-from test_logit_cache import chunk_files, make_meta, teacher_rows
 
 DEADLINE_S = 300  # a refusal takes seconds; before the fix these runs never ended
 
