@@ -39,6 +39,9 @@ from opd_sao.decoders import (
 VOCAB_CHUNK = 8192  # vocabulary columns per lm-head chunk
 ROW_BLOCK = 256  # rows per block: ROW_BLOCK x VOCAB_CHUNK fp32 logits = 8 MiB at a time, which stays in a CPU's
 # last-level cache between the matmul and the passes over it (1,024 rows, 32 MiB, ran the lm head 1.5-2x slower)
+SAMPLING_MASK_TOP_K = 4096  # SGLang 0.5.23's --sampling-mask-max-tokens default: its scheduler takes a
+# return_sampling_mask request only at top_k 1 or 1 < top_k <= that cap, so a top_p < 1 rollout samples SGLang's
+# joint top-k/top-p support with k at most this, everywhere (served, embedded, and as the trainer scores it)
 MASKED = -1.0e30  # finite stand-in for -inf inside logsumexp, so an empty set has a finite gradient (0)
 
 
@@ -387,23 +390,36 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0
 def nucleus_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                      top_k: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Logprobs of the distribution actually sampled from: softmax(logits/T) renormalised on the top-p nucleus
-    (and, with top_k, on its k most likely tokens too; both cut from the whole distribution, as SGLang does).
+    (and, with top_k, on its k most likely tokens too; both cut from the whole distribution, as SGLang's sampler
+    does: sglang/srt/layers/sampler.py, top_k_top_p_min_p_sampling_from_probs_torch). A row with top_p < 1 is
+    also cut to its `SAMPLING_MASK_TOP_K` most likely tokens: the top_k its rollouts ask a server for.
 
     logits [N, V]; temperature, top_p, top_k [N] (top_k < 1: no cut). Tokens outside the support get -inf.
     """
     logp = torch.log_softmax(logits.float() / temperature.unsqueeze(-1), dim=-1)
+    top_k = nucleus_top_k(top_p, top_k)
     no_k = top_k is None or bool((top_k < 1).all())
     if bool((top_p >= 1.0).all()) and no_k:
         return logp
     sorted_logp, order = logp.sort(dim=-1, descending=True)
     mass_before = sorted_logp.exp().cumsum(-1) - sorted_logp.exp()
-    drop_sorted = mass_before >= top_p.unsqueeze(-1)
+    drop_sorted = mass_before > top_p.unsqueeze(-1)  # SGLang's cut: a token whose predecessors hold top_p stays
     if not no_k:
         rank = torch.arange(logp.shape[-1], device=logp.device)
         drop_sorted |= (rank >= top_k.unsqueeze(-1)) & (top_k.unsqueeze(-1) >= 1)
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     logp = logp.masked_fill(drop, float("-inf"))
     return logp - torch.logsumexp(logp, dim=-1, keepdim=True)
+
+
+def nucleus_top_k(top_p: torch.Tensor, top_k: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """[N] the top_k each row samples with: its own (< 1: none), cut to `SAMPLING_MASK_TOP_K` where top_p < 1."""
+    if not bool((top_p < 1.0).any()):
+        return top_k
+    own = torch.full(top_p.shape, -1, dtype=torch.long, device=top_p.device) if top_k is None \
+        else top_k.to(top_p.device, torch.long)
+    capped = torch.where(own >= 1, own.clamp(max=SAMPLING_MASK_TOP_K), SAMPLING_MASK_TOP_K)
+    return torch.where(top_p < 1.0, capped, own)
 
 
 def sample_tokens(logits, temperature, top_p, generator=None, top_k=None, keys=None) -> tuple[torch.Tensor,

@@ -7,6 +7,8 @@ named here are parsed out of their modules' source with `ast` and run in a names
 - `FlattenedTensorBucket`: how a worker rebuilds a flattened bucket.
 - `receive_weights_from_distributed`: how a worker's model runner receives one broadcast.
 - `SchedulerLogprobResultProcessor._process_input_token_logprobs`: where prompt logprobs get their positions.
+- `top_k_top_p_min_p_sampling_from_probs_torch`: the support SGLang's sampler draws from at top_k/top_p.
+- the scheduler's sampling-mask check (`sampling_mask_refusal`): which top_k a return_sampling_mask request may have.
 - the HTTP request models (`request_model(name)`): SGLang's msgspec structs, validated as its FastAPI app
   validates bodies (pydantic, through sglang.srt.utils.msgspec_utils); `GenerateReqInput` (a dataclass).
 """
@@ -16,6 +18,7 @@ import ast
 import base64
 import binascii
 import dataclasses
+import enum
 import importlib.util
 import io
 import os
@@ -187,13 +190,59 @@ def verify_sampling_params(params: dict, vocab_size: int):
     return sampling
 
 
+@lru_cache(None)
+def _sampling_mask_rule():
+    """The scheduler's sampling-mask check, as it stands in sglang/srt/managers/scheduler.py (inside
+    `Scheduler._handle_generate_request`: the `if req.return_sampling_mask:` block that reads
+    `sampling_mask_max_tokens`), compiled on its own as `rule(self, req)` with its line numbers."""
+    relative = "srt/managers/scheduler.py"
+    source = (_root() / relative).read_text()
+    blocks = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.If)
+              and ast.unparse(node.test) == "req.return_sampling_mask" and "sampling_mask_cap" in ast.unparse(node)]
+    if len(blocks) != 1:
+        raise LookupError(f"sglang/{relative} has {len(blocks)} sampling-mask top_k checks, not one (not SGLang 0.5.23?)")
+    rule = ast.parse("def rule(self, req):\n    pass").body[0]
+    rule.body = blocks
+    module = ast.fix_missing_locations(ast.Module(body=[rule], type_ignores=[]))
+    namespace = {"DisaggregationMode": enum.Enum("DisaggregationMode", "NULL PREFILL DECODE")}
+    exec(compile(module, f"sglang/{relative}", "exec"), namespace)
+    return namespace["rule"], namespace["DisaggregationMode"]
+
+
+def sampling_mask_refusal(sampling, max_tokens: int = 4096):
+    """What SGLang's scheduler answers a return_sampling_mask request sampling with `sampling` (its
+    SamplingParams, as `verify_sampling_params` builds it) on a server launched with --sampling-mask-max-tokens
+    `max_tokens` (its default 4096), not disaggregated: the message it aborts the request with (HTTP 400), or
+    None if it takes the request. SGLang's own check, run on a scheduler holding just what it reads."""
+    rule, modes = _sampling_mask_rule()
+    refused = []
+    scheduler = types.SimpleNamespace(disaggregation_mode=modes.NULL,
+                                      server_args=types.SimpleNamespace(sampling_mask_max_tokens=max_tokens),
+                                      _reject_sampling_mask_request=lambda req, message: refused.append(message))
+    rule(scheduler, types.SimpleNamespace(return_sampling_mask=True, sampling_params=sampling))
+    return refused[0] if refused else None
+
+
+def sampled_support(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[N, V] the distribution SGLang's sampler draws from and reports under return_sampling_mask (its torch backend's
+    `top_k_top_p_min_p_sampling_from_probs_torch`, filtered weights over their support mass as
+    `Sampler._build_sampling_mask_output` divides them), back in vocabulary order; 0 outside the support."""
+    ns = _load("srt/layers/sampler.py", {"top_k_top_p_min_p_sampling_from_probs_torch"},
+               {"torch": torch, "Optional": typing.Optional})
+    _, weights, ids, _ = ns["top_k_top_p_min_p_sampling_from_probs_torch"](
+        probs.clone(), top_k, top_p, torch.zeros(len(probs)), False, None, None, return_filtered_probs=True)
+    weights = weights / weights.sum(-1, keepdim=True)
+    return torch.zeros_like(weights).scatter(-1, ids.long(), weights)
+
+
 def validate_request(name: str, body: dict):
     """`body` as SGLang's FastAPI app parses it into request model `name` (pydantic; ValueError if refused)."""
     import pydantic
 
     cls = _io_struct()[name]
-    if name == "GenerateReqInput":  # a dataclass: unknown fields are refused by its constructor
-        return cls(**body)
+    if name == "GenerateReqInput":  # a dataclass, which FastAPI parses ignoring unknown keys (the fields
+        # sglang-router adds: model, log_metrics, ...), as SGLang's contract gate does (sglang/api/v1/api_types.py)
+        return cls(**{k: v for k, v in body.items() if k in {f.name for f in dataclasses.fields(cls)}})
     return pydantic.TypeAdapter(cls).validate_python(body)
 
 

@@ -8,9 +8,12 @@ plugged in where it runs on a CPU (tests/sglang_code.py loads it from the instal
   its `FlattenedTensorBucket`);
 - every weight call's body is parsed by SGLang's request model first (as its FastAPI app does), and every
   /generate body by its `GenerateReqInput` and every sampling_params by its `SamplingParams.verify`: a field
-  SGLang would refuse fails the call (HTTP 500).
+  SGLang would refuse fails the call (HTTP 500);
+- a /generate asking `return_sampling_mask` passes its scheduler's check (`sglang_code.sampling_mask_refusal`:
+  top_k 1 or 1 < top_k <= --sampling-mask-max-tokens, 4096 unless given) or is refused with its message (HTTP 400,
+  as SGLang aborts it).
 
-Usage: python tests/sglang_worker.py CHECKPOINT --port PORT [opd-sao serve options]
+Usage: python tests/sglang_worker.py CHECKPOINT --port PORT [--sampling-mask-max-tokens N] [opd-sao serve options]
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ def _parsed_by_sglang(handler, model: str):
     return handle
 
 
-def plug_in_sglang() -> None:
+def plug_in_sglang(sampling_mask_max_tokens: int = 4096) -> None:
     common = sglang_code.common()
     TensorSync.deserialize = staticmethod(common["MultiprocessingSerializer"].deserialize)
     DistributedSync.init_group = staticmethod(common["init_custom_process_group"])
@@ -56,16 +59,26 @@ def plug_in_sglang() -> None:
     def checked_generate(self, body, *args, **kwargs):
         if isinstance(body, dict):
             sglang_code.validate_request("GenerateReqInput", body)
-            params = body.get("sampling_params") or {}
-            for one in params if isinstance(params, list) else [params]:
-                sglang_code.verify_sampling_params(one, self.vocab_size)
+            params, masks = body.get("sampling_params") or {}, body.get("return_sampling_mask") or False
+            params = params if isinstance(params, list) else [params]
+            for one, mask in zip(params, masks if isinstance(masks, list) else [masks] * len(params)):
+                sampling = sglang_code.verify_sampling_params(one, self.vocab_size)
+                refused = mask and sglang_code.sampling_mask_refusal(sampling, sampling_mask_max_tokens)
+                if refused:
+                    raise server.BadRequest(refused)
         return generate(self, body, *args, **kwargs)
 
     server.RolloutServer.generate = checked_generate
 
 
 if __name__ == "__main__":
-    plug_in_sglang()
+    args = sys.argv[1:]
+    cap = 4096
+    if "--sampling-mask-max-tokens" in args:  # SGLang's launch flag, not serve's
+        at = args.index("--sampling-mask-max-tokens")
+        cap = int(args[at + 1])
+        del args[at:at + 2]
+    plug_in_sglang(cap)
     from opd_sao.cli import main
 
-    sys.exit(main(["serve", *sys.argv[1:]]))
+    sys.exit(main(["serve", *args]))

@@ -2,7 +2,8 @@
 with SGLang's own server-side code plugged in (tests/sglang_worker.py: its tensor deserialiser, its
 process-group helper and broadcast receive, its request models), in every weight-sync mode and at top_p 0.9.
 Also the client's calls checked against SGLang's code directly: the tensor payload SGLang reads, the
-process group SGLang forms, the positions SGLang gives prompt logprobs.
+process group SGLang forms, the positions SGLang gives prompt logprobs, the support SGLang's sampler draws from
+at top_k/top_p, its scheduler's sampling-mask rule, and sglang-router dropping return_sampling_mask.
 """
 from __future__ import annotations
 
@@ -80,6 +81,105 @@ def test_a_reasoning_stage_trains_through_sglang_semantics_workers(sync, top_p, 
     for client in clients:
         got = torch.tensor(client.score(ids, 1).token_logprobs)
         assert torch.allclose(got, expected, atol=1e-5), (client.url, (got - expected).abs().max())
+    if top_p < 1:  # what each worker sampled from (top_k 4096 within its scheduler's rule) is what the trainer scores
+        _sampled_as_the_trainer_scores(clients, trained, ids[:6], cfg.stages[0].gate.mean_abs_diff)
+
+
+def _sampled_as_the_trainer_scores(clients, model, prompt: list[int], threshold: float) -> None:
+    """Each worker's sampled-token logprobs at top_p 0.9 (return_sampling_mask, through its scheduler's check)
+    equal the trainer's `sequence_logprobs` of the same tokens at top_p 0.9, within the gate's mean threshold."""
+    from opd_sao.engines.base import GenerationRequest, SamplingParams
+    from opd_sao.modeling import sequence_logprobs
+
+    for client in clients:
+        out = client.generate(GenerationRequest(prompt, SamplingParams(1.0, 0.9, 12, ignore_eos=True)))
+        full = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            trainer = sequence_logprobs(model, full, torch.ones_like(full), top_p=torch.tensor([0.9]))[0, len(prompt):]
+        diff = (trainer - torch.tensor(out.logprobs)).abs()
+        assert len(out.token_ids) == 12 and float(diff.max()) < threshold, (client.url, diff)
+
+
+def test_the_trainer_and_the_embedded_engine_score_sglangs_top_k_top_p_support():
+    """Over a vocabulary past SGLang's sampling-mask cap (6000 ids), `nucleus_logprobs` (trainer, gate, embedded
+    engine) is the distribution SGLang's own sampler (`top_k_top_p_min_p_sampling_from_probs_torch`, loaded from
+    the wheel) draws from at the top_k the client sends: top_p rows cut at 4096 (where the nucleus alone is wider),
+    a row's own smaller top_k kept; the embedded engine's draws lie in that support with those logprobs."""
+    from opd_sao.modeling import SAMPLING_MASK_TOP_K, nucleus_logprobs, nucleus_top_k, sample_tokens
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 6000, generator=g) * torch.tensor([[0.1], [0.5], [3.0], [2.0]])
+    top_p, own_k, temperature = torch.tensor([0.9, 0.95, 0.9, 0.9]), torch.tensor([-1, -1, -1, 50]), torch.ones(4)
+    k = nucleus_top_k(top_p, own_k)
+    assert k.tolist() == [SAMPLING_MASK_TOP_K] * 3 + [50]
+    sglang = sglang_code.sampled_support(torch.softmax(logits, -1), k, top_p)
+    ours = nucleus_logprobs(logits, temperature, top_p, own_k)
+    assert torch.equal(ours.exp() > 0, sglang > 0) and torch.allclose(ours.exp(), sglang, atol=1e-7)
+    assert (sglang > 0).sum(-1).tolist()[:2] == [4096, 4096]  # the cap cut both ...
+    uncapped = sglang_code.sampled_support(torch.softmax(logits, -1), torch.full((4,), 1 << 30), top_p)
+    assert bool(((uncapped > 0).sum(-1)[:2] > 4096).all())  # ... whose nucleus alone is wider
+    ids, logp, _ = sample_tokens(logits, temperature, top_p, g, own_k)
+    chosen = sglang.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    assert bool((chosen > 0).all()) and torch.allclose(logp, chosen.log(), atol=1e-5)
+
+
+def test_the_workers_take_sampling_mask_requests_as_sglangs_scheduler_does(sglang_workers):
+    """The workers apply SGLang's scheduler check (its code, from the wheel): a return_sampling_mask request
+    without top_k (SGLang's 2^30) or above 4096 is refused with HTTP 400 and the scheduler's message; the
+    client's, top_k 4096, is taken and answers the renormalised logprobs."""
+    import requests
+
+    from opd_sao.engines.http import SGLangClient
+
+    def ask(**sampling) -> requests.Response:
+        return requests.post(sglang_workers[0] + "/generate", timeout=60, json={
+            "input_ids": [0, 5], "sampling_params": {"max_new_tokens": 2, "top_p": 0.9, **sampling},
+            "return_logprob": True, "return_sampling_mask": True})
+
+    for sampling, got in (({}, "top_k=1073741824"), ({"top_k": 4097}, "top_k=4097")):
+        answer = ask(**sampling)
+        assert answer.status_code == 400 and "return_sampling_mask requires top_k=1" in answer.text \
+            and got in answer.text, answer.text
+    assert ask(top_k=1).status_code == 200
+    taken = ask(top_k=4096)
+    meta = taken.json()["meta_info"] if taken.status_code == 200 else taken.text
+    sampled, vocab = meta["output_token_sampling_logprobs"], [p[0] for p in meta["output_token_logprobs"]]
+    assert len(sampled) == 2 and all(s >= v for s, v in zip(sampled, vocab))  # renormalised on the support
+    SGLangClient(sglang_workers[0]).check_sampling_mask()  # the client's probe: top_k 4096
+
+
+@pytest.mark.slow
+def test_a_top_p_stage_behind_sglang_router_is_refused_in_one_line_before_any_work(sglang_workers, tmp_path,
+                                                                                  tiny_model_dir):
+    """sglang-router 0.3.2 drops return_sampling_mask when it forwards /generate (a request the workers refuse
+    directly, 400, passes through it: they never saw the mask asked), so a stage at top_p 0.9 through it is refused
+    in one line before the first stage writes anything; its workers listed directly are taken (the test above)."""
+    pytest.importorskip("sglang_router", reason="sglang-router is a test extra: pip install -e .[test]")
+    import requests
+    from launchers import start_sglang_router
+
+    from opd_sao.config import parse_config
+    from opd_sao.errors import UsageError
+    from opd_sao.pipeline import run_pipeline
+
+    router, proc = start_sglang_router(sglang_workers, "--policy", "round_robin")
+    try:
+        body = {"input_ids": [0, 5], "sampling_params": {"max_new_tokens": 1, "top_p": 0.9},
+                "return_logprob": True, "return_sampling_mask": True}
+        assert requests.post(sglang_workers[0] + "/generate", json=body, timeout=60).status_code == 400
+        through = requests.post(router + "/generate", json=body, timeout=60)
+        assert through.status_code == 200 and "output_token_sampling_logprobs" not in through.json()["meta_info"]
+        stage = {"name": "reasoning", "kind": "reasoning", "env": "arithmetic", "steps": 1,
+                 "rollout": {"max_new_tokens": 8, "top_p": 0.9}}
+        cfg = parse_config({"model": {"path": str(tiny_model_dir)}, "logging": {"wandb": False, "progress": False},
+                            "engine": {"kind": "http", "urls": [router]}, "trainer": {"critic_warmup_steps": 0},
+                            "stages": [stage]})
+        with pytest.raises(UsageError, match="does not pass return_sampling_mask on to its workers") as refused:
+            run_pipeline(cfg, tmp_path / "run", log=lambda m: None)
+        assert "\n" not in str(refused.value) and not (tmp_path / "run" / "stages").exists()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_tensor_payloads_are_read_by_sglangs_deserialiser_and_request_model():

@@ -27,8 +27,8 @@ def check_engine(cfg, nucleus: bool = False, model_path: str = "tiny") -> None:
             raise UsageError("engine.kind http needs engine.urls (the rollout servers, e.g. opd-sao serve or SGLang)")
         targets, _ = discover_fleet(cfg.urls, cfg.workers, timeout=30.0, **_client_options(cfg))
         if nucleus:
-            for client, _ in targets:
-                client.check_sampling_mask()
+            for client, is_router in targets:
+                client.check_sampling_mask(router=is_router)
 
 
 def build_engine(cfg, checkpoint, tokenizer, seed: int, device=None, attn_implementation: str = "eager"

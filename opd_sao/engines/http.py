@@ -14,7 +14,10 @@ Semantics the trainer depends on, as SGLang's source has them:
 - `output_token_logprobs` are log softmax(logits / T) over the whole vocabulary, not renormalised to the
   top-p nucleus. With `top_p < 1` the client asks `return_sampling_mask` and records
   `meta_info.output_token_sampling_logprobs` (the renormalised value: the distribution actually sampled
-  from); a server that does not return it is refused in one line.
+  from); a server that does not return it is refused in one line. SGLang's scheduler takes such a request only
+  at top_k 1 or 1 < top_k <= --sampling-mask-max-tokens (4096 by default; a missing top_k is 2^30 and refused
+  with HTTP 400), so the client sends top_k `modeling.SAMPLING_MASK_TOP_K` (or the request's own, if smaller),
+  the cut the trainer, the gate and the embedded engine apply to every top_p < 1 row (`nucleus_top_k`).
 - Prompt scoring: SGLang's `input_token_logprobs[j]` pairs the token at `logprob_start_len + j` with its
   logprob given the tokens before it, and its first entry is always None (even past position 0), so
   `score` asks from `start - 1` and drops that entry.
@@ -30,6 +33,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import requests
+import torch
+
+from opd_sao.errors import UsageError
+from opd_sao.modeling import nucleus_top_k
 
 from .base import GenerationRequest, GenerationResult
 from .retry import TRANSIENT_STATUS, retrying_session
@@ -182,19 +189,27 @@ class SGLangClient:
 
     # --- generation and scoring ------------------------------------------------------------------------
 
-    def check_sampling_mask(self) -> None:
-        """ValueError unless the server returns the renormalised top-p logprobs (`return_sampling_mask`)."""
-        payload = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "top_p": 0.9},
+    def check_sampling_mask(self, router: bool = False) -> None:
+        """UsageError unless the server returns the renormalised top-p logprobs (`return_sampling_mask`) for a
+        request SGLang's scheduler takes. `router`: this URL is a router (sglang-router 0.3.2 drops
+        return_sampling_mask when it forwards a /generate, so its workers never see it)."""
+        top_k = _top_k(0.9, -1)
+        payload = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "top_p": 0.9, "top_k": top_k},
                    "return_logprob": True, "return_sampling_mask": True}
         try:
             meta = self._call("POST", "/generate", payload).json()["meta_info"]
         except ServerError as err:  # the server's own error, not a missing field: say it
-            raise ValueError(f"rollout server {self.url} failed the top-p probe (one token from the prompt [0] at "
-                             f"top_p 0.9 with return_sampling_mask): {err}") from None
-        if "output_token_sampling_logprobs" not in meta:
-            raise ValueError(f"rollout server {self.url} does not return output_token_sampling_logprobs for "
-                             "return_sampling_mask (SGLang 0.5.23 does), which rollouts at top_p < 1 need: use "
-                             "rollout.top_p 1 or such a server")
+            raise UsageError(f"rollout server {self.url} failed the top-p probe (one token from the prompt [0] at "
+                             f"top_p 0.9, top_k {top_k} with return_sampling_mask): {err}") from None
+        if "output_token_sampling_logprobs" in meta:
+            return
+        if router:
+            raise UsageError(f"rollout router {self.url} does not pass return_sampling_mask on to its workers "
+                             "(sglang-router 0.3.2 drops it), which rollouts at top_p < 1 need: list the workers "
+                             "themselves in engine.urls (the fleet balances them) or use rollout.top_p 1")
+        raise UsageError(f"rollout server {self.url} does not return output_token_sampling_logprobs for "
+                         "return_sampling_mask (SGLang 0.5.23 does), which rollouts at top_p < 1 need: use "
+                         "rollout.top_p 1 or such a server")
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
         params = request.params
@@ -203,6 +218,9 @@ class SGLangClient:
                    "sampling_params": {"temperature": params.temperature, "top_p": params.top_p,
                                        "max_new_tokens": params.max_new_tokens, "ignore_eos": params.ignore_eos},
                    "return_logprob": True}
+        top_k = _top_k(params.top_p, params.top_k)
+        if top_k >= 1:  # the request's own (1: greedy), cut at top_p < 1 to what SGLang's scheduler takes
+            payload["sampling_params"]["top_k"] = top_k
         if params.sampling_seed is not None:  # SGLang honours it under --enable-deterministic-inference
             payload["sampling_params"]["sampling_seed"] = params.sampling_seed
         if nucleus:
@@ -250,3 +268,8 @@ class SGLangClient:
         except (TypeError, ValueError):
             raise ServerError(f"rollout server {self.url} reports weight_version {reported!r}, not a policy "
                               "version: load weights through the engine first (it starts at version 0)") from None
+
+
+def _top_k(top_p: float, top_k: int) -> int:
+    """The top_k a request samples with (< 1: none): its own, cut at top_p < 1 as `nucleus_top_k` cuts it."""
+    return int(nucleus_top_k(torch.tensor([top_p]), torch.tensor([top_k]))[0])
