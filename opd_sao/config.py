@@ -21,6 +21,7 @@ from pydantic import (
 
 from opd_sao.devices import DEVICE_PATTERN, resolve_device
 from opd_sao.errors import UsageError
+from opd_sao.model_import import gguf_has_chat_template, is_gguf_path
 from opd_sao.registry import load_plugins
 
 Granularity = Literal["sampled", "top_k", "top_p", "full"]
@@ -134,7 +135,9 @@ class TinyModelConfig(Strict):
 class ModelConfig(Strict):
     """The base model every stage starts from."""
 
-    path: str = describe("'tiny': build the embedded tiny model; otherwise a local HF-format model directory, and then "
+    path: str = describe("'tiny': build the embedded tiny model; a .gguf file: converted once (float32, as opd-sao "
+                         "models import) into the run's base_model/, used as a model directory; otherwise a local "
+                         "HF-format model directory, and then "
                          "the settings left unset that are the tiny model's get real-model values (trainer.policy_lr, "
                          "trainer.critic_lr, prompt_format) or a warning line each (docs/usage.md)", "tiny")
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = describe(
@@ -565,7 +568,10 @@ REAL_MODEL_TRAINER = {"policy_lr": 1e-6, "critic_lr": 1e-5}
 
 def has_chat_template(path: str | Path) -> bool:
     """Whether a model directory's tokenizer has a chat template (tokenizer_config.json's `chat_template`, or the
-    chat_template.jinja / .json file transformers writes), read without loading the tokenizer."""
+    chat_template.jinja / .json file transformers writes; a GGUF file's `tokenizer.chat_template` key), read without
+    loading the tokenizer."""
+    if is_gguf_path(path):
+        return gguf_has_chat_template(path)
     path = Path(path)
     if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
         return True

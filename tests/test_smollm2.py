@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from opd_sao.checkpoints import PromptFormat, describe_model, load_tokenizer
 from opd_sao.cli import main
 from opd_sao.config import parse_config
-from opd_sao.model_import import registry_gguf
+from opd_sao.model_import import gguf_keys, registry_gguf
 from opd_sao.pipeline import run_pipeline
 
 SMOLLM2_PARAMETERS = 134_515_008  # 30 layers, width 576, tied embeddings of 49,152 rows
@@ -104,6 +104,24 @@ def test_two_sao_steps_from_the_gguf_file_with_the_gate(tmp_path):
     print(f"resume {time.perf_counter() - t0:.1f}s")
     assert weights.stat().st_mtime_ns == converted  # converted once: the resumed run reuses base_model/
     assert [s["name"] for s in resumed["stages"]] == ["reasoning"]
+
+
+def test_a_gguf_model_path_gets_the_chat_format_from_its_header(tmp_path):
+    """The real-model defaults read the GGUF file's metadata keys (not its values: milliseconds): SmolLM2's
+    tokenizer.chat_template makes the run's prompt format chat; a GGUF file without that key stays raw."""
+    gguf = registry_gguf("smollm2")
+    keys = gguf_keys(gguf)
+    assert keys[0] == "general.architecture" and "tokenizer.ggml.merges" in keys and keys[-1] == "general.quantization_version"
+    run = {k: v for k, v in smollm2_run(gguf, tmp_path / "run").items() if k != "prompt_format"}
+    assert parse_config(run).prompt_format == "chat"
+    # the same header up to the chat template's key, which is renamed: no template, raw
+    data = bytearray(gguf.read_bytes()[:1 << 22])
+    at = data.index(b"tokenizer.chat_template")
+    data[at:at + 9] = b"tokenizeX"
+    renamed = tmp_path / "renamed.gguf"
+    renamed.write_bytes(bytes(data))
+    assert "tokenizeX.chat_template" in gguf_keys(renamed)
+    assert parse_config({**run, "model": {"path": str(renamed)}}).prompt_format == "raw"
 
 
 def test_a_run_refuses_a_model_path_that_is_not_gguf(tmp_path, capsys):
