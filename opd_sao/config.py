@@ -269,7 +269,10 @@ class RolloutConfig(Strict):
     """How a stage samples: sampling parameters, asynchrony, multi-turn episodes."""
 
     temperature: float = describe("sampling temperature", 1.0, gt=0)
-    top_p: float = describe("nucleus sampling mass (1: the whole distribution)", 1.0, gt=0, le=1)
+    top_p: float = describe("nucleus sampling mass (1: the whole distribution). Below 1 the support is also cut to "
+                            "the 4096 most likely tokens (SGLang's joint top-k/top-p; its scheduler takes "
+                            "return_sampling_mask only with top_k <= --sampling-mask-max-tokens, 4096 by default): "
+                            "served, embedded and as the trainer and gate score it", 1.0, gt=0, le=1)
     max_new_tokens: int = describe("tokens per generation (per turn; the tiny model's: with a checkpoint as model.path, "
                                    "a warning names the stages that leave it unset)", 16, ge=1)
     asynchronous: bool = describe("True: generation runs ahead of training within the staleness bound; False: "
