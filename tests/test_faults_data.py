@@ -134,13 +134,16 @@ def test_code_tests_cannot_be_gamed(game):
 
 def test_code_tests_output_and_test_count_are_not_the_programs_limit():
     """Before: a correct program printing 100 KB, or passing 50,000 asserts, scored 0 (the tests' results were
-    echoed on the program's output, past its 64 KiB)."""
+    echoed on the program's output, past its 64 KiB). The 50,000 asserts run with wall and CPU limits of 300 s
+    (issue 43): at the default 5 s + 0.2 ms per test they hit the wall limit on a loaded machine (one pipe round
+    trip per call, 2-14 s measured at load 7-20), and what this checks is the output, not the time allowance."""
     from opd_sao.stages.envs.rewards import build_reward
 
     reward = build_reward("code_tests", {})
     assert reward.score(ASSERTS, RIGHT + "print('x' * 100_000)\n").score == 1.0
     many = {"id": "many", "tests": {"kind": "asserts", "asserts": [f"assert f({i}) == {i + 1}" for i in range(50_000)]}}
-    assert reward.score(many, RIGHT).score == 1.0
+    verdict = build_reward("code_tests", {"wall_s": 300.0, "cpu_s": 300}).score(many, RIGHT)
+    assert verdict.score == 1.0, verdict
     stdin = {"id": "io", "tests": {"kind": "io", "inputs": ["1", "2"], "outputs": ["2", "3"]}}
     assert reward.score(stdin, "x = int(input())\nprint('noise ' * 20_000)\nprint(x + 1)\n").score == 0.0
     assert reward.score(stdin, "x = int(input())\nimport sys\nprint('noise ' * 20_000, file=sys.stderr)\n"
