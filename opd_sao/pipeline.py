@@ -21,6 +21,7 @@ from opd_sao.runs.evaluation import Score, evaluate_score
 from opd_sao.runs.files import atomic_write, inside, write_json
 from opd_sao.runs.fingerprint import check_resume, started_stages, write_record
 from opd_sao.runs.lock import locked_run_dir
+from opd_sao.runs.model_fingerprint import check_model_record, write_model_record
 from opd_sao.runs.progress import StageProgress
 from opd_sao.runs.report import forgetting, write_report
 from opd_sao.runs.timing import PhaseTimer, peak_memory, reset_peak_memory
@@ -174,6 +175,12 @@ def remove_if_no_stage_output(run_dir: Path, existing: set[str] | None) -> None:
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
+def given_model(cfg: RunConfig) -> Path | None:
+    """model.path when it is a model directory the run reads as is; None when the run builds its base model (tiny)
+    or converts it (a .gguf file) once into its own base_model/."""
+    return None if cfg.model.path == "tiny" or is_gguf_path(cfg.model.path) else Path(cfg.model.path)
+
+
 def ensure_base_model(cfg: RunConfig, run_dir: Path) -> Path:
     """The model directory every stage starts from: model.path itself, or built (tiny) or converted (a .gguf file)
     once into the run's base_model/, which a resumed run reuses."""
@@ -244,6 +251,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
             files = stage_data_files(cfg)  # a stage not started yet may read other data, as its settings may change
             check_data_record({s: f for s, f in files.items() if s in started_stages(run_dir)}, run_dir)
             write_data_record(files, run_dir)
+            check_model_record(given_model(cfg), run_dir)
             if allowed:
                 log(f"resuming with changed {', '.join(allowed)} (--allow-config-change)")
             return _run_stages(cfg, run_dir, log, resume=True)
@@ -256,6 +264,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
             atomic_write(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
             write_record(config, run_dir)
             write_data_record(stage_data_files(cfg), run_dir)
+            write_model_record(given_model(cfg), run_dir)
             return _run_stages(cfg, run_dir, log, resume=False)
         except BaseException:
             remove_if_no_stage_output(run_dir, existing)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from opd_sao.runs.model_fingerprint import check_model_record
 from opd_sao.runs.tracking import read_jsonl
 
 STEPS = 12
@@ -188,3 +190,30 @@ def test_a_fresh_run_into_a_full_disk_leaves_neither_its_lock_nor_its_directory(
         assert "the disk is full" in one_line(done.stderr) and "nothing was saved yet" in done.stderr
     assert not (small_disk / "new").exists()
     assert os.listdir(existing) == ["mine.txt"]
+
+
+def test_resume_refuses_a_base_model_swapped_for_another_of_the_same_shape(tmp_path, tiny_model_dir, perturbed_teacher):
+    """Issue 43. Before: the data files were fingerprinted, the model not: another model of the same shape put in
+    model.path between a kill and `--resume` was loaded and trained on. Now the resume is refused in one line
+    naming the weights file; a copy of the same model (new mtime) passes."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = yaml.safe_load(Path(config(tmp_path, tiny_model_dir, slowdown_s=20.0)).read_text())
+    cfg["model"]["path"] = str(model)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    proc = start(str(tmp_path / "run.yaml"), "--run-dir", str(run_dir))
+    try:
+        wait_for(lambda: (run_dir / "model.fingerprint.json").is_file(), proc=proc)
+    finally:
+        proc.kill()
+        proc.wait()
+    weights = model / "model.safetensors"
+    assert weights.stat().st_size == (perturbed_teacher / "model.safetensors").stat().st_size  # the same shape
+    shutil.copyfile(perturbed_teacher / "model.safetensors", weights)
+    done = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", "--resume", str(run_dir)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 2
+    assert one_line(done.stderr).startswith(f"opd-sao run: error: model.path: {weights} changed (size ")
+    shutil.copyfile(tiny_model_dir / "model.safetensors", weights)  # the original back, as a copy: mtime is new
+    check_model_record(model, run_dir)

@@ -66,11 +66,17 @@ def check_data_record(stage_files: dict[str, list[str]], run_dir: Path) -> None:
         return
     recorded = json.loads(path.read_text())
     for stage, now in stage_fingerprints(stage_files).items():
-        before = recorded.get(stage, {})
-        for file in sorted(before.keys() | now.keys()):
-            old, new = before.get(file), now.get(file)
-            if old is None or new is None or (old["size"], old["sha256"]) != (new["size"], new["sha256"]):
-                what = "is gone" if new is None else "is new" if old is None else \
-                    f"changed (size {old['size']} -> {new['size']}, sha256 {old['sha256'][:12]} -> {new['sha256'][:12]})"
-                raise UsageError(f"stage {stage!r}: data file {file} {what} since the run started; a resume continues "
-                                 f"on the data it started with (restore the file, or start a new run)")
+        change = first_change(recorded.get(stage, {}), now)
+        if change is not None:
+            raise UsageError(f"stage {stage!r}: data file {change[0]} {change[1]} since the run started; a resume "
+                             f"continues on the data it started with (restore the file, or start a new run)")
+
+
+def first_change(before: dict[str, dict], now: dict[str, dict]) -> tuple[str, str] | None:
+    """(file, what) for the first file (sorted) that is gone, new, or of another size or hash; None if none."""
+    for file in sorted(before.keys() | now.keys()):
+        old, new = before.get(file), now.get(file)
+        if old is None or new is None or (old["size"], old["sha256"]) != (new["size"], new["sha256"]):
+            return file, "is gone" if new is None else "is new" if old is None else \
+                f"changed (size {old['size']} -> {new['size']}, sha256 {old['sha256'][:12]} -> {new['sha256'][:12]})"
+    return None
