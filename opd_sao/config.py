@@ -21,7 +21,7 @@ from pydantic import (
 
 from opd_sao.devices import DEVICE_PATTERN, resolve_device
 from opd_sao.errors import UsageError
-from opd_sao.model_import import gguf_has_chat_template, is_gguf_path
+from opd_sao.gguf_header import gguf_has_chat_template, is_gguf_path
 from opd_sao.registry import load_plugins
 
 Granularity = Literal["sampled", "top_k", "top_p", "full"]

@@ -14,7 +14,8 @@ from opd_sao.checkpoints import build_tiny_model, check_attention, load_tokenize
 from opd_sao.decoders import check_plain_logits
 from opd_sao.engines import check_engine
 from opd_sao.errors import UsageError
-from opd_sao.model_import import import_gguf, is_gguf_path, model_config
+from opd_sao.gguf_header import is_gguf_path
+from opd_sao.model_import import import_gguf, model_config
 from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, disk_use
 from opd_sao.runs.data_fingerprint import check_data_record, write_data_record
 from opd_sao.runs.evaluation import Score, evaluate_score
