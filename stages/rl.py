@@ -14,6 +14,7 @@ from opd_sao.checkpoints import PromptFormat
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
 from opd_sao.errors import UsageError
+from opd_sao.model_import import model_config
 from opd_sao.rl.learner import Learner, needs_critic
 from opd_sao.rl.rollout import Episode, check_prompts, episodes_for
 from opd_sao.rl.value_pretrain import pretrain_critic
@@ -96,7 +97,9 @@ class RLStage(Stage):
         env_factory = self.env_factory()
         require_valid(cfg.env, env_factory, n=VALIDITY_TASKS, seed=run.seed)  # before any work
         pool = env_factory().make_tasks("train", TRAIN_TASK_POOL, run.seed)
-        check_prompts(env_factory, pool, tok, cfg.rollout, domain=cfg.env)  # a 50 MB row: refused now, not mid-stage
+        positions = getattr(model_config(self.ctx.base_checkpoint), "max_position_embeddings", None)
+        check_prompts(env_factory, pool, tok, cfg.rollout, domain=cfg.env,  # a 50 MB row: refused now, not mid-stage
+                      max_positions=positions)
         start, eval_init, sft_resumed = self.warm_start(self.ctx.resolve_checkpoint(cfg.init_from), env_factory)
         algo, trainer_cfg = run.stage_algo(cfg), run.stage_trainer(cfg)
         critic = needs_critic(algo, cfg.rl)

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from opd_sao.config import TrainerConfig, parse_config
 from opd_sao.pipeline import run_pipeline
@@ -351,3 +354,23 @@ def test_audit_takes_env_options_and_a_jsonl_prompts_file_and_says_when_it_repea
     assert json.loads((tmp_path / "audit" / "audit.json").read_text())["distinct_prompts"] == 12
     assert cli.main(["audit", *common, "--env", "dataset", "--env-options", "[1]"]) == 2
     assert "--env-options must be a JSON object" in capsys.readouterr().err
+
+
+def test_a_prompt_past_the_models_positions_is_refused_naming_its_file_and_row(tmp_path):
+    """Issue 43. Before: only rollout.max_context_tokens (512) was checked, so a prompt of ~110 tokens for a model
+    of 64 positions trained to exit 0 without a word. Now `opd-sao run` refuses it at stage start in one line
+    naming the file and the row, before any training step."""
+    long_row = {"id": "long", "prompt": " ".join(str(i) for i in range(40)) + " =", "answer": "1"}
+    path = rows_file(tmp_path, [*ROWS[:20], long_row, *ROWS[20:]])
+    cfg = _run_config(tmp_path, {"path": str(path), "eval_fraction": 0.1})
+    cfg["model"]["tiny"] = {**TINY, "max_positions": 64}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    done = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", str(tmp_path / "run.yaml"), "--run-dir",
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert re.fullmatch(rf"opd-sao run: error: dataset: task 'long' \({re.escape(str(path))} row 21\): its prompt is "
+                        r"\d+ tokens, which with rollout.max_new_tokens 4 passes the model's max_position_embeddings "
+                        r"64; shorten or drop the row, or lower max_new_tokens", lines[0]), lines[0]
+    assert not (tmp_path / "run" / "stages" / "r" / "metrics.jsonl").exists()

@@ -24,6 +24,7 @@ from opd_sao.engines.base import (
     RolloutEngine,
     SamplingParams,
 )
+from opd_sao.errors import UsageError
 from opd_sao.modeling import seed_of
 from opd_sao.rl.compaction import Compaction, next_segment, propagate_returns
 from opd_sao.trajectory import Trajectory
@@ -33,7 +34,7 @@ from opd_sao.trajectory import Trajectory
 _TRAJECTORY_IDS = random.Random(int.from_bytes(os.urandom(16), "little"))
 
 
-class PromptTooLong(ValueError):
+class PromptTooLong(UsageError):
     """A task whose prompt leaves no room to answer in the context (one line naming the task)."""
 
 
@@ -48,17 +49,23 @@ def check_prompt_length(prompt: str, task: dict, max_context_tokens: int) -> str
     return prompt
 
 
-def check_prompts(env_factory, tasks: list[dict], tokenizer, rollout, *, domain: str) -> None:
-    """Stage start, before any work: every task's prompt leaves room to answer (PromptTooLong names the first that
-    does not), so a long row cannot stop a run mid-stage."""
+def check_prompts(env_factory, tasks: list[dict], tokenizer, rollout, *, domain: str,
+                  max_positions: Optional[int] = None) -> None:
+    """Stage start, before any work: every task's prompt leaves room to answer within rollout.max_context_tokens
+    and, with rollout.max_new_tokens, within the model's `max_positions` (PromptTooLong names the first that does
+    not, and its file and row), so a long row cannot stop a run mid-stage or run past the model's positions."""
     env = env_factory()
     prompt_format = PromptFormat.from_rollout(tokenizer, rollout)
     for task in tasks:
-        prompt = check_prompt_length(env.reset(task), task, rollout.max_context_tokens)
-        if len(prompt_format.prompt(prompt)) >= rollout.max_context_tokens:
-            raise PromptTooLong(f"{domain}: task {task['id']!r}: its prompt is {len(prompt_format.prompt(prompt))} "
-                                f"tokens, and rollout.max_context_tokens is {rollout.max_context_tokens}; shorten "
-                                f"or drop the row")
+        tokens = len(prompt_format.prompt(check_prompt_length(env.reset(task), task, rollout.max_context_tokens)))
+        if tokens >= rollout.max_context_tokens:
+            raise PromptTooLong(f"{domain}: {env.where(task)}: its prompt is {tokens} tokens, and "
+                                f"rollout.max_context_tokens is {rollout.max_context_tokens}; shorten or drop the row")
+        if max_positions is not None and tokens + rollout.max_new_tokens > max_positions:
+            raise PromptTooLong(f"{domain}: {env.where(task)}: its prompt is {tokens} tokens, which with "
+                                f"rollout.max_new_tokens {rollout.max_new_tokens} passes the model's "
+                                f"max_position_embeddings {max_positions}; shorten or drop the row, or lower "
+                                f"max_new_tokens")
 
 
 def episodes_for(env_factory, task: dict, tokenizer, rollout, *, domain: str, count: int = 1, group: int = -1,

@@ -75,6 +75,10 @@ class Environment(ABC):
     @abstractmethod
     def step(self, action: str) -> tuple[str, float, bool]: ...
 
+    def where(self, task: dict) -> str:
+        """Where the task comes from, for an error message about it (a file-backed environment names the row)."""
+        return f"task {task['id']!r}"
+
     def reference_actions(self, task: dict) -> Optional[list[str]]:
         """Oracle actions that solve the task (SFT warm start, validity checks); None if unknown."""
         return None

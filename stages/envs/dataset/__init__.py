@@ -290,6 +290,18 @@ class DatasetEnv(Environment):
         done = not reward.multi_turn or verdict.score >= 1.0
         return ("" if done else verdict.feedback), delta, done
 
+    def where(self, task: dict) -> str:
+        """The task's file and row (found by reading the files again: only for an error message)."""
+        for split_file in dict.fromkeys(self.opts.files().values()):
+            path, seen = Path(split_file), set()
+            for number, row in iter_rows(path):
+                try:
+                    if self._task(path, number, row, seen)["id"] == task["id"]:
+                        return f"task {task['id']!r} ({path} row {number})"
+                except BadRow:
+                    continue
+        return super().where(task)
+
     def reference_actions(self, task: dict) -> Optional[list[str]]:
         return [task["answer"]] if task.get("answer") else None
 
