@@ -8,7 +8,7 @@
 #   WHEELS: offline, on a machine whose Python (PYTHON, default python3) has a CUDA torch 2.4 or newer: a
 #   directory made by scripts/gpu_wheels.sh on a networked machine; its wheels go into build/gpu_check/site with
 #   `pip install --no-index --target` and the check runs from there (PYTHONPATH), with no network.
-#   RUNS="torch-fp32 torch-bf16 deepspeed-bf16 fleet-disk fleet-tensor fleet-distributed"
+#   RUNS="forwards torch-fp32 torch-bf16 deepspeed-bf16 fleet-disk fleet-tensor fleet-distributed"
 #                                                  the settings to run (default: all; the fleet ones only
 #                                                  where `sglang` is importable)
 #   STEP_TIMEOUT=600                               seconds each run may take before it is stopped
@@ -18,6 +18,11 @@
 #   PYTHON=/path/to/python                         the interpreter (default: .venv, then python3, if its
 #                                                  torch sees CUDA; else build/venv-gpu is built from PyPI)
 #
+# forwards        the trainer's policy through both forwards (benchmarks/policy_forwards.py: opd-sao's own,
+#                 trainer.own_forward true, and transformers', false) on the 0.5B Qwen2 shape in float32 and
+#                 bfloat16: scoring and training pass times and the logprob / gradient drift, side by side
+#                 (FORWARDS_ARGS adds options; a CPU dry check: python benchmarks/policy_forwards.py --device
+#                 cpu --quick). trainer.own_forward defaults to true on CUDA too: this run is its first measure
 # torch-fp32      trainer and engine in float32: the gate holds its default thresholds (1e-3 / 1e-2)
 # torch-bf16      trainer.dtype and engine.dtype bfloat16 on the torch backend
 # deepspeed-bf16  the DeepSpeed backend (ZeRO-2, bf16) in a world of one, engine in bfloat16
@@ -37,7 +42,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-docs/gpu_check.txt}
 WHEELS=${2:-}
 WORK=build/gpu_check
-RUNS=${RUNS:-torch-fp32 torch-bf16 deepspeed-bf16 fleet-disk fleet-tensor fleet-distributed}
+RUNS=${RUNS:-forwards torch-fp32 torch-bf16 deepspeed-bf16 fleet-disk fleet-tensor fleet-distributed}
 STEP_TIMEOUT=${STEP_TIMEOUT:-600}
 CONFIG=configs/gpu_check.yaml
 STAGES="reasoning agent chat opd"
@@ -101,7 +106,7 @@ overrides_for() {  # the config overrides of one run setting
                        else echo "device=cuda trainer.device=cpu engine.weight_sync=distributed"; fi ;;
     fleet-*) echo "device=cuda engine.weight_sync=${1#fleet-}" ;;
     *) echo "gpu_check: unknown run setting $1 (torch-fp32, torch-bf16, deepspeed-bf16, fleet-disk, fleet-tensor," \
-            "fleet-distributed, memory)" >&2; return 1 ;;
+            "fleet-distributed, memory, forwards)" >&2; return 1 ;;
   esac
 }
 
@@ -171,6 +176,15 @@ for run in $RUNS; do
     printf '%s\t%s\t%s\t%s\t%s\n' "$run" "$status" "$start" "$(date +%s)" "$WORK/memory.log" >> "$RESULTS"
     continue
   fi
+  if [[ $run == forwards ]]; then  # own forward against transformers': a table, then one JSON line
+    echo "gpu_check: forwards (log: $WORK/forwards.log, at most ${STEP_TIMEOUT}s)"
+    start=$(date +%s) status=ok
+    # shellcheck disable=SC2086  # the options are separate words
+    timeout --kill-after=30 "$STEP_TIMEOUT" "$PY" benchmarks/policy_forwards.py --device cuda ${FORWARDS_ARGS:-} \
+      > "$WORK/forwards.log" 2>&1 || status="failed (exit $?)"
+    printf '%s\t%s\t%s\t%s\t%s\n' "$run" "$status" "$start" "$(date +%s)" "$WORK/forwards.log" >> "$RESULTS"
+    continue
+  fi
   overrides=$(overrides_for "$run") || exit 2
   run_dir="$WORK/run-$STAMP-$run"
   log="$WORK/$run.log"
@@ -235,6 +249,10 @@ for line in results.read_text().splitlines():
         print("\n".join("  " + line for line in lines if line.startswith("|")))
         checks = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
         print(f"  checks {checks.get('checks')}; within 25%: {checks.get('within_25pct')}")
+        continue
+    if run == "forwards":  # run_dir is the benchmark's log: its heading and table (own beside transformers')
+        lines = Path(run_dir).read_text().splitlines() if Path(run_dir).is_file() else []
+        print("\n".join("  " + line for line in lines if line.startswith(("|", "policy forwards"))))
         continue
     summary = Path(run_dir) / "summary.json"
     if not summary.is_file():
