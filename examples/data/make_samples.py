@@ -65,6 +65,115 @@ def chat_prefs(rng: random.Random) -> list[dict]:
     return rows
 
 
+# ---- configs/smollm2.yaml's agent and chat data: tasks a 135M instruct model partly solves, >= 200 held out
+# function families: (name, argument, what the prompt says it returns, the expression, test inputs)
+NUMBER_INPUTS, LIST_INPUTS, WORD_INPUTS = (-3, 0, 4, 7, 12), ([1, 2, 3], [5], [4, 0, 9, 2], []), ("banana", "", "tree")
+FAMILIES = (
+    ("add{b}", "x", "x+{b}", "x+{b}", NUMBER_INPUTS), ("minus{b}", "x", "x-{b}", "x-{b}", NUMBER_INPUTS),
+    ("times{a}", "x", "x*{a}", "x*{a}", NUMBER_INPUTS),
+    ("times{a}_plus{b}", "x", "x*{a}+{b}", "x*{a}+{b}", NUMBER_INPUTS),
+    ("times{a}_minus{b}", "x", "x*{a}-{b}", "x*{a}-{b}", NUMBER_INPUTS),
+    ("square_plus{b}", "x", "x squared plus {b}", "x*x+{b}", NUMBER_INPUTS),
+    ("at_least{b}", "x", "the larger of x and {b}", "max(x, {b})", NUMBER_INPUTS),
+    ("at_most{b}", "x", "the smaller of x and {b}", "min(x, {b})", NUMBER_INPUTS),
+    ("distance_to{b}", "x", "the absolute difference between x and {b}", "abs(x-{b})", NUMBER_INPUTS),
+    ("divisible_by{a}", "x", "True if x is divisible by {a}, else False", "x % {a} == 0", NUMBER_INPUTS),
+    ("sum_plus{b}", "xs", "the sum of the list xs plus {b}", "sum(xs)+{b}", LIST_INPUTS),
+    ("scale{a}", "xs", "a list of every element of xs multiplied by {a}", "[v*{a} for v in xs]", LIST_INPUTS),
+    ("first{a}", "xs", "a list of the first {a} elements of xs", "xs[:{a}]", LIST_INPUTS),
+    ("repeat{a}", "s", "the string s repeated {a} times", "s*{a}", WORD_INPUTS),
+    ("length_plus{b}", "s", "the length of the string s plus {b}", "len(s)+{b}", WORD_INPUTS),
+    ("count_{c}", "s", "the number of times the letter '{c}' appears in the string s", "s.count('{c}')", WORD_INPUTS),
+)
+
+
+def functions(rng: random.Random) -> list[dict]:
+    """Python function tasks in MBPP's shape, one per (family, parameters): a formula stated in symbols or words,
+    three asserts on fixed inputs: 742 tasks, of which eval_fraction 0.3 holds out 225."""
+    specs = {name.format(a=a, b=b, c=c): (arg, say.format(a=a, b=b, c=c), expr.format(a=a, b=b, c=c), inputs)
+             for name, arg, say, expr, inputs in FAMILIES for a in range(2, 10) for b in range(1, 30) for c in "aeinrt"}
+    rows = []
+    for name in rng.sample(sorted(specs), len(specs)):
+        arg, say, expr, inputs = specs[name]
+        tests = [f"assert {name}({x!r}) == {eval(expr, {arg: x})!r}" for x in rng.sample(inputs, 3)]
+        rows.append({"task_id": f"fn-{name}", "text": f"Write a Python function {name}({arg}) that returns {say}.",
+                     "code": f"def {name}({arg}):\n    return {expr}", "test_list": tests})
+    return rows
+
+
+TASKS = ("Write a few sentences about {t}.", "Tell me about {t}.", "Describe {t} to a child.",
+         "What do you like about {t}?")
+SENTENCES = ("{t} can make a quiet day feel better.", "many people enjoy {t} with their friends.",
+             "i often think about {t} in the morning.", "there is always something new to learn about {t}.",
+             "thinking of {t} brings back long summer days.", "a small thing like {t} can bring real joy.")
+KEYWORDS = ("lantern", "garden", "window", "river", "pocket", "candle", "meadow", "journey", "whisper", "harbor")
+AVOID = ("very", "really", "also", "just", "good")
+OPENINGS, ENDINGS = ("My answer:", "Here it is.", "In short"), ("That is all.", "Thank you.", "Is there anything else?")
+RULES = {"lowercase": "Use only lowercase letters.", "include": 'Include the word "{word}".',
+         "exclude": 'Do not use the word "{word}".', "no_commas": "Do not use any commas.",
+         "max_words": "Answer in at most {n} words.", "min_words": "Answer in at least {n} words.",
+         "start_with": 'Start your answer with "{phrase}".', "end_with": 'End your answer with "{phrase}".',
+         "bullets": 'Answer with exactly {n} bullet points, each on its own line starting with "- ".',
+         "quoted": "Wrap your whole answer in double quotes."}
+
+
+def _constraint(rng: random.Random, kind: str, lines: list[str]) -> dict:
+    """One constraint with its drawn word or phrase; an included word gets a sentence in the reference `lines`."""
+    if kind in ("include", "exclude"):
+        word = rng.choice(KEYWORDS if kind == "include" else AVOID)
+        if kind == "include":
+            lines.insert(rng.randrange(len(lines) + 1), f"it reminds me of a {word}.")
+        return {"kind": kind, "word": word}
+    if kind in ("start_with", "end_with"):
+        return {"kind": kind, "phrase": rng.choice(OPENINGS if kind == "start_with" else ENDINGS)}
+    return {"kind": kind}
+
+
+def _reference(rng: random.Random, topic: str, shape: str, kinds: list[str]) -> tuple[list[dict], str]:
+    """The constraints of one row and a reference answer that meets them (word limits set from its length)."""
+    lines = [s.format(t=topic) for s in rng.sample(SENTENCES, 3 if shape == "bullets" else rng.randint(2, 3))]
+    constraints = [_constraint(rng, kind, lines) for kind in kinds]
+    lines = [line[0].upper() + line[1:] for line in lines]
+    text = "\n".join(f"- {line}" for line in lines) if shape == "bullets" else " ".join(lines)
+    phrases = {c["kind"]: c["phrase"] for c in constraints if "phrase" in c}
+    text = " ".join(p for p in (phrases.get("start_with"), text, phrases.get("end_with")) if p)
+    if "lowercase" in kinds:
+        text = text.lower()
+        for c in constraints:
+            c.update({"phrase": c["phrase"].lower()} if "phrase" in c else {})
+    words = len(text.split())
+    for c in constraints:
+        c.update({"bullets": {"n": len(lines)}, "max_words": {"n": words + rng.randint(3, 12)},
+                  "min_words": {"n": max(5, words - rng.randint(0, 6))}}.get(c["kind"], {}))
+    return constraints, f'"{text}"' if shape == "quoted" else text
+
+
+def instructions(rng: random.Random, n: int = 1000) -> list[dict]:
+    """IFEval-style rows for `reward: constraints`: a request about a topic with 2-3 verifiable constraints (one
+    shape: plain, bullets, quoted, start or end phrase; one or two of lowercase, include, exclude, no commas, word
+    limits), and a reference answer meeting them. Every row has a constraint that an empty answer fails, so the
+    validity check's no-op and echo probes score 0, and so does the request itself (both checked here)."""
+    from opd_sao.stages.envs.dataset.constraints import failed_constraints
+
+    rows, seen = [], set()
+    while len(rows) < n:
+        topic, shape = rng.choice(TOPICS), rng.choice(("plain", "bullets", "quoted", "start_with", "end_with"))
+        extra = rng.sample(("lowercase", "include", "exclude", "no_commas", "max_words", "min_words"), rng.randint(1, 2))
+        if shape == "plain" and "include" not in extra:
+            extra.append("include")
+        kinds = [*extra, shape] if shape != "plain" else extra
+        if {"max_words", "min_words"} <= set(kinds) or (shape == "bullets" and "min_words" in kinds):
+            continue
+        constraints, text = _reference(rng, topic, shape, kinds)
+        prompt = " ".join([rng.choice(TASKS).format(t=topic), *(RULES[c["kind"]].format(**c) for c in constraints)])
+        if prompt in seen or not failed_constraints(constraints, prompt):  # the request itself must not pass
+            continue
+        assert not failed_constraints(constraints, text) and failed_constraints(constraints, ""), (prompt, text)
+        seen.add(prompt)
+        rows.append({"id": f"if-{len(rows)}", "prompt": prompt, "constraints": constraints, "answer": text})
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
@@ -73,3 +182,5 @@ if __name__ == "__main__":
     write_jsonl(HERE / "gsm8k.jsonl", gsm8k(random.Random(0)))
     write_jsonl(HERE / "mbpp.jsonl", mbpp(random.Random(1)))
     write_jsonl(HERE / "chat_prefs.jsonl", chat_prefs(random.Random(2)))
+    write_jsonl(HERE / "functions.jsonl", functions(random.Random(3)))
+    write_jsonl(HERE / "instructions.jsonl", instructions(random.Random(4)))
