@@ -28,6 +28,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from opd_sao.errors import UsageError
+from opd_sao.gguf_header import is_gguf_path
 
 if TYPE_CHECKING:  # at run time config imports engines (its weight-sync check), and engines import this module
     from opd_sao.config import TinyModelConfig
@@ -231,6 +232,8 @@ def stop_ids(model: torch.nn.Module, eos_id: Optional[int]) -> frozenset[int]:
 def describe_model(path: str | Path) -> dict:
     """What opd-sao will use from a model directory (`opd-sao models check`); ValueError naming what is wrong."""
     path = Path(path)
+    if is_gguf_path(path) and path.is_file():
+        raise UsageError(f"{path} is a GGUF file: convert it first (opd-sao models import {path} OUT), then check OUT")
     if not (path / "config.json").is_file():
         raise UsageError(f"{path} is not an HF-format model directory (no config.json)")
     try:

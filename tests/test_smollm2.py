@@ -69,6 +69,8 @@ def test_import_refuses_in_one_line(smollm2, tmp_path, capsys):
         err = capsys.readouterr().err
         assert reason in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+    assert main(["models", "check", str(gguf)]) == 2
+    assert f"convert it first (opd-sao models import {gguf} OUT)" in capsys.readouterr().err
 
 
 def smollm2_run(model_path, run_dir) -> dict:
