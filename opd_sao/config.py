@@ -165,14 +165,23 @@ class EngineConfig(Strict):
         "tensor: the tensors inside HTTP requests in SGLang's pickled format (/update_weights_from_tensor, "
         "buckets of weight_sync_bucket_mb); distributed: broadcasts from this process over a weight update "
         "group (/init_weights_update_group, /update_weights_from_distributed; NCCL on CUDA, gloo on CPU)", "disk")
-    weight_sync_address: str = describe(
+    weight_sync_address: Optional[str] = describe(
         "weight_sync distributed: this process's address as the workers reach it (they join the group's "
-        "store there, on a free port)", "127.0.0.1")
+        "store there, on a free port). Default: this machine's address on its route to the first worker "
+        "(loopback for workers on this host); a loopback address with a worker on another host is refused", None)
     weight_sync_bucket_mb: float = describe(
         "weight_sync tensor and distributed: the most megabytes (MiB) one request or broadcast carries (a larger "
         "tensor goes alone)", 256.0, gt=0)
     weight_sync_timeout_s: float = describe(
-        "weight_sync distributed: seconds to form the weight update group before the sync fails", 60.0, gt=0)
+        "weight_sync distributed: seconds to form the weight update group (every worker joined) before the "
+        "run stops; one phase of three, see weight_sync_broadcast_timeout_s and weight_sync_drain_timeout_s",
+        60.0, gt=0)
+    weight_sync_broadcast_timeout_s: float = describe(
+        "weight_sync distributed: seconds each bucket's broadcast (and the worker's answer) may take; the workers "
+        "receive at once, since generation is paused first", 300.0, gt=0)
+    weight_sync_drain_timeout_s: float = describe(
+        "weight_sync tensor and distributed: seconds a worker may take to answer /pause_generation (mode abort: "
+        "its running requests aborted, to be sent again on the new weights) before the sync fails", 120.0, gt=0)
     api_key: Optional[str] = describe(
         "kind=http: the servers' API key (SGLang's --api-key), sent as Authorization: Bearer; default: the "
         "environment's OPD_SAO_API_KEY", None)

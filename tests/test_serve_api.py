@@ -473,7 +473,8 @@ def test_serve_without_an_admin_key_refuses_weight_updates_from_a_non_loopback_c
                        ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
                                                        "rank_offset": 1, "world_size": 2})]:
         refused = _post(remote, path, body)
-        assert refused.status_code == 403 and "--admin-api-key" in refused.json()["error"]["message"], refused.text
+        assert refused.status_code == 403 and refused.json()["error"] == "Forbidden" \
+            and "--admin-api-key" in refused.json()["message"], refused.text
     assert requests.get(remote + "/model_info", timeout=10).json()["weight_version"] == "default"
     assert _post(remote, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}}).status_code == 200
     local = _post(open_server, "/update_weights_from_disk", update)
@@ -532,6 +533,8 @@ def test_key_decisions_are_sglangs_and_stricter_only_without_keys_off_loopback()
              "/health": auth.AuthLevel.NORMAL, "/update_weights_from_disk": auth.AuthLevel.ADMIN_OPTIONAL,
              "/update_weights_from_tensor": auth.AuthLevel.ADMIN_OPTIONAL,
              "/begin_weight_update": auth.AuthLevel.ADMIN_OPTIONAL, "/flush_cache": auth.AuthLevel.ADMIN_OPTIONAL,
+             "/pause_generation": auth.AuthLevel.ADMIN_OPTIONAL, "/continue_generation": auth.AuthLevel.ADMIN_OPTIONAL,
+             "/abort_request": auth.AuthLevel.ADMIN_OPTIONAL,
              "/model_info": auth.AuthLevel.NORMAL}
     keys = [(None, None), ("user", None), (None, "admin"), ("user", "admin")]
     headers = [None, "Bearer user", "Bearer admin", "bearer admin", "Bearer wrong", "Basic admin"]

@@ -53,7 +53,9 @@ def build_engine(cfg, checkpoint, tokenizer, seed: int, device=None, attn_implem
         if not cfg.urls:
             raise UsageError("engine.kind http needs engine.urls (the rollout servers, e.g. opd-sao serve or SGLang)")
         sync = SyncSettings(address=cfg.weight_sync_address, bucket_bytes=int(cfg.weight_sync_bucket_mb * (1 << 20)),
-                            group_timeout_s=cfg.weight_sync_timeout_s)
+                            group_timeout_s=cfg.weight_sync_timeout_s,
+                            broadcast_timeout_s=cfg.weight_sync_broadcast_timeout_s,
+                            drain_timeout_s=cfg.weight_sync_drain_timeout_s)
         return Fleet(cfg.urls, checkpoint=checkpoint, weights_dir=cfg.weights_dir, max_inflight=cfg.max_batch,
                      workers=cfg.workers, weight_sync=cfg.weight_sync, sync=sync, **_client_options(cfg))
     raise NotImplementedError(f"engine kind {cfg.kind!r} is not available yet")

@@ -28,6 +28,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -144,6 +145,7 @@ class Fleet(RolloutEngine):
         self._closed = False
         self._cond = threading.Condition()
         self._version = 0
+        self._pauses = 0  # generation pauses begun: a request sent before one and aborted was aborted by it
         self.tokens_generated = 0
         self.template = Path(checkpoint) if checkpoint is not None else None
         self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="opd-sao-weights-"))
@@ -292,10 +294,12 @@ class Fleet(RolloutEngine):
             server.inflight += 1
             server.load += est
             call.outstanding += 1
+            pauses = self._pauses
         future = server.pool.submit(server.client.generate, request)
-        future.add_done_callback(lambda f: self._finished(f, server, request, est, call))
+        future.add_done_callback(lambda f: self._finished(f, server, request, est, call, pauses))
 
-    def _finished(self, future: Future, server: _Server, request: GenerationRequest, est: int, call: _Call) -> None:
+    def _finished(self, future: Future, server: _Server, request: GenerationRequest, est: int, call: _Call,
+                  pauses: int) -> None:
         err = future.exception()
         if self._worker_lost(server, err):
             err = Aborted(str(err))  # the router is alive; a worker behind it failed the request
@@ -304,7 +308,9 @@ class Fleet(RolloutEngine):
         with self._cond:
             server.inflight -= 1
             server.load -= est
-            failed_sends = call.failed_sends.pop(id(request), 0) + (err is not None)
+            # an abort by a weight sync's pause is no failed send: the request is sent again, on the new weights
+            paused = isinstance(err, Aborted) and pauses != self._pauses
+            failed_sends = call.failed_sends.pop(id(request), 0) + (err is not None and not paused)
             if isinstance(err, (ServerDown, Aborted)) and failed_sends < MAX_SENDS:  # not lost: sent again
                 log.info("%s did not complete a request, sent again: %s", server.client.url, err)
                 server.requeued += 1
@@ -353,7 +359,7 @@ class Fleet(RolloutEngine):
         that cannot be reached is taken out, and gets them when it comes back."""
         with self._weights_lock:
             self._sync(lambda workers: self._push(lambda clients, each: self._mode.push(
-                state_dict, version, clients, each), version, workers))
+                state_dict, version, clients, each), version, workers, self._mode.pauses))
             self._version = version
 
     def load_weights(self, path: str | Path, version: int) -> None:
@@ -379,13 +385,14 @@ class Fleet(RolloutEngine):
         with self._cond:
             return [w for w in self._workers if w.alive]
 
-    def _push(self, send, version: int, workers: list[_Server]) -> list[_Server]:
-        """`send(clients, each)` loads the weights on `workers`; each one that did must then report `version`.
-        Returns those workers. A failed collective (a worker died mid-sync) is tried once more with the
-        workers that still answer /health."""
+    def _push(self, send, version: int, workers: list[_Server], pause: bool = False) -> list[_Server]:
+        """`send(clients, each)` loads the weights on `workers` (with `pause`, while their generation is
+        paused); each one that did must then report `version`. Returns those workers. A failed collective (a
+        worker died mid-sync) is tried once more with the workers that still answer /health."""
         by_client = {id(w.client): w for w in workers}
         try:
-            done = send([w.client for w in workers], self._each)
+            with self._paused([w.client for w in workers], pause):
+                done = send([w.client for w in workers], self._each)
         except RuntimeError as err:
             if isinstance(err, ServerError):
                 raise
@@ -396,7 +403,7 @@ class Fleet(RolloutEngine):
             if survivors == workers or not survivors:
                 raise
             self._mode.forget()
-            return self._push(send, version, survivors)
+            return self._push(send, version, survivors, pause)
         confirmed = []
         for client in done:
             reported = client.weight_version()
@@ -405,6 +412,26 @@ class Fleet(RolloutEngine):
                                   f"after loading version {version}")
             confirmed.append(by_client[id(client)])
         return confirmed
+
+    @contextmanager
+    def _paused(self, clients: list[SGLangClient], pause: bool):
+        """Generation paused on `clients` while the block runs: SGLang's `/pause_generation` in mode abort, then
+        `/continue_generation`. Mode abort, not retract: a retracted request resumes on the new weights after
+        the sync, one trajectory sampled by two versions and labelled with the last; an aborted one is sent
+        again whole (`_finished`), and never sees a half-updated model between two buckets. Each pause
+        answers once its worker runs nothing, so no bucket waits for a generation to drain."""
+        if not pause:
+            yield
+            return
+        with self._cond:
+            self._pauses += 1
+        paused = {}
+        self._each(lambda c: paused.__setitem__(c.url, c.pause_generation(self._mode.settings.drain_timeout_s)),
+                   clients)
+        try:
+            yield
+        finally:
+            self._each(lambda c: c.continue_generation(), [c for c in clients if paused.get(c.url)])
 
     def _each(self, update, clients: list[SGLangClient], during=None) -> list[SGLangClient]:
         """`update(client)` on `clients` in parallel (while `during()` runs: a broadcast they receive); returns

@@ -4,10 +4,10 @@
 `return_logprob` (plus `logprob_start_len` and `top_logprobs_num` for prompt scoring, `return_sampling_mask`
 for top-p) and the response's `meta_info`; `/model_info` (not its deprecated alias `/get_model_info`, which
 logs a warning per call) for `weight_version`; `/server_info` for `tp_size`; `/health`, `/flush_cache`; the
-weight-update session (`/begin_weight_update` ... `/end_weight_update`) and the weight calls of each
-weight-sync mode (`weight_sync/`). An API key (`--api-key` / `--admin-api-key` on SGLang, the config's
+weight-update session (`/begin_weight_update` ... `/end_weight_update`), `/pause_generation` (mode abort) and
+`/continue_generation` around a bucketed sync, and the weight calls of each weight-sync mode (`weight_sync/`). An API key (`--api-key` / `--admin-api-key` on SGLang, the config's
 `engine.api_key` / `engine.admin_api_key` or the environment's OPD_SAO_API_KEY / OPD_SAO_ADMIN_API_KEY
-here) goes as `Authorization: Bearer`; weight calls and `/flush_cache` (SGLang's admin endpoints) send
+here) goes as `Authorization: Bearer`; weight calls, pause/continue and `/flush_cache` (SGLang's admin endpoints) send
 the admin key when one is set.
 
 Semantics the trainer depends on, as SGLang's source has them:
@@ -186,6 +186,21 @@ class SGLangClient:
 
     def end_weight_update(self) -> None:
         self.weight_call("/end_weight_update", {})
+
+    def pause_generation(self, timeout: float) -> bool:
+        """SGLang's `/pause_generation` in mode `abort`: the requests running are answered with finish_reason
+        abort (the fleet sends them again) and new ones wait until `/continue_generation`; it answers once none
+        runs (`timeout`: the drain). False if the server predates it (404): its updates then wait for a drain."""
+        try:
+            self._call("POST", "/pause_generation", {"mode": "abort"}, timeout=(self.timeout[0], timeout), admin=True)
+        except ServerError as err:
+            if err.status == 404:
+                return False
+            raise
+        return True
+
+    def continue_generation(self) -> None:
+        self._call("POST", "/continue_generation", {}, admin=True)
 
     # --- generation and scoring ------------------------------------------------------------------------
 

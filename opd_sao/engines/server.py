@@ -22,6 +22,7 @@ without either takes them from loopback clients only, and loads checkpoints only
 from __future__ import annotations
 
 import asyncio
+import datetime
 import ipaddress
 import json
 import logging
@@ -63,16 +64,19 @@ NEUTRAL_PARAMS = {"min_p": (0, 0.0, None), "n": (1, None), "frequency_penalty": 
                   "presence_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
                   "min_new_tokens": (0, None), "regex": (None,), "json_schema": (None,), "ebnf": (None,),
                   "structural_tag": (None,), "stop_regex": (None, [], "")}
-# SGLang's ADMIN_OPTIONAL routes among serve's: the weight-sync modes', the session's, /flush_cache
-ADMIN_PATHS = {"/begin_weight_update", "/end_weight_update", "/flush_cache"} | {
+# SGLang's ADMIN_OPTIONAL routes among serve's: the weight-sync modes', the session's, pause/continue/abort,
+# /flush_cache
+ADMIN_PATHS = {"/begin_weight_update", "/end_weight_update", "/flush_cache", "/pause_generation",
+               "/continue_generation", "/abort_request"} | {
     path for name in WEIGHT_SYNCS.names() for path in WEIGHT_SYNCS.get(name).routes}
 SAMPLING_EPS = 1e-6  # SGLang's: a temperature below it is greedy (temperature 1, top_k 1)
 MAX_NEW_TOKENS = 8192  # the default of `--max-new-tokens`
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default sampling_params.max_new_tokens
 OPENAI_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 # the default of `--max-body-mb`: a 1M-token prompt as JSON is about 8 MB; /update_weights_from_tensor
-# carries the weights as base64 (4/3 of their bytes), so 256 MiB takes a model of about 190 MB
-MAX_BODY_BYTES = 256 << 20
+# carries a bucket as base64 (4/3 of its bytes), so 512 MiB takes the largest default bucket (256 MiB: 342 MiB
+# of base64) and any tensor up to about 380 MiB (a larger one travels alone: raise --max-body-mb)
+MAX_BODY_BYTES = 512 << 20
 MAX_PATH_CHARS = 4096  # PATH_MAX: a longer model_path is a 400, never an OSError
 GROUP_TIMEOUT_S = 60.0  # the default of `--group-timeout-s`
 MAX_NAME_CHARS = 256  # rid
@@ -137,7 +141,10 @@ class SamplingParamsInput(_Strict):
 
 class GenerateReqInput(_Strict):
     """SGLang's /generate body: one prompt or a batch (prompts as `text` or `input_ids`; a batch's
-    sampling_params and rid may be one for all or a list of one per prompt; checked per prompt)."""
+    sampling_params and rid may be one for all or a list of one per prompt; checked per prompt). A top-level
+    key it does not know is ignored, as SGLang's FastAPI app ignores it (sampling_params keys stay checked)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     text: Any = None
     input_ids: Any = None
@@ -174,6 +181,27 @@ class GenerateReqInput(_Strict):
     bootstrap_host: None = None
     bootstrap_port: None = None
     bootstrap_room: None = None
+
+
+class PauseGenerationReqInput(_Strict):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+    rid: Any = None  # SGLang's BaseReq fields, unused here
+    http_worker_ipc: Any = None
+
+
+class ContinueGenerationReqInput(_Strict):
+    torch_empty_cache: bool = True  # CUDA's allocator cache; nothing to do here
+    rid: Any = None
+    http_worker_ipc: Any = None
+
+
+class AbortReqInput(_Strict):
+    rid: str = ""
+    abort_all: bool = False
+    finished_reason: Any = None  # SGLang's other AbortReq fields, unused here
+    abort_message: Optional[str] = None
+    weight_versions: Any = None
+    http_worker_ipc: Any = None
 
 
 class BeginWeightUpdateReqInput(_Strict):
@@ -260,10 +288,17 @@ class _TextOptions(NamedTuple):
 
 
 class _Waiter:
-    def __init__(self):
+    def __init__(self, rid: str):
+        self.rid = rid
         self.event = threading.Event()
         self.result: Optional[GenerationResult] = None
         self.error: Optional[Exception] = None
+        self.request: Optional[GenerationRequest] = None  # once queued for the engine
+        self.aborted = False  # by /abort_request or /pause_generation: answered with finish_reason abort
+
+
+class _Abort(Exception):
+    """The request was aborted before it finished (answered 200 with finish_reason abort, as SGLang)."""
 
 
 def _integer_version(version: str) -> Optional[int]:
@@ -306,6 +341,8 @@ class RolloutServer:
         self._cond = threading.Condition()
         self._inflight = 0
         self._tokens_inflight = 0  # prompt + max_new_tokens of the requests in flight (/get_load)
+        self._running: dict[int, _Waiter] = {}  # the requests in flight (/abort_request)
+        self._paused = False  # /pause_generation ... /continue_generation: new requests wait
         self._session = False  # a /begin_weight_update ... /end_weight_update session is open
         settings = SyncSettings(group_timeout_s=group_timeout_s)  # each mode's server side keeps its state
         self.weight_syncs = {name: WEIGHT_SYNCS.get(name)(settings) for name in WEIGHT_SYNCS.names()}
@@ -338,18 +375,20 @@ class RolloutServer:
             self._crash = err
 
     @contextmanager
-    def _admitted(self, tokens: int = 0):
-        """A request in flight: a weight update waits for it, and it waits for a pending update."""
+    def _admitted(self, waiter: _Waiter, tokens: int = 0):
+        """A request in flight: a weight update waits for it, and it waits for a pending update or a pause."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._updating)
+            self._cond.wait_for(lambda: not self._updating and not self._paused)
             self._inflight += 1
             self._tokens_inflight += tokens
+            self._running[id(waiter)] = waiter
         try:
             yield self.weight_version
         finally:
             with self._cond:
                 self._inflight -= 1
                 self._tokens_inflight -= tokens
+                del self._running[id(waiter)]
                 self._cond.notify_all()
 
     @property
@@ -386,6 +425,55 @@ class RolloutServer:
             return [{"dp_rank": 0, "num_reqs": self._inflight, "num_waiting_reqs": 0,
                      "num_tokens": self._tokens_inflight}]
 
+    def loads(self, _body: Optional[dict] = None) -> dict:
+        """SGLang's /v1/loads (JSON, the core section of its one data-parallel rank)."""
+        with self._cond:
+            running, tokens = self._inflight, self._tokens_inflight
+        return {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": "opd-sao serve",
+                "accelerator": None, "num_accelerators": 1,
+                "loads": [{"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": 0,
+                           "num_used_tokens": tokens, "max_running_requests": self.engine.max_batch}]}
+
+    def pause_generation(self, body: dict) -> dict:
+        """SGLang's /pause_generation: new requests wait until /continue_generation. Mode abort (SGLang's
+        default) answers the running ones with finish_reason abort and returns once none runs; weight updates
+        then load at once. Modes retract and in_place (the running requests resume after the pause, on the new
+        weights) are not implemented: 400."""
+        mode = validated(PauseGenerationReqInput, body).mode
+        if mode != "abort":
+            raise BadRequest(f"pause mode {mode!r} is not implemented by opd-sao serve: use 'abort' (the requests "
+                             "running are answered with finish_reason abort, to be sent again)")
+        with self._cond:
+            self._paused = True
+            self._abort(lambda waiter: True)
+            self._cond.wait_for(lambda: self._inflight == 0)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def continue_generation(self, body: dict) -> dict:
+        validated(ContinueGenerationReqInput, body)
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    def abort_request(self, body: dict) -> None:
+        """SGLang's /abort_request: the running requests whose rid starts with `rid` (all with `abort_all`)
+        answer with finish_reason abort; an empty rid without abort_all, or one not running, does nothing."""
+        req = validated(AbortReqInput, body)
+        with self._cond:
+            if req.abort_all or req.rid:
+                self._abort(lambda waiter: req.abort_all or waiter.rid.startswith(req.rid))
+
+    def _abort(self, which) -> None:
+        """(Holding _cond.) Abort the running requests `which(waiter)` picks: each leaves the batch at the
+        engine's next step and its caller answers at once."""
+        for waiter in self._running.values():
+            if which(waiter) and waiter.result is None:
+                waiter.aborted = True
+                if waiter.request is not None:
+                    waiter.request.cancelled = True
+                waiter.event.set()
+
     def generate(self, body: dict, client_gone=lambda: False) -> dict | list[dict]:
         """One prompt, or a batch (a list of `text`s or of `input_ids` lists) answered with a list as SGLang
         does: every prompt of a batch is checked before any of it runs, then they join the continuous batch
@@ -405,6 +493,8 @@ class RolloutServer:
     def health_generate(self) -> None:
         """SGLang's /health_generate: one greedy token from a one-token prompt (BOS: a real prompt's first
         token, where SGLang sends id 0, often padding); raises if generation fails."""
+        if self._paused:  # SGLang's skips the generation while the server has requests; a paused one waits
+            return
         first = next((t for t in (self.tokenizer.bos_token_id, self.tokenizer.eos_token_id) if t is not None), 0)
         prompt = self._prompt(GenerateReqInput(), [first], {"max_new_tokens": 1, "temperature": 0.0}, None)
         self._generate_one(prompt, False, lambda: False)
@@ -412,17 +502,25 @@ class RolloutServer:
     def _generate_one(self, prompt: _Prompt, text_in_logprobs: bool, client_gone) -> dict:
         t0 = time.perf_counter()
         ids, params = prompt.ids, prompt.params
-        with self._admitted(len(ids) + params.max_new_tokens) as version:
-            meta = {"id": str(prompt.rid or uuid.uuid4().hex), "prompt_tokens": len(ids), "cached_tokens": 0,
-                    "weight_version": version}
+        waiter = _Waiter(str(prompt.rid or uuid.uuid4().hex))
+        with self._admitted(waiter, len(ids) + params.max_new_tokens) as version:
+            meta = {"id": waiter.rid, "prompt_tokens": len(ids), "cached_tokens": 0, "weight_version": version}
             if prompt.return_logprob:
                 meta.update(self._prompt_logprobs(ids, prompt.start, prompt.top_k))
             output, result = [], None
-            if params.max_new_tokens:
-                stop_check = _stop_check(self.tokenizer, prompt.text) if prompt.text.stop else None
-                result = self._sample(GenerationRequest(ids, params, tag=_Waiter(), stop_check=stop_check),
-                                      client_gone)
-                output = result.token_ids
+            try:
+                if params.max_new_tokens:
+                    stop_check = _stop_check(self.tokenizer, prompt.text) if prompt.text.stop else None
+                    result = self._sample(GenerationRequest(ids, params, tag=waiter, stop_check=stop_check),
+                                          client_gone)
+                    output = result.token_ids
+            except _Abort:  # SGLang's answer to an aborted request: 200, finish_reason abort (its partial output
+                # is not kept here: a client sends the request again)
+                meta.update(finish_reason={"type": "abort", "message": "Abort in waiting queue"},
+                            completion_tokens=0, e2e_latency=time.perf_counter() - t0)
+                if prompt.return_logprob:
+                    meta.update(output_token_logprobs=[], output_token_logprobs_length=0)
+                return {"text": "", "output_ids": [], "meta_info": meta}
             if prompt.return_logprob and prompt.top_k:
                 meta["output_top_logprobs"] = self._output_top_logprobs(ids, output, params.temperature, prompt.top_k)
         text, finish = self._finish(output, result, prompt)
@@ -653,15 +751,22 @@ class RolloutServer:
                 entry[2] = self.tokenizer.decode([entry[1]])
 
     def _sample(self, request: GenerationRequest, client_gone) -> GenerationResult:
-        """Queue the request and wait for it; cancel it if the client hangs up meanwhile."""
-        self._queue.put(request)
+        """Queue the request and wait for it; cancel it if the client hangs up meanwhile (ClientGone) or it is
+        aborted (_Abort)."""
         waiter: _Waiter = request.tag
+        with self._cond:
+            if waiter.aborted:
+                raise _Abort()
+            waiter.request = request
+        self._queue.put(request)
         while not waiter.event.wait(CLIENT_POLL_S):
             if self._crash is not None:
                 raise RuntimeError(f"the decode loop crashed: {self._crash!r}")
             if client_gone():
                 request.cancelled = True
                 raise ClientGone()
+        if waiter.result is None and waiter.aborted:
+            raise _Abort()
         if waiter.error is not None:
             self._failing = f"{type(waiter.error).__name__}: {waiter.error}"
             raise RuntimeError(f"this request failed in the engine: {self._failing}")
@@ -790,13 +895,13 @@ class _Guard:
             authorization = headers.get(b"authorization", b"").decode("latin-1") or None
             status = admin_decision(scope["path"], authorization, (scope.get("client") or (None,))[0],
                                     api_key=self.api_key, admin_api_key=self.admin_api_key)
-            if status is not None:
-                refusal = status, ("Forbidden: admin routes (weight updates, /flush_cache) from a non-loopback "
-                                   "client need the server to be started with --admin-api-key" if status == 403
-                                   else "Unauthorized")
+            if status is not None:  # SGLang's shape: {"error": "Unauthorized"} or {"error": "Forbidden"}
+                refusal = status, ({"error": "Forbidden", "message": "admin routes (weight updates, /flush_cache) "
+                                    "from a non-loopback client need the server to be started with --admin-api-key"}
+                                   if status == 403 else {"error": "Unauthorized"})
         if refusal is None:
             return await self.app(scope, receive, send)
-        body = orjson.dumps({"error": {"message": refusal[1]}})
+        body = orjson.dumps(refusal[1] if isinstance(refusal[1], dict) else {"error": {"message": refusal[1]}})
         await send({"type": "http.response.start", "status": refusal[0],
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
@@ -899,8 +1004,22 @@ def build_app(server: RolloutServer, *,  # noqa: C901  a flat list of routes, ea
     info_route("/server_info", server.server_info)
     info_route("/get_server_info", server.server_info, warn="/server_info")
     info_route("/get_load", server.load)
+    info_route("/v1/loads", server.loads)
     info_route("/v1/models", server.models)
-    info_route("/flush_cache", lambda _body: None, methods=("GET", "POST"))  # the embedded engine keeps no cache
+    info_route("/pause_generation", server.pause_generation, methods=("POST",))
+    info_route("/continue_generation", server.continue_generation, methods=("POST",))
+
+    async def abort_request(request: Request) -> Response:
+        answer_ = await answer(request, server.abort_request)
+        return Response(status_code=200) if answer_.status_code == 200 else answer_  # SGLang's: an empty 200
+
+    app.add_api_route("/abort_request", abort_request, methods=["POST"])
+
+    async def flush_cache(request: Request) -> Response:  # SGLang's text answer; the embedded engine keeps no cache
+        return Response("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                        "waiting requests, the operation will not be performed.)\n", status_code=200)
+
+    app.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
 
     def generation_route(path: str, handler) -> None:
         async def endpoint(request: Request) -> Response:
@@ -985,6 +1104,9 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError as err:
         raise UsageError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses a TIME_WAIT port
+    # inherited by every accepted connection: uvicorn sets no TCP_NODELAY on sockets it is handed, and without it
+    # each keep-alive request after the first waited ~40 ms for a delayed ACK (Nagle), 4x a bucketed sync's time
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as err:

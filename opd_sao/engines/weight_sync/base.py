@@ -22,6 +22,8 @@ from ..http import SGLangClient
 # complex) are refused rather than silently cast
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GROUP_TIMEOUT_S = 60.0  # a weight update group not formed in this time fails instead of hanging
+BROADCAST_TIMEOUT_S = 300.0  # one bucket's broadcast (the workers receive at once: generation is paused)
+DRAIN_TIMEOUT_S = 120.0  # /pause_generation: the running requests aborted and gone
 BUCKET_BYTES = 256 << 20  # tensors travel in buckets of at most this many bytes (one tensor may exceed it)
 
 
@@ -35,9 +37,12 @@ class SyncSettings:
 
     template: Optional[Path] = None  # the checkpoint whose config and tokenizer files a disk sync copies
     weights_dir: Optional[Path] = None  # where disk syncs write (the workers must read it)
-    address: str = "127.0.0.1"  # distributed: this process's address as the workers reach it
+    address: Optional[str] = None  # distributed: this process's address as the workers reach it (None: the
+    # address on the route to the first worker)
     bucket_bytes: int = BUCKET_BYTES
-    group_timeout_s: float = GROUP_TIMEOUT_S
+    group_timeout_s: float = GROUP_TIMEOUT_S  # distributed: forming the group
+    broadcast_timeout_s: float = BROADCAST_TIMEOUT_S  # distributed: each bucket's broadcast
+    drain_timeout_s: float = DRAIN_TIMEOUT_S  # every mode that pauses: /pause_generation's answer
 
 
 class WeightTarget(Protocol):
@@ -69,6 +74,8 @@ class WeightSyncMode(ABC):
     routes: ClassVar[dict[str, str]] = {}  # serve: endpoint path -> the name of this class's handler method
     collective: ClassVar[bool] = False  # a push reaches all its workers at once (a worker that comes back gets
     # the weights with every live one)
+    pauses: ClassVar[bool] = True  # the fleet pauses generation around a push (`/pause_generation` mode abort ...
+    # `/continue_generation`): SGLang takes its update lock per call, so requests would run between two buckets
 
     def __init__(self, settings: Optional[SyncSettings] = None):
         self.settings = settings or SyncSettings()

@@ -34,6 +34,7 @@ def publish_checkpoint(state_dict: dict[str, torch.Tensor], template: str | Path
 class DiskSync(WeightSyncMode):
     name = "disk"
     routes = {"/update_weights_from_disk": "serve_update"}
+    pauses = False  # one call, which SGLang runs whole under its update lock: no request sees a partial update
 
     def push(self, state_dict, version, clients, each):
         if self.settings.template is None:

@@ -1,13 +1,17 @@
 """`distributed`: the weights broadcast from the trainer over a weight update group, as SGLang 0.5.23
 forms and reads it.
 
-The group: the trainer is rank 0 and hosts the rendezvous store at `engine.weight_sync_address` (a free
-port); each worker joins through `/init_weights_update_group` with `rank_offset`, and SGLang places its
+The group: the trainer is rank 0 and hosts the rendezvous store on a free port (listening on every interface),
+which the workers reach at `engine.weight_sync_address` (default: this machine's address on the route to the
+first worker; a loopback one with a worker on another host is refused in one line); each worker joins through `/init_weights_update_group` with `rank_offset`, and SGLang places its
 tensor-parallel rank r at `rank_offset + r`, so the world is 1 + the sum of the workers' `tp_size` (read
 from `/server_info`) and several workers share one group. Both ends form it as SGLang's
 `init_custom_process_group` does: the store (a `tcp://` rendezvous on the workers), `PrefixStore(group_name)`,
 then torch's `_new_process_group_helper`, which adds its own key prefixes. NCCL when the trainer's weights
-are on CUDA, gloo on CPU; a group not formed within `engine.weight_sync_timeout_s` fails.
+are on CUDA, gloo on CPU. Timeouts by phase: the group forms within `engine.weight_sync_timeout_s` (a worker
+that cannot join, e.g. at an address it cannot reach, stops the run in one line before the first step), each
+bucket's broadcast within `engine.weight_sync_broadcast_timeout_s`; the fleet pauses generation first
+(`engine.weight_sync_drain_timeout_s`), so a worker receives at once instead of after its generations drain.
 
 A sync, inside a weight-update session: one `/update_weights_from_distributed` per bucket (one dtype, at
 most `engine.weight_sync_bucket_mb`) with `load_format: "flattened_bucket"`, while the trainer broadcasts
@@ -17,13 +21,19 @@ same workers are live and made again when they change.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
+from opd_sao.errors import UsageError
+
+from ..http import ServerDown, ServerError
 from .base import (
     WEIGHT_SYNCS,
     WIRE_DTYPES,
@@ -122,7 +132,8 @@ class DistributedSync(WeightSyncMode):
                 last = i == len(parts) - 1
                 payload = {**meta, "group_name": name, "load_format": "flattened_bucket",
                            "weight_version": str(version) if last else None, "flush_cache": last}
-                live = each(lambda c: c.weight_call("/update_weights_from_distributed", payload, retries=0), live,
+                live = each(lambda c: c.weight_call("/update_weights_from_distributed", payload, retries=0,
+                                                    timeout=self.settings.broadcast_timeout_s + 30), live,
                             during=lambda: dist.broadcast(flat.to(device), src=0, group=group))
         finally:
             each(lambda c: c.end_weight_update(), [c for c in live if sessions.get(c.url)])
@@ -135,21 +146,32 @@ class DistributedSync(WeightSyncMode):
         self.forget()
         self._made += 1
         name, timeout = f"opd-sao-weights-{os.getpid()}-{self._made}", self.settings.group_timeout_s
+        address = master_address(self.settings.address, [c.url for c in clients])
         offsets, world = [], 1
         for client in clients:
             offsets.append(world)
             world += client.tp_size()
-        store = dist.TCPStore(self.settings.address, 0, world, is_master=True, wait_for_workers=False,
+        # the store listens on every interface; this process, its rank 0, reaches it on loopback
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout))
         pool = ThreadPoolExecutor(len(clients) + 1)
-        try:
-            joined = pool.submit(new_group, store, 0, world, name, backend, datetime.timedelta(seconds=timeout))
+        try:  # the group's own timeout bounds each collective on it: every bucket's broadcast
+            joined = pool.submit(new_group, store, 0, world, name, backend,
+                                 datetime.timedelta(seconds=self.settings.broadcast_timeout_s))
             joins = [pool.submit(c.weight_call, "/init_weights_update_group", {
-                "master_address": self.settings.address, "master_port": store.port, "rank_offset": offset,
+                "master_address": address, "master_port": store.port, "rank_offset": offset,
                 "world_size": world, "group_name": name, "backend": backend}, 0, timeout + 30)
                 for c, offset in zip(clients, offsets)]
-            for join in joins:
-                join.result()
+            for client, join in zip(clients, joins):
+                try:
+                    join.result()
+                except (ServerError, ServerDown) as err:
+                    if isinstance(err, ServerError) and err.status != 400 or isinstance(err, ServerDown) and err.status:
+                        raise
+                    raise UsageError(f"rollout worker {client.url} could not join the weight update group at "
+                                     f"{address}:{store.port} within {timeout:.0f} s "
+                                     f"({str(err).splitlines()[0][-200:]}): set engine.weight_sync_address to this "
+                                     "machine's address as the workers reach it") from None
             group = joined.result()
         finally:
             pool.shutdown(wait=False)
@@ -240,6 +262,38 @@ class DistributedSync(WeightSyncMode):
             raise WeightSyncRefused("The group to be destroyed does not exist.")
         dist.destroy_process_group(group)
         return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+
+def master_address(configured: Optional[str], worker_urls: list[str]) -> str:
+    """The address the workers join the group at: `configured`, else this machine's address on its route to the
+    first worker (loopback for a worker on this host). A loopback address with a worker elsewhere is refused."""
+    remote = [(url, urlsplit(url).hostname or "") for url in worker_urls]
+    remote = [(url, host) for url, host in remote if not _loopback(host)]
+    if configured is None:
+        if not remote:
+            return "127.0.0.1"
+        url, host = remote[0]
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:  # a UDP connect picks the route and sends nothing
+                probe.connect((host, 9))
+            except OSError as err:
+                raise UsageError(f"no route to rollout worker {url} to find this machine's address for weight_sync "
+                                 f"distributed ({err.strerror or err}): set engine.weight_sync_address") from None
+            return probe.getsockname()[0]
+    if _loopback(configured) and remote:
+        raise UsageError(f"engine.weight_sync_address {configured} is loopback, which rollout worker {remote[0][0]} "
+                         "cannot reach: set it to this machine's address as the workers reach it (or leave it "
+                         "unset to use the address on the route to them)")
+    return configured
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _group_name(body: dict) -> str:

@@ -1,0 +1,199 @@
+"""Weight syncs while requests generate (#42): the fleet pauses generation around a bucketed sync
+(`/pause_generation` mode abort ... `/continue_generation`), so no trajectory samples from a mix of two
+versions or carries a false weight_version, and a sync costs the same whatever its buckets. Against a real
+SGLang-semantics worker (tests/sglang_worker.py) slowed to real generation times (tests/slow_sglang_worker.py).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from launchers import free_port, wait_until_healthy
+
+from opd_sao.checkpoints import load_causal_lm
+from opd_sao.engines.base import GenerationRequest, SamplingParams
+from opd_sao.engines.fleet import Fleet
+from opd_sao.engines.weight_sync import SyncSettings
+from opd_sao.engines.weight_sync.base import buckets, untied
+from opd_sao.errors import UsageError
+
+SLOW_WORKER = Path(__file__).resolve().parent / "slow_sglang_worker.py"
+STEP_S = 0.05  # each decode step's added time: a 24-token generation takes over a second
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model's tokenizer with a wider, deeper Llama (15M parameters, 62 MB): enough weights that a
+    sync's time is their transfer, as a real model's is, not the few HTTP calls around it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from opd_sao.checkpoints import load_tokenizer, save_checkpoint
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.update({"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 8,
+                   "num_key_value_heads": 2, "head_dim": 64})
+    torch.manual_seed(0)
+    return save_checkpoint(AutoModelForCausalLM.from_config(config), load_tokenizer(tiny_model_dir),
+                           tmp_path_factory.mktemp("wide") / "wide")
+
+
+@pytest.fixture(scope="module")
+def slow_worker(tmp_path_factory):
+    """start(checkpoint, group_timeout_s) -> url: a slowed SGLang-semantics worker (killed at the module's end)."""
+    procs, logs = [], tmp_path_factory.mktemp("slow-worker-logs")
+
+    def start(checkpoint, group_timeout_s: float = 30.0) -> str:
+        port = free_port()
+        with open(logs / f"worker-{port}.log", "w") as log:
+            proc = subprocess.Popen([sys.executable, str(SLOW_WORKER), str(STEP_S), str(checkpoint), "--port",
+                                     str(port), "--threads", "1", "--max-batch", "8", "--group-timeout-s",
+                                     str(group_timeout_s)], stdout=log, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=180)
+        return url
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def _version_states(tiny_model_dir, n: int) -> list[dict]:
+    """n policies, each the tiny model with noise of its own (far enough apart that a mixed model's logprobs
+    differ from every one of them)."""
+    states = []
+    for v in range(n):
+        model = load_causal_lm(tiny_model_dir)
+        gen = torch.Generator().manual_seed(v)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05 * (v > 0))
+        states.append({k: t.clone() for k, t in model.state_dict().items()})
+    return states
+
+
+def _check_sampled_by(results, states, tiny_model_dir):
+    """Every trajectory's tokens carry one version, and their logprobs are that version's (recomputed)."""
+    model = load_causal_lm(tiny_model_dir)
+    for result in results:
+        assert len(set(result.versions)) == 1, result.versions
+        model.load_state_dict(states[result.versions[0]])
+        ids = list(result.request.prompt_ids) + list(result.token_ids)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        start = len(result.request.prompt_ids)
+        recomputed = [float(logp[start + i - 1, t]) for i, t in enumerate(result.token_ids)]
+        assert recomputed == pytest.approx(result.vocab_logprobs, abs=2e-3), (result.versions[0], result.token_ids)
+
+
+def _bucket_bytes_for(state: dict, n: int) -> int:
+    """The bucket size that splits `state` into n buckets."""
+    tensors, size = untied(state), 512
+    while len(buckets(tensors, size)) > n:  # fewer buckets as they grow
+        size += 512
+    assert len(buckets(tensors, size)) == n
+    return size
+
+
+@pytest.mark.parametrize("mode", ["tensor", "distributed"])
+def test_a_sync_while_requests_generate_pauses_them_and_costs_the_same_in_1_or_8_buckets(
+        mode, slow_worker, wide_model_dir):
+    """Syncs of 1 and 8 buckets, alternating, each while 8 requests generate: every returned trajectory was
+    sampled by the one version it is labelled with (logprobs recomputed under it), requests aborted by the
+    pause come back whole on the new weights, and the 8-bucket syncs take under twice the 1-bucket ones
+    (without the pause each bucket waited for the running generations: about 8x). Both timed in this process
+    under the same load, interleaved, best of two each."""
+    url = slow_worker(wide_model_dir)
+    states = _version_states(wide_model_dir, 5)
+    one, eight = 1 << 30, _bucket_bytes_for(states[0], 8)
+    sync = SyncSettings(bucket_bytes=one)
+    fleet = Fleet([url], max_inflight=8, weight_sync=mode, sync=sync)
+    fleet.update_weights(states[0], 0)
+    results, stop = [], threading.Event()
+
+    def requests_():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            yield GenerationRequest([1 + i % 7, 2, 3], SamplingParams(max_new_tokens=24, ignore_eos=True))
+
+    runner = threading.Thread(target=fleet.generate, args=(requests_(), results.append), daemon=True)
+    runner.start()
+    times = {one: [], eight: []}
+    try:
+        for version, size in enumerate([one, eight, one, eight], start=1):
+            while fleet.stats[url]["inflight"] < 8 or not any(r.versions[0] == version - 1 for r in results):
+                time.sleep(0.05)  # trajectories of the current version done, and a full batch generating
+            time.sleep(5 * STEP_S)
+            sync.bucket_bytes = size
+            t0 = time.perf_counter()
+            fleet.update_weights(states[version], version)
+            times[size].append(time.perf_counter() - t0)
+            assert requests.get(url + "/model_info", timeout=10).json()["weight_version"] == str(version)
+        while not any(r.versions[0] == 4 for r in results):
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        runner.join(60)
+        fleet.close()
+    assert {r.versions[0] for r in results} == {0, 1, 2, 3, 4}
+    _check_sampled_by(results, states, wide_model_dir)
+    assert min(times[eight]) < 2 * min(times[one]), times
+
+
+def test_a_distributed_sync_during_a_long_generation_succeeds_within_a_short_broadcast_timeout(
+        slow_worker, tiny_model_dir):
+    """A 200-token generation (10 s at 50 ms a step) is in flight when a distributed sync starts with a 2 s
+    broadcast timeout: the pause aborts it, the broadcast runs at once, and the request comes back whole on
+    the new weights. The same ratio as a 90 s generation against the 60 s the broadcast had before (it waited
+    for the drain and failed); here 10 s against 2 s keeps the test short."""
+    url = slow_worker(tiny_model_dir)
+    states = _version_states(tiny_model_dir, 2)
+    fleet = Fleet([url], max_inflight=8, weight_sync="distributed",
+                  sync=SyncSettings(broadcast_timeout_s=2.0, drain_timeout_s=5.0, bucket_bytes=64 << 10))
+    fleet.update_weights(states[0], 0)
+    results = []
+    runner = threading.Thread(target=fleet.generate, daemon=True, args=(
+        [GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=200, ignore_eos=True))], results.append))
+    try:
+        runner.start()
+        while fleet.stats[url]["inflight"] < 1:
+            time.sleep(0.05)
+        time.sleep(1.0)  # well into the generation
+        t0 = time.perf_counter()
+        fleet.update_weights(states[1], 1)
+        took = time.perf_counter() - t0
+        runner.join(120)
+    finally:
+        fleet.close()
+    assert took < 5.0 and len(results) == 1 and results[0].versions[0] == 1 and len(results[0].token_ids) == 200
+    _check_sampled_by(results, states, tiny_model_dir)
+
+
+def test_a_worker_given_an_unreachable_master_address_is_refused_in_one_line_before_any_step(
+        slow_worker, tiny_model_dir):
+    """198.51.100.1 (TEST-NET-2) is no address of this machine: the worker cannot join the group there, and
+    the fleet's first sync (the start weights, before any step) stops in one line naming the setting."""
+    url = slow_worker(tiny_model_dir, group_timeout_s=3.0)
+    with pytest.raises(UsageError) as refused:
+        Fleet([url], checkpoint=tiny_model_dir, weight_sync="distributed",
+              sync=SyncSettings(address="198.51.100.1", group_timeout_s=3.0))
+    assert "engine.weight_sync_address" in str(refused.value) and "\n" not in str(refused.value), refused.value
+
+
+def test_the_master_address_reaches_the_workers_or_is_refused():
+    from opd_sao.engines.weight_sync.distributed import master_address
+
+    assert master_address(None, ["http://127.0.0.1:30000", "http://localhost:1"]) == "127.0.0.1"
+    assert master_address("10.0.0.5", ["http://10.0.0.6:30000"]) == "10.0.0.5"
+    with pytest.raises(UsageError, match="loopback, which rollout worker http://10.1.2.3:30000 cannot reach"):
+        master_address("127.0.0.1", ["http://127.0.0.1:1", "http://10.1.2.3:30000"])
+    auto = master_address(None, ["http://192.0.2.77:30000"])  # the address on this machine's route there
+    assert auto and auto != "127.0.0.1"
