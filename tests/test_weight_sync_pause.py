@@ -197,3 +197,89 @@ def test_the_master_address_reaches_the_workers_or_is_refused():
         master_address("127.0.0.1", ["http://127.0.0.1:1", "http://10.1.2.3:30000"])
     auto = master_address(None, ["http://192.0.2.77:30000"])  # the address on this machine's route there
     assert auto and auto != "127.0.0.1"
+
+
+def _call(url, method, path, key=None, **kwargs):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return requests.request(method, url + path, headers=headers, timeout=60, **kwargs)
+
+
+def test_serve_answers_the_ten_requests_a_sglang_client_most_sends_as_sglang_does(start_server, tiny_model_dir):
+    """SGLang 0.5.23's status codes and shapes (entrypoints/http_server.py, v1_loads.py, utils/auth.py) for:
+    1 /health, 2 /model_info, 3 /server_info, 4 /generate (with a top-level key serve does not know, which
+    SGLang ignores), 5 /flush_cache, 6 /pause_generation, 7 /update_weights_from_disk, 8 /continue_generation,
+    9 /abort_request, 10 /v1/loads; and a request without the key: 401 {"error": "Unauthorized"}."""
+    url, proc = start_server(tiny_model_dir, "--api-key", "user", "--admin-api-key", "admin")
+    wait_until_healthy(url, lambda: proc.poll() is None)
+    health = _call(url, "GET", "/health")
+    assert health.status_code == 200 and health.content == b""
+    info = _call(url, "GET", "/model_info", "user").json()
+    assert info["weight_version"] == "default" and info["model_path"] == str(tiny_model_dir)
+    assert _call(url, "GET", "/server_info", "user").json()["tp_size"] == 1
+    generated = _call(url, "POST", "/generate", "user", json={
+        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}, "return_logprob": True,
+        "a_newer_sglang_field": {"anything": 1}})
+    assert generated.status_code == 200 and len(generated.json()["meta_info"]["output_token_logprobs"]) == 3
+    flushed = _call(url, "POST", "/flush_cache", "admin")
+    assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed.\n")
+    paused = _call(url, "POST", "/pause_generation", "admin", json={"mode": "abort"})
+    assert paused.status_code == 200 and paused.json() == {"message": "Generation paused successfully.", "status": "ok"}
+    updated = _call(url, "POST", "/update_weights_from_disk", "admin",
+                    json={"model_path": str(tiny_model_dir), "weight_version": "1"})
+    assert updated.status_code == 200 and updated.json()["success"] is True
+    resumed = _call(url, "POST", "/continue_generation", "admin", json={})
+    assert resumed.status_code == 200 and resumed.json() == {"message": "Generation continued successfully.",
+                                                             "status": "ok"}
+    aborted = _call(url, "POST", "/abort_request", "admin", json={"rid": "nothing-running"})
+    assert aborted.status_code == 200 and aborted.content == b""
+    loads = _call(url, "GET", "/v1/loads", "user").json()
+    assert loads["loads"][0]["dp_rank"] == 0 and loads["loads"][0]["num_running_reqs"] == 0
+    refused = _call(url, "POST", "/generate", None, json={"input_ids": [1]})
+    assert refused.status_code == 401 and refused.json() == {"error": "Unauthorized"}
+    assert _call(url, "POST", "/pause_generation", "user", json={}).status_code == 401  # an admin route
+    assert _call(url, "GET", "/model_info", "user").json()["weight_version"] == "1"
+
+
+def test_serve_aborts_running_requests_and_holds_new_ones_while_paused(start_server, tiny_model_dir):
+    """/abort_request by rid prefix answers a running generation 200 with finish_reason abort (as SGLang's
+    scheduler does); /pause_generation aborts what runs, and a request sent while paused waits for
+    /continue_generation, then runs whole."""
+    url, proc = start_server(tiny_model_dir)
+    wait_until_healthy(url, lambda: proc.poll() is None)
+    long = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    answers = {}
+
+    def send(name, body):
+        answers[name] = _call(url, "POST", "/generate", json=body)
+
+    def running(n):
+        while _call(url, "GET", "/v1/loads").json()["loads"][0]["num_running_reqs"] < n:
+            time.sleep(0.01)
+
+    first = threading.Thread(target=send, args=("by-rid", {**long, "rid": "long-1"}))
+    first.start()
+    running(1)
+    assert _call(url, "POST", "/abort_request", json={"rid": "long"}).status_code == 200
+    first.join(60)
+    assert answers["by-rid"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+
+    second = threading.Thread(target=send, args=("by-pause", long))
+    second.start()
+    running(1)
+    assert _call(url, "POST", "/pause_generation", json={}).status_code == 200  # answers once none runs
+    second.join(60)
+    assert answers["by-pause"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    third = threading.Thread(target=send, args=("held", {**long, "sampling_params": {"max_new_tokens": 2}}))
+    third.start()
+    time.sleep(1.0)
+    assert third.is_alive()  # held while paused
+    assert _call(url, "POST", "/continue_generation", json={}).status_code == 200
+    third.join(60)
+    assert answers["held"].json()["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_serves_body_limit_takes_the_largest_default_bucket_as_base64():
+    from opd_sao.engines.server import MAX_BODY_BYTES
+    from opd_sao.engines.weight_sync.base import BUCKET_BYTES
+
+    assert MAX_BODY_BYTES > 4 * -(-BUCKET_BYTES // 3) + (1 << 20)  # its base64, and the JSON around it
