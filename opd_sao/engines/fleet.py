@@ -5,7 +5,10 @@ with the fewest estimated tokens in flight, `est_tokens` else `max_new_tokens`, 
 trajectories spread evenly instead of piling up round-robin). Policy versions travel as SGLang's
 `weight_version` string: every result's tokens carry the version its server reported, so the staleness
 bound holds per worker. Weights: the mode `engine.weight_sync` names (`weight_sync/`) loads them on every
-live worker, and each confirms the new `weight_version` (`/model_info`).
+live worker, and each confirms the new `weight_version` (`/model_info`). A bucketed sync (tensor,
+distributed) runs with the workers' generation paused (`/pause_generation` mode abort ...
+`/continue_generation`): the requests it aborts are sent again on the new weights, so no trajectory mixes
+two versions and no bucket waits for a generation to finish.
 
 Generation and control are separate: a URL may be an external router (sglang-router), which generation
 goes through, while weight syncs, version checks and health checks go to the workers behind it (listed,
