@@ -283,3 +283,41 @@ def test_serves_body_limit_takes_the_largest_default_bucket_as_base64():
     from opd_sao.engines.weight_sync.base import BUCKET_BYTES
 
     assert MAX_BODY_BYTES > 4 * -(-BUCKET_BYTES // 3) + (1 << 20)  # its base64, and the JSON around it
+
+
+def test_the_fleet_reads_the_routers_workers_again_before_each_sync(start_server, tiny_model_dir):
+    """sglang-router 0.3.2 in front of worker A; B is added to the router (POST /workers), then A removed
+    (DELETE /workers/{id}): each next sync reaches the router's workers of the moment, and only those."""
+    from launchers import start_sglang_router
+
+    (a, proc_a), (b, proc_b) = start_server(tiny_model_dir), start_server(tiny_model_dir)
+    for url, proc in ((a, proc_a), (b, proc_b)):
+        wait_until_healthy(url, lambda proc=proc: proc.poll() is None)
+    router, router_proc = start_sglang_router([a])
+    state = load_causal_lm(tiny_model_dir).state_dict()
+
+    def router_lists(n):
+        deadline = time.monotonic() + 60
+        while len(requests.get(router + "/workers", timeout=10).json()["workers"]) != n:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+
+    try:
+        fleet = Fleet(router, checkpoint=tiny_model_dir, weight_sync="tensor")
+        assert fleet.workers == [a]
+        assert requests.post(router + "/workers", json={"url": b}, timeout=10).status_code == 202
+        router_lists(2)
+        fleet.update_weights(state, 1)
+        assert sorted(fleet.workers) == sorted([a, b])
+        assert [requests.get(u + "/model_info", timeout=10).json()["weight_version"] for u in (a, b)] == ["1", "1"]
+        listed = requests.get(router + "/workers", timeout=10).json()["workers"]
+        worker_id = next(w["id"] for w in listed if w["url"] == a)
+        assert requests.delete(f"{router}/workers/{worker_id}", timeout=10).status_code == 202
+        router_lists(1)
+        fleet.update_weights(state, 2)
+        assert fleet.workers == [b]
+        assert [requests.get(u + "/model_info", timeout=10).json()["weight_version"] for u in (a, b)] == ["1", "2"]
+        fleet.close()
+    finally:
+        router_proc.kill()
+        router_proc.wait()

@@ -135,6 +135,9 @@ class Fleet(RolloutEngine):
         mode_cls = WEIGHT_SYNCS.get(weight_sync)
         self.down_timeout, self.probe_s, self._route = down_timeout, probe_s, ROUTING[routing]
         self._servers = []
+        workers = list(workers)
+        self._ask_routers = not workers  # the workers behind routers are asked again before each sync
+        self._client_args = (timeout, client_options)
         targets, worker_urls = discover_fleet(urls, workers, timeout, **client_options)
         for client, is_router in targets:
             pool = ThreadPoolExecutor(max_inflight, thread_name_prefix=f"rollout-{client.url}")
@@ -361,6 +364,7 @@ class Fleet(RolloutEngine):
         """Every live worker gets the weights (as the weight-sync mode sends them) and confirms `version`; one
         that cannot be reached is taken out, and gets them when it comes back."""
         with self._weights_lock:
+            self._reread_routers()
             self._sync(lambda workers: self._push(lambda clients, each: self._mode.push(
                 state_dict, version, clients, each), version, workers, self._mode.pauses))
             self._version = version
@@ -370,9 +374,32 @@ class Fleet(RolloutEngine):
         from .weight_sync.disk import DiskSync
 
         with self._weights_lock:
+            self._reread_routers()
             self._sync(lambda workers: self._push(lambda clients, each: DiskSync.load(path, version, clients, each),
                                                   version, workers))
             self._version = version
+
+    def _reread_routers(self) -> None:
+        """With the workers asked from the routers (engine.workers empty): ask again, before a sync. A worker a
+        router added joins the fleet (and gets this sync's weights); one it removed leaves. A router that does
+        not answer keeps the list as it was."""
+        routers = [s for s in self._servers if s.is_router and s.alive]
+        if not self._ask_routers or not routers:
+            return
+        timeout, options = self._client_args
+        urls = [s.client.url for s in self._servers if not s.is_router]
+        for router in routers:
+            try:
+                urls += [SGLangClient(url, timeout, **options).url for url in router.client.router_workers() or []]
+            except (ServerDown, ServerError):
+                return
+        current = {w.client.url: w for w in self._workers}
+        urls = list(dict.fromkeys(urls))
+        if urls == list(current) or len(urls) == len(self._servers) - len(routers):  # none behind: keep them
+            return
+        log.warning("the routers' workers changed: %s (were %s)", ", ".join(urls), ", ".join(current))
+        with self._cond:
+            self._workers = [current.get(url) or _Server(SGLangClient(url, timeout, **options)) for url in urls]
 
     def _sync(self, restore) -> None:
         """`restore(workers)` gives workers the new weights: now to the live ones, later to one that comes
