@@ -70,7 +70,7 @@ def _stage_options(name: str) -> dict:
     return next(s for s in load_config(CONFIG).stages if s.name == name).env_options
 
 
-@pytest.mark.parametrize("stage, held_out", [("chat", 258), ("agent", 225)])
+@pytest.mark.parametrize("stage, held_out", [("chat", 258), ("agent", 252)])
 def test_the_configs_data_files_pass_the_validity_check_with_200_held_out(stage, held_out, monkeypatch):
     """Oracle 1, no-op, initial state and the echoed prompt 0 (every row of instructions.jsonl also fails its own
     request text: make_samples.py asserts it). Reference answers meet every constraint of their row."""

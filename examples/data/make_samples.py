@@ -67,29 +67,30 @@ def chat_prefs(rng: random.Random) -> list[dict]:
 
 # ---- configs/smollm2.yaml's agent and chat data: tasks a 135M instruct model partly solves, >= 200 held out
 # function families: (name, argument, what the prompt says it returns, the expression, test inputs)
-NUMBER_INPUTS, LIST_INPUTS, WORD_INPUTS = (-3, 0, 4, 7, 12), ([1, 2, 3], [5], [4, 0, 9, 2], []), ("banana", "", "tree")
+NUMBER_INPUTS, WORD_INPUTS = (-3, 0, 4, 7, 12, 25, 38), ("banana", "", "tree", "rain")
+LIST_INPUTS, DIGIT_INPUTS = ([1, 2, 3], [5, 12, 30], [40, 7, 22, 18], [], [9, 27]), (0, 7, 45, 123, 9081)
+# one in three tasks a formula to transcribe (SmolLM2 passed 36 of 40 such tasks greedily), the rest a condition,
+# a remainder, a filter or the digits of a number to work out
 FAMILIES = (
     ("add{b}", "x", "x+{b}", "x+{b}", NUMBER_INPUTS), ("minus{b}", "x", "x-{b}", "x-{b}", NUMBER_INPUTS),
-    ("times{a}", "x", "x*{a}", "x*{a}", NUMBER_INPUTS),
     ("times{a}_plus{b}", "x", "x*{a}+{b}", "x*{a}+{b}", NUMBER_INPUTS),
-    ("times{a}_minus{b}", "x", "x*{a}-{b}", "x*{a}-{b}", NUMBER_INPUTS),
-    ("square_plus{b}", "x", "x squared plus {b}", "x*x+{b}", NUMBER_INPUTS),
-    ("at_least{b}", "x", "the larger of x and {b}", "max(x, {b})", NUMBER_INPUTS),
-    ("at_most{b}", "x", "the smaller of x and {b}", "min(x, {b})", NUMBER_INPUTS),
+    ("above{b}_times{a}", "x", "x times {a} if x is greater than {b}, otherwise x", "x*{a} if x > {b} else x",
+     NUMBER_INPUTS),
+    ("mod{a}_plus{b}", "x", "the remainder of x divided by {a}, plus {b}", "x % {a} + {b}", NUMBER_INPUTS),
     ("distance_to{b}", "x", "the absolute difference between x and {b}", "abs(x-{b})", NUMBER_INPUTS),
-    ("divisible_by{a}", "x", "True if x is divisible by {a}, else False", "x % {a} == 0", NUMBER_INPUTS),
-    ("sum_plus{b}", "xs", "the sum of the list xs plus {b}", "sum(xs)+{b}", LIST_INPUTS),
-    ("scale{a}", "xs", "a list of every element of xs multiplied by {a}", "[v*{a} for v in xs]", LIST_INPUTS),
-    ("first{a}", "xs", "a list of the first {a} elements of xs", "xs[:{a}]", LIST_INPUTS),
-    ("repeat{a}", "s", "the string s repeated {a} times", "s*{a}", WORD_INPUTS),
-    ("length_plus{b}", "s", "the length of the string s plus {b}", "len(s)+{b}", WORD_INPUTS),
+    ("count_above{b}", "xs", "the number of elements of the list xs greater than {b}", "sum(1 for v in xs if v > {b})",
+     LIST_INPUTS),
+    ("sum_above{b}", "xs", "the sum of the elements of the list xs greater than {b}", "sum(v for v in xs if v > {b})",
+     LIST_INPUTS),
+    ("digit_sum_plus{b}", "x", "the sum of the decimal digits of x (x >= 0) plus {b}", "sum(int(d) for d in str(x))+{b}",
+     DIGIT_INPUTS),
+    ("remove_{c}", "s", "the string s with every letter '{c}' removed", "s.replace('{c}', '')", WORD_INPUTS),
     ("count_{c}", "s", "the number of times the letter '{c}' appears in the string s", "s.count('{c}')", WORD_INPUTS),
 )
 
 
 def functions(rng: random.Random) -> list[dict]:
-    """Python function tasks in MBPP's shape, one per (family, parameters): a formula stated in symbols or words,
-    three asserts on fixed inputs: 742 tasks, of which eval_fraction 0.3 holds out 225."""
+    """Python function tasks in MBPP's shape, one per (family, parameters), with three asserts on fixed inputs."""
     specs = {name.format(a=a, b=b, c=c): (arg, say.format(a=a, b=b, c=c), expr.format(a=a, b=b, c=c), inputs)
              for name, arg, say, expr, inputs in FAMILIES for a in range(2, 10) for b in range(1, 30) for c in "aeinrt"}
     rows = []
