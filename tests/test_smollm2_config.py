@@ -104,3 +104,13 @@ def test_the_config_runs_end_to_end_on_the_tiny_model(tmp_path, monkeypatch):
         assert set(stage["eval_after"]) == domains and all(e["n"] == 2 for e in stage["eval_after_error"].values())
     teachers = json.dumps(summary["stages"][3])
     assert all(name in teachers for name in ("reasoning_teacher", "agent_teacher", "chat_teacher"))
+
+
+def test_code_tests_strict_pays_only_a_program_that_passes_every_test():
+    """The agent stage's reward_options: {strict: true}: a program passing one test of two scores 0, not 0.5."""
+    task = {"id": "t", "tests": {"kind": "asserts", "asserts": ["assert f(0) == 0", "assert f(2) == 4"]}}
+    half = "def f(x):\n    return x"  # passes f(0) == 0 only
+    options = {"allow_rlimit_only": True}
+    assert build_reward("code_tests", options).score(task, half).score == 0.5
+    assert build_reward("code_tests", {**options, "strict": True}).score(task, half).score == 0.0
+    assert build_reward("code_tests", {**options, "strict": True}).score(task, "def f(x):\n    return 2 * x").score == 1.0

@@ -243,7 +243,8 @@ class CodeTestsReward(Reward):
     (stages/envs/grading.py), and the score is the fraction of the task's tests passed. Tests are assert statements
     (MBPP / HumanEval), run in the harness, never in the program's interpreter: the program's functions are
     called in a child process on plain data; or stdin/stdout pairs (APPS / CodeContests), one run per input,
-    graded as the code environment grades. The program's output is never the harness's (it may print freely). A failure's observation names the first failing test, so the agent stage's
+    graded as the code environment grades. With `strict`, the score is 1 when every test passes, else 0 (a wrong
+    program that passes an easy test earns nothing). The program's output is never the harness's (it may print freely). A failure's observation names the first failing test, so the agent stage's
     multi-turn retry works as in the code environment. `setup` (a row's `test_setup_code`) is not supported.
     """
 
@@ -252,10 +253,10 @@ class CodeTestsReward(Reward):
     slow = True
 
     def __init__(self, allow_rlimit_only: bool = False, wall_s: float = 5.0, cpu_s: int = 2, memory_mb: int = 256,
-                 strip_fences: bool = True):
+                 strip_fences: bool = True, strict: bool = False):
         from opd_sao.stages.envs.sandbox import SandboxLimits
 
-        self.allow_rlimit_only, self.strip_fences = allow_rlimit_only, strip_fences
+        self.allow_rlimit_only, self.strip_fences, self.strict = allow_rlimit_only, strip_fences, strict
         self.limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, max_processes=8,
                                     output_bytes=64 * 1024)
         self.counts = {"runs": 0, "sandbox_errors": 0}
@@ -289,7 +290,8 @@ class CodeTestsReward(Reward):
             self.counts["sandbox_errors"] += 1
             logger.warning("code_tests reward: sandbox run failed: %r", err)
             return Verdict(0.0, f"# sandbox error: {type(err).__name__}\n")
-        return Verdict(verdict[0] / len(labels), feedback(verdict, labels))
+        passed = verdict[0] / len(labels)
+        return Verdict(float(passed == 1.0) if self.strict else passed, feedback(verdict, labels))
 
     @classmethod
     def feedback_examples(cls) -> list[str]:
