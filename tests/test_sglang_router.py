@@ -98,6 +98,7 @@ def test_a_router_without_workers_is_refused_before_any_work(tmp_path, tiny_mode
     url, proc = start_sglang_router([])
     stage = {"name": "reasoning", "kind": "reasoning", "env": "arithmetic", "steps": 2, "sft": {"steps": 2}}
     cfg = parse_config({"model": {"path": str(tiny_model_dir)}, "logging": {"wandb": False, "progress": False},
+                        "trainer": {"critic_warmup_steps": 1},
                         "engine": {"kind": "http", "urls": [url]}, "stages": [stage]})
     try:
         with pytest.raises(ValueError, match=f"engine.urls: {url} is a router with no workers registered"):
