@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from memory_scaling import peak_bytes, reset_peak, rss_bytes  # the same measurement
+from memory_scaling import peak_bytes, reset_peak, rss_bytes, run_point  # the same measurement
 
 VARIANTS = {"grpo_dis": ("grpo_dis", {}), "sao": ("sao", {}),
             "sao_minibatches": ("sao", {"critic_minibatches": True}), "sao_k1": ("sao", {"critic_steps": 1})}
@@ -106,18 +105,6 @@ def child(point: dict) -> dict:
             "tokens": int(batch.action_mask.sum())}
 
 
-def run_point(point: dict, timeout: int) -> dict:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-    try:
-        out = subprocess.run([sys.executable, __file__, "--child", json.dumps(point)], capture_output=True, text=True,
-                             env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}
-    if out.returncode != 0:
-        return {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="an HF directory (opd-sao models fetch smollm2 DIR)")
@@ -146,7 +133,7 @@ def main() -> None:
     for variant in VARIANTS:
         point = {"variant": variant, "model": str(Path(args.model).resolve()), "rollouts": str(data),
                  "steps": steps, "threads": args.threads}
-        results[variant] = run_point(point, timeout=3600)
+        results[variant] = run_point(point, timeout=3600, script=__file__)
         print(variant, results[variant], flush=True)
     base = results["grpo_dis"]
     ratios = {v: {k: round(r[k] / base[k], 2) for k in ("peak_mb", "cpu_s_per_step", "wall_s_per_step")}

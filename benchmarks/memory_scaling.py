@@ -181,10 +181,12 @@ def predicted(point: dict, shape: ModelShape) -> float:
                        teacher=shape if point["kind"] == "opd" else None, teacher_bytes=4)["peak"]
 
 
-def run_point(point: dict, timeout: int) -> dict:
+def run_point(point: dict, timeout: int, script: str = __file__) -> dict:
+    """`script --child POINT` in a fresh process (glibc's mmap threshold low: freed buffers go back to the OS); its
+    last stdout line, or {"error": ...}."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
     try:
-        out = subprocess.run([sys.executable, __file__, "--child", json.dumps(point)], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, script, "--child", json.dumps(point)], capture_output=True, text=True,
                              env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}

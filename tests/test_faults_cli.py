@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from cli_checks import refused as _refused
 
 from opd_sao import cli
 from opd_sao.stages.envs import register_env
@@ -34,13 +35,6 @@ def _config(tmp_path, **stage):
     return str(path)
 
 
-def _refused(capsys, *argv) -> str:
-    """Run the CLI in this process: it must return 2 (not raise) and print exactly one line; that line."""
-    assert cli.main(list(argv)) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert err[0].startswith(f"opd-sao {argv[0]}: error: "), err
-    return err[0]
 
 
 @pytest.mark.parametrize("override", ["steps=[1", "stages.r.steps=[1", "trainer={policy_lr: 1"])

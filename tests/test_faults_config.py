@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_checks import refused as _refused
 
 from opd_sao import cli
 from opd_sao.errors import UsageError
@@ -32,15 +33,6 @@ def _config(tmp_path: Path, model: str = "tiny", **stage) -> str:
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
-
-
-def _refused(capsys, *argv) -> str:
-    """Run the CLI in this process: it must return 2 (not raise) and print exactly one line; that line."""
-    assert cli.main(list(argv)) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert err[0].startswith(f"opd-sao {argv[0]}: error: "), err
-    return err[0]
 
 
 # ---- names that become paths ---------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from opd_sao.config import Strict, format_error
 from opd_sao.errors import UsageError
 
 from .answers import after_prompt
-from .base import Environment, register_env, shuffled
+from .base import ExactAnswerEnv, register_env
 from .dataset.rewards import last_boxed
 
 DEFAULT_TEMPLATE = "{question}\nGive only the final answer, as <answer>...</answer>."
@@ -97,7 +97,7 @@ def generated(task: str, task_options_json: str, train_size: int, eval_size: int
 
 
 @register_env("reasoning_gym")
-class ReasoningGymEnv(Environment):
+class ReasoningGymEnv(ExactAnswerEnv):
     corpus_from_options = True  # the tokenizer must see the generator's texts
 
     def __init__(self, **options):
@@ -152,13 +152,6 @@ class ReasoningGymEnv(Environment):
                 task["answer"] = str(item["answer"])
             tasks.append(task)
         return tasks
-
-    def make_tasks(self, split: str, n: int, seed: int) -> list[dict]:
-        return shuffled(self.all_tasks(split), n, seed)
-
-    def reset(self, task: dict) -> str:
-        self.task = task
-        return task["prompt"]
 
     def step(self, action: str) -> tuple[str, float, bool]:
         gen, meta = self.generated, self.task["metadata"]
