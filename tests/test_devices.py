@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launchers import free_port
 
 from opd_sao.config import (
     AlgoConfig,
@@ -65,11 +66,12 @@ def test_cuda_without_cuda_is_refused_in_one_line(override):
 
 @NO_CUDA
 @pytest.mark.parametrize("args", [["run", "configs/reasoning.yaml", "device=cuda"],
-                                  ["serve", "CKPT", "--port", "0", "--device", "cuda"],
+                                  ["serve", "CKPT", "--port", "PORT", "--device", "cuda"],
                                   ["audit", "CKPT", "--device", "cuda:0", "--out", "OUT"],
                                   ["reward-model", "OUT", "--device", "cuda"]])
 def test_the_cli_refuses_cuda_before_any_work(tmp_path, tiny_model_dir, args):
-    args = [{"CKPT": str(tiny_model_dir), "OUT": str(tmp_path / "out")}.get(a, a) for a in args]
+    args = [{"CKPT": str(tiny_model_dir), "OUT": str(tmp_path / "out"), "PORT": str(free_port())}.get(a, a)
+            for a in args]
     extra = ["--run-dir", str(tmp_path / "run")] if args[0] == "run" else []
     result = subprocess.run([sys.executable, "-m", "opd_sao.cli", *args, *extra], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
