@@ -83,7 +83,8 @@ def _plot_domains(summary: dict, out: Path) -> None:
         ax.plot(columns, [v if v is not None else float("nan") for v in rows[d]], marker="o", label=d)
     ax.set_ylabel("held-out score")
     ax.set_title("every domain after every stage")
-    ax.legend(fontsize=8)
+    if domains:  # a run that evaluated no domain has nothing to name
+        ax.legend(fontsize=8)
     _save(fig, out)
 
 
