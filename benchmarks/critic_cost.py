@@ -6,6 +6,8 @@ cheaper variants beside them.
     sao               critic (full backbone copy, attention frozen), K=2 critic passes, then the policy
     sao_minibatches   the K=2 critic updates on K mini-batches of the batch (trainer.critic_minibatches)
     sao_k1            K=1 (one critic pass; what K costs)
+    sao_top6          K=2, the critic training the last 6 decoder layers' feed-forward blocks only
+                      (trainer.critic_trained_layers: its backward stops there)
 
 A batch is `--batch` rollouts of the model's own chat-formatted prompts and its own sampled answers
 (`--new-tokens` each, generated once with the embedded engine and reused by every variant), with the rollout
@@ -38,7 +40,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from memory_scaling import peak_bytes, reset_peak, rss_bytes, run_point  # the same measurement
 
 VARIANTS = {"grpo_dis": ("grpo_dis", {}), "sao": ("sao", {}),
-            "sao_minibatches": ("sao", {"critic_minibatches": True}), "sao_k1": ("sao", {"critic_steps": 1})}
+            "sao_minibatches": ("sao", {"critic_minibatches": True}), "sao_k1": ("sao", {"critic_steps": 1}),
+            "sao_top6": ("sao", {"critic_trained_layers": 6})}
 PROMPTS = ["What is {a} + {b}?", "Write one sentence about the number {a}.", "Compute {a} times {b}.",
            "Name a word that rhymes with cat and count to {b}."]
 MB = 2**20
@@ -114,6 +117,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work", default="/tmp/critic_cost")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, grpo_dis always included")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -121,6 +125,9 @@ def main() -> None:
         return
     if not args.model:
         parser.error("--model DIR is required (opd-sao models fetch smollm2 DIR)")
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)} (known: {', '.join(VARIANTS)})")
     batch = args.batch or (4 if args.quick else 8)
     new_tokens = args.new_tokens or (32 if args.quick else 64)
     steps = args.steps or (1 if args.quick else 3)
@@ -130,7 +137,7 @@ def main() -> None:
     if not data.is_file():
         rollouts(Path(args.model), batch, new_tokens, data)
     results = {}
-    for variant in VARIANTS:
+    for variant in dict.fromkeys(["grpo_dis", *args.variants.split(",")]):
         point = {"variant": variant, "model": str(Path(args.model).resolve()), "rollouts": str(data),
                  "steps": steps, "threads": args.threads}
         results[variant] = run_point(point, timeout=3600, script=__file__)

@@ -229,6 +229,9 @@ class TrainerConfig(Strict):
         "reads the whole batch (K passes). Either way the policy's GAE reads the values after the K updates", False)
     critic_warmup_steps: int = describe("steps that train only the critic before the first policy update", 10, ge=0)
     freeze_critic_attention: bool = describe("freeze the critic's attention weights (SAO)", True)
+    critic_trained_layers: Optional[int] = describe(
+        "with freeze_critic_attention: train the feed-forward blocks of the last N decoder layers only (the critic's "
+        "backward then stops at the first of them: a cheaper critic); unset: every layer's", None, ge=1)
     grad_clip: float = describe("gradient-norm clip of policy and critic", 1.0, gt=0)
     adam_betas: tuple[float, float] = describe("policy and critic AdamW betas (torch; DeepSpeed unless its config "
                                                "names an optimizer)", (0.9, 0.999))

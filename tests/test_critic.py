@@ -60,6 +60,24 @@ def test_critic_trains_the_feed_forward_blocks_only(arch):
     assert any(".self_attn." in name for name in before)
 
 
+def test_critic_trained_layers_trains_only_the_top_layers_feed_forward():
+    """trainer.critic_trained_layers N: only the last N decoder layers' feed-forward blocks train: a value-loss step
+    gets gradients, none below them (the cheaper critic: benchmarks/critic_cost.py); N out of range is refused."""
+    config = CASES["llama"][0]
+    critic = _critic(config)
+    critic.freeze_attention(top_layers=1)
+    last = config.num_hidden_layers - 1
+    trainable = {name for name, p in critic.backbone.named_parameters() if p.requires_grad}
+    assert trainable and all(name.startswith(f"layers.{last}.mlp.") for name in trainable)
+    torch.nn.init.normal_(critic.value_head.weight, generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(1))
+    ((critic(ids, torch.ones_like(ids)) - 1.0) ** 2).mean().backward()
+    with_grad = {name for name, p in critic.backbone.named_parameters() if p.grad is not None}
+    assert with_grad == trainable
+    with pytest.raises(ValueError, match="critic_trained_layers is 99"):
+        _critic(config).freeze_attention(top_layers=99)
+
+
 def test_models_check_names_what_the_critic_trains(tmp_path, tiny_model_dir, capsys):
     moe = tmp_path / "mixtral"
     CASES["mixtral"][0].save_pretrained(moe)

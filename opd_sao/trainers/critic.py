@@ -76,9 +76,20 @@ def parameter_roles(backbone: nn.Module) -> dict[str, str]:
     return roles
 
 
-def critic_trainable(backbone: nn.Module) -> list[str]:
-    """The backbone parameters the critic trains (the value head trains too); ValueError when there are none."""
+def critic_trainable(backbone: nn.Module, top_layers: Optional[int] = None) -> list[str]:
+    """The backbone parameters the critic trains (the value head trains too): every feed-forward block, or with
+    `top_layers` those of the last N decoder layers only, so the critic's backward stops at the first of them (each
+    critic pass costs about a policy step otherwise: docs/benchmarks.md, "A real model"); ValueError when there are
+    none."""
     names = [name for name, role in parameter_roles(backbone).items() if role == "feed_forward"]
+    if top_layers is not None:
+        layers = decoder_layers(backbone)
+        if not 1 <= top_layers <= len(layers):
+            raise ValueError(f"trainer.critic_trained_layers is {top_layers}; {type(backbone).__name__} has "
+                             f"{len(layers)} decoder layers")
+        kept = {id(p) for layer in layers[len(layers) - top_layers:] for p in layer.parameters()}
+        params = dict(backbone.named_parameters())
+        names = [name for name in names if id(params[name]) in kept]
     if not names:
         raise ValueError(f"the critic's frozen-attention rule finds no feed-forward (MLP or MoE expert) parameters "
                          f"in {type(backbone).__name__}; set trainer.freeze_critic_attention: false to train the "
@@ -162,9 +173,10 @@ class ValueModel(nn.Module):
         """The backbone's (transformers') activation checkpointing, as a causal LM's."""
         self.backbone.activation_checkpointing_enable(**kwargs)
 
-    def freeze_attention(self) -> None:
-        """Train only the feed-forward blocks (and the value head): see the module docstring."""
-        trainable = set(critic_trainable(self.backbone))
+    def freeze_attention(self, top_layers: Optional[int] = None) -> None:
+        """Train only the feed-forward blocks (of the last `top_layers` decoder layers; None: all) and the value head:
+        see the module docstring."""
+        trainable = set(critic_trainable(self.backbone, top_layers))
         for name, param in self.backbone.named_parameters():
             param.requires_grad_(name in trainable)
 

@@ -163,7 +163,7 @@ class DeepSpeedTrainer(TrainerBackend):
             critic = prepare(ValueModel.from_pretrained(self.critic_source, weights_dtype(cfg), attn_implementation),
                              cfg)
             if cfg.freeze_critic_attention:
-                critic.freeze_attention()
+                critic.freeze_attention(cfg.critic_trained_layers)
             self.critic, _ = self._engine(deepspeed, critic, deepspeed_config(cfg, cfg.critic_lr), cfg.critic_lr, cfg,
                                           total_steps and total_steps * cfg.critic_steps)
         self._pending: dict[str, list[_Pending]] = {"policy": [], "critic": []}

@@ -48,7 +48,7 @@ class TorchTrainer(TrainerBackend):
                                                      attn_implementation)
             self.critic = prepare(self.critic.to(self.device), cfg)
             if cfg.freeze_critic_attention:
-                self.critic.freeze_attention()
+                self.critic.freeze_attention(cfg.critic_trained_layers)
             trainable = [p for p in self.critic.parameters() if p.requires_grad]
             self.critic_opt = adamw(trainable, cfg.critic_lr, cfg)
             self.critic_sched = lr_scheduler(self.critic_opt, cfg, total_steps and total_steps * cfg.critic_steps)
