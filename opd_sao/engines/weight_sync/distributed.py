@@ -24,7 +24,8 @@ import datetime
 import ipaddress
 import os
 import socket
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 from urllib.parse import urlsplit
 
@@ -48,6 +49,14 @@ from .base import (
 )
 
 BACKENDS = ("gloo", "nccl")
+
+
+def _resolve(future: Future, fn, *args) -> None:
+    """fn(*args) into `future` (its result or its exception)."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as err:  # the caller's result() raises it
+        future.set_exception(err)
 
 
 def new_group(store, rank: int, world_size: int, group_name: str, backend: str, timeout: datetime.timedelta):
@@ -154,10 +163,14 @@ class DistributedSync(WeightSyncMode):
         # the store listens on every interface; this process, its rank 0, reaches it on loopback
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout))
-        pool = ThreadPoolExecutor(len(clients) + 1)
+        # rank 0 joins on a daemon thread, not the pool: a join that never completes (a worker that cannot reach
+        # the store) must not hold the interpreter's exit, which joins every pool thread
+        joined: Future = Future()
+        threading.Thread(target=_resolve, name="weight-group-join", daemon=True, args=(
+            joined, new_group, store, 0, world, name, backend,
+            datetime.timedelta(seconds=self.settings.broadcast_timeout_s))).start()
+        pool = ThreadPoolExecutor(len(clients))
         try:  # the group's own timeout bounds each collective on it: every bucket's broadcast
-            joined = pool.submit(new_group, store, 0, world, name, backend,
-                                 datetime.timedelta(seconds=self.settings.broadcast_timeout_s))
             joins = [pool.submit(c.weight_call, "/init_weights_update_group", {
                 "master_address": address, "master_port": store.port, "rank_offset": offset,
                 "world_size": world, "group_name": name, "backend": backend}, 0, timeout + 30)
