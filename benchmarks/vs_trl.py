@@ -163,13 +163,13 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     from opd_sao.checkpoints import load_tokenizer
     from opd_sao.consistency.gate import ConsistencyGate, probe_episodes
     from opd_sao.engines import build_engine
+    from opd_sao.io.tracking import MetricsLogger
     from opd_sao.rl.buffer import TrajectoryBuffer
     from opd_sao.rl.distill import OPDLearner
     from opd_sao.rl.learner import Learner, needs_critic
     from opd_sao.rl.loop import RLLoop
     from opd_sao.rl.rollout import episodes_for
     from opd_sao.runs.checkpointing import StageState
-    from opd_sao.runs.tracking import MetricsLogger
     from opd_sao.stages.base import TRAIN_TASK_POOL
     from opd_sao.stages.envs import ENVIRONMENTS, sample_tasks
     from opd_sao.teachers import Prefetcher, TeacherSet, TeacherTargets

@@ -71,7 +71,7 @@ def import_gguf(gguf_file: str | Path, out: str | Path, dtype: str = "float32") 
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from opd_sao.checkpoints import DTYPES, MODEL_INIT_LOCK
-    from opd_sao.runs.files import atomic_path
+    from opd_sao.io.files import atomic_path
 
     file, out = check_gguf(gguf_file), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -15,18 +15,18 @@ from opd_sao.decoders import check_plain_logits
 from opd_sao.engines import check_engine
 from opd_sao.errors import UsageError
 from opd_sao.gguf_header import is_gguf_path
+from opd_sao.io.data_fingerprint import check_data_record, write_data_record
+from opd_sao.io.files import atomic_write, inside, write_json
+from opd_sao.io.fingerprint import check_resume, started_stages, write_record
+from opd_sao.io.lock import locked_run_dir
+from opd_sao.io.model_fingerprint import check_model_record, write_model_record
+from opd_sao.io.progress import StageProgress
+from opd_sao.io.timing import PhaseTimer, peak_memory, reset_peak_memory
+from opd_sao.io.tracking import start_wandb
 from opd_sao.model_import import import_gguf, model_config
 from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, disk_use
-from opd_sao.runs.data_fingerprint import check_data_record, write_data_record
 from opd_sao.runs.evaluation import Score, evaluate_score
-from opd_sao.runs.files import atomic_write, inside, write_json
-from opd_sao.runs.fingerprint import check_resume, started_stages, write_record
-from opd_sao.runs.lock import locked_run_dir
-from opd_sao.runs.model_fingerprint import check_model_record, write_model_record
-from opd_sao.runs.progress import StageProgress
 from opd_sao.runs.report import forgetting, write_report
-from opd_sao.runs.timing import PhaseTimer, peak_memory, reset_peak_memory
-from opd_sao.runs.tracking import start_wandb
 
 from .config import BEST_CHECKPOINT, RunConfig
 
@@ -238,7 +238,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
 
     Everything checkable is checked before the run directory is written; a fresh run that fails before any stage
     has written a file leaves nothing behind. A resume refuses a config that differs from the one the run started
-    with (runs/fingerprint.py); `allow_config_change` lets through changes that cannot change what is trained.
+    with (io/fingerprint.py); `allow_config_change` lets through changes that cannot change what is trained.
     """
     from opd_sao.stages import discover
 

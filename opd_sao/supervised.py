@@ -9,8 +9,8 @@ from opd_sao.algorithms import sft_loss
 from opd_sao.checkpoints import PromptFormat
 from opd_sao.config import SFTConfig, TrainerConfig
 from opd_sao.errors import UsageError
+from opd_sao.io.tracking import MetricsLogger
 from opd_sao.runs.checkpointing import StageState, truncate_step_log
-from opd_sao.runs.tracking import MetricsLogger
 from opd_sao.trainers import build_backend
 from opd_sao.trajectory import Batch, Trajectory, collate
 

@@ -79,7 +79,7 @@ def sft_loss(seed: int, args) -> dict:
     from test_deepspeed_sft import WEIGHT_ATOL, _sft_cfg
 
     from opd_sao.checkpoints import PromptFormat, load_causal_lm, load_tokenizer
-    from opd_sao.runs.tracking import read_jsonl
+    from opd_sao.io.tracking import read_jsonl
     from opd_sao.stages.envs import ENVIRONMENTS
     from opd_sao.supervised import run_sft, sft_examples
 

@@ -12,14 +12,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from opd_sao.config import COMMON_STAGE_FIELDS, RunConfig, StageConfig, TrainerConfig
 from opd_sao.consistency.gate import ConsistencyGate
 from opd_sao.errors import UsageError
+from opd_sao.io.files import inside
+from opd_sao.io.progress import StageProgress
+from opd_sao.io.timing import PhaseTimer
+from opd_sao.io.tracking import MetricsLogger
 from opd_sao.registry import Registry
 from opd_sao.rl.buffer import TrajectoryBuffer, recover
 from opd_sao.rl.loop import RLLoop
 from opd_sao.runs.checkpointing import StageState, truncate_step_log
-from opd_sao.runs.files import inside
-from opd_sao.runs.progress import StageProgress
-from opd_sao.runs.timing import PhaseTimer
-from opd_sao.runs.tracking import MetricsLogger
 from opd_sao.supervised import discard_sft_state, run_sft, sft_resume_step
 
 STAGES: Registry[type["Stage"]] = Registry("stage kind")
@@ -137,7 +137,7 @@ class Stage(ABC):
         cls.parse_options(cfg)
 
     def progress(self, total: int, what: str):
-        """A stepped task's progress lines (runs/progress.py; `logging.progress: false` turns them off)."""
+        """A stepped task's progress lines (io/progress.py; `logging.progress: false` turns them off)."""
         return self.ctx.progress.task(what, total)
 
     def timed(self, phase: str):

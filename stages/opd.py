@@ -39,10 +39,10 @@ from pathlib import Path
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
 from opd_sao.errors import UsageError
+from opd_sao.io.tracking import read_jsonl
 from opd_sao.rl.distill import DISTILL_TEMPERATURE, DomainSchedule, OPDLearner
 from opd_sao.rl.rollout import Episode, episodes_for
 from opd_sao.runs.evaluation import evaluate_score
-from opd_sao.runs.tracking import read_jsonl
 from opd_sao.teachers import TEACHER_KINDS, Prefetcher, TeacherSet, TeacherTargets
 from opd_sao.teachers.routing import describe
 from opd_sao.trainers import build_backend

@@ -14,13 +14,13 @@ from opd_sao.checkpoints import PromptFormat
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
 from opd_sao.errors import UsageError
+from opd_sao.io.files import write_json
+from opd_sao.io.tracking import read_jsonl
 from opd_sao.model_import import model_config
 from opd_sao.rl.learner import Learner, needs_critic
 from opd_sao.rl.rollout import Episode, check_prompts, episodes_for
 from opd_sao.rl.value_pretrain import pretrain_critic
 from opd_sao.runs.evaluation import evaluate_score
-from opd_sao.runs.files import write_json
-from opd_sao.runs.tracking import read_jsonl
 from opd_sao.stages.envs.validity import require_valid
 from opd_sao.supervised import sft_examples
 from opd_sao.trainers import build_backend

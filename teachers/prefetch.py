@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-from opd_sao.runs.files import inside
+from opd_sao.io.files import inside
 
 from .base import Teacher
 

@@ -19,7 +19,7 @@ from cli_checks import refused as _refused
 
 from opd_sao import cli
 from opd_sao.errors import UsageError
-from opd_sao.runs.files import inside
+from opd_sao.io.files import inside
 
 
 def _config(tmp_path: Path, model: str = "tiny", **stage) -> str:

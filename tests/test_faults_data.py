@@ -251,7 +251,7 @@ def test_an_over_long_row_is_refused_at_stage_start_naming_it(tmp_path):
 
 def test_resume_refuses_changed_data(tmp_path):
     """Before: --resume after the dataset file was replaced reused buffered trajectories of the old data."""
-    from opd_sao.runs.data_fingerprint import check_data_record, write_data_record
+    from opd_sao.io.data_fingerprint import check_data_record, write_data_record
 
     path = rows_file(tmp_path)
     write_data_record({"r": [str(path)]}, tmp_path)

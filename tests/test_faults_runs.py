@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from opd_sao.runs.model_fingerprint import check_model_record
-from opd_sao.runs.tracking import read_jsonl
+from opd_sao.io.model_fingerprint import check_model_record
+from opd_sao.io.tracking import read_jsonl
 
 STEPS = 12
 

@@ -140,8 +140,8 @@ def test_an_opd_sao_error_from_a_plugin_stage_is_one_line(tmp_path, tiny_model_d
 def test_user_error_classes_share_the_base():
     from opd_sao.cache.errors import CacheMismatchError, CacheReadOnlyError
     from opd_sao.config import ConfigError
+    from opd_sao.io.lock import RunDirLocked
     from opd_sao.registry import UnknownName
-    from opd_sao.runs.lock import RunDirLocked
     from opd_sao.stages.envs.dataset.files import DatasetError
     from opd_sao.teachers.base import TeacherIncompatibleError
 

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opd_sao.config import ConfigError, parse_config
 from opd_sao.errors import UsageError
+from opd_sao.io.timing import PHASES
 from opd_sao.pipeline import run_pipeline
-from opd_sao.runs.timing import PHASES
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}

@@ -144,7 +144,7 @@ def test_sigkill_mid_stage_of_every_kind_then_resume(tmp_path, capsys):
 @pytest.mark.parametrize("flag", [[], ["--allow-config-change"]])
 def test_the_fingerprint_passes_the_same_config_and_a_logging_change_only_with_the_flag(tmp_path, flag):
     from opd_sao.config import parse_config
-    from opd_sao.runs.fingerprint import check_resume, write_record
+    from opd_sao.io.fingerprint import check_resume, write_record
 
     config = parse_config(_config()).model_dump(mode="json")
     write_record(config, tmp_path)
@@ -161,7 +161,7 @@ def test_the_fingerprint_passes_the_same_config_and_a_logging_change_only_with_t
 def test_a_resume_accepts_edits_to_stages_not_started_and_refuses_edits_to_started_ones(tmp_path):
     """warm finished, reason interrupted (files in their directories); agent, chat and opd not started."""
     from opd_sao.config import parse_config
-    from opd_sao.runs.fingerprint import RECORD, check_resume, write_record
+    from opd_sao.io.fingerprint import RECORD, check_resume, write_record
 
     config = parse_config(_config()).model_dump(mode="json")
     write_record(config, tmp_path)
@@ -207,7 +207,7 @@ def test_a_resume_accepts_edits_to_stages_not_started_and_refuses_edits_to_start
 def test_a_setting_added_by_an_upgrade_does_not_block_a_resume(tmp_path):
     """A run recorded before a config field existed resumes after the upgrade; edits to recorded fields still fail."""
     from opd_sao.config import parse_config
-    from opd_sao.runs.fingerprint import check_resume, write_record
+    from opd_sao.io.fingerprint import check_resume, write_record
 
     config = parse_config(_config()).model_dump(mode="json")
     older = json.loads(json.dumps(config))

@@ -1,12 +1,12 @@
-"""Where a stage's time goes (runs/timing.py) and its progress lines (runs/progress.py), on a clock the test moves:
+"""Where a stage's time goes (io/timing.py) and its progress lines (io/progress.py), on a clock the test moves:
 no wall-clock durations are asserted."""
 from __future__ import annotations
 
 import re
 import threading
 
-from opd_sao.runs.progress import StageProgress, duration
-from opd_sao.runs.timing import PHASES, PhaseTimer, peak_memory
+from opd_sao.io.progress import StageProgress, duration
+from opd_sao.io.timing import PHASES, PhaseTimer, peak_memory
 
 
 class Clock:

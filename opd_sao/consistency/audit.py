@@ -12,7 +12,7 @@ from pathlib import Path
 
 from opd_sao.config import AlgoConfig, GateConfig
 from opd_sao.errors import UsageError
-from opd_sao.runs.files import write_json
+from opd_sao.io.files import write_json
 
 PROMPT_ENV = "prompts-file"
 

@@ -54,8 +54,8 @@ from opd_sao.engines.base import GenerationRequest, GenerationResult, SamplingPa
 from opd_sao.engines.embedded import EmbeddedEngine
 from opd_sao.engines.weight_sync import WEIGHT_SYNCS, SyncSettings, WeightSyncRefused
 from opd_sao.errors import UsageError
+from opd_sao.io.files import inside
 from opd_sao.modeling import forward_logits
-from opd_sao.runs.files import inside
 
 log = logging.getLogger("opd_sao.engines.server")
 
@@ -308,7 +308,7 @@ def _integer_version(version: str) -> Optional[int]:
 
 
 def _under(path: Path, roots: list[Path]) -> bool:
-    """Whether `path`, every symlink resolved, lies under one of `roots` (`runs.files.inside`)."""
+    """Whether `path`, every symlink resolved, lies under one of `roots` (`io.files.inside`)."""
     for root in roots:
         try:
             inside(root, path)

@@ -10,7 +10,7 @@ import torch
 
 from opd_sao import algorithms as A
 from opd_sao.config import AlgoConfig
-from opd_sao.runs.timing import PhaseTimer
+from opd_sao.io.timing import PhaseTimer
 from opd_sao.trainers.base import TrainerBackend
 from opd_sao.trajectory import Batch
 

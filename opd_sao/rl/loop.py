@@ -16,10 +16,10 @@ from typing import Callable, Optional
 
 from opd_sao.config import RolloutConfig
 from opd_sao.engines.base import RolloutEngine
+from opd_sao.io.tracking import MetricsLogger
 from opd_sao.rl.buffer import TrajectoryBuffer
 from opd_sao.rl.learner import Learner
 from opd_sao.rl.rollout import Episode, RolloutWorker
-from opd_sao.runs.tracking import MetricsLogger
 from opd_sao.trainers.base import NonFiniteError
 from opd_sao.trajectory import Trajectory, collate
 

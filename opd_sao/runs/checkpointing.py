@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from opd_sao.runs.files import atomic_write, inside
-from opd_sao.runs.tracking import read_jsonl
+from opd_sao.io.files import atomic_write, inside
+from opd_sao.io.tracking import read_jsonl
 from opd_sao.trainers.base import NonFiniteError
 
 

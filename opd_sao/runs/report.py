@@ -17,8 +17,8 @@ try:
 except ImportError:
     plt = None
 
-from opd_sao.runs.files import atomic_write
-from opd_sao.runs.tracking import read_jsonl
+from opd_sao.io.files import atomic_write
+from opd_sao.io.tracking import read_jsonl
 
 CURVES = [
     ("reward_mean", "reward"),
@@ -123,7 +123,7 @@ def score_cell(value, error) -> str:
 
 
 def _time_lines(summary: dict) -> list[str]:
-    """Per stage: wall time, seconds per phase (runs/timing.py) and peak memory."""
+    """Per stage: wall time, seconds per phase (io/timing.py) and peak memory."""
     stages = [s for s in summary["stages"] if "phases_s" in s]
     if not stages:
         return []

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from opd_sao.checkpoints import load_causal_lm, save_checkpoint
-from opd_sao.runs.files import atomic_path
+from opd_sao.io.files import atomic_path
 
 from ..config import TrainerConfig
 from ..devices import mixed_precision, resolve_device

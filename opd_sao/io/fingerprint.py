@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from opd_sao.errors import UsageError
-from opd_sao.runs.files import write_json
+from opd_sao.io.files import write_json
 
 RECORD = "config.fingerprint.json"
 SAFE_ON_RESUME = ("logging.",)  # prefixes of dotted fields that change how a run reports, not what it trains

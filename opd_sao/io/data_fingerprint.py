@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 
 from opd_sao.errors import UsageError
+from opd_sao.io.files import write_json
 from opd_sao.regular_files import UnreadableFile, open_regular
-from opd_sao.runs.files import write_json
 
 RECORD = "data.fingerprint.json"
 

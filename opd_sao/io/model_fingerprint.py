@@ -21,9 +21,9 @@ import struct
 from pathlib import Path
 
 from opd_sao.errors import UsageError
+from opd_sao.io.data_fingerprint import first_change
+from opd_sao.io.files import write_json
 from opd_sao.regular_files import UnreadableFile, open_regular
-from opd_sao.runs.data_fingerprint import first_change
-from opd_sao.runs.files import write_json
 
 RECORD = "model.fingerprint.json"
 WHOLE = 16 << 20  # files up to this size are hashed whole
