@@ -6,7 +6,7 @@ growth of the peak RSS (`ru_maxrss`) over that baseline. glibc's mmap threshold 
 the children, so every large tensor is its own mapping and is returned on free: otherwise the threshold
 adapts upwards and freed chunks linger in the heap, adding 0-130 MiB of noise to the chunked figure.
 Naive: logits = hidden @ W.T (a [T, V] fp32 tensor), log_softmax, gather. Chunked:
-`opd_sao.modeling.token_logprobs`.
+`opd_sao.model.modeling.token_logprobs`.
 
     python benchmarks/consistency_memory.py           # T=4096, V=151936 (Qwen's vocabulary)
     python benchmarks/consistency_memory.py --quick   # T=2048, same V
@@ -34,7 +34,7 @@ def measure(method: str, tokens: int, vocab: int) -> dict:
     """Runs in the child: the peak-RSS growth of one computation, its time and its logprobs."""
     import torch
 
-    from opd_sao.modeling import token_logprobs
+    from opd_sao.model.modeling import token_logprobs
 
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)

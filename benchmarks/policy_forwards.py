@@ -1,4 +1,4 @@
-"""The trainer's policy through both forwards: opd-sao's own (`opd_sao/llama_forward.py`, `trainer.own_forward:
+"""The trainer's policy through both forwards: opd-sao's own (`opd_sao/model/llama_forward.py`, `trainer.own_forward:
 true`) and transformers' (`trainer.own_forward: false`), side by side: the time of one scoring pass
 (`modeling.sequence_logprobs` over the action tokens, no grad) and of one training pass (the same with its
 backward), and how far the two forwards' logprobs and gradients drift apart.
@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from opd_sao import llama_forward
-from opd_sao.modeling import sequence_logprobs
+from opd_sao.model import llama_forward
+from opd_sao.model.modeling import sequence_logprobs
 
 FULL = dict(layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, vocab=151_936)  # Qwen2.5-0.5B
 QUICK = dict(layers=4, hidden=128, intermediate=512, heads=4, kv_heads=2, vocab=151_936)

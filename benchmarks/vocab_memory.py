@@ -2,7 +2,7 @@
 
 The model is a Qwen2-architecture causal LM at a tiny hidden size (64, 2 layers) with Qwen2.5's padded
 vocabulary (151,936), so the lm head is almost all of the work, as it is for small students at real
-vocabularies. "chunked" is the trainer's path (`opd_sao.modeling.sequence_logprobs`: hidden states,
+vocabularies. "chunked" is the trainer's path (`opd_sao.model.modeling.sequence_logprobs`: hidden states,
 then the lm head a vocabulary chunk at a time, recomputed in the backward, and only at the positions
 the loss reads: the response, three quarters of each sequence here); "naive" is the model's own
 forward, which materialises [B, T, V] float32 logits (`full_logits=True`). Each (step, method) runs in
@@ -125,7 +125,7 @@ def measure(kind: str, method: str, batch: int, seq: int, repeats: int, vocab: i
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from opd_sao import algorithms as A
-    from opd_sao.modeling import hidden_states, lm_head, sequence_logprobs, support_logprobs
+    from opd_sao.model.modeling import hidden_states, lm_head, sequence_logprobs, support_logprobs
     from opd_sao.teachers.scoring import score_rows
 
     torch.set_num_threads(threads)

@@ -197,7 +197,7 @@ class EngineConfig(Strict):
         "compute streams at once)", True)
     own_forward: bool = describe(
         "embedded: Llama-family models (llama, mistral, qwen2, qwen3; every layer attending to the whole sequence) "
-        "decode and prefill through the engine's own forward (opd_sao/llama_forward.py: transformers' "
+        "decode and prefill through the engine's own forward (opd_sao/model/llama_forward.py: transformers' "
         "function in fewer operations); false, or any other model: transformers' forward", True)
     deterministic: bool = describe("score every sequence alone with the trainer's kernels (bitwise agreement; slow)",
                                    False)
@@ -252,7 +252,7 @@ class TrainerConfig(Strict):
                                             "keeping them (policy and critic; non-reentrant)", False)
     own_forward: bool = describe(
         "Llama-family policies and critics (llama, mistral, qwen2, qwen3; every layer attending to the whole "
-        "sequence) train through opd_sao/llama_forward.py (transformers' function in fewer operations, exact to "
+        "sequence) train through opd_sao/model/llama_forward.py (transformers' function in fewer operations, exact to "
         "float rounding; not under ZeRO-3 or gradient_checkpointing); false, or any other model: transformers' "
         "forward", True)
     lr_schedule: Literal["constant", "linear_warmup", "cosine"] = describe(

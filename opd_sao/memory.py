@@ -16,7 +16,7 @@ T x T scores): the two RMSNorms' inputs and outputs (4H), q k v projections (H +
 o_proj (2H), the MLP's gate, up, activation and product (4I): 10H + 3KV + 4I values. Gradient checkpointing
 keeps each layer's input (H) and recomputes one layer at a time in the backward. The lm head never
 materialises [tokens, V]: one row block x vocabulary chunk of logits and their gradient at a time
-(opd_sao.modeling). The peak of a step is the static part plus the larger of the backward's working set
+(opd_sao.model.modeling). The peak of a step is the static part plus the larger of the backward's working set
 (saved activations, all gradients, the lm-head chunk, and with tied embeddings the lookup's dense gradient
 before it is added to the lm head's) and AdamW's foreach temporary (one more copy of the trainable parameters,
 while the moments update).
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from opd_sao.modeling import ROW_BLOCK, VOCAB_CHUNK
+from opd_sao.model.modeling import ROW_BLOCK, VOCAB_CHUNK
 
 
 @dataclass(frozen=True)

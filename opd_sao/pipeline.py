@@ -11,7 +11,6 @@ import torch
 import yaml
 
 from opd_sao.checkpoints import build_tiny_model, check_attention, load_tokenizer
-from opd_sao.decoders import check_plain_logits
 from opd_sao.engines import check_engine
 from opd_sao.errors import UsageError
 from opd_sao.gguf_header import is_gguf_path
@@ -23,6 +22,7 @@ from opd_sao.io.model_fingerprint import check_model_record, write_model_record
 from opd_sao.io.progress import StageProgress
 from opd_sao.io.timing import PhaseTimer, peak_memory, reset_peak_memory
 from opd_sao.io.tracking import start_wandb
+from opd_sao.model.decoders import check_plain_logits
 from opd_sao.model_import import import_gguf, model_config
 from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, disk_use
 from opd_sao.runs.evaluation import Score, evaluate_score

@@ -11,7 +11,7 @@ from opd_sao.checkpoints import load_causal_lm
 from opd_sao.consistency.check import action_hidden_states
 from opd_sao.devices import resolve_device
 from opd_sao.errors import UsageError
-from opd_sao.modeling import lm_head, vocab_rows
+from opd_sao.model.modeling import lm_head, vocab_rows
 from opd_sao.trajectory import Trajectory
 
 from .base import Teacher, register_teacher

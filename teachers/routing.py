@@ -21,8 +21,8 @@ from transformers import AutoConfig
 
 from opd_sao.checkpoints import file_hash, load_tokenizer
 from opd_sao.config import BEST_CHECKPOINT, OPDConfig
-from opd_sao.decoders import check_plain_logits
 from opd_sao.errors import UsageError
+from opd_sao.model.decoders import check_plain_logits
 from opd_sao.teachers.base import TEACHER_KINDS, Teacher, TeacherIncompatibleError, TeacherSpec
 
 

@@ -27,7 +27,7 @@ import torch
 
 from opd_sao.cache import TeacherRecord, capped_nucleus_size
 from opd_sao.cache.encoding import quantise_logp
-from opd_sao.modeling import MASKED, ROW_BLOCK, VOCAB_CHUNK, RunningTopK, fused_logsumexp, logit_chunks
+from opd_sao.model.modeling import MASKED, ROW_BLOCK, VOCAB_CHUNK, RunningTopK, fused_logsumexp, logit_chunks
 
 NEG_INF = float("-inf")
 

@@ -111,8 +111,8 @@ def test_values_at_the_actions_only_equal_the_whole_forward_with_their_gradients
     """`actions`: the critic's values at the action tokens (0 elsewhere) equal the whole forward's there, and so do
     every trainable parameter's gradients, while the last layer's feed-forward block runs only on the states an
     action follows (dense MLPs and MoE blocks alike)."""
-    from opd_sao import llama_forward
-    from opd_sao.decoders import decoder_layers, feed_forward_blocks
+    from opd_sao.model import llama_forward
+    from opd_sao.model.decoders import decoder_layers, feed_forward_blocks
 
     config = CASES[arch][0]
     whole, cut = _critic(config), _critic(config)

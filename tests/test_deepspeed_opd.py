@@ -101,7 +101,7 @@ def _batch_file(student, tokenizer, path: Path) -> Path:
     second domain: the ranks' shares hold different numbers of action rows, and a forward of that domain's
     trajectory alone leaves rank 1 without rows."""
     from opd_sao.checkpoints import load_causal_lm
-    from opd_sao.modeling import sequence_logprobs
+    from opd_sao.model.modeling import sequence_logprobs
     from opd_sao.trajectory import Trajectory
 
     model, rng, lines = load_causal_lm(student), np.random.default_rng(0), []

@@ -248,7 +248,7 @@ def test_bfloat16_trains_in_mixed_precision(tiny_model_dir, tokenizer, tmp_path)
     moves every trained weight (on bfloat16 weights, 8 mantissa bits, such an update is rounded away), and the
     logprobs, values and SFT loss differ from float32's by bfloat16 rounding, not by nothing."""
     from opd_sao.algorithms import sft_loss
-    from opd_sao.modeling import sequence_logprobs
+    from opd_sao.model.modeling import sequence_logprobs
     from opd_sao.supervised import run_sft
     from opd_sao.trainers import TorchTrainer
     from opd_sao.trajectory import Trajectory, collate

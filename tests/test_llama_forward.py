@@ -1,4 +1,4 @@
-"""opd-sao's own Llama-family forward (opd_sao/llama_forward.py) against transformers' on the same weights: the
+"""opd-sao's own Llama-family forward (opd_sao/model/llama_forward.py) against transformers' on the same weights: the
 decoder's hidden states, the engine's prefill and decode through a KV cache, the critic's values and gradients,
 and which models keep transformers' forward."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 import transformers
 from gradients import assert_same_gradients
 
-from opd_sao import llama_forward
 from opd_sao.engines.base import GenerationRequest, SamplingParams
 from opd_sao.engines.embedded import EmbeddedEngine
-from opd_sao.modeling import batch_kv_cache, position_ids_for
+from opd_sao.model import llama_forward
+from opd_sao.model.modeling import batch_kv_cache, position_ids_for
 from opd_sao.trainers.critic import ValueModel
 
 SHAPE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
@@ -178,7 +178,7 @@ def test_the_critic_trains_through_it_as_through_transformers(tiny_model_dir):
 def test_the_policy_trains_through_it_as_through_transformers(attention, width):
     """The trainer's logprobs (`modeling.sequence_logprobs`, the actions only and every position) and every
     parameter's gradient, attention and embeddings included, equal transformers' forward on a copy."""
-    from opd_sao.modeling import sequence_logprobs
+    from opd_sao.model.modeling import sequence_logprobs
 
     ours = _model("Qwen2", attention=attention).train()
     theirs = copy.deepcopy(ours)

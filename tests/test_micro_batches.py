@@ -51,7 +51,7 @@ def batch_file(student, tokenizer, path: Path) -> Path:
     """16 trajectories of the student's own tokens (its float32 logprobs as rollout logprobs), 4 groups of 4,
     varied lengths and rewards, the last group on the second domain."""
     from opd_sao.checkpoints import load_causal_lm
-    from opd_sao.modeling import sequence_logprobs
+    from opd_sao.model.modeling import sequence_logprobs
     from opd_sao.trajectory import Trajectory
 
     model, rng, lines = load_causal_lm(student), np.random.default_rng(0), []

@@ -1,4 +1,4 @@
-"""The one vocabulary-chunked forward path (opd_sao/modeling.py) against the naive full softmax.
+"""The one vocabulary-chunked forward path (opd_sao/model/modeling.py) against the naive full softmax.
 
 Values and gradients must match the [N, V] computation: in float64 to rounding (the algorithm is exact),
 in float32 within 1e-6 (x (1 + |value|)) at the scale of real logits; chunk sizes that do not divide V and row blocks that
@@ -10,11 +10,11 @@ import pytest
 import torch
 from gradients import assert_same_gradients
 
-from opd_sao import llama_forward
 from opd_sao.algorithms import sft_loss
 from opd_sao.checkpoints import load_causal_lm
-from opd_sao.decoders import decoder_layers, decoder_of, feed_forward_blocks
-from opd_sao.modeling import forward_logits, nucleus_logprobs, read_only_at, sequence_logprobs, token_logprobs
+from opd_sao.model import llama_forward
+from opd_sao.model.decoders import decoder_layers, decoder_of, feed_forward_blocks
+from opd_sao.model.modeling import forward_logits, nucleus_logprobs, read_only_at, sequence_logprobs, token_logprobs
 
 
 def naive(hidden, weight, bias, targets, temperature, top_p=None):
@@ -212,7 +212,7 @@ def test_reading_some_positions_leaves_another_threads_forward_whole(tiny_model_
 def test_rows_with_distinct_prompts_or_activation_checkpointing_take_the_plain_forward(tiny_model_dir):
     """Nothing to share (every prompt distinct), or a model whose checkpointing turns transformers' cache off:
     one forward over the rows."""
-    from opd_sao.modeling import shared_prefix_hidden_states
+    from opd_sao.model.modeling import shared_prefix_hidden_states
 
     model = load_causal_lm(tiny_model_dir)
     ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 8], [5, 6, 7, 9]])
@@ -251,7 +251,7 @@ def test_top_k_and_top_p_cut_the_support_as_sglang_then_renormalise():
     """logits [3, 2, 1, 0] at T 1: p = [0.644, 0.237, 0.087, 0.032]. top_p 0.7 keeps the tokens whose mass
     before them is below 0.7 (the first two); top_k 3 cuts the rank; both together intersect (both cut from
     the whole distribution); top_k 1 is greedy. The kept logprobs are renormalised over the kept tokens."""
-    from opd_sao.modeling import sample_tokens
+    from opd_sao.model.modeling import sample_tokens
 
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 4)
     one = torch.ones(4)
@@ -276,7 +276,7 @@ def test_categorical_draws_follow_the_distribution_and_never_a_zero_probability_
     [0, 5e-324, 0]: the uniform times the total rounds to 0 or to the total itself (then every cumulative sum is
     <= it and the draw would fall past the row): both give index 1, the only positive one. The same generator
     state gives the same draws; a row with a NaN, an infinity or no mass is refused."""
-    from opd_sao.modeling import categorical
+    from opd_sao.model.modeling import categorical
 
     n = 200_000
     probs = torch.tensor([[1.0, 0.0, 0.4, 0.6, 0.0]]).expand(n, 5)
@@ -299,7 +299,7 @@ def test_categorical_draws_follow_the_distribution_and_never_a_zero_probability_
 def test_keyed_draws_do_not_depend_on_the_vocabulary_chunk(monkeypatch):
     """keyed_choice hashes the vocabulary VOCAB_CHUNK columns at a time: chunks of 7 over 40 columns (the last one
     short), with some -inf columns and a whole -inf chunk, draw what one chunk over all 40 draws, key by key."""
-    import opd_sao.modeling as modeling
+    from opd_sao.model import modeling
 
     logits = torch.randn(300, 40, generator=torch.Generator().manual_seed(0))
     logits[:, 7:14] = float("-inf")  # a whole chunk cut (top-p / top-k), and scattered cut columns
@@ -320,7 +320,7 @@ def test_keyed_draws_follow_the_distribution_ignore_the_batch_and_couple_close_p
     alone or beside other rows, keyed or not; q = softmax([2, 1, 0.4, -inf]) = [0.637, 0.234, 0.129, 0] is at
     total variation distance d = 0.039 from p, and the same keys draw the same token from both at a rate of at
     least (1 - d) / (1 + d) = 0.926 (independent draws would agree at sum p q = 0.49)."""
-    from opd_sao.modeling import keyed_choice, sample_tokens
+    from opd_sao.model.modeling import keyed_choice, sample_tokens
 
     inf = float("-inf")
     p = torch.log_softmax(torch.tensor([2.0, 1.0, 0.0, inf]), -1)

@@ -20,7 +20,7 @@ from opd_sao.config import (
     TrainerConfig,
     parse_config,
 )
-from opd_sao.modeling import dense_support_logprobs, sequence_logprobs, streamed_divergence, support_logprobs
+from opd_sao.model.modeling import dense_support_logprobs, sequence_logprobs, streamed_divergence, support_logprobs
 from opd_sao.pipeline import check_before_work, run_pipeline
 from opd_sao.rl.distill import DomainSchedule, OPDLearner, padded_support
 from opd_sao.teachers import Prefetcher, TeacherSet, TeacherTargets

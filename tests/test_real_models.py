@@ -258,7 +258,7 @@ def test_architectures_sample_the_trainers_distribution_and_train_a_critic(name,
     import transformers
 
     from opd_sao.checkpoints import save_checkpoint
-    from opd_sao.modeling import sequence_logprobs
+    from opd_sao.model.modeling import sequence_logprobs
     from opd_sao.trainers.critic import ValueModel
 
     config = getattr(transformers, f"{name}Config")(**{

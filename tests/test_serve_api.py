@@ -146,7 +146,7 @@ def test_the_clients_score_reads_sglangs_positions(server, model, prompt):
 def test_output_logprobs_are_over_the_whole_vocabulary_unless_the_sampling_mask_is_asked(server, model, prompt):
     """top_p 0.5 at T 0.7: output_token_logprobs are log softmax(logits / T) over the whole vocabulary;
     return_sampling_mask adds output_token_sampling_logprobs, renormalised to the nucleus (larger)."""
-    from opd_sao.modeling import nucleus_logprobs
+    from opd_sao.model.modeling import nucleus_logprobs
 
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0.7, "top_p": 0.5,
                                                      "ignore_eos": True},

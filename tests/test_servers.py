@@ -37,7 +37,7 @@ def test_api_logprobs_match_the_trainer_and_prompts_are_scored(fleet, tiny_model
     from opd_sao.checkpoints import load_causal_lm
     from opd_sao.engines.fleet import Fleet
     from opd_sao.engines.http import SGLangClient
-    from opd_sao.modeling import sequence_logprobs
+    from opd_sao.model.modeling import sequence_logprobs
 
     url = fleet[0][0]
     engine = Fleet(url, checkpoint=tiny_model_dir, max_inflight=4)

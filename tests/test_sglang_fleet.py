@@ -89,7 +89,7 @@ def _sampled_as_the_trainer_scores(clients, model, prompt: list[int], threshold:
     """Each worker's sampled-token logprobs at top_p 0.9 (return_sampling_mask, through its scheduler's check)
     equal the trainer's `sequence_logprobs` of the same tokens at top_p 0.9, within the gate's mean threshold."""
     from opd_sao.engines.base import GenerationRequest, SamplingParams
-    from opd_sao.modeling import sequence_logprobs
+    from opd_sao.model.modeling import sequence_logprobs
 
     for client in clients:
         out = client.generate(GenerationRequest(prompt, SamplingParams(1.0, 0.9, 12, ignore_eos=True)))
@@ -105,7 +105,7 @@ def test_the_trainer_and_the_embedded_engine_score_sglangs_top_k_top_p_support()
     engine) is the distribution SGLang's own sampler (`top_k_top_p_min_p_sampling_from_probs_torch`, loaded from
     the wheel) draws from at the top_k the client sends: top_p rows cut at 4096 (where the nucleus alone is wider),
     a row's own smaller top_k kept; the embedded engine's draws lie in that support with those logprobs."""
-    from opd_sao.modeling import SAMPLING_MASK_TOP_K, nucleus_logprobs, nucleus_top_k, sample_tokens
+    from opd_sao.model.modeling import SAMPLING_MASK_TOP_K, nucleus_logprobs, nucleus_top_k, sample_tokens
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 6000, generator=g) * torch.tensor([[0.1], [0.5], [3.0], [2.0]])

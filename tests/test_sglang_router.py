@@ -68,7 +68,7 @@ def _perturbed(tiny_model_dir, scale: float):
 def test_weight_syncs_without_the_filesystem_reach_every_worker_behind_the_router(
         sync, router, workers, tiny_model_dir, tokenizer):
     from opd_sao.engines.fleet import Fleet
-    from opd_sao.modeling import sequence_logprobs
+    from opd_sao.model.modeling import sequence_logprobs
 
     engine = Fleet(router, checkpoint=tiny_model_dir, weight_sync=sync, max_inflight=4)
     assert sorted(engine.workers) == sorted(u for u, _ in workers)  # discovered from the router's /workers

@@ -20,7 +20,7 @@ from opd_sao.checkpoints import (
     save_checkpoint,
 )
 from opd_sao.config import OPDConfig
-from opd_sao.modeling import forward_logits
+from opd_sao.model.modeling import forward_logits
 from opd_sao.teachers import (
     InProcessTeacher,
     Prefetcher,

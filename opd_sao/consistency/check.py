@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from opd_sao.algorithms import dis_weights
-from opd_sao.modeling import hidden_states, lm_head, marked, sequence_logprobs, token_logprobs
+from opd_sao.model.modeling import hidden_states, lm_head, marked, sequence_logprobs, token_logprobs
 from opd_sao.trajectory import Trajectory
 
 # ----------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from opd_sao.consistency.check import (
 from opd_sao.engines.base import GenerationRequest, RolloutEngine, SamplingParams
 from opd_sao.errors import UsageError
 from opd_sao.io.files import write_json
-from opd_sao.modeling import lm_head, token_logprobs
+from opd_sao.model.modeling import lm_head, token_logprobs
 from opd_sao.rl.rollout import Episode, run_episodes
 from opd_sao.trajectory import Trajectory, collate
 

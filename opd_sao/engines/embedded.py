@@ -19,10 +19,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .. import llama_forward
 from ..checkpoints import stop_ids
 from ..errors import UsageError
-from ..modeling import batch_kv_cache, position_ids_for, read_only_at, sample_tokens, sequence_logprobs
+from ..model import llama_forward
+from ..model.modeling import batch_kv_cache, position_ids_for, read_only_at, sample_tokens, sequence_logprobs
 from .base import GenerationRequest, GenerationResult, ResultCallback, RolloutEngine, Turns
 
 

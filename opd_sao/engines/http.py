@@ -36,7 +36,7 @@ import requests
 import torch
 
 from opd_sao.errors import UsageError
-from opd_sao.modeling import nucleus_top_k
+from opd_sao.model.modeling import nucleus_top_k
 
 from .base import GenerationRequest, GenerationResult
 from .retry import TRANSIENT_STATUS, retrying_session

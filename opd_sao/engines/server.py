@@ -55,7 +55,7 @@ from opd_sao.engines.embedded import EmbeddedEngine
 from opd_sao.engines.weight_sync import WEIGHT_SYNCS, SyncSettings, WeightSyncRefused
 from opd_sao.errors import UsageError
 from opd_sao.io.files import inside
-from opd_sao.modeling import forward_logits
+from opd_sao.model.modeling import forward_logits
 
 log = logging.getLogger("opd_sao.engines.server")
 

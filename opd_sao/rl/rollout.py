@@ -25,7 +25,7 @@ from opd_sao.engines.base import (
     SamplingParams,
 )
 from opd_sao.errors import UsageError
-from opd_sao.modeling import seed_of
+from opd_sao.model.modeling import seed_of
 from opd_sao.rl.compaction import Compaction, next_segment, propagate_returns
 from opd_sao.trajectory import Trajectory
 

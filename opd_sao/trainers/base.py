@@ -14,10 +14,10 @@ from typing import Optional
 
 import torch
 
-from .. import llama_forward
 from ..algorithms import lr_multiplier
 from ..config import TrainerConfig
-from ..modeling import (
+from ..model import llama_forward
+from ..model.modeling import (
     dense_support_logprobs,
     forward_logits,
     hidden_states,

@@ -33,11 +33,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel
 
-from opd_sao import llama_forward
 from opd_sao.checkpoints import DTYPES, MODEL_INIT_LOCK, check_attention
+from opd_sao.model import llama_forward
 
-from ..decoders import decoder_layers, expert_counts, feed_forward_blocks, mixes_positions
-from ..modeling import position_ids_for, read_only_at
+from ..model.decoders import decoder_layers, expert_counts, feed_forward_blocks, mixes_positions
+from ..model.modeling import position_ids_for, read_only_at
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 FROZEN_START_BYTES = 256 << 20  # the most `reusing_frozen_start` keeps: it pays on small models (see there)

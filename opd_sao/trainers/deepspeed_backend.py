@@ -36,9 +36,9 @@ from opd_sao.checkpoints import load_causal_lm, save_checkpoint
 from opd_sao.errors import UsageError
 
 from ..config import TrainerConfig
-from ..decoders import moe_blocks
 from ..devices import resolve_device
-from ..modeling import sequence_logprobs
+from ..model.decoders import moe_blocks
+from ..model.modeling import sequence_logprobs
 from .base import (
     SupportLogprobs,
     TrainerBackend,

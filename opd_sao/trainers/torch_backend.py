@@ -12,7 +12,7 @@ from opd_sao.io.files import atomic_path
 
 from ..config import TrainerConfig
 from ..devices import mixed_precision, resolve_device
-from ..modeling import sequence_logprobs
+from ..model.modeling import sequence_logprobs
 from ..trajectory import Batch
 from .base import (
     SupportLogprobs,

@@ -26,8 +26,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from opd_sao import llama_forward
-from opd_sao.decoders import (
+from . import llama_forward
+from .decoders import (
     activation_checkpointing,
     attention_window,
     check_plain_logits,
