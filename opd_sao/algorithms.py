@@ -645,31 +645,6 @@ def domain_shares(recovered: dict[str, float], target: float, floor: float = 0.0
 
 
 # ----------------------------------------------------------------------------
-# Learning-rate schedules (policy and critic optimizers)
-# ----------------------------------------------------------------------------
-
-LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
-
-
-def lr_multiplier(step: int, schedule: str, warmup: int, total: int, floor: float) -> float:
-    """The factor on the base learning rate at optimizer step `step` (0-based).
-
-    constant: 1. linear_warmup: (step + 1) / (warmup + 1) during the first `warmup` steps (no step at lr 0), then
-    1. cosine: that warm-up, then floor + (1 - floor) (1 + cos(pi p)) / 2 with p going from 0 at step `warmup`
-    to 1 at the last step, `total - 1`, and staying there after it."""
-    if schedule not in LR_SCHEDULES:
-        raise ValueError(f"unknown lr schedule {schedule!r} (one of {', '.join(LR_SCHEDULES)})")
-    if schedule == "constant":
-        return 1.0
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    if schedule == "linear_warmup":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-# ----------------------------------------------------------------------------
 # Advantage estimators and policy losses: two registries, and presets naming a pair
 # ----------------------------------------------------------------------------
 #

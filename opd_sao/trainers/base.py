@@ -8,13 +8,12 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
-from functools import partial
 from pathlib import Path
 from typing import Optional
 
 import torch
+import transformers
 
-from ..algorithms import lr_multiplier
 from ..config import TrainerConfig
 from ..model import llama_forward
 from ..model.modeling import (
@@ -63,12 +62,19 @@ def adamw(params, lr: float, cfg: TrainerConfig) -> torch.optim.AdamW:
 
 
 def lr_scheduler(optimizer, cfg: TrainerConfig, total_steps: Optional[int]) -> torch.optim.lr_scheduler.LambdaLR:
-    """`trainer.lr_schedule` on an optimizer that takes `total_steps` steps in the stage (where cosine ends)."""
+    """`trainer.lr_schedule` on an optimizer that takes `total_steps` steps in the stage: transformers' schedulers.
+
+    linear_warmup and cosine are transformers' cosine to a floor, whose warm-up of n steps starts at 1/n of the lr
+    (no step at lr 0): n = warmup_steps + 1 puts step k of the warm-up at (k + 1) / (warmup_steps + 1) and the
+    floor at the stage's last step, total_steps - 1 (a stage takes no step past it). linear_warmup is that with
+    the floor at 1."""
+    if cfg.lr_schedule == "constant":
+        return transformers.get_constant_schedule(optimizer)
     if cfg.lr_schedule == "cosine" and not total_steps:
         raise ValueError("trainer.lr_schedule cosine needs the number of optimizer steps it decays over")
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
-        lr_multiplier, schedule=cfg.lr_schedule, warmup=cfg.warmup_steps, total=total_steps or 1,
-        floor=cfg.min_lr_ratio))
+    return transformers.get_cosine_with_min_lr_schedule_with_warmup_lr_rate(
+        optimizer, num_warmup_steps=cfg.warmup_steps + 1, num_training_steps=total_steps or cfg.warmup_steps + 1,
+        min_lr_rate=cfg.min_lr_ratio if cfg.lr_schedule == "cosine" else 1.0)
 
 
 def weights_dtype(cfg: TrainerConfig) -> str:
