@@ -143,3 +143,22 @@ def test_a_data_file_that_is_no_file_of_bytes_is_refused_naming_it(tmp_path, how
     inspect = subprocess.run([*wrap, sys.executable, "-m", "opd_sao.cli", "data", "inspect", str(path)],
                              capture_output=True, text=True, timeout=DEADLINE_S)
     assert inspect.returncode == 2 and one_error_line(inspect.stderr).endswith(f"dataset file {path}: {why}")
+
+
+@pytest.mark.parametrize("how,why", [("fifo", "not a regular file (a FIFO)"),
+                                     ("dev-zero", "a link out of {root} (to /dev/zero)"),
+                                     ("link-out", "a link out of {root} (to {elsewhere})")])
+def test_a_saved_datasets_arrow_file_that_is_no_file_of_its_directory_is_refused_naming_it(tmp_path, how, why):
+    """Before: the files of a `save_to_disk` directory were read by `datasets` unchecked (a FIFO for its Arrow
+    file, a link to /dev/zero or to a file outside the directory). Now `opd-sao data inspect` refuses each in one
+    line naming the file, as it does a data file of another format."""
+    import datasets
+
+    root = tmp_path / "saved"
+    datasets.Dataset.from_list([{"id": "q1", "prompt": "1+1=", "answer": "2"}]).save_to_disk(str(root))
+    arrow = next(root.glob("*.arrow"))
+    replace(arrow, how, tmp_path)
+    inspect = opd_sao("data", "inspect", str(root))
+    assert inspect.returncode == 2, inspect.stderr
+    expected = why.format(root=root, elsewhere=tmp_path / "elsewhere")
+    assert one_error_line(inspect.stderr).endswith(f"dataset file {arrow}: {expected}")

@@ -1,9 +1,10 @@
 """Reading task rows from local files: JSONL, JSON, Parquet, or a `datasets.save_to_disk` directory.
 
 Rows are streamed (JSONL line by line, Parquet batch by batch through pyarrow, a saved dataset through its
-memory-mapped Arrow table), never loaded whole, except a `.json` file, which is one JSON array. A data file must
-be a regular file (a FIFO would block the read forever, /dev/zero never ends: opd_sao.regular_files), a `.json`
-at most MAX_JSON_BYTES and a JSONL line at most MAX_LINE_BYTES, checked before they are read. A row the
+memory-mapped Arrow table), never loaded whole, except a `.json` file, which is one JSON array. A data file (and
+every file of a saved dataset's directory, inside it) must be a regular file (a FIFO would block the read forever,
+/dev/zero never ends: opd_sao.regular_files), a `.json` at most MAX_JSON_BYTES and a JSONL line at most
+MAX_LINE_BYTES, checked before they are read. A row the
 mapping cannot read (bad JSON, a missing or mistyped field, a duplicate id) is a `BadRow`: one line naming
 the file, the row (1-based) and the field. The environment skips and counts those up to `max_bad_rows` and
 refuses the file past that.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -137,6 +139,7 @@ def _saved_dataset_rows(path: Path) -> Iterator[tuple[int, Any]]:
     if not (path / "dataset_info.json").is_file():
         raise DatasetError(f"{path} is a directory but not one written by datasets' save_to_disk "
                            f"(no dataset_info.json)")
+    _check_saved_files(path)
     import datasets
 
     table = datasets.load_from_disk(str(path))  # memory-mapped: batches are read as they are iterated
@@ -146,6 +149,20 @@ def _saved_dataset_rows(path: Path) -> Iterator[tuple[int, Any]]:
         for values in zip(*(batch[k] for k in keys)):
             number += 1
             yield number, dict(zip(keys, values))
+
+
+def _check_saved_files(path: Path) -> None:
+    """Every file of a save_to_disk directory is a regular file inside it, as the other formats' files must be:
+    `datasets` memory-maps the Arrow files itself, and a FIFO there hangs it, a link to a device or out of the
+    directory is read as data."""
+    for folder, dirs, files in os.walk(path):
+        for name in [*files, *(d for d in dirs if os.path.islink(os.path.join(folder, d)))]:
+            try:
+                open_regular(Path(folder) / name, root=path).close()
+            except IsADirectoryError:  # a link to a folder inside the directory: its files are walked as its own
+                continue
+            except UnreadableFile as err:
+                raise DatasetError(f"dataset file {err}") from None
 
 
 def stable_fraction(task_id: str) -> float:
