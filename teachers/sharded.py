@@ -22,7 +22,7 @@ import torch
 
 from opd_sao.cache import TeacherRecord
 from opd_sao.checkpoints import load_causal_lm
-from opd_sao.consistency.check import action_hidden_states
+from opd_sao.model.actions import action_hidden_states
 from opd_sao.model.modeling import lm_head, vocab_rows
 from opd_sao.trajectory import Trajectory
 

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from opd_sao.algorithms import dis_weights
-from opd_sao.model.modeling import hidden_states, lm_head, marked, sequence_logprobs, token_logprobs
+from opd_sao.model.actions import action_hidden_states, model_device
+from opd_sao.model.modeling import hidden_states, lm_head, sequence_logprobs, token_logprobs
 from opd_sao.trajectory import Trajectory
 
 # ----------------------------------------------------------------------------
@@ -96,41 +97,6 @@ class ActionTokens:
 
     def to(self, device) -> "ActionTokens":
         return ActionTokens(*(getattr(self, f.name).to(device) for f in fields(self)))
-
-
-@torch.no_grad()
-def action_hidden_states(model, trajectories: list[Trajectory], *, padding: str = "right",
-                         batch_size: int = 8) -> torch.Tensor:
-    """[N, H] the final hidden state that predicts each action token (rows as in `ActionTokens.of`).
-
-    Sequences go through the decoder batch_size at a time, padded on `padding`'s side with the attention
-    mask and real-token position ids (the diagnosis compares the two sides: a correct model gives the
-    same numbers either way).
-    """
-    device = model_device(model)
-    out = []
-    for first in range(0, len(trajectories), batch_size):
-        chunk = trajectories[first:first + batch_size]
-        seqs = [t.prompt_ids + t.token_ids for t in chunk]
-        width = max(len(s) for s in seqs)
-        offsets = [width - len(seq) if padding == "left" else 0 for seq in seqs]
-        input_ids = torch.tensor([[0] * o + s + [0] * (width - o - len(s)) for o, s in zip(offsets, seqs)])
-        attention = torch.tensor([[0] * o + [1] * len(s) + [0] * (width - o - len(s)) for o, s in zip(offsets, seqs)])
-        rows, columns = [], []  # the position before each action token, trajectory by trajectory
-        for i, traj in enumerate(chunk):
-            before = offsets[i] + len(traj.prompt_ids) - 1
-            picked = [before + j for j, acted in enumerate(traj.action_mask) if acted]
-            rows += [i] * len(picked)
-            columns += picked
-        rows_t, columns_t = (torch.tensor(x, dtype=torch.long, device=device) for x in (rows, columns))
-        input_ids = input_ids.to(device)
-        hidden = hidden_states(model, input_ids, attention.to(device), read=marked(input_ids, rows_t, columns_t))
-        out.append(hidden[rows_t, columns_t])
-    return torch.cat(out) if out else torch.empty(0, model.config.hidden_size, device=device)
-
-
-def model_device(model) -> torch.device:
-    return next(model.parameters()).device
 
 
 def chunked_logprobs(model, trajectories: list[Trajectory], tokens: ActionTokens, *, temperature_scale: float = 1.0,

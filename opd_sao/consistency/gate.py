@@ -22,13 +22,13 @@ from opd_sao.config import GateConfig
 from opd_sao.consistency.check import (
     ActionTokens,
     ConsistencyReport,
-    action_hidden_states,
     check,
     sampler_drift,
 )
 from opd_sao.engines.base import GenerationRequest, RolloutEngine, SamplingParams
 from opd_sao.errors import UsageError
 from opd_sao.io.files import write_json
+from opd_sao.model.actions import action_hidden_states
 from opd_sao.model.modeling import lm_head, token_logprobs
 from opd_sao.rl.rollout import Episode, run_episodes
 from opd_sao.trajectory import Trajectory, collate
