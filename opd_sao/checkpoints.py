@@ -14,7 +14,7 @@ import os
 import shutil
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -27,11 +27,9 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from opd_sao.config import TinyModelConfig
 from opd_sao.errors import UsageError
 from opd_sao.gguf_header import is_gguf_path
-
-if TYPE_CHECKING:  # at run time config imports engines (its weight-sync check), and engines import this module
-    from opd_sao.config import TinyModelConfig
 
 hf_logging.disable_progress_bar()  # one bar per stage is ours to draw; loading a tiny model needs none
 hf_logging.set_verbosity_error()

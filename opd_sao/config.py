@@ -205,14 +205,6 @@ class EngineConfig(Strict):
                                             "cuda:N); default: the run's `device`")
 
 
-    @model_validator(mode="after")
-    def _check_weight_sync(self) -> "EngineConfig":
-        from opd_sao.engines.weight_sync import WEIGHT_SYNCS
-
-        if self.weight_sync not in WEIGHT_SYNCS:
-            raise ValueError(f"engine.weight_sync {self.weight_sync!r}: use one of {', '.join(WEIGHT_SYNCS.names())}")
-        return self
-
 class TrainerConfig(Strict):
     """The trainer: backend, optimizers, batch size."""
 

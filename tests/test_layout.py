@@ -1,4 +1,5 @@
-"""The package layout: no import cycles, and the layers point one way (core -> nothing above it).
+"""The package layout: no import cycles between modules nor between packages, and the layers point one way
+(core -> nothing above it).
 
 Every import statement is read from the source (module level and inside functions alike), so a lazy
 import that only hides a circle is caught too.
@@ -16,8 +17,8 @@ PACKAGES = ("opd_sao", *MOVED)
 APPLICATION = {"opd_sao.cli", "opd_sao.pipeline"}  # the only core modules that may import stages
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     parts = ["opd_sao", *parts] if parts[0] in MOVED else parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -26,8 +27,8 @@ def under(name: str, *packages: str) -> bool:
     return any(name == pkg or name.startswith(pkg + ".") for pkg in packages)
 
 
-def all_modules() -> dict[str, Path]:
-    return {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+def all_modules(root: Path = ROOT) -> dict[str, Path]:
+    return {module_name(p, root): p for pkg in PACKAGES for p in (root / pkg).rglob("*.py")}
 
 
 def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
@@ -50,10 +51,30 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return {m for m in found if m in modules and m != name}
 
 
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    modules = all_modules(root)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
 @pytest.fixture(scope="module")
 def graph():
-    modules = all_modules()
-    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+    return import_graph()
+
+
+def package_of(module: str) -> str:
+    """The unit of the package graph: `opd_sao.X`, the first level under opd_sao. A subpackage is one unit with
+    everything below it (opd_sao.runs.evaluation -> opd_sao.runs, opd_sao.stages.envs.dataset.files ->
+    opd_sao.stages; the moved top-level folders are opd_sao.stages, opd_sao.teachers, opd_sao.cache), and a
+    top-level module is a unit of its own (opd_sao.config). Finer units would let two packages lean on each
+    other through different modules (a.x -> b.y, b.z -> a.w: no module cycle) and hide the layering."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    packages: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        packages.setdefault(package_of(name), set()).update(package_of(dep) for dep in deps)
+    return {pkg: deps - {pkg} for pkg, deps in packages.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -85,6 +106,35 @@ def test_no_import_cycle(graph):
 def test_cycle_finder_sees_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def check_no_package_cycle(graph: dict[str, set[str]]) -> None:
+    cycle = find_cycle(package_graph(graph))
+    if cycle:
+        edges = [next(f"{n} -> {d}" for n, deps in sorted(graph.items()) for d in sorted(deps)
+                      if package_of(n) == a and package_of(d) == b) for a, b in zip(cycle, cycle[1:])]
+        raise AssertionError("package import cycle: " + " -> ".join(cycle) + " (" + "; ".join(edges) + ")")
+
+
+def test_no_package_cycle(graph):
+    check_no_package_cycle(graph)
+
+
+def test_a_package_cycle_without_a_module_cycle_fails_the_layout(tmp_path):
+    """A fake source tree read as the real one is: opd_sao.a.x imports opd_sao.b.y and opd_sao.b.z imports
+    opd_sao.a.w. No module imports itself back, so only the package graph shows the circle."""
+    for name, source in {"__init__": "", "a/__init__": "", "a/x": "from opd_sao.b import y\n", "a/w": "",
+                         "b/__init__": "", "b/y": "", "b/z": "import opd_sao.a.w\n"}.items():
+        (tmp_path / "opd_sao" / f"{name}.py").parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "opd_sao" / f"{name}.py").write_text(source)
+    graph = import_graph(tmp_path)
+    assert graph["opd_sao.a.x"] == {"opd_sao.b", "opd_sao.b.y"} and graph["opd_sao.b.z"] == {"opd_sao.a.w"}
+    assert find_cycle(graph) is None
+    with pytest.raises(AssertionError, match=r"opd_sao\.a -> opd_sao\.b -> opd_sao\.a \(opd_sao\.a\.x -> "
+                                             r"opd_sao\.b; opd_sao\.b\.z -> opd_sao\.a\.w\)"):
+        check_no_package_cycle(graph)
+    (tmp_path / "opd_sao" / "b" / "z.py").write_text("")  # the circle broken: the layout passes
+    check_no_package_cycle(import_graph(tmp_path))
 
 
 def test_core_imports_no_stage(graph):

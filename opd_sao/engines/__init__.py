@@ -14,6 +14,10 @@ def check_engine(cfg, nucleus: bool = False, model_path: str = "tiny") -> None:
     """Before any work: the embedded engine can batch `model_path`'s layers (its config only); an http fleet
     answers, every router in it has workers (no weights move), and with `nucleus` (a stage samples with top_p < 1)
     the servers return the renormalised sampling logprobs."""
+    from .weight_sync import WEIGHT_SYNCS  # checked here, not in the config schema: the config sits below the engines
+
+    if cfg.weight_sync not in WEIGHT_SYNCS:
+        raise UsageError(f"engine.weight_sync {cfg.weight_sync!r}: use one of {', '.join(WEIGHT_SYNCS.names())}")
     if cfg.kind == "embedded" and model_path != "tiny":
         from opd_sao.model_import import model_config
 
