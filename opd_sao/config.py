@@ -15,14 +15,16 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
 from opd_sao.devices import DEVICE_PATTERN, resolve_device
 from opd_sao.errors import UsageError
 from opd_sao.gguf_header import gguf_has_chat_template, is_gguf_path
-from opd_sao.registry import load_plugins
+from opd_sao.registry import Registry, load_plugins
 
 Granularity = Literal["sampled", "top_k", "top_p", "full"]
 Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
@@ -102,7 +104,7 @@ def describe_device(description: str, default: Optional[str] = None) -> Any:
     return describe(description, default, pattern=DEVICE_PATTERN)
 
 
-def _require_device(where: str, spec: Optional[str]) -> None:
+def require_device(where: str, spec: Optional[str]) -> None:
     """A device this machine lacks is a config error naming the setting, found before any work."""
     try:
         resolve_device(spec)
@@ -269,6 +271,29 @@ class TrainerConfig(Strict):
         return self
 
 
+class Overrides(Strict):
+    """A stage's overrides of a run-wide section: only the settings given are kept, and written out (a run's
+    config.yaml holds what the stage changed, not a copy of the run's values)."""
+
+    @model_serializer(mode="wrap")
+    def _given_only(self, handler) -> dict:
+        return {key: value for key, value in handler(self).items() if key in self.model_fields_set}
+
+
+def _optional(info) -> Any:
+    """A field's type and constraints, with null for `not given` (an override section's field)."""
+    kind = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+    return kind if type(None) in get_args(info.annotation) else Optional[kind]
+
+
+# Every trainer setting, overridable per stage, each checked as the run's is (an unknown key is refused).
+StageTrainerConfig = create_model(
+    "StageTrainerConfig", __base__=Overrides,
+    __doc__="This stage's overrides of the run's trainer settings; unset: the run's.",
+    **{name: (_optional(info), describe(f"this stage's trainer.{name} (default: the run's)", None))
+       for name, info in TrainerConfig.model_fields.items()})
+
+
 class RolloutConfig(Strict):
     """How a stage samples: sampling parameters, asynchrony, multi-turn episodes."""
 
@@ -313,10 +338,9 @@ EPISODE_FIELDS = ("max_new_tokens", "max_turns", "max_context_tokens", "compacti
                   "compaction_instruction", "prompt_format", "system_prompt")
 
 
-# The paper's DIS bounds per stage kind (SAO section 4.1): math / reasoning, and code / agent. A stage whose
-# config leaves eps_low / eps_high unset gets its kind's pair; other kinds (chat, opd, ...) the math pair.
-DIS_BOUNDS_BY_KIND = {"reasoning": (0.3, 5.0), "agent": (0.8, 3.0)}
-DEFAULT_DIS_BOUNDS = DIS_BOUNDS_BY_KIND["reasoning"]
+# The DIS band of a stage whose kind declares none in its `defaults` (stages/base.py; the built-in RL kinds each
+# declare the paper's pair for their domain, SAO section 4.1): the paper's math band, chosen here, not inherited.
+DEFAULT_DIS_BOUNDS = (0.3, 5.0)
 
 
 class AlgoConfig(Strict):
@@ -329,10 +353,12 @@ class AlgoConfig(Strict):
     policy_loss: Annotated[Optional[str], _registered("POLICY_LOSSES", "policy loss")] = describe(
         "the policy loss, by its name in opd_sao.algorithms.POLICY_LOSSES (dis, ppo_clip, or one added with "
         "register_policy_loss); null: the `algo` preset's", None)
-    eps_low: float = describe("DIS: tokens with ratio below 1 - eps_low are masked (unset: the stage kind's paper "
-                              "value, agent 0.8, reasoning and others 0.3)", DEFAULT_DIS_BOUNDS[0], ge=0, le=1)
-    eps_high: float = describe("DIS: tokens with ratio above 1 + eps_high are masked (unset: the stage kind's paper "
-                               "value, agent 3.0, reasoning and others 5.0)", DEFAULT_DIS_BOUNDS[1], ge=0)
+    eps_low: float = describe("DIS: tokens with ratio below 1 - eps_low are masked (unset: the stage kind's "
+                              "`defaults`, the paper's value for its domain: agent 0.8, reasoning, chat and opd 0.3; "
+                              "a kind that declares none: this default)", DEFAULT_DIS_BOUNDS[0], ge=0, le=1)
+    eps_high: float = describe("DIS: tokens with ratio above 1 + eps_high are masked (unset: the stage kind's "
+                               "`defaults`: agent 3.0, reasoning, chat and opd 5.0; a kind that declares none: this "
+                               "default)", DEFAULT_DIS_BOUNDS[1], ge=0)
     alpha: float = describe("length-adaptive policy lambda = 1 - 1/(alpha * l), l >= 1 action tokens (alpha >= 1 "
                             "keeps lambda in [0, 1))", 1.5, ge=1, le=1e6)
     gamma: float = describe("discount", 1.0, ge=0, le=1)
@@ -490,12 +516,24 @@ class OPDConfig(Strict):
 # stages/base.py), and its description starts with the built-in kinds that read it.
 COMMON_STAGE_FIELDS = frozenset({"name", "kind", "init_from", "trainer", "options"})
 
+# Stage kind -> its Stage class (stages/base.py, `register_stage`). It lives here, below the stages, because the
+# schema asks each stage's kind for its options, defaults and checks (`Stage.validate_in_run`) while it validates;
+# the built-in kinds register themselves when opd_sao.stages is imported, which a lookup does by name.
+STAGES = Registry("stage kind", home="opd_sao.stages")
+
+
+def _stage_kind(value: str) -> str:
+    if value not in STAGES:
+        raise ValueError(STAGES.unknown(value))
+    return value
+
 
 class StageConfig(Strict):
     """One stage of the pipeline. A field its kind does not read (see each description) is refused before any work."""
 
     name: PathName = describe("a unique stage name (its folder under stages/: one folder name, no '/')")
-    kind: str = describe("a stage kind registered in stages/ (sft, reasoning, agent, chat, opd, ...)")
+    kind: Annotated[str, AfterValidator(_stage_kind)] = describe(
+        "a stage kind registered in stages/ (sft, reasoning, agent, chat, opd, or a plugin's)")
     env: Optional[str] = describe("reasoning, agent, chat: an environment registered in stages/envs (evaluated "
                                   "after every stage with this stage's env_options, rollout and eval)", None)
     env_options: dict[str, Any] = describe("reasoning, agent, chat: keyword arguments of the environment", {})
@@ -508,7 +546,8 @@ class StageConfig(Strict):
                                      "resumable state saves", 25, ge=1)
     buffer_memory: int = describe("reasoning, agent, chat, opd: waiting trajectories kept in host memory; the rest "
                                   "spill to disk", 4096, ge=1)
-    trainer: dict[str, Any] = describe("overrides of the run's trainer settings for this stage", {})
+    trainer: StageTrainerConfig = describe("overrides of the run's trainer settings for this stage",
+                                           StageTrainerConfig())
     rollout: RolloutConfig = describe("sft, reasoning, agent, chat, opd: sampling and episodes (sft: the prompt "
                                       "format of a domain no other stage trains on)", RolloutConfig())
     rl: AlgoConfig = describe("reasoning, agent, chat, opd: the RL algorithm's parts and settings (DIS band, GAE, "
@@ -648,9 +687,10 @@ class RunConfig(Strict):
     def _validate(self) -> "RunConfig":
         """The defaults that depend on other settings, filled first; then each check, one concern each."""
         self._fill_stage_defaults()
-        for check in (self._check_stage_order, self._check_teachers, self._check_devices, self._check_groups,
-                      self._check_eval_domains):
+        for check in (self._check_stage_order, self._check_devices, self._check_groups, self._check_eval_domains):
             check()
+        for stage in self.stages:  # what each kind checks itself: its options, and against the rest of the run
+            STAGES.get(stage.kind).validate_in_run(stage, self)
         return self
 
     def tiny_defaults_left(self) -> list[str]:
@@ -660,8 +700,8 @@ class RunConfig(Strict):
         if self.model.path == TINY_MODEL:
             return []
         tiny = [(f"rollout.{key}", RolloutConfig.model_fields[key].default,
-                 [s.name for s in self.stages if s.kind != "sft" and key not in s.rollout.model_fields_set])
-                for key in ("max_new_tokens", "max_context_tokens")]  # (an sft stage generates nothing)
+                 [s.name for s in self.stages if STAGES.get(s.kind).generates() and key not in s.rollout.model_fields_set])
+                for key in ("max_new_tokens", "max_context_tokens")]
         tiny.append(("sft.lr", SFTConfig.model_fields["lr"].default,
                      [s.name for s in self.stages if s.sft.steps and "lr" not in s.sft.model_fields_set]))
         lines = [f"model.path {self.model.path!r} is a checkpoint: {key} is the tiny model's default {default} in "
@@ -673,23 +713,20 @@ class RunConfig(Strict):
         return lines
 
     def _fill_stage_defaults(self) -> None:
-        """A stage's prompt format is the run's, its DIS band its kind's paper values, its group size 8 for a grouped
-        advantage estimator and 1 otherwise, unless the stage sets them."""
+        """A stage's prompt format is the run's, the settings its kind declares in `defaults` (the RL kinds' DIS
+        band) its kind's, its group size 8 for a grouped advantage estimator and 1 otherwise, unless the stage sets
+        them."""
         from opd_sao.algorithms import resolve_algorithm
 
         for stage in self.stages:
             if "prompt_format" not in stage.rollout.model_fields_set:
                 stage.rollout.prompt_format = self.prompt_format
-            low, high = DIS_BOUNDS_BY_KIND.get(stage.kind, DEFAULT_DIS_BOUNDS)
-            if "eps_low" not in stage.rl.model_fields_set:
-                stage.rl.eps_low = low
-            if "eps_high" not in stage.rl.model_fields_set:
-                stage.rl.eps_high = high
+            STAGES.get(stage.kind).fill_defaults(stage)
             if stage.rollout.group_size is None:
                 stage.rollout.group_size = 8 if resolve_algorithm(self.stage_algo(stage), stage.rl).grouped else 1
 
     def _check_stage_order(self) -> None:
-        """Unique, unreserved names; init_from and critic carry-over name earlier stages."""
+        """Unique, unreserved names; init_from names an earlier stage."""
         for i, stage in enumerate(self.stages):
             seen = [s.name for s in self.stages[:i]]
             if stage.name in seen:
@@ -701,42 +738,17 @@ class RunConfig(Strict):
                     f"stage {stage.name!r}: init_from {stage.init_from!r} is not an earlier stage "
                     f"(use 'base', 'previous' or one of {seen})"
                 )
-            if stage.critic_pretrain.carry_over and not any(s.env == stage.env for s in self.stages[:i]):
-                raise ValueError(f"stage {stage.name!r}: critic_pretrain.carry_over needs an earlier stage with env "
-                                 f"{stage.env!r} to take the critic from")
-
-    def _check_teachers(self) -> None:
-        """Every OPD teacher's checkpoint exists or is an earlier stage (`best`: of one domain); every domain taught."""
-        for i, stage in enumerate(self.stages):
-            seen = [s.name for s in self.stages[:i]]
-            for teacher in stage.opd.teachers:
-                if teacher.checkpoint == BEST_CHECKPOINT:
-                    if not seen or len(teacher.domains) != 1:
-                        raise ValueError(f"stage {stage.name!r}: teacher {teacher.name!r} checkpoint 'best' needs an "
-                                         f"earlier stage and exactly one domain (got {teacher.domains}); the best "
-                                         f"checkpoint is chosen per domain")
-                elif not Path(teacher.checkpoint).is_dir() and teacher.checkpoint not in seen:
-                    raise ValueError(
-                        f"stage {stage.name!r}: teacher {teacher.name!r} checkpoint {teacher.checkpoint!r} "
-                        f"is neither a local directory nor an earlier stage ({seen})"
-                    )
-            taught = {d for teacher in stage.opd.teachers for d in teacher.domains}
-            if stage.opd.teachers and not set(stage.domains) <= taught:
-                raise ValueError(f"stage {stage.name!r}: domains {sorted(set(stage.domains) - taught)} have no teacher "
-                                 f"(teachers cover {sorted(taught)})")
 
     def _check_devices(self) -> None:
-        """Every device named (run, engine, each stage's trainer, each teacher) exists on this machine; each stage's
-        trainer overrides are valid trainer settings."""
-        _require_device("device" if self.engine.device is None else "engine.device", self.engine_device)
+        """Every device named (run, engine, each stage's trainer) exists on this machine (a kind checks its own, such
+        as OPD teachers', in `validate_in_run`); each stage's trainer with its overrides is a valid trainer."""
+        require_device("device" if self.engine.device is None else "engine.device", self.engine_device)
         for stage in self.stages:
             try:
                 trainer = self.stage_trainer(stage)
             except ValidationError as err:
                 raise ValueError(f"stage {stage.name!r}: trainer.{format_error(err)}") from None
-            _require_device(f"stage {stage.name!r}: trainer.device", trainer.device)
-            for teacher in stage.opd.teachers:
-                _require_device(f"stage {stage.name!r}: teacher {teacher.name!r} device", teacher.device or self.device)
+            require_device(f"stage {stage.name!r}: trainer.device", trainer.device)
 
     def _check_groups(self) -> None:
         """Grouped estimators get groups; compaction none; a batch is whole groups."""
@@ -766,7 +778,7 @@ class RunConfig(Strict):
 
     def stage_trainer(self, stage: StageConfig) -> TrainerConfig:
         """The run's trainer settings with the stage's overrides; `device` filled in from the run's."""
-        trainer = TrainerConfig(**{**self.trainer.model_dump(), **stage.trainer})
+        trainer = TrainerConfig(**{**self.trainer.model_dump(), **stage.trainer.model_dump()})
         if trainer.device is None:
             trainer.device = self.device
         return trainer

@@ -32,8 +32,11 @@ class DuplicateName(UsageError):
 
 
 class Registry(Generic[T]):
-    def __init__(self, what: str):
-        self.what = what
+    def __init__(self, what: str, *, home: str | None = None):
+        """`home`: the package whose modules register the built-in members, for a registry that lives below it (the
+        config validates stage kinds, and may not import stages/): imported by name, its `discover()` run, on a
+        lookup of a name not registered yet, as an installed plugin is imported by its entry point."""
+        self.what, self.home = what, home
         self._items: dict[str, T] = {}
         self._built: dict[str, object] = {}
         self._build_lock = threading.RLock()  # re-entrant: a component may build the one it wraps
@@ -48,9 +51,7 @@ class Registry(Generic[T]):
         return decorator
 
     def get(self, name: str) -> T:
-        if name not in self._items:
-            load_plugins()  # an installed package's entry point may register it (commands that read no config)
-        if name not in self._items:
+        if name not in self:  # (a built-in, or an installed package's entry point, may register it on the way)
             raise UnknownName(self.unknown(name))
         return self._items[name]
 
@@ -76,6 +77,8 @@ class Registry(Generic[T]):
         return sorted(self._items)
 
     def __contains__(self, name: str) -> bool:
+        if name not in self._items and self.home is not None:
+            getattr(importlib.import_module(self.home), "discover", lambda: None)()  # also folders added to its path
         if name not in self._items:
             load_plugins()
         return name in self._items

@@ -9,21 +9,19 @@ from typing import Any, Callable, ClassVar, Optional
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from opd_sao.config import COMMON_STAGE_FIELDS, RunConfig, StageConfig, TrainerConfig
+from opd_sao.config import COMMON_STAGE_FIELDS, STAGES, RunConfig, StageConfig, TrainerConfig
 from opd_sao.consistency.gate import ConsistencyGate
 from opd_sao.errors import UsageError
 from opd_sao.io.files import inside
 from opd_sao.io.progress import StageProgress
 from opd_sao.io.timing import PhaseTimer
 from opd_sao.io.tracking import MetricsLogger
-from opd_sao.registry import Registry
 from opd_sao.rl.buffer import TrajectoryBuffer, recover
 from opd_sao.rl.loop import RLLoop
 from opd_sao.runs.checkpointing import StageState, truncate_step_log
 from opd_sao.supervised import discard_sft_state, run_sft, sft_resume_step
 
-STAGES: Registry[type["Stage"]] = Registry("stage kind")
-register_stage = STAGES.register
+register_stage = STAGES.register  # the registry is the config's, which validates each stage through its kind
 
 TRAIN_TASK_POOL = 100_000  # training tasks a stage draws per domain (environments sample up to this many)
 
@@ -86,14 +84,19 @@ class RunContext:
 class Stage(ABC):
     """One step of the pipeline: starts from a checkpoint, ends with a promoted checkpoint.
 
-    A kind's own settings are a pydantic model assigned to `Options`; the stage config's `options:` is
-    validated against it before any work (like every built-in setting) and read as `self.options`. `sections` names
-    the stage config's other fields it reads beyond COMMON_STAGE_FIELDS (`rollout`, `sft`, `env`, ...); one a
-    config sets for a kind that does not read it is refused before any work (`check_sections`), not ignored.
+    What a kind knows about its config, it declares here, and the config schema asks it through the registry
+    while it validates (config.py names no kind): its own settings are a pydantic model assigned to `Options` (the
+    stage config's `options:`, validated with the config and read as `self.options`); `defaults` gives the settings
+    of the shared sections its stages get when their config leaves them unset ({section: {field: value}}; a kind
+    that declares none gets the schema's own defaults); `validate_in_run` checks its stage against the rest of the
+    run. `sections` names the stage config's other fields it reads beyond COMMON_STAGE_FIELDS (`rollout`, `sft`,
+    `env`, ...); one a config sets for a kind that does not read it is refused before any work (`check_sections`),
+    not ignored.
     """
 
     Options: type[BaseModel] = NoOptions
     sections: ClassVar[frozenset[str]] = frozenset()
+    defaults: ClassVar[dict[str, dict[str, Any]]] = {}
 
     def __init__(self, cfg: StageConfig, ctx: RunContext):
         self.cfg, self.ctx = cfg, ctx
@@ -131,10 +134,30 @@ class Stage(ABC):
         return list(cfg.domains)
 
     @classmethod
-    def check(cls, cfg: StageConfig) -> None:
-        """Raise ValueError for a stage config this kind cannot run; called for every stage before any work.
-        Kinds that override it call super().check(cfg), which validates `options:`."""
+    def fill_defaults(cls, cfg: StageConfig) -> None:
+        """The settings of `defaults` this stage's config leaves unset, set (before the schema's other checks)."""
+        for section, values in cls.defaults.items():
+            given = getattr(cfg, section)
+            for key, value in values.items():
+                if key not in given.model_fields_set:
+                    setattr(given, key, value)
+
+    @classmethod
+    def validate_in_run(cls, cfg: StageConfig, run: RunConfig) -> None:
+        """Raise ValueError for what this stage's config cannot be in `run` (its options; earlier stages, devices);
+        called by the config schema while it validates, so a mistake is one config error line. Kinds that override
+        it call super().validate_in_run(cfg, run), which validates `options:`."""
         cls.parse_options(cfg)
+
+    @classmethod
+    def generates(cls) -> bool:
+        """Whether its stages sample with their `rollout:` settings: the kinds that run the loop (Stage.train)."""
+        return LOOP_SECTIONS <= cls.sections
+
+    @classmethod
+    def check(cls, cfg: StageConfig) -> None:
+        """Raise ValueError for a stage config this kind cannot run with the registries as they are (environments,
+        teacher kinds); called for every stage before any work. Kinds that override it call super().check(cfg)."""
 
     def progress(self, total: int, what: str):
         """A stepped task's progress lines (io/progress.py; `logging.progress: false` turns them off)."""

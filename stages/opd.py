@@ -36,6 +36,7 @@ import statistics
 import threading
 from pathlib import Path
 
+from opd_sao.config import BEST_CHECKPOINT, require_device
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
 from opd_sao.errors import UsageError
@@ -58,6 +59,28 @@ PROBE_SEED_OFFSET = 1  # probes sample the held-out split with seed + this: the 
 class OPDStage(Stage):
     # rl: the learner's DIS band and reward baseline; eval: that of a domain no other stage trains on
     sections = LOOP_SECTIONS | {"domains", "opd", "eval"}
+    defaults = {"rl": {"eps_low": 0.3, "eps_high": 5.0}}  # the DIS band on the student's own rollouts: the math one
+
+    @classmethod
+    def validate_in_run(cls, cfg, run) -> None:
+        """Every teacher's checkpoint exists or is an earlier stage (`best`: of one domain), its device exists on
+        this machine, and every domain has a teacher."""
+        super().validate_in_run(cfg, run)
+        seen = [s.name for s in run.stages[:run.stages.index(cfg)]]
+        for teacher in cfg.opd.teachers:
+            if teacher.checkpoint == BEST_CHECKPOINT:
+                if not seen or len(teacher.domains) != 1:
+                    raise ValueError(f"stage {cfg.name!r}: teacher {teacher.name!r} checkpoint 'best' needs an "
+                                     f"earlier stage and exactly one domain (got {teacher.domains}); the best "
+                                     f"checkpoint is chosen per domain")
+            elif not Path(teacher.checkpoint).is_dir() and teacher.checkpoint not in seen:
+                raise ValueError(f"stage {cfg.name!r}: teacher {teacher.name!r} checkpoint {teacher.checkpoint!r} "
+                                 f"is neither a local directory nor an earlier stage ({seen})")
+            require_device(f"stage {cfg.name!r}: teacher {teacher.name!r} device", teacher.device or run.device)
+        taught = {d for teacher in cfg.opd.teachers for d in teacher.domains}
+        if cfg.opd.teachers and not set(cfg.domains) <= taught:
+            raise ValueError(f"stage {cfg.name!r}: domains {sorted(set(cfg.domains) - taught)} have no teacher "
+                             f"(teachers cover {sorted(taught)})")
 
     @staticmethod
     def domain_names(cfg) -> list[str]:

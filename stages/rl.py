@@ -33,7 +33,18 @@ VALIDITY_TASKS = 16  # tasks the oracle / no-op / initial-state check samples at
 
 
 class RLStage(Stage):
+    """The RL kinds' shared code. A kind subclassing it declares its own DIS band in `defaults` (or, declaring none,
+    gets the schema's DEFAULT_DIS_BOUNDS: never another kind's)."""
+
     sections = ENV_SECTIONS | LOOP_SECTIONS | SFT_SECTIONS | {"algo", "critic_pretrain"}  # SFT: the warm start
+
+    @classmethod
+    def validate_in_run(cls, cfg, run) -> None:
+        super().validate_in_run(cfg, run)
+        earlier = run.stages[:run.stages.index(cfg)]
+        if cfg.critic_pretrain.carry_over and not any(s.env == cfg.env for s in earlier):
+            raise ValueError(f"stage {cfg.name!r}: critic_pretrain.carry_over needs an earlier stage with env "
+                             f"{cfg.env!r} to take the critic from")
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -179,12 +190,18 @@ def _train_summary(history: list[dict]) -> dict:
 class ReasoningStage(RLStage):
     """Math / algorithmic problems with a verifier."""
 
+    defaults = {"rl": {"eps_low": 0.3, "eps_high": 5.0}}  # SAO section 4.1's DIS band for math / reasoning
+
 
 @register_stage("agent")
 class AgentStage(RLStage):
     """Multi-turn tool use in the sandbox."""
 
+    defaults = {"rl": {"eps_low": 0.8, "eps_high": 3.0}}  # SAO section 4.1's DIS band for code / agent
+
 
 @register_stage("chat")
 class ChatStage(RLStage):
     """Open dialogue scored by a judge."""
+
+    defaults = {"rl": {"eps_low": 0.3, "eps_high": 5.0}}  # the paper gives no dialogue band: its math one
