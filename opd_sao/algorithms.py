@@ -50,6 +50,8 @@ __all__ = [
     "RunningMeanBaseline",
     "broadcast_sequence_advantage",
     "reverse_kl_advantage",
+    "DIVERGENCES",
+    "register_divergence",
     "truncated_divergence",
     "renormalize_support",
     "topk_overlap",
@@ -457,12 +459,34 @@ def reverse_kl_advantage(
     return torch.where(mask, adv, torch.zeros_like(adv))
 
 
-def _kl(p: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor, bucket_mask: torch.Tensor) -> torch.Tensor:
-    """``sum_i p_i (log p_i - log q_i)`` over real buckets. p_i = 0 contributes 0
-    (log p and log q are floored to finite values by the caller, so 0 * finite = 0
-    with finite gradients: the xlogy convention without nan in backward)."""
-    terms = p * (log_p - log_q)
-    return torch.where(bucket_mask, terms, torch.zeros_like(terms)).sum(dim=-1)
+# An OPD divergence is a registered pure function of per-entry terms, `fn(p_s, log_s, p_t, log_t, beta)`: student
+# and teacher probabilities and their log-probs (floored to finite values, so 0 * log 0 terms are 0 with finite
+# gradients), the same shape ``[..., C]``; `beta` is ``opd.jsd_beta``. Summed over a row's entries (the support
+# and its tail bucket, or the vocabulary chunk by chunk) it is the row's divergence. ``opd.divergence`` names one;
+# adding one is one decorated function (a plugin's included).
+DivergenceFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+DIVERGENCES: Registry[DivergenceFn] = Registry("divergence")
+register_divergence = DIVERGENCES.register
+
+
+@register_divergence("forward_kl")
+def forward_kl(p_s, log_s, p_t, log_t, beta):
+    """KL(teacher||student): mass-covering, the student spreads over every teacher mode."""
+    return p_t * (log_t - log_s)
+
+
+@register_divergence("reverse_kl")
+def reverse_kl(p_s, log_s, p_t, log_t, beta):
+    """KL(student||teacher): mode-seeking, what the sampled-token advantage estimates."""
+    return p_s * (log_s - log_t)
+
+
+@register_divergence("jsd")
+def jsd(p_s, log_s, p_t, log_t, beta):
+    """``beta KL(T||M) + (1 - beta) KL(S||M)``, ``M = beta T + (1 - beta) S``: bounded, between the two KLs."""
+    p_m = beta * p_t + (1.0 - beta) * p_s
+    log_m = p_m.clamp(min=torch.finfo(p_m.dtype).tiny).log()
+    return beta * p_t * (log_t - log_m) + (1.0 - beta) * p_s * (log_s - log_m)
 
 
 def truncated_divergence(
@@ -487,9 +511,8 @@ def truncated_divergence(
       logsumexp of the logits outside the support minus logsumexp of all
       logits), else ``max(1 - sum exp(student_logp_support), tiny)``.
 
-    kind: ``forward_kl`` = KL(teacher||student), ``reverse_kl`` =
-    KL(student||teacher), ``jsd`` = ``beta*KL(T||M) + (1-beta)*KL(S||M)`` with
-    ``M = beta*T + (1-beta)*S``.
+    kind: a name in DIVERGENCES (``forward_kl`` = KL(teacher||student), ``reverse_kl`` =
+    KL(student||teacher), ``jsd`` with ``beta``), summed over the buckets.
 
     The teacher is a constant target (detached). Differentiable w.r.t. the
     student log-probs (and ``student_tail_logp``). Numerically safe: log-probs
@@ -499,8 +522,7 @@ def truncated_divergence(
     computed in float32. With S = V and a zero tail the tails are rounding-level
     and the result is the full-vocabulary divergence.
     """
-    if kind not in ("forward_kl", "reverse_kl", "jsd"):
-        raise ValueError(f"unknown divergence kind {kind!r}; expected forward_kl, reverse_kl or jsd")
+    terms = DIVERGENCES.get(kind)  # an unknown name: UnknownName (a ValueError) listing the registered ones
     dtype = student_logp_support.dtype
     if dtype in (torch.float16, torch.bfloat16):
         dtype = torch.float32
@@ -532,13 +554,8 @@ def truncated_divergence(
     log_P_t = buckets(t_lp, tail_t.clamp(min=tiny).log()).clamp(min=log_floor)
     bucket_mask = torch.cat([mask, torch.ones_like(mask[..., :1])], dim=-1)
 
-    if kind == "forward_kl":
-        return _kl(P_t, log_P_t, log_P_s, bucket_mask)
-    if kind == "reverse_kl":
-        return _kl(P_s, log_P_s, log_P_t, bucket_mask)
-    P_m = beta * P_t + (1.0 - beta) * P_s
-    log_P_m = P_m.clamp(min=tiny).log()
-    return beta * _kl(P_t, log_P_t, log_P_m, bucket_mask) + (1.0 - beta) * _kl(P_s, log_P_s, log_P_m, bucket_mask)
+    out = terms(P_s, log_P_s, P_t, log_P_t, beta)
+    return torch.where(bucket_mask, out, torch.zeros_like(out)).sum(dim=-1)
 
 
 def pointwise_divergence(
@@ -549,24 +566,16 @@ def pointwise_divergence(
 ) -> torch.Tensor:
     """Per-entry terms ``[N, C]`` of a divergence over the whole vocabulary: their sum over all V columns is
     ``truncated_divergence`` of full rows without the (rounding-level) tail bucket, so a streamed kernel sums
-    it one vocabulary chunk at a time (``modeling.streamed_divergence``). Same floors, same kinds: forward KL
-    ``p_t (log p_t - log p_s)``, reverse KL ``p_s (log p_s - log p_t)``, JSD ``beta p_t (log p_t - log m) +
-    (1 - beta) p_s (log p_s - log m)``, ``m = beta p_t + (1 - beta) p_s``. Teacher detached."""
-    if kind not in ("forward_kl", "reverse_kl", "jsd"):
-        raise ValueError(f"unknown divergence kind {kind!r}; expected forward_kl, reverse_kl or jsd")
+    it one vocabulary chunk at a time (``modeling.streamed_divergence``). Same floors, same DIVERGENCES. Teacher
+    detached."""
+    terms = DIVERGENCES.get(kind)  # an unknown name: UnknownName (a ValueError) listing the registered ones
     dtype = torch.float64 if student_logp.dtype == torch.float64 else torch.float32
     tiny = torch.finfo(dtype).tiny
     log_floor = math.log(tiny)
     s_lp, t_lp = student_logp.to(dtype), teacher_logp.detach().to(dtype)
     p_s, p_t = s_lp.exp(), t_lp.exp()
     log_s, log_t = s_lp.clamp(min=log_floor), t_lp.clamp(min=log_floor)
-    if kind == "forward_kl":
-        return p_t * (log_t - log_s)
-    if kind == "reverse_kl":
-        return p_s * (log_s - log_t)
-    p_m = beta * p_t + (1.0 - beta) * p_s
-    log_m = p_m.clamp(min=tiny).log()
-    return beta * p_t * (log_t - log_m) + (1.0 - beta) * p_s * (log_s - log_m)
+    return terms(p_s, log_s, p_t, log_t, beta)
 
 
 def renormalize_support(

@@ -27,7 +27,6 @@ from opd_sao.gguf_header import gguf_has_chat_template, is_gguf_path
 from opd_sao.registry import Registry, load_plugins
 
 Granularity = Literal["sampled", "top_k", "top_p", "full"]
-Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
 Dtype = Literal["float32", "bfloat16"]
 TrainerDtype = Literal["float32", "bfloat16", "float64"]
 
@@ -48,6 +47,7 @@ def _registered(registry: str, what: str) -> AfterValidator:
 
 
 Algo = Annotated[str, _registered("PRESETS", "algo")]
+Divergence = Annotated[str, _registered("DIVERGENCES", "divergence")]
 
 
 class ConfigError(UsageError):
@@ -167,6 +167,13 @@ class EngineConfig(Strict):
         "tensor: the tensors inside HTTP requests in SGLang's pickled format (/update_weights_from_tensor, "
         "buckets of weight_sync_bucket_mb); distributed: broadcasts from this process over a weight update "
         "group (/init_weights_update_group, /update_weights_from_distributed; NCCL on CUDA, gloo on CPU)", "disk")
+    weight_sync_options: dict[str, Any] = describe(
+        "kind=http: the weight-sync mode's own settings, validated by the `Options` model its class declares "
+        "(a plugin mode's; the built-in modes take none) before any work", {})
+    routing: str = describe(
+        "kind=http: which live server each request goes to, a policy registered in opd_sao/engines/routing.py "
+        "(least_loaded: the fewest estimated tokens in flight; or one added with register_routing)",
+        "least_loaded")
     weight_sync_address: Optional[str] = describe(
         "weight_sync distributed: this process's address as the workers reach it (they join the group's "
         "store there, on a free port). Default: this machine's address on its route to the first worker "
@@ -438,6 +445,9 @@ class TeacherConfig(Strict):
     kind: str = describe("a Teacher implementation registered in teachers/ (TEACHER_KINDS): in_process (loaded in "
                          "this process), sglang (scored by the SGLang-API server at `url`), zero3 (partitioned over "
                          "the run's DeepSpeed ranks, ZeRO-3 inference)", "in_process")
+    options: dict[str, Any] = describe("the teacher kind's own settings, validated by the `Options` model its class "
+                                       "declares (teachers/base.py; the built-in kinds take none) before any work",
+                                       {})
     device: Optional[str] = describe_device("where this teacher scores (auto | cpu | cuda | cuda:N); default: the "
                                             "run's `device`")
     url: Optional[str] = describe("kind sglang: the address of the SGLang-API server (SGLang, or `opd-sao serve`) "
@@ -475,7 +485,9 @@ class OPDConfig(Strict):
     max_support: int = describe("top_p: at most this many token ids per position (the nucleus cap); the rest of the "
                                 "nucleus joins the tail bucket, so cache bytes and memory per token stay bounded "
                                 "whatever the teacher's entropy (metric: nucleus_cap_hit_rate)", 256, ge=1)
-    divergence: Divergence = describe("top_k/top_p/full: forward_kl, reverse_kl or jsd", "reverse_kl")
+    divergence: Divergence = describe("top_k/top_p/full: the divergence, by its name in opd_sao.algorithms."
+                                      "DIVERGENCES (forward_kl, reverse_kl, jsd, or one added with "
+                                      "register_divergence)", "reverse_kl")
     jsd_beta: float = describe("jsd: the mixture weight", 0.5, gt=0, lt=1)
     reward_weight: float = describe("mix the task reward (minus a running mean) into the loss", 0.0, ge=0)
     max_resident: int = describe("teachers held in memory at once (the rest on the disk tier)", 2, ge=1)

@@ -62,16 +62,19 @@ def check_before_work(cfg: RunConfig, *, resume: bool = False) -> None:
     multi-domain stage (OPD, SFT) resolves to an environment with train and eval tasks (stages.domains.Domain), that
     a stage with a critic trains its policy at all (steps > critic_warmup_steps), the model path, and an http
     engine's fleet (every URL answers, every router has workers). Teachers are checked once the base model exists
-    (`check_teachers`)."""
+    (`check_teachers`); their kinds and `options:` now."""
     from opd_sao.stages import STAGES
     from opd_sao.stages.domains import Domain
     from opd_sao.stages.envs import ENVIRONMENTS
+    from opd_sao.teachers import TEACHER_KINDS
 
     for stage in cfg.stages:
         kind = STAGES.get(stage.kind)
         if not resume:
             kind.check_sections(stage)
         kind.check(stage)
+    for teacher in (teacher for stage in cfg.stages for teacher in stage.opd.teachers):
+        TEACHER_KINDS.get(teacher.kind).parse_options(teacher)
     for stage_name, env, options in configured_environments(cfg):
         try:
             ENVIRONMENTS.get(env).check_options(options)

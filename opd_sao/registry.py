@@ -18,6 +18,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Generic, Iterable, TypeVar
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 from opd_sao.errors import UsageError
 
 T = TypeVar("T")
@@ -103,7 +105,8 @@ PLUGIN_GROUPS = {
     "opd_sao.reward": "rewards and judges (opd_sao.stages.envs.rewards.register_reward)",
     "opd_sao.teacher": "teacher kinds (teachers.register_teacher)",
     "opd_sao.weight_sync": "weight-sync modes (opd_sao.engines.weight_sync.WEIGHT_SYNCS.register)",
-    "opd_sao.algorithm": "advantage estimators, policy losses and algo presets (opd_sao.algorithms)",
+    "opd_sao.algorithm": "advantage estimators, policy losses, algo presets and OPD divergences (opd_sao.algorithms)",
+    "opd_sao.routing": "fleet routing policies (opd_sao.engines.routing.register_routing)",
 }
 _plugin_lock = threading.RLock()
 _loaded_plugins: dict[str, object] = {}  # entry point / resolved file / module name -> what it loaded
@@ -174,3 +177,20 @@ def check_keywords(factory: Callable, options: dict, *, also: tuple[str, ...] = 
     missing = [p.name for p in params if p.default is p.empty and p.name not in options]
     if missing:
         raise UsageError(f"missing option{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}")
+
+
+class NoOptions(BaseModel):
+    """The `Options` of a component with no settings of its own: its `options:` must be empty."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def parse_options(model: type[BaseModel], options: dict | None, where: str) -> BaseModel:
+    """A config's `options:` mapping validated by the `Options` model a component declares (a teacher kind, a
+    weight-sync mode), before any work; a mistake is one UsageError line naming the key (`where.KEY: why`)."""
+    try:
+        return model.model_validate(options or {})
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(part) for part in first["loc"])
+        raise UsageError(f"{where}.{key}: {first['msg']}" if key else f"{where}: {first['msg']}") from None

@@ -9,14 +9,16 @@ dropped when evicted; a served one (`served.py`) only connects to its server, wh
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, ClassVar, Optional
+
+from pydantic import BaseModel
 
 from opd_sao.cache import CacheMeta, TeacherRecord
 from opd_sao.checkpoints import checkpoint_hash
 from opd_sao.errors import UsageError
-from opd_sao.registry import Registry
+from opd_sao.registry import NoOptions, Registry, parse_options
 from opd_sao.trajectory import Trajectory
 
 TEACHER_KINDS: Registry[type["Teacher"]] = Registry("teacher kind")
@@ -43,6 +45,7 @@ class TeacherSpec:
     device: Optional[str] = None  # where it scores (auto | cpu | cuda | cuda:N; None: auto); not part of the cache key
     url: Optional[str] = None  # a served teacher's server (kind sglang); not part of the cache key
     model_vocab_size: Optional[int] = None  # the teacher's lm-head rows (padding included); None: vocab_size
+    options: dict[str, Any] = field(default_factory=dict)  # the config's `options:`, the kind's `Options`
 
     @property
     def cache_meta(self) -> CacheMeta:
@@ -61,6 +64,15 @@ class Teacher(ABC):
     """One teacher model. `load` puts it in host memory from a local directory, `unload` frees it."""
 
     copies_checkpoint = True  # the prefetcher copies `spec.checkpoint` to the disk tier before `load`
+    Options: ClassVar[type[BaseModel]] = NoOptions  # the kind's own settings (a teacher's `options:`), validated
+    # before any work (`parse_options`) and read as `self.options`. An option that changes the scores belongs in
+    # `identity` too, so the logit cache does not serve records scored under another value
+
+    @classmethod
+    def parse_options(cls, teacher) -> BaseModel:
+        """The config entry's (`TeacherConfig`) `options:` validated by this kind's `Options` (UsageError naming a
+        bad key)."""
+        return parse_options(cls.Options, teacher.options, f"teacher {teacher.name!r} (kind {teacher.kind}): options")
 
     @classmethod
     def identity(cls, teacher, checkpoint: Path, granularity: str) -> str:
@@ -72,6 +84,7 @@ class Teacher(ABC):
     def __init__(self, spec: TeacherSpec, *, score_batch_size: int = 32, vocab_chunk: int = 8192):
         self.spec = spec
         self.score_batch_size, self.vocab_chunk = score_batch_size, vocab_chunk
+        self.options = self.Options.model_validate(spec.options)  # checked with its config before any work
 
     @property
     def name(self) -> str:

@@ -144,8 +144,7 @@ class TeacherSet:
         student_print = check_student(student_checkpoint, student_tokenizer)
         specs, chosen = [], {}
         for teacher in opd.teachers:
-            if teacher.kind not in TEACHER_KINDS:
-                TEACHER_KINDS.get(teacher.kind)  # raises with the registered kinds
+            TEACHER_KINDS.get(teacher.kind).parse_options(teacher)  # an unknown kind or a bad option: one line
             unused = sorted(set(teacher.domains) - set(domains))
             if unused:
                 raise UsageError(f"teacher {teacher.name!r} teaches {unused}, which are not among the stage's "
@@ -165,7 +164,7 @@ class TeacherSet:
                 p=opd.top_p if granularity == "top_p" else None, checkpoint_hash=identity,
                 vocab_size=len(student_tokenizer), model_vocab_size=vocab, tokenizer_hash=student_print,
                 max_support=opd.max_support if granularity == "top_p" else None, device=teacher.device or device,
-                url=teacher.url))
+                url=teacher.url, options=teacher.options))
         return cls(specs, score_batch_size=opd.score_batch_size, vocab_chunk=opd.vocab_chunk, chosen=chosen)
 
     def teacher_for(self, domain: str) -> TeacherSpec:
@@ -191,6 +190,6 @@ def describe(registry: TeacherSet, order: Optional[list[str]] = None) -> dict:
     return {name: {"checkpoint": str(spec.checkpoint), "domains": list(spec.domains), "granularity": spec.granularity,
                    "k": spec.k, "p": spec.p, "max_support": spec.max_support, "device": spec.device,
                    "checkpoint_hash": spec.checkpoint_hash, "kind": spec.kind,
-                   **({"url": spec.url} if spec.url else {}),
+                   **({"url": spec.url} if spec.url else {}), **({"options": spec.options} if spec.options else {}),
                    **({"best": registry.chosen[name]} if name in registry.chosen else {})}
             for name, spec in registry.specs.items() if order is None or name in order}

@@ -187,6 +187,48 @@ def test_numbers_that_cannot_run_are_refused_before_any_work(tmp_path, capsys, o
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("env, options, needle", [
+    ("reasoning_gym", {"task": "basic_arithmetic", "task_options": {"max_digits": 1_000_000}},
+     "generating its items failed: ValueError: Exceeds the limit (4300 digits)"),
+    ("reasoning_gym", {"task": "basic_arithmetic", "task_options": {"max_digits": float("inf")}},
+     "generating its items failed: OverflowError: cannot convert float infinity to integer"),
+    ("reasoning_gym", {"task": "chain_sum", "train_size": 10**9}, "train_size: Input should be less than or equal "
+                                                                  "to 100000"),
+    ("dataset", {"metadata_keys": ["prompt"]}, "metadata_keys: 'prompt' is prompt_template's name"),
+    ("dataset", {"metadata_keys": ["a", "a"]}, "metadata_keys: 'a' is listed twice"),
+    ("dataset", {"prompt_key": ""}, "prompt_key: a field name is needed, not an empty string"),
+    ("dataset", {"eval_fraction": 0.5, "split": True}, "eval_fraction: it splits `path`'s rows"),
+], ids=["rg-digits-huge", "rg-digits-inf", "rg-size-huge", "ds-metadata-prompt", "ds-metadata-twice", "ds-key-empty",
+        "ds-fraction-unused"])
+def test_environment_option_values_are_refused_before_any_work(tmp_path, capsys, env, options, needle):
+    """Before: each was accepted by the options check and failed at stage start with a traceback (reasoning-gym
+    generating its items, `str.format` given `prompt` twice) or not at all (a billion items generated in memory,
+    an empty key numbering every row, an eval_fraction that separate train and eval files ignore)."""
+    if env == "dataset":
+        rows = tmp_path / "rows.jsonl"
+        rows.write_text("".join(f'{{"id": "q{i}", "prompt": "{i}+{i}=", "answer": "{2 * i}", "a": 1}}\n'
+                                for i in range(20)))
+        files = {"train_path": str(rows), "eval_path": str(rows)} if options.pop("split", False) else {"path": str(rows)}
+        options = {**files, **options}
+    line = _refused(capsys, "run", _config(tmp_path, env=env, env_options=options), "--run-dir", str(tmp_path / "run"))
+    assert line.startswith(f"opd-sao run: error: stage 'r': env_options of {env!r}: ") and needle in line, line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("engine.weight_sync_options={bucket_mb: 64}",
+     "engine.weight_sync 'disk': weight_sync_options.bucket_mb: Extra inputs are not permitted"),
+    ("engine.routing=round_robin", "engine.routing 'round_robin': use one of least_loaded"),
+], ids=["weight-sync-option", "routing"])
+def test_an_unknown_weight_sync_option_or_routing_policy_is_refused_before_any_work(tmp_path, capsys, override,
+                                                                                     needle):
+    """A registry's name or a component's `Options` key, refused in one line naming it (the built-in modes take no
+    options: the key is a typo of engine.weight_sync_bucket_mb); the embedded engine's config is checked too."""
+    line = _refused(capsys, "run", _config(tmp_path), override, "--run-dir", str(tmp_path / "run"))
+    assert needle in line
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--port", "0"], ["--port", "1", "--threads", "-1"]],
                          ids=["port-above", "port-zero", "threads-negative"])
 def test_serve_refuses_ports_and_thread_counts_out_of_range(tmp_path, capsys, argv):

@@ -1,11 +1,11 @@
-"""The README's extension recipes run exactly as printed: each recipe's two fenced blocks (the one Python file and
-its config, after a `<!-- recipe: NAME -->` marker) are written to a fresh directory as they stand in README.md
-and run through the real CLI (`python -m opd_sao.cli run`, a subprocess) on the tiny model; each test then checks
+"""The extension recipes run exactly as printed: each recipe's two fenced blocks (the one Python file and its
+config, after a `<!-- recipe: NAME -->` marker) are written to a fresh directory as they stand in README.md (or
+docs/extending.md, which has three more) and run through the real CLI (`python -m opd_sao.cli run`, a subprocess) on the tiny model; each test then checks
 from the run's own records that the extension did its job, not only that the run finished.
 
 The commands run from a directory holding only the two files and a link to the repository's examples/ (what a
 reader at the repository root has). The weight-sync recipe's placeholders (CHECKPOINT, port 30001) are filled in
-on the command line: a tiny checkpoint and a free port."""
+on the command line: a tiny checkpoint and a free port (two for the routing recipe)."""
 from __future__ import annotations
 
 import json
@@ -23,20 +23,25 @@ from launchers import free_port, wait_until_healthy
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = re.compile(r"<!-- recipe: (\w+) -->\n```python\n(.*?)```\n\n```yaml\n(.*?)```", re.S)
 FILE_NAME = re.compile(r"\A# ([\w.]+\.(?:py|yaml))\b")
-KINDS = ["reward", "stage", "teacher", "weight_sync", "algorithm"]
+KINDS = ["reward", "stage", "teacher", "weight_sync", "algorithm"]  # README.md's
+MORE = ["divergence", "teacher_option", "routing"]  # docs/extending.md's
+PAGES = ("README.md", "docs/extending.md")
 
 
 def _recipes() -> dict[str, dict]:
-    """name -> {py: (file name, text), yaml: (file name, text)}, as printed in README.md."""
+    """name -> {page, py: (file name, text), yaml: (file name, text)}, as printed in README.md and extending.md."""
     found = {}
-    for name, code, config in RECIPE.findall((ROOT / "README.md").read_text(encoding="utf-8")):
-        found[name] = {kind: (FILE_NAME.match(text).group(1), text) for kind, text in (("py", code), ("yaml", config))}
+    for page in PAGES:
+        for name, code, config in RECIPE.findall((ROOT / page).read_text(encoding="utf-8")):
+            assert name not in found, name
+            found[name] = {kind: (FILE_NAME.match(text).group(1), text) for kind, text in (("py", code), ("yaml", config))}
+            found[name]["page"] = page
     return found
 
 
 def _write(recipe: dict, where: Path) -> str:
     """The recipe's two files in `where`, examples/ linked beside them; returns the config's file name."""
-    for file_name, text in recipe.values():
+    for file_name, text in (recipe["py"], recipe["yaml"]):
         (where / file_name).write_text(text)
     (where / "examples").symlink_to(ROOT / "examples")
     return recipe["yaml"][0]
@@ -56,9 +61,10 @@ def _recipe_run(name: str, tmp_path: Path, *overrides: str) -> tuple[dict, Path]
     return summary, tmp_path / "run"
 
 
-def test_the_readme_has_the_five_recipes_each_one_file_plus_its_config():
+def test_the_readme_has_the_five_recipes_and_extending_three_more_each_one_file_plus_its_config():
     recipes = _recipes()
-    assert sorted(recipes) == sorted(KINDS)
+    assert {name: recipe["page"] for name, recipe in recipes.items()} == {
+        **{name: "README.md" for name in KINDS}, **{name: "docs/extending.md" for name in MORE}}
     for name, recipe in recipes.items():
         py_name, code = recipe["py"]
         config = yaml.safe_load(recipe["yaml"][1])
@@ -72,6 +78,9 @@ def test_the_readme_has_the_five_recipes_each_one_file_plus_its_config():
     ("stage", "unknown stage kind 'sft_teacher'"),
     ("weight_sync", "engine.weight_sync 'safetensors_body': use one of"),
     ("algorithm", "unknown algo 'reinforce'"),
+    ("divergence", "unknown divergence 'symmetric_kl'"),
+    ("teacher_option", "unknown teacher kind 'in_process_cast'"),
+    ("routing", "engine.routing 'primary': use one of least_loaded"),
 ])
 def test_without_its_plugin_a_recipes_config_is_refused(name, refusal, tmp_path, monkeypatch):
     """The recipes' runs below are not vacuous: the names they use exist only through their plugins. Checked in
@@ -141,3 +150,50 @@ def test_the_algorithm_recipe(tmp_path):
         p, n = s["adv_mean"], s["action_tokens"]
         assert 0 <= p <= 1 and (p > 0) == (s["reward_mean"] > 0)
         assert abs(s["adv_std"] - math.sqrt(p * (1 - p) * n / (n - 1))) < 1e-5, s
+
+
+def test_the_divergence_recipe(tmp_path):
+    """The trained divergence is the plugin's: the reported `kl` is the reverse KL alone, so the symmetric one
+    (forward plus reverse) is above it at every step (with the default reverse_kl the two are equal)."""
+    summary, run = _recipe_run("divergence", tmp_path)
+    assert summary["stages"][1]["divergence"] == "symmetric_kl"
+    steps = [json.loads(line) for line in (run / "stages" / "distil" / "metrics.jsonl").open()]
+    assert len(steps) == 3 and all(s["divergence"] > s["kl"] > 0 for s in steps), steps
+
+
+def test_the_teacher_option_recipe(tmp_path):
+    summary, run = _recipe_run("teacher_option", tmp_path)
+    teacher = summary["stages"][1]["teachers"]["reverse"]
+    assert teacher["kind"] == "in_process_cast" and teacher["options"] == {"dtype": "bfloat16"}
+    assert teacher["checkpoint_hash"].endswith("-bfloat16")  # the option reached the kind's cache identity
+    steps = [json.loads(line) for line in (run / "stages" / "distil" / "metrics.jsonl").open()]
+    assert len(steps) == 3 and all(s["kl_teacher/reverse"] > 0 for s in steps)
+
+
+def test_a_misspelled_teacher_option_is_refused_in_one_line_before_any_work(tmp_path):
+    recipe = _recipes()["teacher_option"]
+    config = _write(recipe, tmp_path)
+    (tmp_path / config).write_text(recipe["yaml"][1].replace("{dtype: bfloat16}", "{dtpye: bfloat16}"))
+    out = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", config, "--run-dir", "run"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "teacher 'reverse' (kind in_process_cast): options.dtpye: Extra inputs are not permitted" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
+
+
+def test_the_routing_recipe(tmp_path, tiny_model_dir, start_server):
+    """Two servers; the plugin's policy sends every request (rollouts, gate probes, evaluation) to the first.
+    least_loaded would send the second request of a batch to the idle second server."""
+    config = _write(_recipes()["routing"], tmp_path)
+    servers = [start_server(tiny_model_dir) for _ in range(2)]
+    for url, proc in servers:
+        wait_until_healthy(url, lambda proc=proc: proc.poll() is None, timeout_s=180)
+    urls = [url for url, _ in servers]
+    summary = _run(tmp_path, config, f"model.path={tiny_model_dir}", f"engine.urls=[{','.join(urls)}]")
+    assert summary["stages"][0]["gate"]["passed"]
+    generated = [requests.get(url + "/server_info", timeout=10).json()["tokens_generated"] for url in urls]
+    assert generated[0] > 0 and generated[1] == 0, generated
+    info = requests.get(urls[1] + "/get_model_info", timeout=10).json()
+    assert info["weight_version"] == "3"  # the standby got every sync all the same
+    for _, proc in servers:
+        proc.kill()

@@ -13,11 +13,16 @@ def _client_options(cfg) -> dict:
 def check_engine(cfg, nucleus: bool = False, model_path: str = "tiny") -> None:
     """Before any work: the embedded engine can batch `model_path`'s layers (its config only); an http fleet
     answers, every router in it has workers (no weights move), and with `nucleus` (a stage samples with top_p < 1)
-    the servers return the renormalised sampling logprobs."""
-    from .weight_sync import WEIGHT_SYNCS  # checked here, not in the config schema: the config sits below the engines
+    the servers return the renormalised sampling logprobs. The weight-sync mode (and its options) and the routing
+    policy are checked here, not in the config schema: the config sits below the engines."""
+    from .routing import ROUTINGS
+    from .weight_sync import WEIGHT_SYNCS
 
     if cfg.weight_sync not in WEIGHT_SYNCS:
         raise UsageError(f"engine.weight_sync {cfg.weight_sync!r}: use one of {', '.join(WEIGHT_SYNCS.names())}")
+    WEIGHT_SYNCS.get(cfg.weight_sync).parse_options(cfg.weight_sync_options)
+    if cfg.routing not in ROUTINGS:
+        raise UsageError(f"engine.routing {cfg.routing!r}: use one of {', '.join(ROUTINGS.names())}")
     if cfg.kind == "embedded" and model_path != "tiny":
         from opd_sao.model_import import model_config
 
@@ -59,7 +64,8 @@ def build_engine(cfg, checkpoint, tokenizer, seed: int, device=None, attn_implem
         sync = SyncSettings(address=cfg.weight_sync_address, bucket_bytes=int(cfg.weight_sync_bucket_mb * (1 << 20)),
                             group_timeout_s=cfg.weight_sync_timeout_s,
                             broadcast_timeout_s=cfg.weight_sync_broadcast_timeout_s,
-                            drain_timeout_s=cfg.weight_sync_drain_timeout_s)
+                            drain_timeout_s=cfg.weight_sync_drain_timeout_s, options=cfg.weight_sync_options)
         return Fleet(cfg.urls, checkpoint=checkpoint, weights_dir=cfg.weights_dir, max_inflight=cfg.max_batch,
-                     workers=cfg.workers, weight_sync=cfg.weight_sync, sync=sync, **_client_options(cfg))
+                     workers=cfg.workers, weight_sync=cfg.weight_sync, sync=sync, routing=cfg.routing,
+                     **_client_options(cfg))
     raise NotImplementedError(f"engine kind {cfg.kind!r} is not available yet")

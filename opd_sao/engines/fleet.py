@@ -1,8 +1,8 @@
 """A fleet of SGLang-API rollout workers as one RolloutEngine: routing, failover, discovery, rejoin.
 
-Generation: each request goes to a live server picked by the routing policy (`ROUTING`; by default the one
-with the fewest estimated tokens in flight, `est_tokens` else `max_new_tokens`, so long and short
-trajectories spread evenly instead of piling up round-robin). Policy versions travel as SGLang's
+Generation: each request goes to a live server picked by the routing policy (`engine.routing`, `routing.py`;
+by default least_loaded: the one with the fewest estimated tokens in flight, `est_tokens` else
+`max_new_tokens`, so long and short trajectories spread evenly instead of piling up round-robin). Policy versions travel as SGLang's
 `weight_version` string: every result's tokens carry the version its server reported, so the staleness
 bound holds per worker. Weights: the mode `engine.weight_sync` names (`weight_sync/`) loads them on every
 live worker, and each confirms the new `weight_version` (`/model_info`). A bucketed sync (tensor,
@@ -34,7 +34,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -43,19 +43,12 @@ from opd_sao.errors import UsageError
 from .base import GenerationRequest, ResultCallback, RolloutEngine
 from .http import Aborted, PromptLogprobs, ServerDown, ServerError, SGLangClient
 from .retry import ROUTER_TRANSIENT_STATUS
+from .routing import ROUTINGS
 from .weight_sync import WEIGHT_SYNCS, SyncSettings
 
 log = logging.getLogger(__name__)
 
 MAX_SENDS = 5  # a request that fails this many sends (timeouts, aborts, dying servers) fails the run
-
-
-def least_loaded(servers: list["_Server"], order: list["_Server"]) -> "_Server":
-    """The server with the fewest estimated tokens in flight (then fewest requests, then fleet order)."""
-    return min(servers, key=lambda s: (s.load, s.inflight, order.index(s)))
-
-
-ROUTING: dict[str, Callable[[list, list], object]] = {"least_loaded": least_loaded}
 
 
 def discover_fleet(urls: Iterable[str], workers: Iterable[str] = (), timeout: float = 600.0, **client_options):
@@ -130,10 +123,8 @@ class Fleet(RolloutEngine):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise UsageError("the fleet needs at least one rollout server URL (engine.urls)")
-        if routing not in ROUTING:
-            raise UsageError(f"routing {routing!r}: use one of {sorted(ROUTING)}")
         mode_cls = WEIGHT_SYNCS.get(weight_sync)
-        self.down_timeout, self.probe_s, self._route = down_timeout, probe_s, ROUTING[routing]
+        self.down_timeout, self.probe_s, self._route = down_timeout, probe_s, ROUTINGS.get(routing)
         self._servers = []
         workers = list(workers)
         self._ask_routers = not workers  # the workers behind routers are asked again before each sync
@@ -161,12 +152,8 @@ class Fleet(RolloutEngine):
         settings = sync or SyncSettings()
         settings.template, settings.weights_dir = self.template, self.weights_dir
         self._mode = mode_cls(settings)
-        if checkpoint is not None and weight_sync == "disk":
+        if checkpoint is not None:
             self.load_weights(checkpoint, 0)
-        elif checkpoint is not None:  # the start weights travel like every sync: no shared filesystem needed
-            from opd_sao.checkpoints import load_causal_lm
-
-            self.update_weights(load_causal_lm(checkpoint).state_dict(), 0)
 
     @property
     def version(self) -> int:
@@ -370,13 +357,12 @@ class Fleet(RolloutEngine):
             self._version = version
 
     def load_weights(self, path: str | Path, version: int) -> None:
-        """Every live worker loads the HF checkpoint at `path` (a directory it can read) as `version`."""
-        from .weight_sync.disk import DiskSync
-
+        """Every live worker gets the HF checkpoint at `path` as `version`, as the weight-sync mode sends a checkpoint
+        (`WeightSyncMode.push_checkpoint`)."""
         with self._weights_lock:
             self._reread_routers()
-            self._sync(lambda workers: self._push(lambda clients, each: DiskSync.load(path, version, clients, each),
-                                                  version, workers))
+            self._sync(lambda workers: self._push(lambda clients, each: self._mode.push_checkpoint(
+                path, version, clients, each), version, workers, self._mode.pauses))
             self._version = version
 
     def _reread_routers(self) -> None:

@@ -53,6 +53,7 @@ from opd_sao.config import AlgoConfig, OPDConfig
 from opd_sao.rl.learner import ResumableLearner
 from opd_sao.trajectory import Batch
 
+REPORTED_DIVERGENCE = "reverse_kl"  # the `kl` metrics, whatever opd.divergence trains: one scale across runs
 DISTILL_TEMPERATURE = 1.0  # student and teacher are matched at this temperature (teacher records are scored at it)
 
 # ----------------------------------------------------------------------------
@@ -250,6 +251,8 @@ class OPDLearner(ResumableLearner):
         super().__init__(sao.baseline_window, timer)
         self.backend, self.opd, self.sao, self.targets = backend, opd, sao, targets
         self.overlap_k = overlap_k or opd.top_k
+        # the trained divergence is the reported one: its values are the `kl` metrics, no second pass
+        self._trains_reported = A.DIVERGENCES.get(opd.divergence) is A.DIVERGENCES.get(REPORTED_DIVERGENCE)
 
     def state(self) -> dict:
         """Resumable state; the records trained on so far are committed to the cache first, so a resume finds
@@ -306,7 +309,6 @@ class OPDLearner(ResumableLearner):
     def _divergence(self, rows: Rows, stats: RowStats, metrics: dict) -> torch.Tensor:
         """The divergence between student and teacher per granularity: on the stored support plus the tail bucket
         (top_k, top_p), or over the whole vocabulary, streamed (full)."""
-        opd = self.opd
         dev = rows.device
         total = torch.zeros((), device=dev)
         div_sum, div_rows = 0.0, 0
@@ -325,7 +327,7 @@ class OPDLearner(ResumableLearner):
                 div, rkl, overlap, mass, size = self._support_divergence(sub, recs, vocab, gran, metrics)
             total = total + div.sum() / rows.n
             div_sum, div_rows = div_sum + float(div.detach().sum()), div_rows + len(div)
-            stats.kl[sel] = (div.detach() if opd.divergence == "reverse_kl" else rkl).float()
+            stats.kl[sel] = (div.detach() if rkl is None else rkl).float()
             stats.mass[sel] = mass.float()
             stats.overlap[sel] = overlap
             metrics[f"support_size_{gran}"] = size
@@ -345,8 +347,8 @@ class OPDLearner(ResumableLearner):
             metrics["nucleus_cap_hit_rate"] = float(cut.float().mean())
         div = A.truncated_divergence(s_logp, t_logp, support, s_tail, kind=opd.divergence, beta=opd.jsd_beta)
         with torch.no_grad():
-            rkl = None if opd.divergence == "reverse_kl" else A.truncated_divergence(
-                s_logp.detach(), t_logp, support, s_tail.detach(), kind="reverse_kl")
+            rkl = None if self._trains_reported else A.truncated_divergence(
+                s_logp.detach(), t_logp, support, s_tail.detach(), kind=REPORTED_DIVERGENCE)
             overlap = A.topk_overlap(top_ids, t_logp, ids, support, self.overlap_k)
         return div, rkl, overlap, 1.0 - tail, float(support.sum(1).float().mean())
 
@@ -356,11 +358,11 @@ class OPDLearner(ResumableLearner):
         opd, dev = self.opd, self.backend.device
         teacher = FullTeacher([r.logp_codes for r in records], dev)
         terms = partial(A.pointwise_divergence, kind=opd.divergence, beta=opd.jsd_beta)
-        report = None if opd.divergence == "reverse_kl" else partial(A.pointwise_divergence, kind="reverse_kl")
+        report = None if self._trains_reported else partial(A.pointwise_divergence, kind=REPORTED_DIVERGENCE)
         div, rkl, top_ids = self.backend.policy_full_divergence(sub, teacher, terms, report=report,
                                                                 vocab_chunk=opd.vocab_chunk, top_k=self.overlap_k,
                                                                 vocab_size=vocab)
-        return div, rkl, teacher.overlap(top_ids)
+        return div, None if report is None else rkl, teacher.overlap(top_ids)
 
     def _report(self, metrics: dict, fetched, rows: Rows, stats: RowStats) -> None:
         trajs = rows.batch.trajectories

@@ -8,13 +8,14 @@ itself with `@WEIGHT_SYNCS.register(name)` and `engine.weight_sync: name` picks 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar, Optional, Protocol
+from typing import Any, Callable, ClassVar, Optional, Protocol
 
 import torch
+from pydantic import BaseModel
 
-from opd_sao.registry import Registry
+from opd_sao.registry import NoOptions, Registry, parse_options
 
 from ..http import SGLangClient
 
@@ -43,6 +44,7 @@ class SyncSettings:
     group_timeout_s: float = GROUP_TIMEOUT_S  # distributed: forming the group
     broadcast_timeout_s: float = BROADCAST_TIMEOUT_S  # distributed: each bucket's broadcast
     drain_timeout_s: float = DRAIN_TIMEOUT_S  # every mode that pauses: /pause_generation's answer
+    options: dict[str, Any] = field(default_factory=dict)  # engine.weight_sync_options: the mode's `Options`
 
 
 class WeightTarget(Protocol):
@@ -77,14 +79,32 @@ class WeightSyncMode(ABC):
     pauses: ClassVar[bool] = True  # the fleet pauses generation around a push (`/pause_generation` mode abort ...
     # `/continue_generation`): SGLang takes its update lock per call, so requests would run between two buckets
 
+    Options: ClassVar[type[BaseModel]] = NoOptions  # its own settings (engine.weight_sync_options), validated
+    # before any work (`parse_options`) and read as `self.options`; the server side gets the defaults
+
     def __init__(self, settings: Optional[SyncSettings] = None):
         self.settings = settings or SyncSettings()
+        self.options = self.parse_options(self.settings.options)
+
+    @classmethod
+    def parse_options(cls, options: Optional[dict]) -> BaseModel:
+        """`engine.weight_sync_options` validated by this mode's `Options` (UsageError naming a bad key)."""
+        return parse_options(cls.Options, options, f"engine.weight_sync {cls.name!r}: weight_sync_options")
 
     @abstractmethod
     def push(self, state_dict: dict[str, torch.Tensor], version: int, clients: list[SGLangClient],
              each: Each) -> list[SGLangClient]:
         """Client side: load `state_dict` as weight_version str(version) on `clients`; returns the clients
         that did (the fleet then checks each one's reported weight_version)."""
+
+    def push_checkpoint(self, checkpoint: str | Path, version: int, clients: list[SGLangClient],
+                        each: Each) -> list[SGLangClient]:
+        """Client side: the HF checkpoint directory `checkpoint` as version `version` (the start weights). Default:
+        its tensors, pushed as every sync (no filesystem shared with the workers); a mode whose workers read
+        checkpoints themselves sends the path instead."""
+        from opd_sao.checkpoints import load_causal_lm
+
+        return self.push(load_causal_lm(checkpoint).state_dict(), version, clients, each)
 
     def close(self, clients: list[SGLangClient]) -> None:
         """Client side: release what the mode holds on the live `clients` (e.g. a process group)."""

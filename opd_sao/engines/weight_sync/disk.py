@@ -40,15 +40,14 @@ class DiskSync(WeightSyncMode):
         if self.settings.template is None:
             raise ValueError("this engine was built without its checkpoint, which disk weight syncs need as a template")
         path = publish_checkpoint(state_dict, self.settings.template, self.settings.weights_dir / f"v{version}")
-        done = self.load(path, version, clients, each)
+        done = self.push_checkpoint(path, version, clients, each)
         for old in self.settings.weights_dir.glob("v*"):
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
         return done
 
-    @staticmethod
-    def load(path, version, clients, each):
-        """Every client loads the checkpoint at `path` (as the workers see it) as `version`."""
+    def push_checkpoint(self, path, version, clients, each):
+        """Every client loads the checkpoint at `path` (a directory the workers read) as `version`."""
         payload = {"model_path": str(Path(path).resolve()), "weight_version": str(version)}
         return each(lambda c: c.weight_call("/update_weights_from_disk", payload), clients)
 
