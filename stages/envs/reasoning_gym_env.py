@@ -35,6 +35,7 @@ from .base import ExactAnswerEnv, register_env
 from .dataset.rewards import last_boxed
 
 DEFAULT_TEMPLATE = "{question}\nGive only the final answer, as <answer>...</answer>."
+MAX_ITEMS = 100_000  # per split: items are generated and held in memory at the first check; a stage draws no more
 TAGGED = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
@@ -44,9 +45,11 @@ class ReasoningGymOptions(Strict):
     task: Optional[str] = Field(None, description="the reasoning-gym generator: basic_arithmetic, chain_sum, "
                                                   "leg_counting, ... (reasoning_gym.factory.DATASETS)")
     task_options: dict[str, Any] = Field({}, description="the generator's config fields (all but seed and size)")
-    train_size: int = Field(1000, ge=1, description="items in the train split (seeds data_seed + 0 .. train_size - 1)")
-    eval_size: int = Field(200, ge=1, description="items generated for the eval split, on the seeds after train's; "
-                                                  "those whose question is in train are dropped")
+    train_size: int = Field(1000, ge=1, le=MAX_ITEMS,
+                            description="items in the train split (seeds data_seed + 0 .. train_size - 1)")
+    eval_size: int = Field(200, ge=1, le=MAX_ITEMS, description="items generated for the eval split, on the seeds "
+                                                                "after train's; those whose question is in train are "
+                                                                "dropped")
     data_seed: int = Field(0, ge=0, description="the generator's base seed")
     prompt_template: str = Field(DEFAULT_TEMPLATE, description="how a question is shown: {question}, with the "
                                                                "instruction to mark the final answer")
@@ -106,8 +109,10 @@ class ReasoningGymEnv(ExactAnswerEnv):
 
     @classmethod
     def check_options(cls, options: dict) -> ReasoningGymOptions:
-        """The schema, the generator's name and its config (built and validated by reasoning-gym), without
-        generating anything. The bare default (no options: the pipeline's corpus of every class) has no tasks."""
+        """The schema, the generator's name, its config (built and validated by reasoning-gym) and both splits
+        generated (once per process: the stage reuses them), so a value the generator's checks let through but its
+        generation fails on (a 10**6-digit operand, an infinite bound) is one line before any work. The bare
+        default (no options: the pipeline's corpus of every class) has no tasks."""
         try:
             opts = ReasoningGymOptions(**options)
         except ValidationError as err:
@@ -132,6 +137,12 @@ class ReasoningGymEnv(ExactAnswerEnv):
                 config.validate()
         except (TypeError, ValueError, AssertionError) as err:
             raise UsageError(f"reasoning_gym env: task_options of {opts.task!r}: {err or type(err).__name__}") from None
+        try:
+            generated(opts.task, json.dumps(opts.task_options, sort_keys=True), opts.train_size, opts.eval_size,
+                      opts.data_seed)
+        except Exception as err:  # the generator's own code, failing on values its config accepted
+            raise UsageError(f"reasoning_gym env: task_options of {opts.task!r}: generating its items failed: "
+                             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
         return opts
 
     @property

@@ -79,6 +79,28 @@ class DatasetOptions(Strict):
                              f"{{prompt}} and metadata_keys {self.metadata_keys}")
         return self
 
+    @model_validator(mode="after")
+    def _keys_and_fraction_used(self) -> "DatasetOptions":
+        """Field names a row can have (not empty), metadata keys once each and not `prompt` (the template's own
+        name: formatting would get it twice, a TypeError on every row), and `eval_fraction` only where it splits
+        (with `path`; separate train and eval files would ignore it)."""
+        keys = {"prompt_key": self.prompt_key, "messages_key": self.messages_key, "answer_key": self.answer_key,
+                "tests_key": self.tests_key, "id_key": self.id_key}
+        empty = [name for name, key in keys.items() if key is not None and not key.strip()]
+        empty += [f"metadata_keys[{i}]" for i, key in enumerate(self.metadata_keys) if not key.strip()]
+        if empty:
+            raise UsageError(f"{empty[0]}: a field name is needed, not an empty string")
+        repeated = sorted({key for key in self.metadata_keys if self.metadata_keys.count(key) > 1})
+        if repeated:
+            raise UsageError(f"metadata_keys: {repeated[0]!r} is listed twice")
+        if "prompt" in self.metadata_keys:
+            raise UsageError("metadata_keys: 'prompt' is prompt_template's name for the prompt "
+                             "text; give the prompt's field as prompt_key")
+        if "eval_fraction" in self.model_fields_set and not self.path:
+            raise UsageError("eval_fraction: it splits `path`'s rows; with train_path and "
+                             "eval_path the eval split is eval_path's (leave eval_fraction out)")
+        return self
+
     def files(self) -> dict[str, str]:
         """split -> file; one file for both splits when `path` is given."""
         if self.path and not (self.train_path or self.eval_path):
