@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections import deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional
@@ -51,6 +52,59 @@ class GenerationResult:
 ResultCallback = Callable[[GenerationResult], None]
 
 
+class RequestFeed:
+    """Requests other threads hand an engine while it generates (continuous batching), on a Condition, not a poll.
+
+    The engine's `next()` gives a request put, else what `more()` makes (None: nothing now, it decodes what it
+    has), and ends once `close()`d (raising `close(error)`'s error). With nothing to decode the engine blocks in
+    `wait()` until a `put()`, `notify()` or `close()` came after its last `next()`: whoever changes what `more()`
+    reads calls `notify()`."""
+
+    def __init__(self, more: Callable[[], Optional[GenerationRequest]] = lambda: None):
+        self._more = more
+        self._queue: deque[GenerationRequest] = deque()
+        self._cond = threading.Condition()
+        self._changes = self._seen = 0
+        self._closed = False
+        self._error: Optional[BaseException] = None
+
+    def put(self, request: GenerationRequest) -> None:
+        with self._cond:
+            self._queue.append(request)
+            self._changed()
+
+    def notify(self) -> None:
+        with self._cond:
+            self._changed()
+
+    def close(self, error: Optional[BaseException] = None) -> None:
+        with self._cond:
+            self._closed, self._error = True, self._error or error
+            self._changed()
+
+    def _changed(self) -> None:
+        self._changes += 1
+        self._cond.notify_all()
+
+    def __iter__(self) -> "RequestFeed":
+        return self
+
+    def __next__(self) -> Optional[GenerationRequest]:
+        with self._cond:
+            self._seen = self._changes
+            if self._error is not None:
+                raise self._error
+            if self._closed:
+                raise StopIteration
+            if self._queue:
+                return self._queue.popleft()
+        return self._more()
+
+    def wait(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._changes != self._seen)
+
+
 class RolloutEngine(ABC):
     """Generates from prompts; weights arrive from the trainer tagged with a policy version."""
 
@@ -63,7 +117,7 @@ class RolloutEngine(ABC):
         """Run until `requests` is exhausted and every sequence has finished.
 
         Continuous batching: a request is pulled whenever a slot is free, and `on_result` is called the
-        moment a sequence finishes. The iterable may yield None to mean "nothing to add right now".
+        moment a sequence finishes. A RequestFeed may yield None, "nothing to add right now" (other iterables do not).
         """
 
     @abstractmethod

@@ -10,7 +10,6 @@ requests are strangers to each other); without it the error stops `generate` (an
 from __future__ import annotations
 
 import threading
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterable, Iterator, Optional
@@ -108,7 +107,7 @@ class EmbeddedEngine(RolloutEngine):
                     holding = False
                 if exhausted:
                     return
-                time.sleep(0.002)
+                pending.wait()  # a RequestFeed (only one yields None): until a request may be there
         finally:
             if holding:
                 self.turns.release()

@@ -96,6 +96,7 @@ class _Call:
     """One generate() call's bookkeeping (several calls may share the engine: rollouts and gate probes)."""
 
     on_result: ResultCallback
+    wake: Callable[[], None]  # the caller's RequestFeed.notify: generate() may be waiting on its feed
     retry: deque = field(default_factory=deque)
     outstanding: int = 0
     error: Optional[BaseException] = None
@@ -247,8 +248,8 @@ class Fleet(RolloutEngine):
     # --- generation ------------------------------------------------------------------------------------
 
     def generate(self, requests: Iterable[Optional[GenerationRequest]], on_result: ResultCallback) -> None:
-        call = _Call(on_result)
         pending = iter(requests)
+        call = _Call(on_result, wake=getattr(pending, "notify", lambda: None))
         exhausted = False
         while True:
             request = None
@@ -271,8 +272,8 @@ class Fleet(RolloutEngine):
                 except StopIteration:
                     exhausted = True
                     continue
-                if request is None:
-                    time.sleep(0.002)
+                if request is None:  # a RequestFeed: until a request is put or one of ours comes back (_finished)
+                    pending.wait()
                     continue
             self._dispatch(request, call)
 
@@ -321,7 +322,9 @@ class Fleet(RolloutEngine):
             if err is not None:
                 call.outstanding -= 1
                 self._cond.notify_all()
-                return
+        if err is not None:
+            call.wake()
+            return
         try:
             with call.callback_lock:  # the caller's callback never runs twice at once
                 call.on_result(result)
@@ -332,6 +335,7 @@ class Fleet(RolloutEngine):
             with self._cond:
                 call.outstanding -= 1
                 self._cond.notify_all()
+            call.wake()
 
     def _worker_lost(self, server: _Server, err: Optional[BaseException]) -> bool:
         """A router answered with a 5xx even after the client's retries (sglang-router's 500, its own retries

@@ -26,7 +26,6 @@ import datetime
 import ipaddress
 import json
 import logging
-import queue
 import re
 import secrets
 import signal
@@ -50,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from opd_sao.checkpoints import load_causal_lm, load_tokenizer
 from opd_sao.devices import resolve_device
-from opd_sao.engines.base import GenerationRequest, GenerationResult, SamplingParams
+from opd_sao.engines.base import GenerationRequest, GenerationResult, RequestFeed, SamplingParams
 from opd_sao.engines.embedded import EmbeddedEngine
 from opd_sao.engines.weight_sync import WEIGHT_SYNCS, SyncSettings, WeightSyncRefused
 from opd_sao.errors import UsageError
@@ -337,7 +336,7 @@ class RolloutServer:
         self.weight_version = weight_version
         roots = weights_roots or [Path(checkpoint).resolve().parent, tempfile.gettempdir()]
         self.weights_roots = [Path(root).resolve() for root in roots]
-        self._queue: "queue.SimpleQueue[GenerationRequest]" = queue.SimpleQueue()
+        self._feed = RequestFeed()  # never closed: the decode loop lives as long as the server
         self._cond = threading.Condition()
         self._inflight = 0
         self._tokens_inflight = 0  # prompt + max_new_tokens of the requests in flight (/get_load)
@@ -353,13 +352,6 @@ class RolloutServer:
         threading.Thread(target=self._decode_loop, daemon=True, name="decode").start()
 
     def _decode_loop(self) -> None:
-        def pull():
-            while True:
-                try:
-                    yield self._queue.get_nowait()
-                except queue.Empty:
-                    yield None
-
         def done(result: GenerationResult) -> None:
             waiter: _Waiter = result.request.tag
             waiter.result = result
@@ -370,7 +362,7 @@ class RolloutServer:
             request.tag.event.set()
 
         try:
-            self.engine.generate(pull(), done, on_error=failed)
+            self.engine.generate(self._feed, done, on_error=failed)
         except BaseException as err:  # a bug outside any one request: answered as HTTP 500, /health 503
             self._crash = err
 
@@ -758,7 +750,7 @@ class RolloutServer:
             if waiter.aborted:
                 raise _Abort()
             waiter.request = request
-        self._queue.put(request)
+        self._feed.put(request)
         while not waiter.event.wait(CLIENT_POLL_S):
             if self._crash is not None:
                 raise RuntimeError(f"the decode loop crashed: {self._crash!r}")

@@ -92,6 +92,7 @@ class RLLoop:
                 idle_total += idle
                 with self.engine.trainer_turn():  # engine.overlap false: the engine waits until the step is done
                     metrics = self._train_step(trajs)
+                    worker.feed.notify()  # a step done: the next batch's rollouts may be admitted
                     elapsed = time.perf_counter() - t_start
                     tokens = getattr(self.engine, "tokens_generated", 0) - tokens_start
                     metrics.update(
@@ -124,6 +125,7 @@ class RLLoop:
             if worker.error is not None:  # as it was raised: a user error (a bad reward) stays one line
                 raise worker.error
             trajs = self.buffer.take(self.batch_size, self.backend.policy_version, self.rollout.max_staleness, 0.5)
+            worker.feed.notify()  # stale trajectories it dropped give their places back (_admit)
             if trajs is not None:
                 return trajs
 

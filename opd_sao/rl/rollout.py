@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import math
 import os
-import queue
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 from opd_sao.checkpoints import PromptFormat
 from opd_sao.engines.base import (
     GenerationRequest,
     GenerationResult,
+    RequestFeed,
     RolloutEngine,
     SamplingParams,
 )
@@ -185,9 +185,9 @@ class EnvSteps:
     An episode has one request in flight at a time, so its steps never run concurrently.
     """
 
-    def __init__(self, on_finished: Callable[[Episode], None], on_continue: Callable[[GenerationRequest], None],
-                 workers: int = 8):
-        self.on_finished, self.on_continue = on_finished, on_continue
+    def __init__(self, on_finished: Callable[[Episode], None], feed: RequestFeed, workers: int = 8):
+        """An episode's next request goes to `feed`; an environment's error closes it (the engine raises it)."""
+        self.on_finished, self.feed = on_finished, feed
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env-step")
         self.error: Optional[BaseException] = None
 
@@ -203,9 +203,10 @@ class EnvSteps:
             if episode.on_result(result):
                 self.on_finished(episode)
             else:
-                self.on_continue(episode.request())
-        except BaseException as err:  # re-raised on the rollout thread by `check`
+                self.feed.put(episode.request())
+        except BaseException as err:  # raised on the rollout thread: by the engine's next request, or `check`
             self.error = self.error or err
+            self.feed.close(err)
 
     def check(self) -> None:
         if self.error is not None:
@@ -221,27 +222,23 @@ def run_episodes(engine: RolloutEngine, episodes: list[Episode]) -> list[Traject
     One trajectory per episode: its first segment, whose total reward is the episode's (all segments of a
     compacted episode are in `episode.segments`).
     """
-    pending: "queue.SimpleQueue[GenerationRequest]" = queue.SimpleQueue()
+    feed = RequestFeed()
     for ep in episodes:
-        pending.put(ep.request())
+        feed.put(ep.request())
     remaining = [len(episodes)]
     lock = threading.Lock()
 
     def finished(_episode: Episode) -> None:
         with lock:
             remaining[0] -= 1
+            if not remaining[0]:
+                feed.close()
 
-    steps = EnvSteps(finished, pending.put)
-
-    def requests():
-        while remaining[0] > 0 and steps.error is None:
-            try:
-                yield pending.get_nowait()
-            except queue.Empty:
-                yield None
-
+    steps = EnvSteps(finished, feed)
+    if not episodes:
+        feed.close()
     try:
-        engine.generate(requests(), steps)
+        engine.generate(feed, steps)
     finally:
         steps.close()
     steps.check()
@@ -259,28 +256,21 @@ class RolloutWorker(threading.Thread):
                  admit: Callable[[int], bool], on_trajectory: Callable[[Trajectory], None]):
         super().__init__(daemon=True, name="rollout-worker")
         self.engine, self.make_episodes, self.admit, self.on_trajectory = engine, make_episodes, admit, on_trajectory
-        self.stop_event = threading.Event()
         self.error: Optional[BaseException] = None
-        self._continuations: "queue.SimpleQueue[GenerationRequest]" = queue.SimpleQueue()
-        self._steps = EnvSteps(self._finished, self._continuations.put)
+        # episodes' next requests first, then a new episode's first when `admit` allows: whoever changes what it
+        # reads (a step done, a stale trajectory dropped) calls `feed.notify()`
+        self.feed = RequestFeed(self._next_request)
+        self._steps = EnvSteps(self._finished, self.feed)
         self._waiting: list[Episode] = []  # the next group, built but not yet admitted
         self._staged: list[Episode] = []  # admitted, first requests not yet handed to the engine
 
-    def _requests(self) -> Iterator[Optional[GenerationRequest]]:
-        while not self.stop_event.is_set():
-            self._steps.check()
-            try:
-                yield self._continuations.get_nowait()
-                continue
-            except queue.Empty:
-                pass
-            if not self._staged:
-                self._waiting = self._waiting or self.make_episodes()
-                if not self.admit(len(self._waiting)):
-                    yield None  # the engine decodes what it has, or waits a moment when it has nothing
-                    continue
-                self._staged, self._waiting = self._waiting, []
-            yield self._staged.pop().request()
+    def _next_request(self) -> Optional[GenerationRequest]:
+        if not self._staged:
+            self._waiting = self._waiting or self.make_episodes()
+            if not self.admit(len(self._waiting)):
+                return None  # the engine decodes what it has, or waits for feed.notify() when it has nothing
+            self._staged, self._waiting = self._waiting, []
+        return self._staged.pop().request()
 
     def _finished(self, episode: Episode) -> None:
         for traj in episode.segments:
@@ -288,12 +278,12 @@ class RolloutWorker(threading.Thread):
 
     def run(self) -> None:
         try:
-            self.engine.generate(self._requests(), self._steps)
+            self.engine.generate(self.feed, self._steps)
         except BaseException as err:  # surfaced to the trainer thread, never swallowed
             self.error = err
         finally:
             self._steps.close()
 
     def stop(self) -> None:
-        self.stop_event.set()
+        self.feed.close()
         self.join(timeout=60)
