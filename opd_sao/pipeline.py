@@ -28,7 +28,7 @@ from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, di
 from opd_sao.runs.evaluation import Score, evaluate_score
 from opd_sao.runs.report import forgetting, write_report
 
-from .config import BEST_CHECKPOINT, RunConfig
+from .config import RunConfig
 
 
 def default_run_dir(config_path: str | Path) -> Path:
@@ -47,11 +47,12 @@ def eval_domains(cfg: RunConfig) -> dict[str, object]:
 
 
 def configured_environments(cfg: RunConfig) -> list[tuple[str, str, dict]]:
-    """(stage name, environment name, env_options) of every environment the config gives options for: each stage's
-    `env`, and each domain of an OPD teacher with its own `env_options`."""
-    found = [(stage.name, stage.env, stage.env_options) for stage in cfg.stages if stage.env]
-    return found + [(stage.name, domain, teacher.env_options) for stage in cfg.stages for teacher in stage.opd.teachers
-                    if teacher.env_options is not None for domain in teacher.domains]
+    """(stage name, environment name, env_options) of every environment the config gives options for, as each
+    stage's kind names them (`Stage.environments`: its `env`; an OPD stage's teachers' own `env_options` too)."""
+    from opd_sao.stages import STAGES
+
+    return [(stage.name, env, options) for stage in cfg.stages
+            for env, options in STAGES.get(stage.kind).environments(stage)]
 
 
 def check_before_work(cfg: RunConfig, *, resume: bool = False) -> None:
@@ -62,7 +63,7 @@ def check_before_work(cfg: RunConfig, *, resume: bool = False) -> None:
     multi-domain stage (OPD, SFT) resolves to an environment with train and eval tasks (stages.domains.Domain), that
     a stage with a critic trains its policy at all (steps > critic_warmup_steps), the model path, and an http
     engine's fleet (every URL answers, every router has workers). Teachers are checked once the base model exists
-    (`check_teachers`); their kinds and `options:` now."""
+    (`Stage.check_base_model`); their kinds and `options:` now."""
     from opd_sao.stages import STAGES
     from opd_sao.stages.domains import Domain
     from opd_sao.stages.envs import ENVIRONMENTS
@@ -99,16 +100,6 @@ def check_before_work(cfg: RunConfig, *, resume: bool = False) -> None:
     check_engine(cfg.engine, nucleus=any(stage.rollout.top_p < 1 for stage in cfg.stages), model_path=cfg.model.path)
 
 
-def check_vocab(cfg: RunConfig, vocab: int | None) -> None:
-    """Settings bounded by the base model's vocabulary (every stage's model and teacher shares it), refused once the
-    base model exists, before the first stage, rather than when their stage starts: a top_k OPD stage's top_k."""
-    for stage in cfg.stages:
-        top_k = any((teacher.granularity or stage.opd.granularity) == "top_k" for teacher in stage.opd.teachers)
-        if top_k and vocab and stage.opd.top_k > vocab:
-            raise UsageError(f"stage {stage.name!r}: opd.top_k {stage.opd.top_k} is more than the base model's "
-                             f"vocabulary ({vocab} tokens)")
-
-
 def check_critic_warmup(cfg: RunConfig) -> None:
     """A stage that trains with a critic (a kind reading `algo`, an algorithm whose estimator reads values) and whose
     `steps` are all critic warm-up would end with its start policy unchanged: refused, not run."""
@@ -134,23 +125,6 @@ def stage_data_files(cfg: RunConfig) -> dict[str, list[str]]:
         if files:
             found[stage_name] = sorted({*found.get(stage_name, []), *files})
     return found
-
-
-def check_teachers(cfg: RunConfig, base: Path, tokenizer) -> None:
-    """Every OPD teacher given as a directory shares the base model's tokenizer (so every stage's: they all start
-    from it): checked once the base model exists, before the first stage, not when its OPD stage starts."""
-    from opd_sao.teachers.routing import check_student, check_teacher
-
-    external = [(stage, t) for stage in cfg.stages for t in stage.opd.teachers
-                if t.checkpoint != BEST_CHECKPOINT and t.checkpoint not in {s.name for s in cfg.stages}]
-    if not external:
-        return
-    fingerprint = check_student(base, tokenizer)
-    for stage, teacher in external:
-        try:
-            check_teacher(teacher.name, Path(teacher.checkpoint), base, tokenizer, fingerprint)
-        except ValueError as err:
-            raise UsageError(f"stage {stage.name!r}: {err}") from None
 
 
 def create_run_dir(run_dir: Path) -> set[str] | None:
@@ -282,8 +256,8 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
         torch.set_num_threads(cfg.torch_threads)
     base = ensure_base_model(cfg, run_dir)
     tokenizer = load_tokenizer(base)
-    check_vocab(cfg, json.loads((base / "config.json").read_text()).get("vocab_size"))
-    check_teachers(cfg, base, tokenizer)
+    for stage_cfg in cfg.stages:  # what a stage cannot do with this base model (an OPD top_k, a teacher's tokenizer)
+        STAGES.get(stage_cfg.kind).check_base_model(stage_cfg, cfg, base, tokenizer)
     wandb_run = start_wandb(cfg.logging.wandb_project, run_dir, cfg.model_dump(mode="json"), cfg.logging.wandb)
     ctx = RunContext(cfg=cfg, run_dir=run_dir, base_checkpoint=base, tokenizer=tokenizer, wandb_run=wandb_run,
                      resume=resume)

@@ -150,6 +150,17 @@ class Stage(ABC):
         cls.parse_options(cfg)
 
     @classmethod
+    def environments(cls, cfg: StageConfig) -> list[tuple[str, dict]]:
+        """(environment, env_options) of every environment this stage gives options for, each checked before any
+        work, its data files recorded and (a tiny base model) its corpus in the tokenizer: its `env`."""
+        return [(cfg.env, cfg.env_options)] if cfg.env else []
+
+    @classmethod
+    def check_base_model(cls, cfg: StageConfig, run: RunConfig, base: Path, tokenizer) -> None:
+        """Raise UsageError for what this stage cannot do with the run's base model (its vocabulary, its tokenizer):
+        called once the base model exists, before the first stage, rather than when this stage starts."""
+
+    @classmethod
     def generates(cls) -> bool:
         """Whether its stages sample with their `rollout:` settings: the kinds that run the loop (Stage.train)."""
         return LOOP_SECTIONS <= cls.sections

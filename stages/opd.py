@@ -32,6 +32,7 @@ uses for its per-stage evaluation).
 from __future__ import annotations
 
 import itertools
+import json
 import statistics
 import threading
 from pathlib import Path
@@ -45,7 +46,7 @@ from opd_sao.rl.distill import DISTILL_TEMPERATURE, DomainSchedule, OPDLearner
 from opd_sao.rl.rollout import Episode, episodes_for
 from opd_sao.runs.evaluation import evaluate_score
 from opd_sao.teachers import TEACHER_KINDS, Prefetcher, TeacherSet, TeacherTargets
-from opd_sao.teachers.routing import describe
+from opd_sao.teachers.routing import check_student, check_teacher, describe
 from opd_sao.trainers import build_backend
 
 from .base import LOOP_SECTIONS, TRAIN_TASK_POOL, Stage, StageResult, register_stage
@@ -81,6 +82,30 @@ class OPDStage(Stage):
         if cfg.opd.teachers and not set(cfg.domains) <= taught:
             raise ValueError(f"stage {cfg.name!r}: domains {sorted(set(cfg.domains) - taught)} have no teacher "
                              f"(teachers cover {sorted(taught)})")
+
+    @classmethod
+    def environments(cls, cfg) -> list[tuple[str, dict]]:
+        """Also each domain of a teacher with its own `env_options`."""
+        return super().environments(cfg) + [(domain, teacher.env_options) for teacher in cfg.opd.teachers
+                                            if teacher.env_options is not None for domain in teacher.domains]
+
+    @classmethod
+    def check_base_model(cls, cfg, run, base, tokenizer) -> None:
+        """A top_k within the base model's vocabulary (every stage's model and teacher shares it); every teacher
+        given as a directory shares the base model's tokenizer (so every stage's: they all start from it)."""
+        vocab = json.loads((base / "config.json").read_text()).get("vocab_size")
+        top_k = any((teacher.granularity or cfg.opd.granularity) == "top_k" for teacher in cfg.opd.teachers)
+        if top_k and vocab and cfg.opd.top_k > vocab:
+            raise UsageError(f"stage {cfg.name!r}: opd.top_k {cfg.opd.top_k} is more than the base model's "
+                             f"vocabulary ({vocab} tokens)")
+        external = [t for t in cfg.opd.teachers
+                    if t.checkpoint != BEST_CHECKPOINT and t.checkpoint not in {s.name for s in run.stages}]
+        fingerprint = check_student(base, tokenizer) if external else None
+        for teacher in external:
+            try:
+                check_teacher(teacher.name, Path(teacher.checkpoint), base, tokenizer, fingerprint)
+            except ValueError as err:
+                raise UsageError(f"stage {cfg.name!r}: {err}") from None
 
     @staticmethod
     def domain_names(cfg) -> list[str]:
