@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel
 
 from opd_sao.config import COMMON_STAGE_FIELDS, STAGES, RunConfig, StageConfig, TrainerConfig
 from opd_sao.consistency.gate import ConsistencyGate
@@ -16,6 +16,7 @@ from opd_sao.io.files import inside
 from opd_sao.io.progress import StageProgress
 from opd_sao.io.timing import PhaseTimer
 from opd_sao.io.tracking import MetricsLogger
+from opd_sao.registry import NoOptions, parse_options
 from opd_sao.rl.buffer import TrajectoryBuffer, recover
 from opd_sao.rl.loop import RLLoop
 from opd_sao.runs.checkpointing import StageState, truncate_step_log
@@ -32,12 +33,6 @@ ENV_SECTIONS = frozenset({"env", "env_options", "rollout", "eval"})
 SFT_SECTIONS = frozenset({"sft", "checkpoint_every"})  # Stage.sft
 # Stage.train (rl: the gate's DIS band)
 LOOP_SECTIONS = frozenset({"steps", "checkpoint_every", "buffer_memory", "rollout", "gate", "rl"})
-
-
-class NoOptions(BaseModel):
-    """A stage kind with no settings of its own: `options:` must be empty."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 @dataclass
@@ -108,12 +103,7 @@ class Stage(ABC):
 
     @classmethod
     def parse_options(cls, cfg: StageConfig) -> BaseModel:
-        try:
-            return cls.Options.model_validate(cfg.options)
-        except ValidationError as err:
-            first = err.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise UsageError(f"stage {cfg.name!r} ({cfg.kind}): options.{where}: {first['msg']}") from None
+        return parse_options(cls.Options, cfg.options, f"stage {cfg.name!r} ({cfg.kind}): options")
 
     @classmethod
     def check_sections(cls, cfg: StageConfig) -> None:
