@@ -1,7 +1,7 @@
-"""The retry policy of opd-sao's `requests` calls (the SGLang-API clients, the fleet, weight sync, the served
-teacher): urllib3's `Retry`, mounted on a `requests.Session`. The LLM judge (`judge` reward,
-stages/envs/dataset/rewards.py) keeps a loop of its own: it talks through the `openai` client, honours
-`Retry-After`, and also tries again on a reply without a score, which no HTTP-level policy can see.
+"""The one retry policy of opd-sao's network calls, in two forms: urllib3's `Retry` mounted on a `requests.Session`
+(the SGLang-API clients, the fleet, weight sync, the served teacher), and `call_with_retries` around a call the
+HTTP layer cannot see into (the LLM judge, `judge` reward in stages/envs/dataset/rewards.py: the `openai` client,
+and a reply without a score is a failed try too). Both wait backoff_s, 2x, 4x, ... between tries.
 
 Transient failures are tried again with exponential backoff: a connection refused or reset, a connect
 timeout, and the statuses a proxy or an overloaded server answers with (502/503/504; from a router also
@@ -13,6 +13,8 @@ broadcast's receive) pass `retries=0`.
 from __future__ import annotations
 
 import logging
+import time
+from typing import Callable, TypeVar
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -20,6 +22,7 @@ from urllib3.exceptions import ReadTimeoutError
 from urllib3.util.retry import Retry
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TRANSIENT_STATUS = frozenset({502, 503, 504})
 ROUTER_TRANSIENT_STATUS = TRANSIENT_STATUS | {500}
@@ -54,3 +57,28 @@ def retrying_session(retries: int, backoff_s: float, statuses=TRANSIENT_STATUS, 
     session.mount("http://", adapter)
     session.mount("https://", adapter)
     return session
+
+
+def call_with_retries(call: Callable[[], T], retries: int, backoff_s: float, max_wait_s: float,
+                      on_failed_try: Callable[[Exception], None] = lambda err: None) -> tuple[T, int]:
+    """`call()` with `retries` more tries after the first, any exception a failed try (`on_failed_try` sees each),
+    waiting backoff_s, 2x, 4x, ... or what the server asked for in the error's `Retry-After` (seconds; an HTTP date
+    backs off instead), at most max_wait_s. Returns (the result, the tries it took); raises the last try's error."""
+    for attempt in range(retries + 1):
+        try:
+            return call(), attempt + 1
+        except Exception as err:
+            on_failed_try(err)
+            if attempt == retries:
+                raise
+            time.sleep(_wait_s(err, backoff_s * 2 ** attempt, max_wait_s))
+
+
+def _wait_s(error: Exception, backoff_s: float, max_wait_s: float) -> float:
+    response = getattr(error, "response", None)
+    asked = response.headers.get("retry-after") if response is not None else None
+    try:
+        wait = float(asked) if asked is not None else backoff_s
+    except ValueError:
+        wait = backoff_s
+    return min(max(wait, 0.0), max_wait_s)

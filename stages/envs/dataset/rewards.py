@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from opd_sao.engines.retry import call_with_retries
 from opd_sao.errors import UsageError
 from opd_sao.stages.envs.answers import after_prompt, unevaluated
 from opd_sao.stages.envs.rewards import Reward, RewardFailure, Verdict, register_reward
@@ -398,7 +399,7 @@ class JudgeReward(Reward):
     first group when it has one). Divided by `max_score` and clipped to [0, 1]. At most `concurrency` requests are
     in flight per process; each gets `timeout_s` and up to `retries` more tries (a connection error, an HTTP error,
     or a reply without a score is a failed try), waiting `backoff_s` doubling between tries, or what the server
-    asks for in `Retry-After` (429, 503), up to `max_wait_s`.
+    asks for in `Retry-After` (429, 503), up to `max_wait_s`: engines/retry.py's `call_with_retries`.
 
     A judgement that still fails is counted (`stats`: requests, failed tries, failed judgements) and, by
     default (`on_failure: raise`), stops the run with a one-line error: a judge that is down must not look
@@ -453,27 +454,14 @@ class JudgeReward(Reward):
             raise ValueError(f"no score in the judge's reply {text[:80]!r}")
         return min(1.0, max(0.0, found / self.max_score))
 
-    def _wait(self, attempt: int, error: Exception) -> float:
-        """Seconds before the next try: the server's Retry-After (seconds) when it sent one, else the backoff."""
-        response = getattr(error, "response", None)
-        asked = response.headers.get("retry-after") if response is not None else None
-        try:
-            wait = float(asked) if asked is not None else self.backoff_s * 2 ** attempt
-        except ValueError:  # an HTTP date: not worth parsing, back off instead
-            wait = self.backoff_s * 2 ** attempt
-        return min(max(wait, 0.0), self.max_wait_s)
-
     def score(self, task: dict, response: str) -> Verdict:
         content = self.template.format(prompt=task["prompt"], response=response, reference=task.get("answer") or "")
-        error: Exception | None = None
-        for attempt in range(self.retries + 1):
-            try:
-                return Verdict(self._ask(content), info={"tries": attempt + 1})
-            except Exception as err:  # any failed try is retried, then counted
-                self._count("failed_tries")
-                error = err
-                if attempt < self.retries:
-                    time.sleep(self._wait(attempt, err))
+        try:
+            score, tries = call_with_retries(lambda: self._ask(content), self.retries, self.backoff_s,
+                                             self.max_wait_s, on_failed_try=lambda _err: self._count("failed_tries"))
+            return Verdict(score, info={"tries": tries})
+        except Exception as err:  # every try failed: counted, then raised or scored 0
+            error = err
         self._count("failed_judgements")
         why = f"judge at {self.base_url} failed {self.retries + 1} times on task {task['id']!r}: {str(error).splitlines()[0]}"
         if self.on_failure == "raise":
