@@ -28,7 +28,7 @@ from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, di
 from opd_sao.runs.evaluation import Score, evaluate_score
 from opd_sao.runs.report import forgetting, write_report
 
-from .config import RunConfig
+from .config import BEST_CHECKPOINT, RunConfig
 
 
 def default_run_dir(config_path: str | Path) -> Path:
@@ -159,6 +159,14 @@ def given_model(cfg: RunConfig) -> Path | None:
     return None if cfg.model.path == "tiny" or is_gguf_path(cfg.model.path) else Path(cfg.model.path)
 
 
+def given_teachers(cfg: RunConfig) -> dict[str, Path]:
+    """Every OPD teacher given as a checkpoint directory (not an earlier stage's checkpoint), by its name in an
+    error: what the model record holds beside the base model."""
+    stages = {stage.name for stage in cfg.stages}
+    return {f"stage {stage.name!r}: teacher {teacher.name!r}": Path(teacher.checkpoint) for stage in cfg.stages
+            for teacher in stage.opd.teachers if teacher.checkpoint != BEST_CHECKPOINT and teacher.checkpoint not in stages}
+
+
 def ensure_base_model(cfg: RunConfig, run_dir: Path) -> Path:
     """The model directory every stage starts from: model.path itself, or built (tiny) or converted (a .gguf file)
     once into the run's base_model/, which a resumed run reuses."""
@@ -229,7 +237,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
             files = stage_data_files(cfg)  # a stage not started yet may read other data, as its settings may change
             check_data_record({s: f for s, f in files.items() if s in started_stages(run_dir)}, run_dir)
             write_data_record(files, run_dir)
-            check_model_record(given_model(cfg), run_dir)
+            check_model_record(given_model(cfg), run_dir, given_teachers(cfg))
             if allowed:
                 log(f"resuming with changed {', '.join(allowed)} (--allow-config-change)")
             return _run_stages(cfg, run_dir, log, resume=True)
@@ -242,7 +250,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
             atomic_write(run_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
             write_record(config, run_dir)
             write_data_record(stage_data_files(cfg), run_dir)
-            write_model_record(given_model(cfg), run_dir)
+            write_model_record(given_model(cfg), run_dir, given_teachers(cfg))
             return _run_stages(cfg, run_dir, log, resume=False)
         except BaseException:
             remove_if_no_stage_output(run_dir, existing)

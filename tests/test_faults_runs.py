@@ -217,3 +217,32 @@ def test_resume_refuses_a_base_model_swapped_for_another_of_the_same_shape(tmp_p
     assert one_line(done.stderr).startswith(f"opd-sao run: error: model.path: {weights} changed (size ")
     shutil.copyfile(tiny_model_dir / "model.safetensors", weights)  # the original back, as a copy: mtime is new
     check_model_record(model, run_dir)
+
+
+def test_resume_refuses_a_teacher_checkpoint_replaced_since_the_run_started(tmp_path, tiny_model_dir,
+                                                                             perturbed_teacher):
+    """Issue 43. Before: the base model and data files were fingerprinted, an OPD teacher's checkpoint not: one
+    replaced between a kill and `--resume` taught the rest of the run. Now the resume is refused in one line
+    naming the stage, the teacher and its weights file; the original back (a copy: new mtime) passes."""
+    teacher = tmp_path / "teacher"
+    shutil.copytree(perturbed_teacher, teacher)
+    cfg = yaml.safe_load(Path(config(tmp_path, tiny_model_dir, slowdown_s=20.0)).read_text())
+    cfg["stages"].append({"name": "o", "kind": "opd", "domains": ["arithmetic"], "steps": 1, "gate": {"enabled": False},
+                          "opd": {"teachers": [{"name": "t", "checkpoint": str(teacher), "domains": ["arithmetic"]}]}})
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    proc = start(str(tmp_path / "run.yaml"), "--run-dir", str(run_dir))
+    try:
+        wait_for(lambda: (run_dir / "model.fingerprint.json").is_file(), proc=proc)
+    finally:
+        proc.kill()
+        proc.wait()
+    weights = teacher / "model.safetensors"
+    assert weights.stat().st_size == (tiny_model_dir / "model.safetensors").stat().st_size  # the same shape
+    shutil.copyfile(tiny_model_dir / "model.safetensors", weights)
+    done = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", "--resume", str(run_dir)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 2
+    assert one_line(done.stderr).startswith(f"opd-sao run: error: stage 'o': teacher 't': {weights} changed (size ")
+    shutil.copyfile(perturbed_teacher / "model.safetensors", weights)
+    check_model_record(tiny_model_dir, run_dir, {"stage 'o': teacher 't'": teacher})

@@ -1,8 +1,11 @@
-"""The base model a run started with, recorded in the run directory so `--resume` refuses another one swapped in.
+"""The base model and the OPD teachers a run started with, recorded in the run directory so `--resume` refuses
+another one swapped in.
 
 A resumed stage continues from saved state and checkpoints trained from that model; another model of the same shape
-loads without a complaint and trains on, from weights that no longer match. So at the start of a run every file of
-`model.path` is recorded (`model.fingerprint.json`) and a resume compares sizes and sampled hashes.
+loads without a complaint and trains on, from weights that no longer match; a teacher replaced between a kill and
+a resume would teach the rest of an OPD stage something other than what its cached scores came from. So at the start of a run every
+file of `model.path` and of every teacher given as a checkpoint directory is recorded (`model.fingerprint.json`) and
+a resume compares sizes and sampled hashes.
 
 Hashing a 70B model whole (about 140 GB) would cost minutes per resume, so the hash samples: a file up to 16 MiB
 (config, tokenizer) whole; a `.safetensors` file its header (every tensor's name, dtype, shape and offsets) and
@@ -71,9 +74,9 @@ def file_fingerprint(path: Path) -> dict:
     return {"size": status.st_size, "mtime": status.st_mtime, "sha256": digest.hexdigest()}
 
 
-def model_fingerprint(model_dir: Path) -> dict[str, dict]:
+def model_fingerprint(model_dir: Path, what: str = "model.path") -> dict[str, dict]:
     """file (relative to the model dir) -> its fingerprint, for every file in it (hidden ones, e.g. a hub
-    cache's `.cache/`, left out)."""
+    cache's `.cache/`, left out); `what` names the directory in an error."""
     out = {}
     for path in sorted(Path(model_dir).rglob("*")):
         relative = path.relative_to(model_dir)
@@ -81,27 +84,38 @@ def model_fingerprint(model_dir: Path) -> dict[str, dict]:
             try:
                 out[str(relative)] = file_fingerprint(path)
             except UnreadableFile as err:
-                raise UsageError(f"model.path: {err}") from None
+                raise UsageError(f"{what}: {err}") from None
     return out
 
 
-def write_model_record(model_dir: Path | None, run_dir: Path) -> None:
-    """Record `model_dir` (None: the run builds its own base model under the run directory: nothing to record)."""
-    if model_dir is not None:
-        write_json(Path(run_dir) / RECORD, {"path": str(model_dir), "files": model_fingerprint(model_dir)}, indent=1)
+def write_model_record(model_dir: Path | None, run_dir: Path, teachers: dict[str, Path] | None = None) -> None:
+    """Record `model_dir` (None: the run builds its own base model under the run directory: nothing to record) and
+    `teachers` (their label in messages -> checkpoint directory)."""
+    record = {} if model_dir is None else {"path": str(model_dir), "files": model_fingerprint(model_dir)}
+    if teachers:
+        record["teachers"] = {label: {"path": str(directory), "files": model_fingerprint(directory, label)}
+                              for label, directory in teachers.items()}
+    if record:
+        write_json(Path(run_dir) / RECORD, record, indent=1)
 
 
-def check_model_record(model_dir: Path | None, run_dir: Path) -> None:
-    """UsageError (one line naming the file) when the base model's files changed since the run started; a run
-    without a record (started before records existed) gets one now."""
-    path = Path(run_dir) / RECORD
-    if model_dir is None:
+def check_model_record(model_dir: Path | None, run_dir: Path, teachers: dict[str, Path] | None = None) -> None:
+    """UsageError (one line naming the file) when the base model's or a teacher's files changed since the run
+    started; what a run has no record of (a run started before records existed) is recorded now."""
+    path, teachers = Path(run_dir) / RECORD, teachers or {}
+    if model_dir is None and not teachers:
         return
-    if not path.is_file():
-        write_model_record(model_dir, run_dir)
-        return
-    change = first_change(json.loads(path.read_text())["files"], model_fingerprint(model_dir))
-    if change is not None:
-        name, what = change
-        raise UsageError(f"model.path: {Path(model_dir) / name} {what} since the run started; a resume continues "
-                         f"from the base model it started with (restore it, or start a new run)")
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    recorded = record.get("teachers", {})
+    checks = [("model.path", model_dir, record["files"], "from the base model")] \
+        if model_dir is not None and "files" in record else []
+    checks += [(label, directory, recorded[label]["files"], "with the teachers")
+               for label, directory in teachers.items() if label in recorded]
+    for label, directory, files, keeps in checks:
+        change = first_change(files, model_fingerprint(directory, label))
+        if change is not None:
+            name, what = change
+            raise UsageError(f"{label}: {Path(directory) / name} {what} since the run started; a resume continues "
+                             f"{keeps} it started with (restore it, or start a new run)")
+    if (model_dir is not None and "files" not in record) or set(teachers) - set(recorded):
+        write_model_record(model_dir, run_dir, teachers)
