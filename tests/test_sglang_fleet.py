@@ -3,7 +3,8 @@ with SGLang's own server-side code plugged in (tests/sglang_worker.py: its tenso
 process-group helper and broadcast receive, its request models), in every weight-sync mode and at top_p 0.9.
 Also the client's calls checked against SGLang's code directly: the tensor payload SGLang reads, the
 process group SGLang forms, the positions SGLang gives prompt logprobs, the support SGLang's sampler draws from
-at top_k/top_p, its scheduler's sampling-mask rule, and sglang-router dropping return_sampling_mask.
+at top_k/top_p, its scheduler's sampling-mask rule, and sglang-router dropping return_sampling_mask (so the
+fleet sends top-p requests to the router's workers directly).
 """
 from __future__ import annotations
 
@@ -47,26 +48,44 @@ def _scores(model, ids: list[int]) -> torch.Tensor:
     return torch.tensor([float(logp[t - 1, ids[t]]) for t in range(1, len(ids))])
 
 
+@pytest.fixture
+def sglang_router(sglang_workers):
+    """The real sglang-router (0.3.2) in front of the two workers, round robin."""
+    pytest.importorskip("sglang_router", reason="sglang-router is a test extra: pip install -e .[test]")
+    from launchers import start_sglang_router
+
+    url, proc = start_sglang_router(sglang_workers, "--policy", "round_robin")
+    yield url
+    proc.kill()
+    proc.wait()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sync,top_p", [("disk", 1.0), ("tensor", 1.0), ("distributed", 1.0), ("tensor", 0.9)],
-                         ids=["disk", "tensor", "distributed", "tensor-top_p-0.9"])
-def test_a_reasoning_stage_trains_through_sglang_semantics_workers(sync, top_p, sglang_workers, tmp_path,
-                                                                   tiny_model_dir, tokenizer):
+@pytest.mark.parametrize("sync,top_p,routed", [("disk", 1.0, False), ("tensor", 1.0, False),
+                                               ("distributed", 1.0, False), ("tensor", 0.9, False),
+                                               ("tensor", 0.9, True)],
+                         ids=["disk", "tensor", "distributed", "tensor-top_p-0.9", "top_p-0.9-sglang-router"])
+def test_a_reasoning_stage_trains_through_sglang_semantics_workers(sync, top_p, routed, sglang_workers, tmp_path,
+                                                                   tiny_model_dir, tokenizer, request):
     """The workers end with the stage's checkpoint (their prompt scores equal it and differ from the start's),
     confirm its version, and the consistency gate passes at its default thresholds; tensor and distributed
-    syncs travel in several buckets (a 64 KiB bound)."""
+    syncs travel in several buckets (a 64 KiB bound). `routed`: engine.urls is sglang-router 0.3.2 in front of
+    the workers, which drops return_sampling_mask, so the top-p rollouts and the gate's probes reach them only
+    because the fleet sends those to the workers directly (through the router they would come back without
+    output_token_sampling_logprobs, and the client would fail them)."""
     from opd_sao.checkpoints import load_causal_lm
     from opd_sao.config import parse_config
     from opd_sao.engines.http import SGLangClient
     from opd_sao.pipeline import run_pipeline
 
+    urls = [request.getfixturevalue("sglang_router")] if routed else sglang_workers
     steps = 3
     stage = {"name": "reasoning", "kind": "reasoning", "env": "arithmetic", "env_options": {"max_operand": 9},
              "steps": steps, "sft": {"steps": 2, "batch_size": 8}, "eval": {"num_tasks": 4},
              "rollout": {"max_new_tokens": 8, "top_p": top_p}}
     cfg = parse_config({"seed": 1, "model": {"path": str(tiny_model_dir)},
                         "logging": {"wandb": False, "progress": False},
-                        "engine": {"kind": "http", "urls": sglang_workers, "max_batch": 8, "weight_sync": sync,
+                        "engine": {"kind": "http", "urls": urls, "max_batch": 8, "weight_sync": sync,
                                    "weight_sync_bucket_mb": 1 / 16},
                         "trainer": {"train_batch_size": 4, "critic_warmup_steps": 0}, "stages": [stage]})
     summary = run_pipeline(cfg, tmp_path, log=lambda m: None)
@@ -148,38 +167,55 @@ def test_the_workers_take_sampling_mask_requests_as_sglangs_scheduler_does(sglan
     SGLangClient(sglang_workers[0]).check_sampling_mask()  # the client's probe: top_k 4096
 
 
-@pytest.mark.slow
-def test_a_top_p_stage_behind_sglang_router_is_refused_in_one_line_before_any_work(sglang_workers, tmp_path,
-                                                                                  tiny_model_dir):
+def test_behind_sglang_router_top_p_requests_go_to_the_workers_directly(sglang_workers, sglang_router, tiny_model_dir):
     """sglang-router 0.3.2 drops return_sampling_mask when it forwards /generate (a request the workers refuse
-    directly, 400, passes through it: they never saw the mask asked), so a stage at top_p 0.9 through it is refused
-    in one line before the first stage writes anything; its workers listed directly are taken (the test above)."""
-    pytest.importorskip("sglang_router", reason="sglang-router is a test extra: pip install -e .[test]")
+    directly, 400, passes through it: they never saw the mask asked), so the fleet on the router sends each top_p
+    < 1 request to a worker itself (its routing policy picks one) with the field, and the others through the router."""
     import requests
-    from launchers import start_sglang_router
+
+    from opd_sao.engines.base import GenerationRequest, SamplingParams
+    from opd_sao.engines.fleet import Fleet
+
+    body = {"input_ids": [0, 5], "sampling_params": {"max_new_tokens": 1, "top_p": 0.9},
+            "return_logprob": True, "return_sampling_mask": True}
+    assert requests.post(sglang_workers[0] + "/generate", json=body, timeout=60).status_code == 400
+    through = requests.post(sglang_router + "/generate", json=body, timeout=60)
+    assert through.status_code == 200 and "output_token_sampling_logprobs" not in through.json()["meta_info"]
+
+    fleet = Fleet(sglang_router, checkpoint=tiny_model_dir, weight_sync="tensor", max_inflight=2)  # at version 0
+    nucleus = fleet.generate_all([GenerationRequest([0, 5], SamplingParams(1.0, 0.9, 3, ignore_eos=True))
+                                  for _ in range(4)])
+    before = fleet.stats
+    assert before[sglang_router]["requests"] == 0 and sum(before[u]["requests"] for u in sglang_workers) == 4
+    for result in nucleus:  # the renormalised support logprobs (at least the whole-vocabulary ones)
+        assert len(result.logprobs) == 3 and all(s >= v - 1e-6 for s, v in zip(result.logprobs, result.vocab_logprobs))
+    fleet.generate_all([GenerationRequest([0, 5], SamplingParams(1.0, 1.0, 3, ignore_eos=True)) for _ in range(3)])
+    after = fleet.stats
+    assert after[sglang_router]["requests"] == 3  # through the router, the workers' counts unchanged
+    assert all(after[u]["requests"] == before[u]["requests"] for u in sglang_workers)
+    fleet.close()
+
+
+@pytest.mark.slow
+def test_a_top_p_stage_behind_sglang_router_with_an_unreachable_worker_is_refused_in_one_line(
+        sglang_router, tmp_path, tiny_model_dir):
+    """Behind a router the top-p requests and weight syncs go to its workers directly: one that does not answer
+    (here engine.workers lists a closed port) refuses the stage in one line before anything is written."""
+    from launchers import free_port
 
     from opd_sao.config import parse_config
     from opd_sao.errors import UsageError
     from opd_sao.pipeline import run_pipeline
 
-    router, proc = start_sglang_router(sglang_workers, "--policy", "round_robin")
-    try:
-        body = {"input_ids": [0, 5], "sampling_params": {"max_new_tokens": 1, "top_p": 0.9},
-                "return_logprob": True, "return_sampling_mask": True}
-        assert requests.post(sglang_workers[0] + "/generate", json=body, timeout=60).status_code == 400
-        through = requests.post(router + "/generate", json=body, timeout=60)
-        assert through.status_code == 200 and "output_token_sampling_logprobs" not in through.json()["meta_info"]
-        stage = {"name": "reasoning", "kind": "reasoning", "env": "arithmetic", "steps": 1,
-                 "rollout": {"max_new_tokens": 8, "top_p": 0.9}}
-        cfg = parse_config({"model": {"path": str(tiny_model_dir)}, "logging": {"wandb": False, "progress": False},
-                            "engine": {"kind": "http", "urls": [router]}, "trainer": {"critic_warmup_steps": 0},
-                            "stages": [stage]})
-        with pytest.raises(UsageError, match="does not pass return_sampling_mask on to its workers") as refused:
-            run_pipeline(cfg, tmp_path / "run", log=lambda m: None)
-        assert "\n" not in str(refused.value) and not (tmp_path / "run" / "stages").exists()
-    finally:
-        proc.kill()
-        proc.wait()
+    dead = f"http://127.0.0.1:{free_port()}"
+    stage = {"name": "reasoning", "kind": "reasoning", "env": "arithmetic", "steps": 1,
+             "rollout": {"max_new_tokens": 8, "top_p": 0.9}}
+    cfg = parse_config({"model": {"path": str(tiny_model_dir)}, "logging": {"wandb": False, "progress": False},
+                        "engine": {"kind": "http", "urls": [sglang_router], "workers": [dead]},
+                        "trainer": {"critic_warmup_steps": 0}, "stages": [stage]})
+    with pytest.raises(UsageError, match=f"rollout worker {dead} is not answering /health") as refused:
+        run_pipeline(cfg, tmp_path / "run", log=lambda m: None)
+    assert "\n" not in str(refused.value) and not (tmp_path / "run" / "stages").exists()
 
 
 def test_tensor_payloads_are_read_by_sglangs_deserialiser_and_request_model():

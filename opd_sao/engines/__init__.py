@@ -13,7 +13,8 @@ def _client_options(cfg) -> dict:
 def check_engine(cfg, nucleus: bool = False, model_path: str = "tiny") -> None:
     """Before any work: the embedded engine can batch `model_path`'s layers (its config only); an http fleet
     answers, every router in it has workers (no weights move), and with `nucleus` (a stage samples with top_p < 1)
-    the servers return the renormalised sampling logprobs. The weight-sync mode (and its options) and the routing
+    the servers those requests go to (behind a router: its workers, directly) return the renormalised sampling
+    logprobs. The weight-sync mode (and its options) and the routing
     policy are checked here, not in the config schema: the config sits below the engines."""
     from .routing import ROUTINGS
     from .weight_sync import WEIGHT_SYNCS
@@ -34,10 +35,13 @@ def check_engine(cfg, nucleus: bool = False, model_path: str = "tiny") -> None:
 
         if not cfg.urls:
             raise UsageError("engine.kind http needs engine.urls (the rollout servers, e.g. opd-sao serve or SGLang)")
-        targets, _ = discover_fleet(cfg.urls, cfg.workers, timeout=30.0, **_client_options(cfg))
+        targets, workers = discover_fleet(cfg.urls, cfg.workers, timeout=30.0, **_client_options(cfg))
         if nucleus:
-            for client, is_router in targets:
-                client.check_sampling_mask(router=is_router)
+            from .http import SGLangClient
+
+            routed = any(is_router for _, is_router in targets)
+            for url in workers if routed else [client.url for client, _ in targets]:  # as Fleet._targets sends
+                SGLangClient(url, 30.0, **_client_options(cfg)).check_sampling_mask()
 
 
 def build_engine(cfg, checkpoint, tokenizer, seed: int, device=None, attn_implementation: str = "eager"

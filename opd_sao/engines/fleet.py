@@ -12,7 +12,8 @@ two versions and no bucket waits for a generation to finish.
 
 Generation and control are separate: a URL may be an external router (sglang-router), which generation
 goes through, while weight syncs, version checks and health checks go to the workers behind it (listed,
-or asked from the router's `/workers`).
+or asked from the router's `/workers`). A request at top_p < 1 asks `return_sampling_mask`, which
+sglang-router 0.3.2 drops when it forwards: it goes to a worker directly, picked by the routing policy.
 
 Faults: the client retries transient errors (`retry.py`); a request that still fails is sent again (at
 most MAX_SENDS times), and its server is declared dead only if its `/health` fails too. A router that
@@ -78,7 +79,7 @@ def discover_fleet(urls: Iterable[str], workers: Iterable[str] = (), timeout: fl
 @dataclass
 class _Server:
     client: SGLangClient
-    slots: int = 0  # generation slots (0: a worker behind a router, used for control only)
+    slots: int = 0  # generation slots (0: a worker listed without a router, used for control only)
     pool: Optional[ThreadPoolExecutor] = None
     is_router: bool = False  # generation goes through it, weight syncs to the workers behind it
     alive: bool = True
@@ -129,14 +130,14 @@ class Fleet(RolloutEngine):
         self._servers = []
         workers = list(workers)
         self._ask_routers = not workers  # the workers behind routers are asked again before each sync
-        self._client_args = (timeout, client_options)
+        self._client_args = (timeout, client_options, max_inflight)
         targets, worker_urls = discover_fleet(urls, workers, timeout, **client_options)
         for client, is_router in targets:
             pool = ThreadPoolExecutor(max_inflight, thread_name_prefix=f"rollout-{client.url}")
             self._servers.append(_Server(client, max_inflight, pool, is_router=is_router))
+        self._routed = any(s.is_router for s in self._servers)
         by_url = {s.client.url: s for s in self._servers}
-        self._workers = [by_url.get(url) or _Server(SGLangClient(url, timeout, **client_options))
-                         for url in worker_urls]
+        self._workers = [by_url.get(url) or self._worker(url) for url in worker_urls]
         self._restore = None  # restore(clients, each): the current weights to these workers (a revival)
         self._weights_lock = threading.RLock()  # a weight sync and a revival never interleave
         self._prober: Optional[threading.Thread] = None
@@ -166,12 +167,13 @@ class Fleet(RolloutEngine):
 
     @property
     def stats(self) -> dict[str, dict]:
-        """Per server: alive, requests and tokens served, requests sent again after a failure, revivals."""
+        """Per server (and worker behind a router): alive, requests and tokens served, requests sent again after
+        a failure, revivals."""
         with self._cond:
             return {s.client.url: {"alive": s.alive, "requests": s.requests, "tokens": s.tokens,
                                    "requeued": s.requeued, "revived": s.revived, "inflight": s.inflight,
                                    "load": s.load}
-                    for s in self._servers}
+                    for s in self._generators()}
 
     @property
     def rejoins(self) -> int:
@@ -184,8 +186,36 @@ class Fleet(RolloutEngine):
         """The servers that hold weights (the URLs themselves unless they are routers)."""
         return [s.client.url for s in self._workers]
 
+    def _worker(self, url: str) -> _Server:
+        """A worker that is not one of the URLs: behind a router it generates too (the requests the router cannot
+        forward whole, `_targets`), else it is for control only."""
+        timeout, options, max_inflight = self._client_args
+        client = SGLangClient(url, timeout, **options)
+        if not self._routed:
+            return _Server(client)
+        return _Server(client, max_inflight, ThreadPoolExecutor(max_inflight, thread_name_prefix=f"rollout-{url}"))
+
+    def _generators(self) -> list[_Server]:
+        """Every server that generates: the URLs, then the workers behind routers."""
+        return self._servers + [w for w in self._workers if w.slots and all(w is not s for s in self._servers)]
+
     def _pick(self, servers: list[_Server]) -> _Server:
-        return self._route(servers, self._servers)
+        return self._route(servers, self._generators())
+
+    def _targets(self, request: Optional[GenerationRequest]) -> list[_Server]:
+        """The live servers `request` may go to (None: any request). Behind a router, a request at top_p < 1
+        goes to a worker directly: it asks `return_sampling_mask`, which sglang-router 0.3.2 drops when it
+        forwards (its workers would sample the nucleus but return no renormalised logprobs)."""
+        servers = self._alive()
+        if not self._routed:
+            return servers
+        direct = [w for w in self._workers if w.alive and w.slots]
+        if request is None:
+            return servers + [w for w in direct if all(w is not s for s in servers)]
+        return direct if request.params.top_p < 1 else servers
+
+    def _free(self, request: Optional[GenerationRequest]) -> bool:
+        return any(s.inflight < s.slots for s in self._targets(request))
 
     def _alive(self) -> list[_Server]:
         """The live servers (a router only while a worker is alive); none while all are down (they may come
@@ -259,11 +289,10 @@ class Fleet(RolloutEngine):
                         raise call.error
                     if exhausted and not call.retry and not call.outstanding:
                         return
-                    free = [s for s in self._alive() if s.inflight < s.slots]
-                    if free and call.retry:
+                    if call.retry and self._free(call.retry[0]):
                         request = call.retry.popleft()
                         break
-                    if free and not exhausted:
+                    if not call.retry and not exhausted and self._free(None):
                         break
                     self._cond.wait(0.05)
             if request is None:
@@ -280,11 +309,11 @@ class Fleet(RolloutEngine):
     def _dispatch(self, request: GenerationRequest, call: _Call) -> None:
         est = request.est_tokens or request.params.max_new_tokens
         with self._cond:
-            alive = self._alive()
-            if not alive:  # it died since generate() saw it free: wait for one in the retry queue
+            free = [s for s in self._targets(request) if s.inflight < s.slots]
+            if not free:  # none of its own is free (or they died) since generate() looked: it waits first in line
                 call.retry.appendleft(request)
                 return
-            server = self._pick([s for s in alive if s.inflight < s.slots] or alive)
+            server = self._pick(free)
             server.inflight += 1
             server.load += est
             call.outstanding += 1
@@ -376,7 +405,7 @@ class Fleet(RolloutEngine):
         routers = [s for s in self._servers if s.is_router and s.alive]
         if not self._ask_routers or not routers:
             return
-        timeout, options = self._client_args
+        timeout, options, _ = self._client_args
         urls = [s.client.url for s in self._servers if not s.is_router]
         for router in routers:
             try:
@@ -389,7 +418,10 @@ class Fleet(RolloutEngine):
             return
         log.warning("the routers' workers changed: %s (were %s)", ", ".join(urls), ", ".join(current))
         with self._cond:
-            self._workers = [current.get(url) or _Server(SGLangClient(url, timeout, **options)) for url in urls]
+            self._workers = [current.get(url) or self._worker(url) for url in urls]
+        for url in set(current) - set(urls):  # what it still runs finishes
+            if current[url].pool is not None and all(current[url] is not s for s in self._servers):
+                current[url].pool.shutdown(wait=False)
 
     def _sync(self, restore) -> None:
         """`restore(workers)` gives workers the new weights: now to the live ones, later to one that comes
@@ -507,7 +539,7 @@ class Fleet(RolloutEngine):
         with self._cond:
             self._closed = True
         self._mode.close([w.client for w in self._live_workers()])
-        for server in self._servers:
+        for server in self._generators():
             server.pool.shutdown(wait=False)
         if self._remove_weights_dir is not None:
             self._remove_weights_dir()

@@ -204,10 +204,10 @@ class SGLangClient:
 
     # --- generation and scoring ------------------------------------------------------------------------
 
-    def check_sampling_mask(self, router: bool = False) -> None:
+    def check_sampling_mask(self) -> None:
         """UsageError unless the server returns the renormalised top-p logprobs (`return_sampling_mask`) for a
-        request SGLang's scheduler takes. `router`: this URL is a router (sglang-router 0.3.2 drops
-        return_sampling_mask when it forwards a /generate, so its workers never see it)."""
+        request SGLang's scheduler takes. Not through sglang-router 0.3.2, which drops return_sampling_mask when
+        it forwards a /generate: the fleet asks its workers directly."""
         top_k = _top_k(0.9, -1)
         payload = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "top_p": 0.9, "top_k": top_k},
                    "return_logprob": True, "return_sampling_mask": True}
@@ -218,10 +218,6 @@ class SGLangClient:
                              f"top_p 0.9, top_k {top_k} with return_sampling_mask): {err}") from None
         if "output_token_sampling_logprobs" in meta:
             return
-        if router:
-            raise UsageError(f"rollout router {self.url} does not pass return_sampling_mask on to its workers "
-                             "(sglang-router 0.3.2 drops it), which rollouts at top_p < 1 need: list the workers "
-                             "themselves in engine.urls (the fleet balances them) or use rollout.top_p 1")
         raise UsageError(f"rollout server {self.url} does not return output_token_sampling_logprobs for "
                          "return_sampling_mask (SGLang 0.5.23 does), which rollouts at top_p < 1 need: use "
                          "rollout.top_p 1 or such a server")
