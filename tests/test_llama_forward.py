@@ -217,9 +217,9 @@ def test_a_steps_critic_forwards_reuse_the_frozen_start_exactly(tiny_model_dir):
     with critic.reusing_frozen_start():
         critic(ids, mask, actions).square().sum().backward()  # the first forward keeps its start
         optimizer.step()
-        assert len(critic._starts) == 1
+        assert len(critic._starts.kept) == 1
         later, other_rows = fresh(mask), fresh(other)
-        assert len(critic._starts) == 2  # the other mask got its own
+        assert len(critic._starts.kept) == 2  # the other mask got its own
     assert critic._starts is None
     for (values, grads), want in ((later, fresh(mask)), (other_rows, fresh(other))):
         assert torch.equal(values, want[0]) and all(torch.equal(a, b) for a, b in zip(grads, want[1]))
@@ -227,7 +227,8 @@ def test_a_steps_critic_forwards_reuse_the_frozen_start_exactly(tiny_model_dir):
     for p in critic.parameters():
         p.requires_grad_(True)
     with critic.reusing_frozen_start():
-        assert critic._starts is None  # attention trains: nothing before the feed-forward block is fixed
+        critic(ids, mask, actions)
+        assert not critic._starts.kept  # attention trains: nothing before the feed-forward block is fixed
 
 
 def test_other_models_keep_transformers_forward():

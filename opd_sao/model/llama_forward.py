@@ -157,6 +157,35 @@ def frozen_start(model) -> bool:
     return not any(p.requires_grad for module in before for p in module.parameters())
 
 
+class FrozenStarts:
+    """`hidden_states`' starts kept over forwards of the same rows and read positions (a critic step's K updates and
+    its values after them: `ValueModel.reusing_frozen_start`), at most `budget` bytes of them; none where this
+    forward does not serve the model or its start is not frozen (`frozen_start`, asked at the first forward)."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used, self.usable = budget, 0, None
+        self.kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]] = []  # (ids, mask, read, start)
+
+    def start_for(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, read: torch.Tensor,
+                  element_size: int) -> Optional[dict]:
+        """The kept start of these rows and read positions (`read` [B, T]), a new one to fill where the budget
+        allows (the state is [B, T, H] twice, in `element_size`-byte elements), or None."""
+        if self.usable is None:
+            self.usable = serves(model) and frozen_start(model)
+        if not self.usable:
+            return None
+        for ids, mask, marks, start in self.kept:
+            if (ids.shape == input_ids.shape and torch.equal(ids, input_ids) and torch.equal(mask, attention_mask)
+                    and marks.shape == read.shape and torch.equal(marks, read)):
+                return start
+        size = 2 * input_ids.numel() * unwrap(model).config.hidden_size * element_size
+        if self.used + size > self.budget:
+            return None
+        self.used += size
+        self.kept.append((input_ids, attention_mask, read, {}))
+        return self.kept[-1][3]
+
+
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
             cache: DynamicCache) -> None:
     """The engine's join: every layer's keys and values of `input_ids` appended to `cache`, nothing more."""

@@ -5,7 +5,6 @@ run the models and apply a loss (plain torch here, DeepSpeed ZeRO in its own bac
 """
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from pathlib import Path
@@ -15,22 +14,9 @@ import torch
 import transformers
 
 from ..config import TrainerConfig
-from ..model import llama_forward
-from ..model.modeling import (
-    dense_support_logprobs,
-    forward_logits,
-    hidden_states,
-    lm_head,
-    logit_chunks,
-    marked,
-    streamed_divergence,
-    support_logprobs,
-    vocab_rows,
-)
+from ..model import SupportLogprobs, keep_transformers
 from ..trajectory import Batch
 from .micro_batches import Rows, micro_batches
-
-SupportLogprobs = tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
 
 class NonFiniteError(ValueError):
@@ -88,7 +74,7 @@ def prepare(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
     and DeepSpeed's hooks see ordinary autograd)."""
     model.train()
     if not cfg.own_forward:
-        llama_forward.keep_transformers(getattr(model, "backbone", model))  # the critic's backbone
+        keep_transformers(getattr(model, "backbone", model))  # the critic's backbone
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -109,47 +95,6 @@ def action_rows_of(rows: Rows, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         shift = torch.repeat_interleave(first - (count.cumsum(0) - count), count)
         out.append(torch.arange(int(count.sum()), dtype=torch.long) + shift)
     return out
-
-
-def action_support_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor,
-                            support_ids: Optional[torch.Tensor], support_mask: Optional[torch.Tensor], *,
-                            vocab_chunk: int, top_k: int, full_logits: bool = False,
-                            vocab_size: Optional[int] = None) -> SupportLogprobs:
-    """`TrainerBackend.policy_support_logprobs` on a model and the tensors of a batch (both backends' one path).
-
-    The final hidden state before every action token goes through the lm head one vocabulary chunk at a
-    time (`support_logprobs`); the whole vocabulary (`support_ids` None) is the [N, V] log-softmax.
-    `full_logits=True` runs the model's own forward instead (ZeRO-3, whose lm head weight is only gathered
-    inside it) and reads the action rows of its logits (`dense_support_logprobs`)."""
-    b, t = action_mask.bool().nonzero(as_tuple=True)
-    if full_logits:
-        logits = forward_logits(model, input_ids, attention_mask)[b, t - 1, :vocab_size].float()
-        if support_ids is not None:
-            return dense_support_logprobs(logits, support_ids, support_mask, top_k=top_k)
-    else:
-        hidden = hidden_states(model, input_ids, attention_mask, read=marked(input_ids, b, t - 1))[b, t - 1]
-        weight, bias = vocab_rows(*lm_head(model), vocab_size)
-        if support_ids is not None:
-            return support_logprobs(hidden, weight, bias, support_ids, support_mask, vocab_chunk=vocab_chunk,
-                                    top_k=top_k)
-        logits = torch.cat([chunk for _, chunk in logit_chunks(hidden, weight, bias, vocab_chunk)], -1)
-    logp = torch.log_softmax(logits, -1)
-    tail = torch.full((len(logp),), math.log(torch.finfo(torch.float32).tiny), device=logp.device)
-    top = logp.detach().topk(min(top_k, logp.shape[1]), dim=-1).indices if top_k else None
-    return logp, tail, top
-
-
-def action_full_divergence(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, action_mask: torch.Tensor,
-                           teacher, terms, *, report=None, vocab_chunk: int, top_k: int,
-                           vocab_size: Optional[int] = None) -> tuple[torch.Tensor, ...]:
-    """`TrainerBackend.policy_full_divergence` on a model and the tensors of a batch, streamed over the vocabulary
-    (`modeling.streamed_divergence`): (divergence [N], report [N], top-k ids [N, k] when top_k)."""
-    b, t = action_mask.bool().nonzero(as_tuple=True)
-    hidden = hidden_states(model, input_ids, attention_mask, read=marked(input_ids, b, t - 1))[b, t - 1]
-    weight, bias = vocab_rows(*lm_head(model), vocab_size)
-    div, extra, top = streamed_divergence(hidden, weight, bias, teacher, terms, report=report,
-                                          vocab_chunk=vocab_chunk, top_k=top_k)
-    return (div, extra) if top is None else (div, extra, top)
 
 
 class TrainerBackend(ABC):

@@ -28,16 +28,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel
 
 from opd_sao.checkpoints import DTYPES, MODEL_INIT_LOCK, check_attention
-from opd_sao.model import llama_forward
 
-from ..model.decoders import decoder_layers, expert_counts, feed_forward_blocks, mixes_positions
-from ..model.modeling import position_ids_for, read_only_at
+from ..model import FrozenStarts, action_values, decoder_layers, expert_counts, feed_forward_blocks, mixes_positions
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 FROZEN_START_BYTES = 256 << 20  # the most `reusing_frozen_start` keeps: it pays on small models (see there)
@@ -133,8 +130,7 @@ class ValueModel(nn.Module):
     def __init__(self, backbone: nn.Module, hidden_size: int):
         super().__init__()
         self.backbone = backbone
-        self._starts: Optional[list] = None  # within reusing_frozen_start: (input_ids, mask, read, start) of each
-        self._start_bytes = 0
+        self._starts: Optional[FrozenStarts] = None  # within reusing_frozen_start
         self.value_head = nn.Linear(hidden_size, 1, dtype=backbone.dtype)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
@@ -188,47 +184,13 @@ class ValueModel(nn.Module):
         attention untrained). Exact: the same tensors as computing them again. On the vs-TRL model (2 layers) it saves
         about a quarter of each later forward; on an L-layer model about 1/(2L), and it holds the state, [B, T, H]
         twice, so it keeps at most FROZEN_START_BYTES and computes the rest as usual."""
-        usable = llama_forward.serves(self.backbone) and llama_forward.frozen_start(self.backbone)
-        self._starts, self._start_bytes = ([] if usable else None), 0
+        self._starts = FrozenStarts(FROZEN_START_BYTES)
         try:
             yield
         finally:
             self._starts = None
 
-    def _start_for(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, read: torch.Tensor) -> Optional[dict]:
-        """The kept start of these rows and read positions (`read` [B, T]), a new one to fill where the budget
-        allows, or None (outside the scope)."""
-        if self._starts is None:
-            return None
-        for ids, mask, marks, start in self._starts:
-            if (ids.shape == input_ids.shape and torch.equal(ids, input_ids) and torch.equal(mask, attention_mask)
-                    and marks.shape == read.shape and torch.equal(marks, read)):
-                return start
-        size = 2 * input_ids.numel() * self.backbone.config.hidden_size * self.value_head.weight.element_size()
-        if self._start_bytes + size > FROZEN_START_BYTES:
-            return None
-        self._start_bytes += size
-        self._starts.append((input_ids, attention_mask, read, {}))
-        return self._starts[-1][3]
-
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 actions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """[B, T] V(s_t), the value of the state before token t, on real tokens; `actions` [B, T]: only at these
-        tokens (0 elsewhere: GAE and the value loss read no other), the last layer's feed-forward block skipping
-        the states no action follows (`read_only_at`; `llama_forward` reads them alone)."""
-        keep = attention_mask if actions is None else attention_mask * actions.to(attention_mask.dtype)
-        read = None if actions is None else F.pad(keep[:, 1:], (0, 1))  # V(s_t) is read off token t - 1
-        positions = position_ids_for(attention_mask)
-        if read is not None and llama_forward.serves(self.backbone):
-            hidden = llama_forward.hidden_states_at(self.backbone, input_ids, attention_mask, positions, read,
-                                                    start=self._start_for(input_ids, attention_mask, read))
-        else:
-            with read_only_at(self.backbone, read):
-                hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                                       position_ids=positions).last_hidden_state
-        # the head's dtype (float32 master weights, DeepSpeed's bf16, float64); values at least float32
-        state_values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)  # after reading token t
-        state_values = state_values.to(torch.promote_types(state_values.dtype, torch.float32))
-        values = torch.zeros_like(state_values)
-        values[:, 1:] = state_values[:, :-1]  # V(s_t): state before token t
-        return values * keep
+        """[B, T] V(s_t) on real tokens; `actions` [B, T]: only at these tokens (`model.action_values`)."""
+        return action_values(self.backbone, self.value_head, input_ids, attention_mask, actions, self._starts)

@@ -37,13 +37,11 @@ from opd_sao.errors import UsageError
 
 from ..config import TrainerConfig
 from ..devices import resolve_device
-from ..model.decoders import moe_blocks
-from ..model.modeling import sequence_logprobs
+from ..model import action_support_logprobs, moe_blocks, sequence_logprobs
 from .base import (
     SupportLogprobs,
     TrainerBackend,
     action_rows_of,
-    action_support_logprobs,
     adamw,
     lr_scheduler,
     prepare,

@@ -12,14 +12,12 @@ from opd_sao.io.files import atomic_path
 
 from ..config import TrainerConfig
 from ..devices import mixed_precision, resolve_device
-from ..model.modeling import sequence_logprobs
+from ..model import action_full_divergence, action_support_logprobs, sequence_logprobs
 from ..trajectory import Batch
 from .base import (
     SupportLogprobs,
     TrainerBackend,
-    action_full_divergence,
     action_rows_of,
-    action_support_logprobs,
     adamw,
     lr_scheduler,
     prepare,
