@@ -45,5 +45,5 @@ setup(
                  "sglang-router==0.3.2",  # the router tests put in front of serve
                  "msgspec", "pybase64"],  # what SGLang's request models and tensor deserialiser (tests) import
     },
-    entry_points={"console_scripts": ["opd-sao=opd_sao.cli:main"]},
+    entry_points={"console_scripts": ["opd-sao=opd_sao.app.cli:main"]},
 )

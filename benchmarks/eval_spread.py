@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from opd_sao.app.pipeline import eval_domains
 from opd_sao.checkpoints import load_tokenizer
 from opd_sao.config import load_config
-from opd_sao.pipeline import eval_domains
 from opd_sao.runs.evaluation import episode_rewards
 from opd_sao.stages.domains import Domain
 

@@ -31,10 +31,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
+from opd_sao.app.pipeline import ensure_base_model, run_pipeline
 from opd_sao.checkpoints import load_tokenizer
 from opd_sao.config import load_config
 from opd_sao.io.tracking import read_jsonl
-from opd_sao.pipeline import ensure_base_model, run_pipeline
 from opd_sao.stages.envs import ENVIRONMENTS
 from opd_sao.stages.envs.chat import ChatEnv, StyleSchedule, steps_to_recover
 from opd_sao.supervised import run_sft, sft_examples

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from opd_sao.app.pipeline import run_pipeline
 from opd_sao.checkpoints import (
     build_tiny_model,
     load_causal_lm,
@@ -30,7 +31,6 @@ from opd_sao.checkpoints import (
     save_checkpoint,
 )
 from opd_sao.config import TinyModelConfig, parse_config
-from opd_sao.pipeline import run_pipeline
 
 DOMAINS = ["digits_reverse", "digits_sort", "digits_copy"]
 

@@ -223,7 +223,7 @@ def main(argv=None) -> dict:
                                      TinyModelConfig(), seed=0)
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            server = subprocess.Popen([sys.executable, "-m", "opd_sao.cli", "serve", str(model), "--port", str(port),
+            server = subprocess.Popen([sys.executable, "-m", "opd_sao.app.cli", "serve", str(model), "--port", str(port),
                                        "--max-batch", str(args.max_batch), "--max-new-tokens", str(cap)],
                                       cwd=ROOT, stdout=subprocess.DEVNULL)
         else:

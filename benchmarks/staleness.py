@@ -12,8 +12,8 @@ import json
 import tempfile
 from pathlib import Path
 
+from opd_sao.app.pipeline import run_pipeline
 from opd_sao.config import load_config
-from opd_sao.pipeline import run_pipeline
 
 REASONING = Path(__file__).resolve().parents[1] / "configs" / "reasoning.yaml"
 

@@ -20,8 +20,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from opd_sao.app.pipeline import run_pipeline
 from opd_sao.config import load_config
-from opd_sao.pipeline import run_pipeline
 
 REASONING = Path(__file__).resolve().parents[1] / "configs" / "reasoning.yaml"
 QUIET = ["logging.wandb=false", "logging.progress=false"]

@@ -52,7 +52,7 @@ if [ "${CPU_RUN:-0}" = 1 ]; then  # the run's imports beyond the import check: e
   rm -rf "$run_dir"
   start=$(date +%s)
   "${offline[@]}" WANDB_MODE=disabled PYTHONPATH="$PWD/build/gpu_check/site:$PWD" \
-    "$PYTHON" -m opd_sao.cli run configs/gpu_check.yaml device=cpu trainer.backend=torch --run-dir "$run_dir" \
+    "$PYTHON" -m opd_sao.app.cli run configs/gpu_check.yaml device=cpu trainer.backend=torch --run-dir "$run_dir" \
     > build/check_gpu_wheels-run.log 2>&1 || { tail -20 build/check_gpu_wheels-run.log >&2;
       echo "check_gpu_wheels: FAILED: configs/gpu_check.yaml on the CPU (log build/check_gpu_wheels-run.log)" >&2; exit 1; }
   sed -n '/^stage  /,/^summary:/p' build/check_gpu_wheels-run.log  # per stage: gate verdict, held-out scores

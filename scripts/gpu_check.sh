@@ -60,7 +60,7 @@ if [ -n "$WHEELS" ]; then  # offline: the dependencies from a wheel directory, b
   export PYTHONPATH=$PWD/$WORK/site${PYTHONPATH:+:$PYTHONPATH}
   # the run's own imports: every stage kind (opd_sao.stages, mapped from this checkout by opd_sao/__init__.py),
   # the teachers, the logit cache and the CLI
-  "$PYTHON" -c 'import opd_sao.cli, opd_sao.pipeline, opd_sao.stages, opd_sao.teachers, opd_sao.cache, deepspeed' \
+  "$PYTHON" -c 'import opd_sao.app.cli, opd_sao.app.pipeline, opd_sao.stages, opd_sao.teachers, opd_sao.cache, deepspeed' \
     || { echo "gpu_check: opd-sao does not import with the wheels of $WHEELS" >&2; exit 2; }
   echo "gpu_check: $(ls "$WHEELS"/*.whl | wc -l) wheels installed into $WORK/site from $WHEELS (no network)"
 fi
@@ -212,7 +212,7 @@ for run in $RUNS; do
   echo "gpu_check: $run (log: $log, at most ${STEP_TIMEOUT}s)"
   start=$(date +%s)
   # shellcheck disable=SC2086  # the overrides are separate words
-  timeout --kill-after=30 "$STEP_TIMEOUT" "$PY" -m opd_sao.cli run "$config" $overrides --run-dir "$run_dir" \
+  timeout --kill-after=30 "$STEP_TIMEOUT" "$PY" -m opd_sao.app.cli run "$config" $overrides --run-dir "$run_dir" \
     > "$log" 2>&1 || status="failed (exit $?)"
   end=$(date +%s)
   [[ $run == fleet-* ]] && stop_sglang

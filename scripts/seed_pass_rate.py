@@ -103,8 +103,8 @@ def multinode(seed: int, args) -> dict:
     import torch
     from test_multinode import _config
 
+    from opd_sao.app.pipeline import run_pipeline
     from opd_sao.config import parse_config
-    from opd_sao.pipeline import run_pipeline
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

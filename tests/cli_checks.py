@@ -1,7 +1,7 @@
 """The one-line-error promise of the CLI, checked the same way by every hostile-input test."""
 from __future__ import annotations
 
-from opd_sao import cli
+from opd_sao.app import cli
 
 
 def refused(capsys, *argv) -> str:

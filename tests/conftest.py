@@ -89,7 +89,7 @@ def start_server(tmp_path_factory):
 
     def start(checkpoint, *args, port=None):
         port = port or launchers.free_port()
-        cmd = [sys.executable, "-m", "opd_sao.cli", "serve", str(checkpoint), "--port", str(port), "--threads", "1",
+        cmd = [sys.executable, "-m", "opd_sao.app.cli", "serve", str(checkpoint), "--port", str(port), "--threads", "1",
                *map(str, args)]
         with open(logs / f"serve-{port}.log", "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -79,6 +79,6 @@ if __name__ == "__main__":
         cap = int(args[at + 1])
         del args[at:at + 2]
     plug_in_sglang(cap)
-    from opd_sao.cli import main
+    from opd_sao.app.cli import main
 
     sys.exit(main(["serve", *args]))

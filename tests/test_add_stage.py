@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from opd_sao import stages
+from opd_sao.app.pipeline import run_pipeline
 from opd_sao.config import ConfigError, parse_config
-from opd_sao.pipeline import run_pipeline
 
 # A complete new stage kind, written as a user would drop it into stages/.
 STAGE_FILE = '''

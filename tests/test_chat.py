@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
+from opd_sao.app.pipeline import run_pipeline
 from opd_sao.config import TinyModelConfig, parse_config
-from opd_sao.pipeline import run_pipeline
 from opd_sao.stages import RunContext
 from opd_sao.stages.envs.chat import (
     STYLES,

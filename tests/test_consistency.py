@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 
+from opd_sao.app.cli import main
 from opd_sao.checkpoints import load_causal_lm, save_checkpoint
-from opd_sao.cli import main
 from opd_sao.config import GateConfig, RolloutConfig, TrainerConfig
 from opd_sao.consistency.check import (
     action_spans,

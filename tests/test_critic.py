@@ -8,7 +8,7 @@ import torch
 from gradients import assert_same_gradients
 from transformers import AutoModel, LlamaConfig, MambaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3MoeConfig
 
-from opd_sao.cli import main
+from opd_sao.app.cli import main
 from opd_sao.trainers.critic import ValueModel, describe_critic
 
 SMALL = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,

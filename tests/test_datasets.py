@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from opd_sao import cli
+from opd_sao.app import cli
 from opd_sao.stages.envs import ENVIRONMENTS
 from opd_sao.stages.envs.dataset import DatasetEnv
 from opd_sao.stages.envs.dataset.files import DatasetError
@@ -234,8 +234,8 @@ def test_sample_data_passes_validity_and_feeds_the_tokenizer():
 
 def test_byo_pipeline_smoke(tmp_path):
     """configs/byo_data.yaml shortened to a few steps per stage: every stage runs on the sample files."""
+    from opd_sao.app.pipeline import run_pipeline
     from opd_sao.config import load_config
-    from opd_sao.pipeline import run_pipeline
 
     overrides = ["logging.progress=false", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64",
                  "trainer.train_batch_size=8", "trainer.critic_warmup_steps=1", f"stages.chat.env_options.reward_options.path={tmp_path / 'rm'}",

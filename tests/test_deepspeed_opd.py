@@ -189,7 +189,7 @@ def test_opd_sao_run_distils_at_top_k_and_top_p_on_two_deepspeed_ranks(tmp_path,
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "build" / "torch_extensions"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "opd_sao.cli", "run", str(tmp_path / "opd.yaml"), "--run-dir", str(tmp_path / "run")]
+           "-m", "opd_sao.app.cli", "run", str(tmp_path / "opd.yaml"), "--run-dir", str(tmp_path / "run")]
     result = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     metrics = tmp_path / "run" / "stages" / "opd" / "metrics.jsonl"

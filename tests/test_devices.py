@@ -73,7 +73,7 @@ def test_the_cli_refuses_cuda_before_any_work(tmp_path, tiny_model_dir, args):
     args = [{"CKPT": str(tiny_model_dir), "OUT": str(tmp_path / "out"), "PORT": str(free_port())}.get(a, a)
             for a in args]
     extra = ["--run-dir", str(tmp_path / "run")] if args[0] == "run" else []
-    result = subprocess.run([sys.executable, "-m", "opd_sao.cli", *args, *extra], cwd=ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", *args, *extra], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "no CUDA device" in result.stderr
@@ -221,7 +221,7 @@ def test_the_gpu_check_config_is_valid_for_every_run_setting():
 
     import yaml
 
-    from opd_sao.pipeline import check_before_work
+    from opd_sao.app.pipeline import check_before_work
 
     script = (ROOT / "scripts" / "gpu_check.sh").read_text()
     stages = re.search(r'^STAGES="([^"]+)"', script, re.M).group(1).split()

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from cli_checks import refused as _refused
 
-from opd_sao import cli
+from opd_sao.app import cli
 from opd_sao.stages.envs import register_env
 from opd_sao.stages.envs.arithmetic import ArithmeticEnv
 

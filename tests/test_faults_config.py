@@ -17,7 +17,7 @@ import pytest
 import yaml
 from cli_checks import refused as _refused
 
-from opd_sao import cli
+from opd_sao.app import cli
 from opd_sao.errors import UsageError
 from opd_sao.io.files import inside
 
@@ -260,7 +260,7 @@ def test_an_opd_top_k_above_the_vocabulary_is_refused_before_the_first_stage(tmp
 def test_sigterm_after_run_finished_exits_0_without_a_traceback(tmp_path, tiny_model_dir):
     """Before: the signal raised KeyboardInterrupt into the summary's printing or the interpreter's teardown: a
     traceback, after a run that had finished."""
-    proc = subprocess.Popen([sys.executable, "-m", "opd_sao.cli", "run", _config(tmp_path, str(tiny_model_dir)),
+    proc = subprocess.Popen([sys.executable, "-m", "opd_sao.app.cli", "run", _config(tmp_path, str(tiny_model_dir)),
                              "--run-dir", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     for line in proc.stdout:

@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 
+from opd_sao.app.pipeline import run_pipeline
 from opd_sao.config import TrainerConfig, parse_config
-from opd_sao.pipeline import run_pipeline
 from opd_sao.runs.checkpointing import StageState
 from opd_sao.stages.envs.dataset import DatasetEnv
 from opd_sao.stages.envs.rewards import RewardFailure
@@ -265,7 +265,7 @@ def test_resume_refuses_changed_data(tmp_path):
 
 def test_data_inspect_exits_non_zero_on_malformed_rows(tmp_path, capsys):
     """Before: `160 rows, 160 malformed`, exit status 0."""
-    from opd_sao import cli
+    from opd_sao.app import cli
 
     path = rows_file(tmp_path, [{"question": r["prompt"]} for r in ROWS])
     assert cli.main(["data", "inspect", str(path)]) == 1
@@ -313,7 +313,7 @@ def test_a_judge_down_during_a_run_ends_in_one_line(tmp_path, capsys):
     """Before: a judge that went down during a run ended it in a traceback (the rollout worker's error, wrapped)."""
     import yaml
 
-    from opd_sao import cli
+    from opd_sao.app import cli
 
     cfg = _run_config(tmp_path, {"path": str(rows_file(tmp_path)), "reward": "judge",
                                  "reward_options": {"base_url": "http://127.0.0.1:9/v1", "model": "m", "retries": 1,
@@ -338,7 +338,7 @@ def test_math_strict_takes_only_a_marked_answer():
 def test_audit_takes_env_options_and_a_jsonl_prompts_file_and_says_when_it_repeats(tmp_path, tiny_model_dir, capsys):
     """Before: `opd-sao audit` had no way to give the environment's options (a dataset env could not be audited),
     read a prompts file line by line (no multi-line prompts), and repeated prompts silently to reach --prompts."""
-    from opd_sao import cli
+    from opd_sao.app import cli
 
     common = [str(tiny_model_dir), "--prompts", "12", "--max-new-tokens", "2", "--out", str(tmp_path / "audit")]
     options = json.dumps({"path": str(rows_file(tmp_path)), "eval_fraction": 0.1})
@@ -365,7 +365,7 @@ def test_a_prompt_past_the_models_positions_is_refused_naming_its_file_and_row(t
     cfg = _run_config(tmp_path, {"path": str(path), "eval_fraction": 0.1})
     cfg["model"]["tiny"] = {**TINY, "max_positions": 64}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    done = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", str(tmp_path / "run.yaml"), "--run-dir",
+    done = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", "run", str(tmp_path / "run.yaml"), "--run-dir",
                            str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()

@@ -24,7 +24,7 @@ DEADLINE_S = 300  # a refusal takes seconds; before the fix these runs never end
 
 
 def opd_sao(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opd_sao.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "opd_sao.app.cli", *args], capture_output=True, text=True,
                           timeout=DEADLINE_S, **kwargs)
 
 
@@ -135,12 +135,12 @@ def test_a_data_file_that_is_no_file_of_bytes_is_refused_naming_it(tmp_path, how
          "stages": [{"name": "r", "kind": "reasoning", "env": "dataset", "env_options": {"path": str(path)},
                      "steps": 3, "rollout": {"max_new_tokens": 4}, "gate": {"enabled": False}}]}))
     wrap = NO_DAC if how == "unreadable" else []
-    run = subprocess.run([*wrap, sys.executable, "-m", "opd_sao.cli", "run", str(config), "--run-dir",
+    run = subprocess.run([*wrap, sys.executable, "-m", "opd_sao.app.cli", "run", str(config), "--run-dir",
                           str(tmp_path / "run")], capture_output=True, text=True, timeout=DEADLINE_S)
     assert run.returncode == 2
     assert one_error_line(run.stderr) == f"opd-sao run: error: stage 'r': data file {path}: {why}"
     assert not (tmp_path / "run").exists()
-    inspect = subprocess.run([*wrap, sys.executable, "-m", "opd_sao.cli", "data", "inspect", str(path)],
+    inspect = subprocess.run([*wrap, sys.executable, "-m", "opd_sao.app.cli", "data", "inspect", str(path)],
                              capture_output=True, text=True, timeout=DEADLINE_S)
     assert inspect.returncode == 2 and one_error_line(inspect.stderr).endswith(f"dataset file {path}: {why}")
 

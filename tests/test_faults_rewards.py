@@ -163,7 +163,7 @@ def test_reward_errors_are_in_summary_json_and_too_many_stop_the_run_in_one_line
                                           "reward_options": options},
                           "rollout": {"max_new_tokens": 4}, "eval": {"num_tasks": 2}}]}
     (tmp_path / "run.yaml").write_text(json.dumps(config))
-    out = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", str(tmp_path / "run.yaml"), "--run-dir",
+    out = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", "run", str(tmp_path / "run.yaml"), "--run-dir",
                           str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
     if limit == "tolerated":
         assert out.returncode == 0, out.stderr[-3000:]

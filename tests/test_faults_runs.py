@@ -36,7 +36,7 @@ def config(tmp_path: Path, model: Path, slowdown_s: float = 0.5) -> str:
 
 
 def start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "opd_sao.cli", "run", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "opd_sao.app.cli", "run", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -67,7 +67,7 @@ def one_line(stderr: str) -> str:
 
 def resume_completes(run_dir: Path) -> None:
     """The command the line gave, run: the stage ends with every step trained exactly once."""
-    done = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", "--resume", str(run_dir)], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", "run", "--resume", str(run_dir)], capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert trained_steps(run_dir) == list(range(STEPS))
@@ -157,7 +157,7 @@ def test_a_full_disk_and_a_read_only_run_dir_end_in_one_line_and_lose_nothing(tm
     _mount("--bind", str(run_dir), str(read_only))
     try:
         _mount("-o", "remount,bind,ro", str(read_only))
-        done = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", "--resume", str(read_only)],
+        done = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", "run", "--resume", str(read_only)],
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 1
         assert "the run directory is read-only" in one_line(done.stderr)
@@ -184,7 +184,7 @@ def test_a_fresh_run_into_a_full_disk_leaves_neither_its_lock_nor_its_directory(
     existing.mkdir()
     (existing / "mine.txt").touch()  # an inode, no data: fits on the full disk
     for run_dir in (small_disk / "new", existing):
-        done = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", config(tmp_path, tiny_model_dir),
+        done = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", "run", config(tmp_path, tiny_model_dir),
                                "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=600)
         assert done.returncode == 1
         assert "the disk is full" in one_line(done.stderr) and "nothing was saved yet" in done.stderr
@@ -211,7 +211,7 @@ def test_resume_refuses_a_base_model_swapped_for_another_of_the_same_shape(tmp_p
     weights = model / "model.safetensors"
     assert weights.stat().st_size == (perturbed_teacher / "model.safetensors").stat().st_size  # the same shape
     shutil.copyfile(perturbed_teacher / "model.safetensors", weights)
-    done = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", "--resume", str(run_dir)], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", "run", "--resume", str(run_dir)], capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 2
     assert one_line(done.stderr).startswith(f"opd-sao run: error: model.path: {weights} changed (size ")
@@ -240,7 +240,7 @@ def test_resume_refuses_a_teacher_checkpoint_replaced_since_the_run_started(tmp_
     weights = teacher / "model.safetensors"
     assert weights.stat().st_size == (tiny_model_dir / "model.safetensors").stat().st_size  # the same shape
     shutil.copyfile(tiny_model_dir / "model.safetensors", weights)
-    done = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", "--resume", str(run_dir)], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", "run", "--resume", str(run_dir)], capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 2
     assert one_line(done.stderr).startswith(f"opd-sao run: error: stage 'o': teacher 't': {weights} changed (size ")

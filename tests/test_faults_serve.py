@@ -469,7 +469,7 @@ def test_a_model_file_linked_outside_the_weights_root_is_refused(tiny_model_dir,
 
 def _serve_fails(*args: str, timeout: float = 120) -> str:
     """`opd-sao serve ARGS` must exit non-zero with one `opd-sao serve: error:` line and no traceback: that line."""
-    done = subprocess.run([sys.executable, "-m", "opd_sao.cli", "serve", *args, "--threads", "1"],
+    done = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", "serve", *args, "--threads", "1"],
                           capture_output=True, text=True, timeout=timeout)
     lines = done.stderr.strip().splitlines()
     assert done.returncode != 0 and len(lines) == 1 and lines[0].startswith("opd-sao serve: error:"), done

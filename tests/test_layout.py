@@ -7,6 +7,7 @@ import that only hides a circle is caught too.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 MOVED = ("stages", "teachers", "cache")  # top-level folders that install as opd_sao.stages, ... (setup.py)
 PACKAGES = ("opd_sao", *MOVED)
-APPLICATION = {"opd_sao.cli", "opd_sao.pipeline"}  # the only core modules that may import stages
+APPLICATION = "opd_sao.app"  # the top layer (cli, pipeline): the only core package that may import stages
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -62,7 +63,7 @@ def graph():
 
 
 def package_of(module: str) -> str:
-    """The unit of the package graph: `opd_sao.X`, the first level under opd_sao. A subpackage is one unit with
+    """The unit of the package graph: `opd_sao.<name>`, the first level under opd_sao. A subpackage is one unit with
     everything below it (opd_sao.runs.evaluation -> opd_sao.runs, opd_sao.stages.envs.dataset.files ->
     opd_sao.stages; the moved top-level folders are opd_sao.stages, opd_sao.teachers, opd_sao.cache), and a
     top-level module is a unit of its own (opd_sao.config). Finer units would let two packages lean on each
@@ -121,17 +122,18 @@ def test_no_package_cycle(graph):
 
 
 def test_a_package_cycle_without_a_module_cycle_fails_the_layout(tmp_path):
-    """A fake source tree read as the real one is: opd_sao.a.x imports opd_sao.b.y and opd_sao.b.z imports
-    opd_sao.a.w. No module imports itself back, so only the package graph shows the circle."""
-    for name, source in {"__init__": "", "a/__init__": "", "a/x": "from opd_sao.b import y\n", "a/w": "",
-                         "b/__init__": "", "b/y": "", "b/z": "import opd_sao.a.w\n"}.items():
+    """A fake source tree read as the real one is: a/x.py imports b.y and b/z.py imports a.w (under a fake
+    opd_sao). No module imports itself back, so only the package graph shows the circle."""
+    for name, source in {"__init__": "", "a/__init__": "", "a/x": "from ..b import y\n", "a/w": "",
+                         "b/__init__": "", "b/y": "", "b/z": "from ..a import w\n"}.items():
         (tmp_path / "opd_sao" / f"{name}.py").parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "opd_sao" / f"{name}.py").write_text(source)
     graph = import_graph(tmp_path)
-    assert graph["opd_sao.a.x"] == {"opd_sao.b", "opd_sao.b.y"} and graph["opd_sao.b.z"] == {"opd_sao.a.w"}
+    fake = {name: f"opd_sao.{name}" for name in ("a", "a.w", "a.x", "b", "b.y", "b.z")}
+    assert graph[fake["a.x"]] == {fake["b"], fake["b.y"]} and graph[fake["b.z"]] == {fake["a"], fake["a.w"]}
     assert find_cycle(graph) is None
     with pytest.raises(AssertionError, match=r"opd_sao\.a -> opd_sao\.b -> opd_sao\.a \(opd_sao\.a\.x -> "
-                                             r"opd_sao\.b; opd_sao\.b\.z -> opd_sao\.a\.w\)"):
+                                             r"opd_sao\.b; opd_sao\.b\.z -> opd_sao\.a\)"):
         check_no_package_cycle(graph)
     (tmp_path / "opd_sao" / "b" / "z.py").write_text("")  # the circle broken: the layout passes
     check_no_package_cycle(import_graph(tmp_path))
@@ -139,9 +141,20 @@ def test_a_package_cycle_without_a_module_cycle_fails_the_layout(tmp_path):
 
 def test_core_imports_no_stage(graph):
     offenders = sorted(f"{name} -> {dep}" for name, deps in graph.items()
-                       if not under(name, "opd_sao.stages") and name not in APPLICATION
+                       if not under(name, "opd_sao.stages", APPLICATION)
                        for dep in deps if under(dep, "opd_sao.stages"))
     assert not offenders, "core modules importing stages: " + ", ".join(offenders)
+
+
+def test_the_application_is_on_top_and_the_file_primitives_at_the_bottom(graph):
+    """Nothing imports the CLI or the pipeline but themselves; the file primitives (opd_sao.io) import nothing of
+    ours but the error base and the regular-file opener, so every layer may use them."""
+    above = sorted(f"{n} -> {d}" for n, deps in graph.items() for d in deps
+                   if under(d, APPLICATION) and not under(n, APPLICATION))
+    assert not above, "imports of the application layer: " + ", ".join(above)
+    below = sorted(f"{n} -> {d}" for n, deps in graph.items() for d in deps
+                   if under(n, "opd_sao.io") and not under(d, "opd_sao.io", "opd_sao.errors", "opd_sao.regular_files"))
+    assert not below, "opd_sao.io must stay a bottom layer: " + ", ".join(below)
 
 
 def test_cache_and_teachers_stay_below_the_trainer(graph):
@@ -160,9 +173,22 @@ def test_cache_and_teachers_stay_below_the_trainer(graph):
 def test_the_graph_names_the_moved_packages_as_they_import(graph):
     """The rules above see real edges under the installed names (a rename that left the graph empty of them would
     make every rule pass); the error base imports nothing of ours, so every layer may use it."""
-    assert any(under(dep, "opd_sao.stages") for dep in graph["opd_sao.pipeline"])
+    assert any(under(dep, "opd_sao.stages") for dep in graph["opd_sao.app.pipeline"])
     assert any(under(dep, "opd_sao.cache") for dep in graph["opd_sao.teachers.base"])
     assert graph["opd_sao.errors"] == set()
+
+
+def test_docs_architecture_lists_the_package_layers_as_they_import(graph):
+    """docs/architecture.md ("Layers point one way") names every package in groups, bottom up, and each imports
+    only packages of earlier groups (the namespace root, opd_sao, which every import goes through, aside)."""
+    text = " ".join((ROOT / "docs" / "architecture.md").read_text().split())
+    listed = text.split("each package importing only packages of earlier groups:")[1].split(".")[0]
+    layer = {f"opd_sao.{name}": i for i, group in enumerate(listed.split(";"))
+             for name in re.findall(r"`(\w+)`", group)}
+    packages = {pkg: deps - {"opd_sao"} for pkg, deps in package_graph(graph).items() if pkg != "opd_sao"}
+    assert set(packages) == set(layer), f"not listed: {set(packages) - set(layer)}, gone: {set(layer) - set(packages)}"
+    bad = sorted(f"{pkg} -> {dep}" for pkg, deps in packages.items() for dep in deps if layer[dep] >= layer[pkg])
+    assert not bad, "imports of a package in the same or a later group: " + ", ".join(bad)
 
 
 def test_every_config_setting_is_documented_and_docs_config_md_is_current():

@@ -16,8 +16,8 @@ import json
 
 import pytest
 
+from opd_sao.app.pipeline import run_pipeline
 from opd_sao.config import parse_config
-from opd_sao.pipeline import run_pipeline
 
 STAGES = {
     # the SFT warm start leaves each kind mid-range (about 0.6 and 0.3 train reward), where RL has room to show

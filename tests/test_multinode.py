@@ -65,7 +65,7 @@ def test_two_torchrun_nodes_run_sft_sao_and_served_teacher_opd_at_zero3(tmp_path
     for node in (0, 1):  # what a user types on each node
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-               "-m", "opd_sao.cli", "run", str(cfg), "--run-dir", str(run_dir)]
+               "-m", "opd_sao.app.cli", "run", str(cfg), "--run-dir", str(run_dir)]
         log = open(tmp_path / f"node{node}.log", "w")
         nodes.append((subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log))
     for proc, log in nodes:

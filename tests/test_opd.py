@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from opd_sao.algorithms import domain_shares, pointwise_divergence, truncated_divergence
+from opd_sao.app.pipeline import check_before_work, run_pipeline
 from opd_sao.cache import LogitCache
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.config import (
@@ -21,7 +22,6 @@ from opd_sao.config import (
     parse_config,
 )
 from opd_sao.model.modeling import dense_support_logprobs, sequence_logprobs, streamed_divergence, support_logprobs
-from opd_sao.pipeline import check_before_work, run_pipeline
 from opd_sao.rl.distill import DomainSchedule, OPDLearner, padded_support
 from opd_sao.teachers import Prefetcher, TeacherSet, TeacherTargets
 from opd_sao.trainers import TorchTrainer

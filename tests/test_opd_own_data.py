@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from opd_sao import cli
+from opd_sao.app import cli
+from opd_sao.app.pipeline import check_before_work, run_pipeline
 from opd_sao.config import load_config, parse_config
 from opd_sao.io.data_fingerprint import RECORD
-from opd_sao.pipeline import check_before_work, run_pipeline
 from opd_sao.stages.domains import Domain
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data"

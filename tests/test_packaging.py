@@ -14,7 +14,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from opd_sao import cli
+from opd_sao.app import cli
 from opd_sao.errors import OpdSaoError, UsageError
 from opd_sao.stages.base import ENV_SECTIONS, Stage, register_stage
 
@@ -62,7 +62,7 @@ def test_a_checkout_installed_nowhere_maps_its_folders_under_opd_sao():
     skips site-packages' .pth files, the dependencies come in through PYTHONPATH). opd_sao.stages, .teachers and
     .cache are still the checkout's folders (opd_sao/__init__.py); before, `opd_sao.stages` was not found."""
     site = next(p for p in sys.path if p.endswith("site-packages"))
-    probe = ("import json, opd_sao.stages, opd_sao.teachers, opd_sao.cache, opd_sao.cli, sys; "
+    probe = ("import json, opd_sao.stages, opd_sao.teachers, opd_sao.cache, opd_sao.app.cli, sys; "
              "print(json.dumps([sys.modules['opd_sao.' + m].__file__ for m in %r]))" % (MOVED,))
     out = subprocess.run([sys.executable, "-S", "-c", probe], cwd="/", capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{site}"})
@@ -71,12 +71,12 @@ def test_a_checkout_installed_nowhere_maps_its_folders_under_opd_sao():
 
 
 def test_importing_the_whole_package_puts_no_stages_teachers_or_cache_on_sys_modules():
-    """Every module of opd_sao (opd_sao.cli, the stages, teachers and cache included) imported in a fresh
+    """Every module of opd_sao (opd_sao.app.cli, the stages, teachers and cache included) imported in a fresh
     interpreter: no top-level `stages`, `teachers` or `cache` module appears (`cache` collides with other
     distributions)."""
     probe = """
 import importlib, json, pkgutil, sys
-import opd_sao.cli
+import opd_sao.app.cli
 failed, walked = [], []
 # the moved folders are no subfolders of opd_sao/ in a checkout, so each is walked from its own path
 for root in [importlib.import_module(name) for name in ("opd_sao", *("opd_sao." + m for m in %r))]:

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from opd_sao.app.pipeline import run_pipeline
 from opd_sao.config import ConfigError, parse_config
 from opd_sao.errors import UsageError
 from opd_sao.io.timing import PHASES
-from opd_sao.pipeline import run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
@@ -72,7 +72,7 @@ def test_reasoning_stage_end_to_end(tmp_path, algo):
 
 
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "opd_sao.cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "opd_sao.app.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=120)
 
 
@@ -198,7 +198,7 @@ SFT_WARMUP = {"name": "warmup", "kind": "sft", "domains": ["arithmetic"], "sft":
      "stage 'o' (opd): `env:` is not read by opd stages"),
 ])
 def test_a_section_its_kind_does_not_read_is_refused_in_one_line(stage, line):
-    from opd_sao.pipeline import check_before_work
+    from opd_sao.app.pipeline import check_before_work
 
     cfg = _config()
     cfg["stages"].append(stage)  # after a valid stage: the teacher above is that earlier stage
@@ -219,7 +219,7 @@ def test_the_cli_refuses_a_foreign_section_in_one_line_before_any_work(tmp_path)
 def test_a_foreign_section_at_its_default_passes_and_a_resumed_run_is_not_refused_for_its_sections():
     """A run's config.yaml writes every field out (foreign ones at their defaults); `--resume` reads it, and the run
     was checked when it started (a run started before this check may carry an ignored setting)."""
-    from opd_sao.pipeline import check_before_work
+    from opd_sao.app.pipeline import check_before_work
 
     cfg = _config()
     cfg["stages"].append({**SFT_WARMUP, "opd": {"top_k": 16}, "steps": 20})  # both the defaults
@@ -232,9 +232,9 @@ def test_a_foreign_section_at_its_default_passes_and_a_resumed_run_is_not_refuse
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_and_the_config_yaml_its_run_writes_pass_the_checks(path, monkeypatch):
+    from opd_sao.app.pipeline import check_before_work
     from opd_sao.config import load_config
     from opd_sao.model_import import registry_gguf
-    from opd_sao.pipeline import check_before_work
 
     monkeypatch.chdir(ROOT)  # the configs' data paths are relative to the repository root
     # smollm2.yaml's model is written by `opd-sao models fetch smollm2` (its first lines): checked on the GGUF file

@@ -124,7 +124,7 @@ def test_an_installed_packages_entry_points_register_its_plugins(tmp_path):
 def test_an_unknown_teacher_kind_is_refused_before_any_work(tmp_path, monkeypatch):
     """A teacher kind is looked up when the config is checked (a plugin not named in `plugins:` is then found
     missing at once), not when its OPD stage starts after the earlier stages have run."""
-    from opd_sao.pipeline import check_before_work
+    from opd_sao.app.pipeline import check_before_work
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ckpt").mkdir()

@@ -1,6 +1,6 @@
 """The extension recipes run exactly as printed: each recipe's two fenced blocks (the one Python file and its
 config, after a `<!-- recipe: NAME -->` marker) are written to a fresh directory as they stand in README.md (or
-docs/extending.md, which has three more) and run through the real CLI (`python -m opd_sao.cli run`, a subprocess) on the tiny model; each test then checks
+docs/extending.md, which has three more) and run through the real CLI (`python -m opd_sao.app.cli run`, a subprocess) on the tiny model; each test then checks
 from the run's own records that the extension did its job, not only that the run finished.
 
 The commands run from a directory holding only the two files and a link to the repository's examples/ (what a
@@ -49,7 +49,7 @@ def _write(recipe: dict, where: Path) -> str:
 
 def _run(where: Path, config: str, *overrides: str, timeout: int = 900) -> dict:
     """`opd-sao run CONFIG --run-dir run [overrides]` in `where`; the run's summary.json."""
-    out = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", config, "--run-dir", "run", *overrides],
+    out = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", "run", config, "--run-dir", "run", *overrides],
                          cwd=where, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return json.loads((where / "run" / "summary.json").read_text())
@@ -88,7 +88,7 @@ def test_without_its_plugin_a_recipes_config_is_refused(name, refusal, tmp_path,
     a `reinforce` of its own)."""
     monkeypatch.chdir(tmp_path)
     config = _write(_recipes()[name], tmp_path)
-    check = ("import sys\nfrom opd_sao.config import load_config\nfrom opd_sao.pipeline import check_before_work\n"
+    check = ("import sys\nfrom opd_sao.config import load_config\nfrom opd_sao.app.pipeline import check_before_work\n"
              "check_before_work(load_config(sys.argv[1], ['plugins=[]']))")
     out = subprocess.run([sys.executable, "-c", check, str(config)], capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and refusal in out.stderr, out.stderr[-2000:]
@@ -174,7 +174,7 @@ def test_a_misspelled_teacher_option_is_refused_in_one_line_before_any_work(tmp_
     recipe = _recipes()["teacher_option"]
     config = _write(recipe, tmp_path)
     (tmp_path / config).write_text(recipe["yaml"][1].replace("{dtype: bfloat16}", "{dtpye: bfloat16}"))
-    out = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", config, "--run-dir", "run"], cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", "run", config, "--run-dir", "run"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "teacher 'reverse' (kind in_process_cast): options.dtpye: Extra inputs are not permitted" in out.stderr

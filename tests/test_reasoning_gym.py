@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from opd_sao.app.pipeline import run_pipeline
 from opd_sao.config import parse_config
-from opd_sao.pipeline import run_pipeline
 from opd_sao.stages.envs import ENVIRONMENTS
 from opd_sao.stages.envs.answers import prompt_expression
 from opd_sao.stages.envs.reasoning_gym_env import ReasoningGymEnv

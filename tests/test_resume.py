@@ -18,7 +18,7 @@ import time
 import pytest
 import yaml
 
-from opd_sao import cli
+from opd_sao.app import cli
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
 RL_STEPS, SFT_STEPS, BATCH, EVERY = 6, 150, 4, 2
@@ -56,7 +56,7 @@ def _mid_stage(run_dir, stage: str, kind: str) -> bool:
 
 
 def _launch(args, log):
-    return subprocess.Popen([sys.executable, "-m", "opd_sao.cli", "run", *args], stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen([sys.executable, "-m", "opd_sao.app.cli", "run", *args], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
@@ -114,7 +114,7 @@ def test_sigkill_mid_stage_of_every_kind_then_resume(tmp_path, capsys):
             assert (run_dir / "stages" / done / "checkpoint" / "model.safetensors").stat().st_mtime_ns == mtimes[done]
         previous = kinds[i - 1][0]
         mtimes[previous] = (run_dir / "stages" / previous / "checkpoint" / "model.safetensors").stat().st_mtime_ns
-    resumed = subprocess.run([sys.executable, "-m", "opd_sao.cli", "run", "--resume", str(run_dir),
+    resumed = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", "run", "--resume", str(run_dir),
                               "--allow-config-change"], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
 

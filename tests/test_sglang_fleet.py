@@ -73,10 +73,10 @@ def test_a_reasoning_stage_trains_through_sglang_semantics_workers(sync, top_p, 
     the workers, which drops return_sampling_mask, so the top-p rollouts and the gate's probes reach them only
     because the fleet sends those to the workers directly (through the router they would come back without
     output_token_sampling_logprobs, and the client would fail them)."""
+    from opd_sao.app.pipeline import run_pipeline
     from opd_sao.checkpoints import load_causal_lm
     from opd_sao.config import parse_config
     from opd_sao.engines.http import SGLangClient
-    from opd_sao.pipeline import run_pipeline
 
     urls = [request.getfixturevalue("sglang_router")] if routed else sglang_workers
     steps = 3
@@ -203,9 +203,9 @@ def test_a_top_p_stage_behind_sglang_router_with_an_unreachable_worker_is_refuse
     (here engine.workers lists a closed port) refuses the stage in one line before anything is written."""
     from launchers import free_port
 
+    from opd_sao.app.pipeline import run_pipeline
     from opd_sao.config import parse_config
     from opd_sao.errors import UsageError
-    from opd_sao.pipeline import run_pipeline
 
     dead = f"http://127.0.0.1:{free_port()}"
     stage = {"name": "reasoning", "kind": "reasoning", "env": "arithmetic", "steps": 1,

@@ -92,8 +92,8 @@ def test_weight_syncs_without_the_filesystem_reach_every_worker_behind_the_route
 
 
 def test_a_router_without_workers_is_refused_before_any_work(tmp_path, tiny_model_dir):
+    from opd_sao.app.pipeline import run_pipeline
     from opd_sao.config import parse_config
-    from opd_sao.pipeline import run_pipeline
 
     url, proc = start_sglang_router([])
     stage = {"name": "reasoning", "kind": "reasoning", "env": "arithmetic", "steps": 2, "sft": {"steps": 2}}
@@ -172,8 +172,8 @@ STEPS = 6  # the killed-worker stage's steps: room for the kill before the last 
 
 def test_reasoning_stage_trains_through_sglang_router_and_a_killed_worker_loses_nothing(
         tmp_path, tiny_model_dir, caplog, start_server):
+    from opd_sao.app.pipeline import run_pipeline
     from opd_sao.config import parse_config
-    from opd_sao.pipeline import run_pipeline
 
     procs = _healthy_workers(start_server, tiny_model_dir, 8)
     # retries off: a request whose worker dies comes back as an error, and opd-sao's own retry must cover it

@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from opd_sao.app.cli import main
+from opd_sao.app.pipeline import run_pipeline
 from opd_sao.checkpoints import PromptFormat, describe_model, load_tokenizer
-from opd_sao.cli import main
 from opd_sao.config import parse_config
 from opd_sao.gguf_header import gguf_keys
 from opd_sao.model_import import registry_gguf
-from opd_sao.pipeline import run_pipeline
 
 SMOLLM2_PARAMETERS = 134_515_008  # 30 layers, width 576, tied embeddings of 49,152 rows
 

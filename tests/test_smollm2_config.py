@@ -89,7 +89,7 @@ def test_the_configs_data_files_pass_the_validity_check_with_200_held_out(stage,
 def test_the_config_runs_end_to_end_on_the_tiny_model(tmp_path, monkeypatch):
     """Every stage of the config, wired as written (envs, rewards, OPD teachers `best`), with the tiny model and one
     policy step each: what breaks here would break three hours into the real run."""
-    from opd_sao.pipeline import run_pipeline
+    from opd_sao.app.pipeline import run_pipeline
 
     monkeypatch.chdir(ROOT)
     overrides = ["model.path=tiny", "trainer.critic_warmup_steps=0", "trainer.train_batch_size=4",

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
+from opd_sao.app.pipeline import run_pipeline
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.config import ConfigError, TrainerConfig, parse_config
 from opd_sao.engines import EmbeddedEngine
 from opd_sao.engines.base import SamplingParams
-from opd_sao.pipeline import run_pipeline
 from opd_sao.rl.rollout import Episode
 from opd_sao.rl.value_pretrain import critic_error, monte_carlo_returns, pretrain_critic, rollout_corpus
 from opd_sao.stages.envs import register_env

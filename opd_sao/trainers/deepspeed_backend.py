@@ -9,7 +9,7 @@ update is therefore the single-process update (token mean over the whole batch, 
 gradient norm) whatever the world size, and the Learner stays backend-agnostic.
 
 Launch (see docs/scale_out.md): `deepspeed --num_gpus N $(which opd-sao) run CONFIG trainer.backend=deepspeed`
-or `torchrun --nproc_per_node N -m opd_sao.cli run ...`; in a plain single process the backend starts a
+or `torchrun --nproc_per_node N -m opd_sao.app.cli run ...`; in a plain single process the backend starts a
 world of one itself.
 """
 from __future__ import annotations

@@ -28,8 +28,8 @@ def _launch_env(name: str, default: int) -> int:
 
 
 def _cmd_run(args) -> int:
-    from .config import load_config
-    from .pipeline import default_run_dir, run_pipeline
+    from opd_sao.app.pipeline import default_run_dir, run_pipeline
+    from opd_sao.config import load_config
 
     rank, world = _launch_env("RANK", 0), _launch_env("WORLD_SIZE", 1)
     if not 0 <= rank < world:
@@ -47,7 +47,7 @@ def _cmd_run(args) -> int:
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(args.run_dir or cfg.run_dir or default_run_dir(args.config))
     if rank > 0:  # a further rank of a DeepSpeed launch: rank 0 runs the pipeline
-        from .trainers.deepspeed_backend import follow
+        from opd_sao.trainers.deepspeed_backend import follow
 
         return follow(cfg)
     if args.allow_config_change and not args.resume:
@@ -182,8 +182,8 @@ def _cmd_sandbox(args) -> int:
 
 def _cmd_models(args) -> int:
     """`opd-sao models check DIR`: what opd-sao will use from a model directory, or one line saying why it cannot."""
-    from .checkpoints import describe_model
-    from .trainers.critic import describe_critic
+    from opd_sao.checkpoints import describe_model
+    from opd_sao.trainers.critic import describe_critic
 
     info = describe_model(args.dir)
     info["critic"] = critic = describe_critic(args.dir)
@@ -387,7 +387,7 @@ def _leave_the_launch(code: int) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized() or _launch_env("RANK", 0) > 0:
-            from .trainers.deepspeed_backend import shut_down
+            from opd_sao.trainers.deepspeed_backend import shut_down
 
             shut_down(code)
 

@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from opd_sao.checkpoints import build_tiny_model, check_attention, load_tokenizer
+from opd_sao.config import BEST_CHECKPOINT, RunConfig
 from opd_sao.engines import check_engine
 from opd_sao.errors import UsageError
 from opd_sao.gguf_header import is_gguf_path
@@ -27,8 +28,6 @@ from opd_sao.model_import import import_gguf, model_config
 from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, disk_use
 from opd_sao.runs.evaluation import Score, evaluate_score
 from opd_sao.runs.report import forgetting, write_report
-
-from .config import BEST_CHECKPOINT, RunConfig
 
 
 def default_run_dir(config_path: str | Path) -> Path:
