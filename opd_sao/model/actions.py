@@ -12,9 +12,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+import opd_sao.model.llama_forward as llama_forward  # the module, not the package: no edge to __init__
 from opd_sao.trajectory import Trajectory
 
-from . import llama_forward
 from .modeling import (
     dense_support_logprobs,
     forward_logits,

@@ -26,7 +26,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from . import llama_forward
+import opd_sao.model.llama_forward as llama_forward  # the module, not the package: no edge to __init__
+
 from .decoders import (
     activation_checkpointing,
     attention_window,
