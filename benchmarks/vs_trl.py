@@ -1,4 +1,4 @@
-"""opd-sao against TRL on the same RL work, both sides in one invocation (TRL in a venv of its own, as a user has it).
+r"""opd-sao against TRL on the same RL work, both sides in one invocation (TRL in a venv of its own, as a user has it).
 
 The work: from one SFT start (the tiny model warmed up on arithmetic), `--steps` policy steps of `--batch` episodes on
 the arithmetic environment's train split (the project's own generator; reward 1 for exactly the answer), at the same
@@ -40,6 +40,27 @@ run's held-out accuracy is the mean over the repeats (each repeat's beside it), 
 algorithm moves by more than the evaluation's own error. `--pin-core C` runs every worker, both sides,
 on core C alone: TRL's single thread is unaffected, while every thread of an opd-sao row shares the one core.
 
+Real-model mode (`--model DIR --config YAML --env NAME --out-dir DIR`): the same comparison from a checkpoint of
+one's own (e.g. SmolLM2 after configs/smollm2.yaml's reasoning-stage format SFT) on the config's stage that trains
+`--env` (e.g. `reasoning_gym:basic_arithmetic`): that stage's env_options, rollout, trainer and rl settings as the
+pipeline resolves them (policy_lr, prompt_format chat where the tokenizer has a template, gradient checkpointing,
+attention), `--prompt-format`, `--max-new-tokens` and `--threads` (default: the config's torch_threads) over them;
+no tiny model, no SFT. Three rows only, all judged: opd-sao SAO, opd-sao GRPO (both `engine.overlap: false`) and
+TRL GRPO (checkpointing as the config's trainer); no OPD, overlap, mini-batch or no-checkpointing rows. TRL's
+prompts are opd-sao's rendered prompts (the chat template's text, the same tokens), and its reward function is the
+project's environment (`ENVIRONMENTS.get(env)(**env_options).step`: for reasoning-gym its own scorer on the final
+<answer>, strict), imported from opd-sao's venv appended after TRL's own packages. `--cpu-budget S` stops every
+row after the step where its training CPU-seconds reach S (snapshots then at every 1/N of S), so each side gets the
+same CPU; held-out: `--eval-tasks` items (>= 200 for the Must-show), greedy with `--eval-greedy`, standard error
+beside each score. Writes `<out-dir>/vs_trl.png` (held-out accuracy against CPU-seconds, every row, +-1 SE) and
+`<out-dir>/result.json` (the JSON line); judged: SAO's accuracy at or above each other row's at each of that row's
+points (equal CPU, SAO's curve interpolated). SmolLM2's reasoning stage (#41):
+
+    benchmarks/vs_trl.py --venv /tmp/trlbench --model /tmp/smol_reason/stages/reasoning/sft_checkpoint \
+        --config configs/smollm2.yaml --env reasoning_gym:basic_arithmetic --prompt-format chat \
+        --max-new-tokens 48 --threads 2 --batch 16 --steps 400 --cpu-budget 1800 --snapshots 4 \
+        --eval-tasks 250 --eval-greedy --out-dir /tmp/vs_trl_smollm2
+
 TRL is installed into `<--venv>/trl-venv` with `python -m venv` and pip (trl==1.16.0, the same torch 2.13.0 CPU
 wheel and transformers as opd-sao's venv), once; later runs reuse it.
 
@@ -78,9 +99,12 @@ def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def one_thread_env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONHASHSEED": "0"}
+THREADS = 1  # torch threads of every worker, either side (--threads; the tiny model runs fastest on one)
+
+
+def thread_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS),
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONHASHSEED": "0"}
 
 
 class Snapshots:
@@ -90,16 +114,29 @@ class Snapshots:
     after the clock stops, and what copying costs is kept out of the points and the run's total
     (`saving`), so the judged ratios are the same with or without."""
 
-    def __init__(self, steps: int, parts: int, out: Path):
+    def __init__(self, steps: int, parts: int, out: Path, cpu_budget: float | None = None):
         self.at = {steps * i // parts for i in range(1, parts)} - {0} if parts > 1 else set()
         self.out, self.cpu0, self.saving, self.points = out, 0.0, 0.0, []
+        self.parts, self.cpu_budget = parts, cpu_budget  # with a budget: after each 1/parts of it, not of the steps
 
     def start(self, cpu0: float) -> None:
         self.cpu0 = cpu0
 
+    def spent(self) -> float:
+        """The training's CPU-seconds so far, copying excluded."""
+        return cpu_seconds() - self.cpu0 - self.saving
+
+    def over_budget(self, steps_done: int = 0) -> bool:
+        """Whether the training has used `cpu_budget` (never without one): the loops' stop check."""
+        return self.cpu_budget is not None and self.spent() >= self.cpu_budget
+
     def after(self, steps_done: int, state_dict) -> None:
-        """`state_dict()` gives the policy's weights, copied if `steps_done` is one of the snapshot steps."""
-        if steps_done not in self.at:
+        """`state_dict()` gives the policy's weights, copied if `steps_done` is one of the snapshot steps (with a
+        CPU budget: the first step after the next 1/parts of it)."""
+        if self.cpu_budget is None:
+            if steps_done not in self.at:
+                return
+        elif len(self.points) >= self.parts - 1 or self.spent() < self.cpu_budget * (len(self.points) + 1) / self.parts:
             return
         cpu = cpu_seconds()
         weights = {name: tensor.detach().to("cpu", copy=True) for name, tensor in state_dict().items()}
@@ -147,15 +184,39 @@ def run_config(start: Path, algo: str, steps: int, batch: int, seed: int, teache
         "stages": [stage]})
 
 
+def real_run_config(real: dict, start: Path, algo: str, steps: int, batch: int, seed: int):
+    """Real-model mode: `real["config"]`'s stage that trains `real["env"]`, alone, from `start` (no SFT: the start
+    is already warm), resolved by the schema as the pipeline resolves it (real-model defaults included), with
+    `algo`, `steps`, `batch` episodes a step, the engine and trainer taking turns, and the CLI's prompt format,
+    new-token budget and thread count over the config's."""
+    from opd_sao.config import load_yaml, parse_config
+    from opd_sao.errors import UsageError
+
+    data = load_yaml(Path(real["config"]).read_text(), real["config"])
+    stage = next((s for s in data.get("stages", []) if s.get("env") == real["env"]), None)
+    if stage is None:
+        raise UsageError(f"{real['config']}: no stage with env {real['env']!r}")
+    rollout = {**stage.get("rollout", {}), **({"max_new_tokens": real["max_new_tokens"]}
+                                              if real.get("max_new_tokens") else {})}
+    stage = {**{k: v for k, v in stage.items() if k != "sft"}, "steps": steps, "rollout": rollout,
+             "trainer": {**stage.get("trainer", {}), "train_batch_size": batch}}
+    data = {**data, "seed": seed, "algo": algo, "model": {**data.get("model", {}), "path": str(start)},
+            "torch_threads": THREADS, "logging": {"wandb": False, "progress": False},
+            "engine": {**data.get("engine", {}), "overlap": False}, "stages": [stage],
+            **({"prompt_format": real["prompt_format"]} if real.get("prompt_format") else {})}
+    return parse_config(data)
+
+
 def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, seed: int,
                    teacher: Path | None = None, granularity: str = "top_k",
                    max_new_tokens: int = SETTINGS["max_new_tokens"], overlap: bool = True,
-                   critic_minibatches: bool = False, snapshots: int = 0) -> dict:
+                   critic_minibatches: bool = False, snapshots: int = 0, real: dict | None = None,
+                   cpu_budget: float | None = None) -> dict:
     """One stage's training as Stage.train runs it (gate at start and end, buffer write-ahead log, metrics, trained
     log, resumable state every checkpoint_every steps); CPU-seconds of the gate and the loop. With `algo` "opd": the
     OPD stage's learner over the teacher's logit cache (the teacher loaded before the clock starts, as TRL loads
     its teacher in the trainer's constructor; the cache's writer committing every record before it stops).
-    `snapshots`: see Snapshots."""
+    `snapshots`, `cpu_budget`: see Snapshots; `real`: real-model mode's stage (real_run_config)."""
     import itertools
 
     import torch
@@ -175,15 +236,20 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     from opd_sao.teachers import Prefetcher, TeacherSet, TeacherTargets
     from opd_sao.trainers import build_backend
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS)
     torch.manual_seed(seed)
-    run = run_config(start, algo, steps, batch, seed, teacher, granularity, max_new_tokens, overlap, critic_minibatches)
+    run = (real_run_config(real, start, algo, steps, batch, seed) if real else
+           run_config(start, algo, steps, batch, seed, teacher, granularity, max_new_tokens, overlap, critic_minibatches))
     stage = run.stages[0]
     trainer_cfg, tok = run.stage_trainer(stage), load_tokenizer(start)
-    env_factory = lambda: ENVIRONMENTS.get("arithmetic")(max_operand=SETTINGS["max_operand"])
     distilling = algo == "opd"
-    backend = build_backend(trainer_cfg, start, with_critic=not distilling and needs_critic(algo), total_steps=steps)
-    engine = build_engine(run.engine, start, tok, seed=seed, device=run.device)
+    domain, env_options = ("arithmetic", {"max_operand": SETTINGS["max_operand"]}) if distilling else \
+        (stage.env, stage.env_options)
+    env_factory = lambda: ENVIRONMENTS.get(domain)(**env_options)
+    attention = run.model.attn_implementation  # trainer and engine alike, as the stage has them
+    backend = build_backend(trainer_cfg, start, with_critic=not distilling and needs_critic(algo),
+                            attn_implementation=attention, total_steps=steps)
+    engine = build_engine(run.engine, start, tok, seed=seed, device=run.device, attn_implementation=attention)
     if distilling:
         registry = TeacherSet.from_config(stage.opd, domains=["arithmetic"], resolve=Path, student_checkpoint=start,
                                           student_tokenizer=tok)
@@ -200,16 +266,16 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     groups = itertools.count()
 
     def make_episodes():
-        return episodes_for(env_factory, next(tasks), tok, stage.rollout, domain="arithmetic",
+        return episodes_for(env_factory, next(tasks), tok, stage.rollout, domain=domain,
                             count=stage.rollout.group_size, group=next(groups))
 
     gate = ConsistencyGate(stage.gate, stage="rl", out_dir=out, engine=engine, backend=backend,
-                           make_probe=lambda: probe_episodes(env_factory, tok, stage.rollout, domain="arithmetic",
+                           make_probe=lambda: probe_episodes(env_factory, tok, stage.rollout, domain=domain,
                                                              n=stage.gate.probe_size, seed=seed),
                            eps_low=stage.rl.eps_low, eps_high=stage.rl.eps_high, deterministic=False,
                            pad_id=tok.pad_token_id)
     state = StageState(out)
-    along = Snapshots(steps, snapshots, out)
+    along = Snapshots(steps, snapshots, out, cpu_budget)
 
     def after_step(step: int) -> None:
         gate.after_step(step)
@@ -220,7 +286,8 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes, rollout=stage.rollout,
                   train_batch_size=trainer_cfg.train_batch_size, pad_id=tok.pad_token_id,
                   logger=MetricsLogger(out / "metrics.jsonl", stage="rl"), trained_log=out / "trained.jsonl",
-                  after_step=after_step, buffer=TrajectoryBuffer(stage.rollout.group_size, spill_dir=out / "buffer"))
+                  after_step=after_step, buffer=TrajectoryBuffer(stage.rollout.group_size, spill_dir=out / "buffer"),
+                  stop_when=along.over_budget)
     cpu0 = cpu_seconds()
     gate.run("start", sync=loop.sync_weights)
     cpu1, wall1 = cpu_seconds(), time.perf_counter()
@@ -234,11 +301,12 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     backend.export_policy(out / "checkpoint", tok)
     engine.close()
     along.write(backend.policy_model, lambda path: backend.export_policy(path, tok))
-    result = {"episodes": steps * trainer_cfg.train_batch_size, "cpu_s": cpu2 - cpu1 - along.saving,
+    result = {"episodes": len(history) * trainer_cfg.train_batch_size, "cpu_s": cpu2 - cpu1 - along.saving,
               "wall_s": wall2 - wall1, "snapshots": along.points, "gate_cpu_s": gate_cpu,
               "torch_threads": torch.get_num_threads(), "checkpoint": str(out / "checkpoint"),
               "peak_rss_mb": peak_mb(),
-              "reward_last_quarter": sum(h["reward_mean"] for h in history[-steps // 4:]) / max(1, len(history[-steps // 4:]))}
+              "reward_last_quarter": sum(h["reward_mean"] for h in history[-len(history) // 4:])
+              / max(1, len(history[-len(history) // 4:]))}
     if distilling:
         quarter = history[-steps // 4:]
         result["divergence_first_last_quarter"] = [sum(h["divergence"] for h in history[:steps // 4]) / max(1, steps // 4),
@@ -260,7 +328,7 @@ def prepare(work: Path, sft_steps: int, seed: int) -> Path:
     from opd_sao.stages.envs import ENVIRONMENTS
     from opd_sao.supervised import run_sft, sft_examples
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS)
     torch.manual_seed(seed)
     texts = [t for name in ENVIRONMENTS.names() for t in ENVIRONMENTS.get(name)().corpus(300)]
     base = build_tiny_model(work / "base", texts, TinyModelConfig(), seed=seed)
@@ -285,7 +353,7 @@ def held_out(checkpoint: Path, samples: int, seed: int) -> float:
     from opd_sao.runs.evaluation import evaluate
     from opd_sao.stages.envs import ENVIRONMENTS
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS)
     env_factory = lambda: ENVIRONMENTS.get("arithmetic")(max_operand=SETTINGS["max_operand"])
     n = len(env_factory().all_tasks("eval"))
     rollout = RolloutConfig(temperature=SETTINGS["temperature"], max_new_tokens=SETTINGS["max_new_tokens"])
@@ -294,41 +362,104 @@ def held_out(checkpoint: Path, samples: int, seed: int) -> float:
                     seed=seed, device="cpu")
 
 
+def real_held_out(checkpoint: Path, real: dict, seed: int) -> dict:
+    """Real-model mode's evaluation of every side's models: `eval_tasks` items of the stage's eval split, greedy with
+    `eval_greedy` (else one sample at the rollout's temperature), scored by the environment as in training; the
+    mean, its standard error over the items and their number."""
+    from opd_sao.checkpoints import load_tokenizer
+    from opd_sao.config import EvalConfig
+    from opd_sao.runs.evaluation import evaluate_score
+    from opd_sao.stages.envs import ENVIRONMENTS
+
+    run = real_run_config(real, checkpoint, "sao", 1, 1, seed)
+    stage = run.stages[0]
+    score = evaluate_score(checkpoint, lambda: ENVIRONMENTS.get(stage.env)(**stage.env_options),
+                           load_tokenizer(checkpoint), domain=stage.env, rollout=stage.rollout,
+                           eval_cfg=EvalConfig(num_tasks=real["eval_tasks"], greedy=real["eval_greedy"],
+                                               temperature=stage.rollout.temperature),
+                           seed=seed, device="cpu", attn_implementation=run.model.attn_implementation)
+    return {"held_out": score.mean, "held_out_stderr": score.stderr, "held_out_n": score.n}
+
+
+def real_trl_inputs(real: dict, start: Path, seed: int, work: Path) -> dict:
+    """Real-model mode's TRL side, from the stage as opd-sao resolves it: the train tasks with each prompt as text
+    that TRL's tokenizer call turns into exactly the ids opd-sao's engine gets (checked; <work>/train_tasks.json)
+    and the settings of its GRPOConfig and reward (<work>/trl_settings.json, returned)."""
+    import site
+
+    from opd_sao.checkpoints import PromptFormat, load_tokenizer
+    from opd_sao.stages.base import TRAIN_TASK_POOL
+    from opd_sao.stages.envs import ENVIRONMENTS
+
+    run = real_run_config(real, start, "grpo", 1, GROUP, seed)
+    stage = run.stages[0]
+    trainer = run.stage_trainer(stage)
+    tok = load_tokenizer(start)
+    fmt, env = PromptFormat.from_rollout(tok, stage.rollout), ENVIRONMENTS.get(stage.env)(**stage.env_options)
+    rows = []
+    for task in env.make_tasks("train", TRAIN_TASK_POOL, seed):
+        ids = fmt.prompt(env.reset(task))
+        text = tok.decode(ids)
+        if tok(text)["input_ids"] != ids:  # TRL's call: the tokenizer on the text, special tokens at their default
+            sys.exit(f"task {task['id']}: the rendered prompt does not tokenize back to opd-sao's ids; TRL would "
+                     "see another prompt")
+        rows.append({"text": text, "task": task})
+    (work / "train_tasks.json").write_text(json.dumps(rows))
+    settings = {"temperature": stage.rollout.temperature, "max_new_tokens": stage.rollout.max_new_tokens,
+                "policy_lr": trainer.policy_lr, "grad_clip": trainer.grad_clip, "ratio_clip": stage.rl.ppo_clip,
+                "adam_betas": list(trainer.adam_betas), "weight_decay": trainer.weight_decay,
+                "checkpointing": trainer.gradient_checkpointing, "attn_implementation": run.model.attn_implementation,
+                "prompt_format": stage.rollout.prompt_format, "env": stage.env, "env_options": stage.env_options,
+                "opd_sao_site": site.getsitepackages()[0]}
+    (work / "trl_settings.json").write_text(json.dumps(settings))
+    return settings
+
+
 # ------------------------------------------------------------------ TRL side (its own venv; no opd_sao import)
 
 def trl_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int, seed: int,
-               checkpointing: bool = True, snapshots: int = 0) -> dict:
+               checkpointing: bool = True, snapshots: int = 0, settings: Path | None = None,
+               cpu_budget: float | None = None) -> dict:
     """TRL's GRPOTrainer on the same start, prompts and settings. The reward is ArithmeticEnv's verifier
     (ExactAnswerEnv.step: the decoded completion, stripped, equals the answer), restated here because this venv
     does not have opd-sao; the held-out score of the result is the project's own evaluation. `checkpointing`:
-    GRPOConfig's `gradient_checkpointing` (TRL's default true; opd-sao's side runs without). `snapshots`: see
-    Snapshots (a callback at the end of each optimizer step, where opd-sao's after_step runs)."""
+    GRPOConfig's `gradient_checkpointing` (TRL's default true; opd-sao's side runs without). `snapshots`,
+    `cpu_budget`: see Snapshots (a callback at the end of each optimizer step, where opd-sao's after_step runs).
+    `settings`: real-model mode's (real_settings): the stage's values over SETTINGS, the tasks file's prompts
+    already rendered by opd-sao, and the reward the project's environment itself."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS)
+    s = {**SETTINGS, "checkpointing": checkpointing, "adam_betas": (0.9, 0.999), "weight_decay": 0.0,
+         "attn_implementation": "eager", **(json.loads(Path(settings).read_text()) if settings else {})}
     tok = AutoTokenizer.from_pretrained(start)
-    model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32, attn_implementation=s["attn_implementation"])
     tasks = json.loads(Path(tasks_file).read_text())
-    # opd-sao's raw prompts are BOS + the text when the tokenizer has a BOS; TRL tokenizes the text as given
-    bos = tok.bos_token or ""
-    data = Dataset.from_list([{"prompt": bos + t["prompt"], "answer": t["answer"]} for t in tasks])
+    if "env" in s:  # real-model mode: opd-sao's rendered prompt; the environment's own reward
+        data = Dataset.from_list([{"prompt": t["text"], "task": json.dumps(t["task"])} for t in tasks])
+        reward = environment_reward(s)
+    else:
+        # opd-sao's raw prompts are BOS + the text when the tokenizer has a BOS; TRL tokenizes the text as given
+        bos = tok.bos_token or ""
+        data = Dataset.from_list([{"prompt": bos + t["prompt"], "answer": t["answer"]} for t in tasks])
 
-    def exact_answer(completions, answer, **_):
-        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+        def exact_answer(completions, answer, **_):
+            return [float(c.strip() == a) for c, a in zip(completions, answer)]
+        reward = exact_answer
 
-    betas = (0.9, 0.999)
+    betas = s["adam_betas"]
     cfg = GRPOConfig(output_dir=str(out / "trl"), max_steps=steps, per_device_train_batch_size=batch,
-                     num_generations=GROUP, max_completion_length=SETTINGS["max_new_tokens"],
-                     temperature=SETTINGS["temperature"], top_p=1.0, learning_rate=SETTINGS["policy_lr"],
+                     num_generations=GROUP, max_completion_length=s["max_new_tokens"],
+                     temperature=s["temperature"], top_p=1.0, learning_rate=s["policy_lr"],
                      lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch", adam_beta1=betas[0],
-                     adam_beta2=betas[1], weight_decay=0.0, max_grad_norm=SETTINGS["grad_clip"],
-                     epsilon=SETTINGS["ratio_clip"], beta=0.0, num_iterations=1, seed=seed, use_cpu=True,
+                     adam_beta2=betas[1], weight_decay=s["weight_decay"], max_grad_norm=s["grad_clip"],
+                     epsilon=s["ratio_clip"], beta=0.0, num_iterations=1, seed=seed, use_cpu=True,
                      bf16=False, fp16=False, save_strategy="no", report_to="none", logging_steps=10,
-                     disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=checkpointing)
-    along = Snapshots(steps, snapshots, out)
+                     disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=s["checkpointing"])
+    along = Snapshots(steps, snapshots, out, cpu_budget)
 
     def save(path: Path) -> None:
         model.save_pretrained(str(path))
@@ -337,8 +468,9 @@ def trl_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int,
     class AlongTheRun(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             along.after(state.global_step, model.state_dict)
+            control.should_training_stop = control.should_training_stop or along.over_budget()
 
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=cfg, train_dataset=data, processing_class=tok,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok,
                           callbacks=[AlongTheRun()])
     cpu0, wall0 = cpu_seconds(), time.perf_counter()
     along.start(cpu0)
@@ -348,10 +480,32 @@ def trl_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int,
     tok.save_pretrained(str(out / "checkpoint"))
     along.write(model, save)
     rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
-    return {"episodes": steps * batch, "cpu_s": cpu, "wall_s": wall, "torch_threads": torch.get_num_threads(),
-            "checkpoint": str(out / "checkpoint"), "snapshots": along.points,
+    return {"episodes": trainer.state.global_step * batch, "cpu_s": cpu, "wall_s": wall,
+            "torch_threads": torch.get_num_threads(), "checkpoint": str(out / "checkpoint"), "snapshots": along.points,
             "reward_last_logged": rewards[-1] if rewards else None,
             "loss_type": cfg.loss_type, "scale_rewards": str(cfg.scale_rewards)}
+
+
+def environment_reward(s: dict):
+    """TRL's reward function for real-model mode: each completion stepped through the project's environment
+    (`s["env"]` with `s["env_options"]`, the task as the dataset's `task` column), exactly as opd-sao's rollouts
+    score it. The environment code comes from opd-sao's venv (`s["opd_sao_site"]`), appended after this venv's own
+    packages, so TRL, torch and transformers stay this venv's."""
+    import site
+
+    site.addsitedir(s["opd_sao_site"])
+    from opd_sao.stages.envs import ENVIRONMENTS
+
+    ENVIRONMENTS.get(s["env"])(**s["env_options"]).all_tasks("train")  # any generating before the clock, as opd-sao's
+
+    def strict_env_reward(completions, task, **_):
+        rewards = []
+        for completion, task_json in zip(completions, task):
+            env = ENVIRONMENTS.get(s["env"])(**s["env_options"])
+            env.reset(json.loads(task_json))
+            rewards.append(float(env.step(completion)[1]))
+        return rewards
+    return strict_env_reward
 
 
 def trl_distill_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int, seed: int,
@@ -363,7 +517,7 @@ def trl_distill_worker(start: Path, out: Path, tasks_file: Path, steps: int, bat
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DistillationConfig, DistillationTrainer
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS)
     tok = AutoTokenizer.from_pretrained(start)
     load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     bos = tok.bos_token or ""
@@ -459,15 +613,29 @@ CURVES = ("opd_sao_sao", "opd_sao_sao_minibatches", "opd_sao_grpo", "trl_grpo") 
 
 def held_out_curves(repeats: list[tuple[dict, dict]], batch: int) -> dict:
     """Each judged row's held-out accuracy along the run: at every snapshot and at the end, the mean over the
-    repeats (as the final accuracy is) at the median CPU-seconds."""
+    repeats (as the final accuracy is) at the median CPU-seconds; real-model mode's rows only there, each point
+    with its evaluation's standard error (the largest of the repeats')."""
     curves = {}
-    for name in CURVES:
-        along = [rl[name]["snapshots"] + [{"step": rl[name]["episodes"] // batch, "cpu_s": rl[name]["cpu_s"],
-                                           "held_out": rl[name]["held_out"]}] for rl, _ in repeats]
+    for name in (name for name in CURVES if name in repeats[0][0]):
+        along = [rl[name]["snapshots"] + [{"step": rl[name]["episodes"] // batch, **rl[name]}] for rl, _ in repeats]
         curves[name] = [{"episodes": points[0]["step"] * batch,
                          "cpu_s": statistics.median(p["cpu_s"] for p in points),
-                         "held_out": statistics.fmean(p["held_out"] for p in points)} for points in zip(*along)]
+                         "held_out": statistics.fmean(p["held_out"] for p in points),
+                         **({"held_out_stderr": max(p["held_out_stderr"] or 0.0 for p in points)}
+                            if "held_out_stderr" in points[0] else {})} for points in zip(*along)]
     return curves
+
+
+def accuracy_at(points: list[dict], cpu_s: float, start_held_out: float) -> float:
+    """A curve's held-out accuracy at `cpu_s`, by linear interpolation from the start (0 CPU-s, the start's
+    accuracy); its final accuracy past its end."""
+    previous = {"cpu_s": 0.0, "held_out": start_held_out}
+    for point in points:
+        if cpu_s <= point["cpu_s"]:
+            share = (cpu_s - previous["cpu_s"]) / (point["cpu_s"] - previous["cpu_s"])
+            return previous["held_out"] + share * (point["held_out"] - previous["held_out"])
+        previous = point
+    return points[-1]["held_out"]
 
 
 def at_equal_cpu(curves: dict, start_held_out: float) -> dict:
@@ -477,15 +645,6 @@ def at_equal_cpu(curves: dict, start_held_out: float) -> dict:
       by linear interpolation from the start (0 CPU-s, the start's accuracy), its final accuracy past its end;
     * `to_trl_final_vs_trl`: TRL's CPU-seconds to its first point at or above its own final accuracy over the
       row's to its first such point (None if it never gets there): > 1, the row gets where TRL ends for less."""
-    def accuracy_at(points: list[dict], cpu_s: float) -> float:
-        previous = {"cpu_s": 0.0, "held_out": start_held_out}
-        for point in points:
-            if cpu_s <= point["cpu_s"]:
-                share = (cpu_s - previous["cpu_s"]) / (point["cpu_s"] - previous["cpu_s"])
-                return previous["held_out"] + share * (point["held_out"] - previous["held_out"])
-            previous = point
-        return points[-1]["held_out"]
-
     def first_at(points: list[dict], target: float) -> float | None:
         return next((p["cpu_s"] for p in points if p["held_out"] >= target), None)
 
@@ -493,20 +652,60 @@ def at_equal_cpu(curves: dict, start_held_out: float) -> dict:
     trl_cpu = first_at(trl, trl[-1]["held_out"])
     out = {"trl_cpu_s": [p["cpu_s"] for p in trl], "trl_held_out": [p["held_out"] for p in trl],
            "held_out_at_trl_cpu_s": {}, "to_trl_final_vs_trl": {}}
-    for name in CURVES[:-1]:
-        out["held_out_at_trl_cpu_s"][name] = [accuracy_at(curves[name], p["cpu_s"]) for p in trl]
+    for name in (name for name in curves if name != "trl_grpo"):
+        out["held_out_at_trl_cpu_s"][name] = [accuracy_at(curves[name], p["cpu_s"], start_held_out) for p in trl]
         reached = first_at(curves[name], trl[-1]["held_out"])
         out["to_trl_final_vs_trl"][name] = None if reached is None else trl_cpu / reached
     return out
+
+
+def sao_at_equal_cpu(curves: dict, start_held_out: float) -> dict:
+    """Real-model mode's judgement: at each point of every other row within SAO's CPU-seconds, SAO's held-out
+    accuracy there (its curve interpolated) against the row's own; `at_or_above` when SAO's is never below."""
+    sao = curves["opd_sao_sao"]
+    out = {}
+    for name in (name for name in curves if name != "opd_sao_sao"):
+        points = [{"cpu_s": p["cpu_s"], name: p["held_out"], "opd_sao_sao": accuracy_at(sao, p["cpu_s"], start_held_out)}
+                  for p in curves[name] if p["cpu_s"] <= sao[-1]["cpu_s"]]
+        out[name] = {"points": points, "at_or_above": bool(points) and all(p["opd_sao_sao"] >= p[name] for p in points)}
+    return out
+
+
+LABELS = {"opd_sao_sao": "opd-sao SAO", "opd_sao_sao_minibatches": "opd-sao SAO, critic mini-batches",
+          "opd_sao_grpo": "opd-sao GRPO", "trl_grpo": f"TRL {TRL_VERSION} GRPOTrainer"}
+
+
+def plot_curves(curves: dict, start: dict, path: Path, title: str) -> None:
+    """Held-out accuracy against training CPU-seconds, every row from the start (0 CPU-s), +-1 standard error
+    where the evaluation gives one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in curves.items():
+        points = [{"cpu_s": 0.0, **start}] + points
+        ax.errorbar([p["cpu_s"] for p in points], [p["held_out"] for p in points], marker="o", capsize=3,
+                    yerr=[p.get("held_out_stderr") or 0.0 for p in points], label=LABELS.get(name, name))
+    ax.set_xlabel("training CPU-seconds (user + system, every thread)")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 PIN_CORE: int | None = None  # --pin-core: every worker, either side, on this one core
 
 
 def run_worker(python: Path, kind: str, **kw) -> dict:
-    args = [str(python), __file__, "--worker", kind] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+    args = [str(python), __file__, "--worker", kind, f"--threads={THREADS}"] + [f"--{k.replace('_', '-')}={v}"
+                                                                               for k, v in kw.items()]
     pin = None if PIN_CORE is None else (lambda: os.sched_setaffinity(0, {PIN_CORE}))
-    proc = subprocess.run(args, env=one_thread_env(), capture_output=True, text=True,
+    proc = subprocess.run(args, env=thread_env(), capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[1], preexec_fn=pin)
     if proc.returncode:
         sys.exit(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
@@ -543,6 +742,106 @@ def run_repeat(python: Path, work: Path, repeat: int, common: dict, distill: dic
     return rl, opd
 
 
+def real_main(args, parser: argparse.ArgumentParser) -> None:
+    """Real-model mode (the module's docstring): SAO, GRPO and TRL GRPO from `args.model`, evaluated alike along the
+    run; a table, the plot, <out-dir>/result.json and the JSON line."""
+    import torch
+    import transformers
+
+    from opd_sao.config import load_yaml
+
+    global THREADS
+    missing = [flag for flag, value in (("--config", args.config), ("--env", args.env), ("--out-dir", args.out_dir))
+               if value is None]
+    if missing:
+        parser.error(f"--model (real-model mode) needs {', '.join(missing)}")
+    if args.batch % GROUP:
+        parser.error(f"--batch must be a multiple of GRPO's group of {GROUP} (got {args.batch})")
+    THREADS = args.threads or load_yaml(args.config.read_text(), str(args.config)).get("torch_threads") or 1
+    args.venv.mkdir(parents=True, exist_ok=True)
+    python = trl_python(args.venv)
+    work = args.out_dir
+    work.mkdir(parents=True, exist_ok=True)
+    real = {"config": str(args.config), "env": args.env, "prompt_format": args.prompt_format,
+            "max_new_tokens": args.max_new_tokens, "eval_tasks": args.eval_tasks, "eval_greedy": args.eval_greedy}
+    (work / "real.json").write_text(json.dumps(real))
+    settings = real_trl_inputs(real, args.model, args.seed, work)
+    common = dict(start=args.model, steps=args.steps, batch=args.batch, snapshots=args.snapshots,
+                  **({"cpu_budget": args.cpu_budget} if args.cpu_budget else {}))
+    repeats = []
+    for repeat in range(max(1, args.repeats)):  # interleaved: a slow spell hits every side
+        seed = args.seed + repeat
+        rl = {f"opd_sao_{algo}": run_worker(Path(sys.executable), "opd-sao", algo=algo, out=work / f"{algo}{repeat}",
+                                            real=work / "real.json", seed=seed, **common) for algo in ("sao", "grpo")}
+        rl["trl_grpo"] = run_worker(python, "trl", out=work / f"trl{repeat}", tasks=work / "train_tasks.json",
+                                    settings=work / "trl_settings.json", seed=seed, **common)
+        repeats.append((rl, {}))
+    for rl, _ in repeats:
+        for result in rl.values():
+            result["episodes_per_cpu_s"] = result["episodes"] / result["cpu_s"]
+            result.update(real_held_out(Path(result.pop("checkpoint")), real, args.seed))
+            for point in result["snapshots"]:
+                point.update(real_held_out(Path(point.pop("checkpoint")), real, args.seed))
+    start = real_held_out(args.model, real, args.seed)
+    curves = held_out_curves(repeats, args.batch)
+    judged = sao_at_equal_cpu(curves, start["held_out"])
+    runs = repeats[0][0]
+    for name, result in runs.items():
+        result["held_out_each_repeat"] = [rl[name]["held_out"] for rl, _ in repeats]
+        result["held_out"] = statistics.fmean(result["held_out_each_repeat"])
+    trl = statistics.median(rl["trl_grpo"]["episodes_per_cpu_s"] for rl, _ in repeats)
+    ratios = {f"{algo}_vs_trl": statistics.median(rl[f"opd_sao_{algo}"]["episodes_per_cpu_s"] for rl, _ in repeats)
+              / trl for algo in ("sao", "grpo")}
+    plot = work / "vs_trl.png"
+    plot_curves(curves, start, plot, f"{args.model.name} on {args.env}: batch {args.batch}, {THREADS} thread(s), "
+                f"held-out {start['held_out_n']} items{' greedy' if args.eval_greedy else ''}")
+    print(f"{'run':<16} {'episodes':>8} {'CPU-s':>8} {'eps/CPU-s':>10} {'held-out':>9} {'SE':>6}")
+    for name, r in runs.items():
+        print(f"{name:<16} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['episodes_per_cpu_s']:>10.3f} {r['held_out']:>9.3f}"
+              f" {r['held_out_stderr'] or 0:>6.3f}")
+    print(f"held-out along the run (episodes: CPU-s accuracy +- SE), from the start's {start['held_out']:.3f} +- "
+          f"{start['held_out_stderr'] or 0:.3f} over {start['held_out_n']} items:")
+    for name, points in curves.items():
+        print(f"  {name:<14} " + ", ".join(f"{p['episodes']}: {p['cpu_s']:.0f} {p['held_out']:.3f} +- "
+                                           f"{p['held_out_stderr'] or 0:.3f}" for p in points))
+    for name, judgement in judged.items():
+        print(f"SAO at {name}'s points (CPU-s: {name} / SAO): " + ", ".join(
+            f"{p['cpu_s']:.0f}: {p[name]:.3f} / {p['opd_sao_sao']:.3f}" for p in judgement["points"])
+            + f"; at or above: {judgement['at_or_above']}")
+    result = {
+        "benchmark": "vs_trl", "mode": "real_model", "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU "
+        f"only, load average {os.getloadavg()[0]:.1f}", "versions": {"trl": TRL_VERSION, "torch": torch.__version__,
+                                                                   "transformers": transformers.__version__},
+        "model": str(args.model), "config": str(args.config), "env": args.env, "torch_threads": THREADS,
+        "steps_cap": args.steps, "cpu_budget_s": args.cpu_budget, "batch": args.batch, "group_size_grpo": GROUP,
+        "settings": {k: v for k, v in settings.items() if k != "opd_sao_site"}, "eval": real, "start_held_out": start,
+        "runs": runs, "repeats": len(repeats), "ratios": ratios, "held_out_curves": curves,
+        "sao_at_equal_cpu": judged, "plot": str(plot),
+        "must_show": {"sao_at_or_above_opd_sao_grpo_at_equal_cpu": judged["opd_sao_grpo"]["at_or_above"],
+                      "sao_at_or_above_trl_grpo_at_equal_cpu": judged["trl_grpo"]["at_or_above"],
+                      "held_out_items_at_least_200": start["held_out_n"] >= 200}}
+    (work / "result.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+def worker(args) -> None:
+    """One run (`--worker KIND`, started by run_worker); its result as the last line."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    max_new_tokens = args.max_new_tokens or SETTINGS["max_new_tokens"]
+    if args.worker == "trl":
+        result = trl_worker(args.start, args.out, args.tasks, args.steps, args.batch, args.seed,
+                            args.checkpointing == "true", args.snapshots or 0, args.settings, args.cpu_budget)
+    elif args.worker == "trl-distill":
+        result = trl_distill_worker(args.start, args.out, args.tasks, args.steps, args.batch, args.seed,
+                                    args.teacher, max_new_tokens)
+    else:
+        result = opd_sao_worker(args.start, args.out, args.algo, args.steps, args.batch, args.seed, args.teacher,
+                                args.granularity, max_new_tokens, args.overlap == "true",
+                                args.critic_minibatches == "true", args.snapshots or 0,
+                                json.loads(args.real.read_text()) if args.real else None, args.cpu_budget)
+    print(json.dumps(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few steps of each run, a short warm start")
@@ -571,33 +870,40 @@ def main() -> None:
     parser.add_argument("--qwen-steps", type=int, default=6,
                         help="steps of the OPD rows at vocabulary 151,936 (0: skip them)")
     parser.add_argument("--granularity", default="top_k", help=argparse.SUPPRESS)
-    parser.add_argument("--max-new-tokens", type=int, default=SETTINGS["max_new_tokens"], help=argparse.SUPPRESS)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help=f"real-model mode: over the stage's rollout.max_new_tokens (tiny: {SETTINGS['max_new_tokens']})")
     parser.add_argument("--overlap", choices=("true", "false"), default="true", help=argparse.SUPPRESS)
     parser.add_argument("--critic-minibatches", choices=("true", "false"), default="false", help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", choices=("true", "false"), default="true", help=argparse.SUPPRESS)
     parser.add_argument("--snapshots", type=int, default=None,
                         help="the judged RL rows' held-out accuracy also after each 1/N of their steps (default 4; "
                              "1: at the end only)")
+    real = parser.add_argument_group("real-model mode (--model; the module's docstring)")
+    real.add_argument("--model", type=Path, help="the start: a model directory (e.g. a stage's sft_checkpoint)")
+    real.add_argument("--config", type=Path, help="the run config whose stage trains --env (its settings)")
+    real.add_argument("--env", help="that stage's env, e.g. reasoning_gym:basic_arithmetic")
+    real.add_argument("--prompt-format", choices=("raw", "chat"), help="over the config's (default: as resolved)")
+    real.add_argument("--threads", type=int, help="torch threads of every worker, either side (default: the "
+                                                  "config's torch_threads; tiny mode 1)")
+    real.add_argument("--cpu-budget", type=float, help="stop each row after the step where its training CPU-seconds "
+                                                       "reach this (--steps stays the cap)")
+    real.add_argument("--eval-tasks", type=int, default=250, help="held-out items asked for (>= 200 for the Must-show)")
+    real.add_argument("--eval-greedy", action="store_true", help="held-out greedy (else one sample at the "
+                                                                 "rollout temperature)")
+    real.add_argument("--out-dir", type=Path, help="kept: checkpoints, vs_trl.png, result.json")
+    parser.add_argument("--real", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--settings", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global PIN_CORE, THREADS
+    THREADS = args.threads or 1
     if args.worker:
-        args.out.mkdir(parents=True, exist_ok=True)
-        if args.worker == "trl":
-            result = trl_worker(args.start, args.out, args.tasks, args.steps, args.batch, args.seed,
-                                args.checkpointing == "true", args.snapshots or 0)
-        elif args.worker == "trl-distill":
-            result = trl_distill_worker(args.start, args.out, args.tasks, args.steps, args.batch, args.seed,
-                                        args.teacher, args.max_new_tokens)
-        else:
-            result = opd_sao_worker(args.start, args.out, args.algo, args.steps, args.batch, args.seed, args.teacher,
-                                    args.granularity, args.max_new_tokens, args.overlap == "true",
-                                    args.critic_minibatches == "true", args.snapshots or 0)
-        print(json.dumps(result))
-        return
-    global PIN_CORE
+        return worker(args)
     PIN_CORE = args.pin_core
     args.snapshots = 4 if args.snapshots is None else args.snapshots
     if args.quick:
         args.steps, args.batch, args.sft_steps, args.eval_samples, args.opd_steps, args.qwen_steps = 6, 32, 60, 1, 4, 0
+    if args.model:
+        return real_main(args, parser)
     import torch
     import transformers
 
