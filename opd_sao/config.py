@@ -319,6 +319,11 @@ class RolloutConfig(Strict):
     sync_every: int = describe("policy steps between weight syncs to the engine", 1, ge=1)
     max_turns: int = describe("environment turns per episode", 1, ge=1)
     max_context_tokens: int = describe("an episode ends when its context reaches this length", 512, ge=16)
+    truncation: Literal["error", "left", "right"] = describe(
+        "a prompt with no room to answer (max_context_tokens tokens or more, or more than the model's "
+        "max_position_embeddings minus max_new_tokens; verl's data.truncation): error refuses it in one line naming "
+        "the task (a dataset's file and row), checked before any work where the tasks are known up front; left "
+        "keeps its last tokens, right its first", "error")
     compaction: bool = describe("summarise long agent episodes and continue from the summary (rl/compaction.py)",
                                 False)
     compaction_budget: int = describe("context tokens past which an episode compacts", 256, ge=16)
@@ -341,7 +346,7 @@ class RolloutConfig(Strict):
 
 # What a multi-domain stage (OPD, SFT) takes per domain from the stage that trains on it, or from an OPD teacher's
 # `rollout:` (stages/domains.py): the episode's shape, not its sampling.
-EPISODE_FIELDS = ("max_new_tokens", "max_turns", "max_context_tokens", "compaction", "compaction_budget",
+EPISODE_FIELDS = ("max_new_tokens", "max_turns", "max_context_tokens", "truncation", "compaction", "compaction_budget",
                   "compaction_instruction", "prompt_format", "system_prompt")
 
 
@@ -458,9 +463,9 @@ class TeacherConfig(Strict):
         "prompt_key and reward), so OPD runs on your own data with no earlier stage for it; given, they win over "
         "those of the first other-kind stage whose `env` is the domain; null: that stage's (else none)", None)
     rollout: Optional[RolloutConfig] = describe(
-        "episode settings of this teacher's domains (only max_new_tokens, max_turns, max_context_tokens, compaction*, "
-        "prompt_format, system_prompt; sampling stays the stage's); each one given wins over the first other-kind "
-        "stage's with that `env` (else the OPD stage's own); probes and evaluation use them too", None)
+        "episode settings of this teacher's domains (only max_new_tokens, max_turns, max_context_tokens, truncation, "
+        "compaction*, prompt_format, system_prompt; sampling stays the stage's); each one given wins over the first "
+        "other-kind stage's with that `env` (else the OPD stage's own); probes and evaluation use them too", None)
     eval: Optional[EvalConfig] = describe(
         "held-out evaluation of this teacher's domains (probes, the distillation summary); each setting given wins "
         "over the first other-kind stage's with that `env` (else the OPD stage's `eval`)", None)

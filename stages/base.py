@@ -16,9 +16,11 @@ from opd_sao.io.files import inside
 from opd_sao.io.progress import StageProgress
 from opd_sao.io.timing import PhaseTimer
 from opd_sao.io.tracking import MetricsLogger
+from opd_sao.model_import import model_config
 from opd_sao.registry import NoOptions, parse_options
 from opd_sao.rl.buffer import TrajectoryBuffer, recover
 from opd_sao.rl.loop import RLLoop
+from opd_sao.rl.rollout import check_prompts
 from opd_sao.runs.checkpointing import StageState, truncate_step_log
 from opd_sao.supervised import discard_sft_state, run_sft, sft_resume_step
 
@@ -33,6 +35,22 @@ ENV_SECTIONS = frozenset({"env", "env_options", "rollout", "eval"})
 SFT_SECTIONS = frozenset({"sft", "checkpoint_every"})  # Stage.sft
 # Stage.train (rl: the gate's DIS band)
 LOOP_SECTIONS = frozenset({"steps", "checkpoint_every", "buffer_memory", "rollout", "gate", "rl"})
+
+
+def max_positions(checkpoint: Path) -> Optional[int]:
+    """The model's max_position_embeddings (None when its config has none): a prompt and its answer fit in it."""
+    return getattr(model_config(checkpoint), "max_position_embeddings", None)
+
+
+def check_domain_prompts(env_cls, factory, rollout, tokenizer, *, domain: str, base: Path, seed: int) -> None:
+    """Before the first stage: every prompt of the domain's train pool and eval split leaves room to answer
+    (rl.rollout.check_prompts, with rollout.truncation). An environment that runs a model (`reads_device`) is left
+    to its episodes, which check each prompt as they start: building it here would load that model."""
+    if env_cls.reads_device:
+        return
+    for split in ("train", "eval"):
+        check_prompts(factory, factory().make_tasks(split, TRAIN_TASK_POOL, seed), tokenizer, rollout, domain=domain,
+                      max_positions=max_positions(base))
 
 
 @dataclass

@@ -49,7 +49,15 @@ from opd_sao.teachers import TEACHER_KINDS, Prefetcher, TeacherSet, TeacherTarge
 from opd_sao.teachers.routing import check_student, check_teacher, describe
 from opd_sao.trainers import build_backend
 
-from .base import LOOP_SECTIONS, TRAIN_TASK_POOL, Stage, StageResult, register_stage
+from .base import (
+    LOOP_SECTIONS,
+    TRAIN_TASK_POOL,
+    Stage,
+    StageResult,
+    check_domain_prompts,
+    max_positions,
+    register_stage,
+)
 from .domains import Domain
 from .envs import ENVIRONMENTS, sample_tasks
 
@@ -106,6 +114,10 @@ class OPDStage(Stage):
                 check_teacher(teacher.name, Path(teacher.checkpoint), base, tokenizer, fingerprint)
             except ValueError as err:
                 raise UsageError(f"stage {cfg.name!r}: {err}") from None
+        for name in cls.domain_names(cfg):  # each domain's prompts, with its episode settings (its teacher's first)
+            domain = Domain(name, cfg, run.stages)
+            check_domain_prompts(domain.env_cls, domain.factory, domain.rollout, tokenizer, domain=name, base=base,
+                                 seed=run.seed)
 
     @staticmethod
     def domain_names(cfg) -> list[str]:
@@ -192,18 +204,20 @@ class OPDStage(Stage):
                    for i, (name, d) in enumerate(domains.items())}
         groups = itertools.count()
         lock = threading.Lock()
+        positions = max_positions(self.ctx.base_checkpoint)
 
         def make_episodes() -> list[Episode]:
             with lock:
                 name = schedule.next_domain()
                 task, group = next(streams[name]), next(groups)
             return episodes_for(domains[name].factory, task, tok, domains[name].rollout, domain=name,
-                                count=cfg.rollout.group_size, group=group)
+                                count=cfg.rollout.group_size, group=group, max_positions=positions)
 
         def probe() -> list[Episode]:
             per = -(-cfg.gate.probe_size // len(domains))
             return [ep for name, d in domains.items()
-                    for ep in probe_episodes(d.factory, tok, d.rollout, domain=name, n=per, seed=run.seed)]
+                    for ep in probe_episodes(d.factory, tok, d.rollout, domain=name, n=per, seed=run.seed,
+                                             max_positions=positions)]
 
         def stop_when(steps_done: int) -> bool:
             """Probe every domain when due (and first thing, fresh or resumed); True once every domain is done."""

@@ -16,16 +16,25 @@ from opd_sao.engines import build_engine
 from opd_sao.errors import UsageError
 from opd_sao.io.files import write_json
 from opd_sao.io.tracking import read_jsonl
-from opd_sao.model_import import model_config
 from opd_sao.rl.learner import Learner, needs_critic
-from opd_sao.rl.rollout import Episode, check_prompts, episodes_for
+from opd_sao.rl.rollout import Episode, episodes_for
 from opd_sao.rl.value_pretrain import pretrain_critic
 from opd_sao.runs.evaluation import evaluate_score
 from opd_sao.stages.envs.validity import require_valid
 from opd_sao.supervised import sft_examples
 from opd_sao.trainers import build_backend
 
-from .base import ENV_SECTIONS, LOOP_SECTIONS, SFT_SECTIONS, TRAIN_TASK_POOL, Stage, StageResult, register_stage
+from .base import (
+    ENV_SECTIONS,
+    LOOP_SECTIONS,
+    SFT_SECTIONS,
+    TRAIN_TASK_POOL,
+    Stage,
+    StageResult,
+    check_domain_prompts,
+    max_positions,
+    register_stage,
+)
 from .envs import ENVIRONMENTS, sample_tasks
 
 CRITIC_DIR = "critic"  # next to checkpoint/: the critic a later stage of the same env carries over
@@ -52,6 +61,15 @@ class RLStage(Stage):
         if not cfg.env:
             raise UsageError(f"stage {cfg.name!r} ({cfg.kind}) needs `env:` (one of {ENVIRONMENTS.names()})")
         ENVIRONMENTS.get(cfg.env)
+
+    @classmethod
+    def check_base_model(cls, cfg, run, base, tokenizer) -> None:
+        """Its environment's prompts leave room to answer (a 50 MB row or one past the model's positions: refused
+        before the first stage, not mid-run)."""
+        super().check_base_model(cfg, run, base, tokenizer)
+        env_cls = ENVIRONMENTS.get(cfg.env)
+        check_domain_prompts(env_cls, lambda: env_cls(**cfg.env_options), cfg.rollout, tokenizer, domain=cfg.env,
+                             base=base, seed=run.seed)
 
     def env_factory(self, train_step=None):
         """`train_step()` (the trainer's step count) goes to environments whose reward follows training."""
@@ -108,9 +126,7 @@ class RLStage(Stage):
         env_factory = self.env_factory()
         require_valid(cfg.env, env_factory, n=VALIDITY_TASKS, seed=run.seed)  # before any work
         pool = env_factory().make_tasks("train", TRAIN_TASK_POOL, run.seed)
-        positions = getattr(model_config(self.ctx.base_checkpoint), "max_position_embeddings", None)
-        check_prompts(env_factory, pool, tok, cfg.rollout, domain=cfg.env,  # a 50 MB row: refused now, not mid-stage
-                      max_positions=positions)
+        positions = max_positions(self.ctx.base_checkpoint)  # prompts were checked before the first stage
         start, eval_init, sft_resumed = self.warm_start(self.ctx.resolve_checkpoint(cfg.init_from), env_factory)
         algo, trainer_cfg = run.stage_algo(cfg), run.stage_trainer(cfg)
         critic = needs_critic(algo, cfg.rl)
@@ -129,7 +145,7 @@ class RLStage(Stage):
 
         def make_episodes() -> list[Episode]:
             return episodes_for(train_env, next(tasks), tok, cfg.rollout, domain=cfg.env, count=cfg.rollout.group_size,
-                                group=next(groups))
+                                group=next(groups), max_positions=positions)
 
         pretrain = cfg.critic_pretrain
         pretrain_record = self.dir / "critic_pretrain.json"
@@ -144,7 +160,8 @@ class RLStage(Stage):
 
         gate, resumed = self.train(engine=engine, backend=backend, learner=learner, make_episodes=make_episodes,
                                    make_probe=lambda: probe_episodes(env_factory, tok, cfg.rollout, domain=cfg.env,
-                                                                     n=cfg.gate.probe_size, seed=run.seed),
+                                                                     n=cfg.gate.probe_size, seed=run.seed,
+                                                                     max_positions=positions),
                                    trainer_cfg=trainer_cfg, what=algo,
                                    before_loop=pretrain_critic_first if critic and pretrain.rollouts else None)
         with self.timed("checkpoint"):

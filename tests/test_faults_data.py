@@ -243,8 +243,8 @@ def test_an_over_long_row_is_refused_at_stage_start_naming_it(tmp_path):
     """Before: one 50 MB row crashed mid-stage (the rollout asked for 50 GiB)."""
     rows = [*ROWS, {"id": "huge", "prompt": "1+" * 2_000_000 + "1=", "answer": "2000001"}]
     cfg = parse_config(_run_config(tmp_path, {"path": str(rows_file(tmp_path, rows)), "eval_fraction": 0.1}))
-    with pytest.raises(ValueError, match=r"task 'huge': its prompt is 4,000,002 characters, far past "
-                                         r"rollout.max_context_tokens 512"):
+    with pytest.raises(ValueError, match=r"task 'huge' \(.*rows.jsonl row 41\): its prompt is 4,000,002 characters, "
+                                         r"far past rollout.max_context_tokens 512"):
         run_pipeline(cfg, tmp_path / "run", log=lambda m: None)
     assert not (tmp_path / "run" / "stages" / "r" / "metrics.jsonl").exists()
 
@@ -372,5 +372,49 @@ def test_a_prompt_past_the_models_positions_is_refused_naming_its_file_and_row(t
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert re.fullmatch(rf"opd-sao run: error: dataset: task 'long' \({re.escape(str(path))} row 21\): its prompt is "
                         r"\d+ tokens, which with rollout.max_new_tokens 4 passes the model's max_position_embeddings "
-                        r"64; shorten or drop the row, or lower max_new_tokens", lines[0]), lines[0]
+                        r"64; shorten or drop the row, lower max_new_tokens, or set rollout.truncation "
+                        r"\(left \| right\) to cut it", lines[0]), lines[0]
     assert not (tmp_path / "run" / "stages" / "r" / "metrics.jsonl").exists()
+
+
+LONG_ROW = {"id": "long", "prompt": " ".join(str(i) for i in range(40)) + " =", "answer": "1"}
+
+
+def test_an_opd_teachers_domain_with_a_prompt_past_the_models_positions_is_refused_before_the_first_stage(tmp_path):
+    """Issue 43. Before: prompts were checked for RL stages' training pools only, so an OPD teacher's own dataset
+    domain (and held-out evaluation) played a prompt past the model's positions. Now every stage's domains are
+    checked once the base model exists, before the first stage trains, naming the file and the row."""
+    path = rows_file(tmp_path, [*ROWS[:20], LONG_ROW, *ROWS[20:]], "long.jsonl")
+    cfg = _run_config(tmp_path, {"max_operand": 9}, env="arithmetic")
+    cfg["model"]["tiny"] = {**TINY, "max_positions": 64}
+    cfg["stages"].append({"name": "o", "kind": "opd", "steps": 1, "gate": {"enabled": False}, "opd": {"teachers": [
+        {"name": "t", "checkpoint": "r", "domains": ["dataset:long"], "rollout": {"max_new_tokens": 4},
+         "env_options": {"path": str(path), "eval_fraction": 0.1}}]}})
+    with pytest.raises(ValueError, match=rf"^dataset:long: task 'long' \({re.escape(str(path))} row 21\): its "
+                                         r"prompt is \d+ tokens, which with rollout.max_new_tokens 4 passes the "
+                                         r"model's max_position_embeddings 64"):
+        run_pipeline(parse_config(cfg), tmp_path / "run", log=lambda m: None)
+    assert not (tmp_path / "run" / "stages" / "r" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("truncation", ["left", "right"])
+def test_truncation_cuts_a_prompt_to_what_leaves_room_to_answer(tmp_path, tokenizer, truncation):
+    """`rollout.truncation: left | right` (verl's data.truncation): a prompt past the model's positions minus
+    max_new_tokens keeps its last (left) or first (right) tokens that fit, as the episode plays it; the check
+    before the first stage lets it through; `error` (the default) refuses it."""
+    from opd_sao.checkpoints import PromptFormat
+    from opd_sao.config import RolloutConfig
+    from opd_sao.rl.rollout import PromptTooLong, check_prompts, episodes_for
+
+    path = rows_file(tmp_path, [LONG_ROW, *ROWS[:20]])
+    factory = lambda: DatasetEnv(path=str(path), eval_fraction=0.1)
+    task = next(t for split in ("train", "eval") for t in factory().make_tasks(split, 100, 0) if t["id"] == "long")
+    full = PromptFormat(tokenizer).prompt(factory().reset(task))
+    room = 24 - 4  # positions minus max_new_tokens
+    assert len(full) > room
+    rollout = RolloutConfig(max_new_tokens=4, truncation=truncation)
+    check_prompts(factory, [task], tokenizer, rollout, domain="d", max_positions=24)
+    (episode,) = episodes_for(factory, task, tokenizer, rollout, domain="d", max_positions=24)
+    assert episode.traj.prompt_ids == (full[-room:] if truncation == "left" else full[:room])
+    with pytest.raises(PromptTooLong, match=r"row 1\): its prompt is \d+ tokens"):
+        episodes_for(factory, task, tokenizer, RolloutConfig(max_new_tokens=4), domain="d", max_positions=24)

@@ -260,8 +260,10 @@ def failure_message(where: str, report: ConsistencyReport, reasons: list[str], d
 # the gate a stage runs
 # ----------------------------------------------------------------------------
 
-def probe_episodes(env_factory, tokenizer, rollout, *, domain: str, n: int, seed: int) -> list[Episode]:
-    """n episodes on the environment's eval prompts (never training data), sampled like the stage samples."""
+def probe_episodes(env_factory, tokenizer, rollout, *, domain: str, n: int, seed: int,
+                   max_positions: Optional[int] = None) -> list[Episode]:
+    """n episodes on the environment's eval prompts (never training data), sampled like the stage samples
+    (`max_positions`: the model's, see episodes_for)."""
     from opd_sao.runs.evaluation import make_episodes
 
     tasks = env_factory().make_tasks("eval", n, seed=seed) or env_factory().make_tasks("train", n, seed=seed)
@@ -269,7 +271,7 @@ def probe_episodes(env_factory, tokenizer, rollout, *, domain: str, n: int, seed
         raise UsageError(f"environment {domain!r} has no tasks to probe the consistency gate with")
     repeats = -(-n // len(tasks))
     episodes = make_episodes(env_factory, tasks, tokenizer, rollout, domain=domain, temperature=rollout.temperature,
-                             repeats=repeats)
+                             repeats=repeats, max_positions=max_positions)
     return episodes[:n]
 
 

@@ -41,36 +41,54 @@ class PromptTooLong(UsageError):
 CHARS_PER_TOKEN = 64  # more characters than this per token of context: too long without tokenizing (a 50 MB row)
 
 
-def check_prompt_length(prompt: str, task: dict, max_context_tokens: int) -> str:
-    """The prompt, unless it is too long by characters alone (never tokenizing a huge one)."""
-    if len(prompt) > CHARS_PER_TOKEN * max_context_tokens:
-        raise PromptTooLong(f"task {task['id']!r}: its prompt is {len(prompt):,} characters, far past "
-                            f"rollout.max_context_tokens {max_context_tokens}; shorten or drop the row")
-    return prompt
+TRUNCATE = "set rollout.truncation (left | right) to cut it"
+
+
+def prompt_ids(prompt_format: PromptFormat, text: str, where: str, *, max_context_tokens: int, max_new_tokens: int,
+               max_positions: Optional[int] = None, truncation: str = "error") -> list[int]:
+    """The prompt's token ids when it leaves room to answer: fewer than `max_context_tokens` and, with
+    `max_new_tokens`, at most the model's `max_positions`. Otherwise `truncation` "error" raises PromptTooLong
+    naming `where` (the task; a dataset's file and row), "left" keeps the last tokens that fit and "right" the
+    first (verl's data.truncation). A text far too long by characters alone is never tokenized whole: refused, or
+    cut to CHARS_PER_TOKEN characters per token of context first."""
+    chars = CHARS_PER_TOKEN * max_context_tokens
+    if len(text) > chars:
+        if truncation == "error":
+            raise PromptTooLong(f"{where}: its prompt is {len(text):,} characters, far past rollout.max_context_tokens "
+                                f"{max_context_tokens}; shorten or drop the row, or {TRUNCATE}")
+        text = text[-chars:] if truncation == "left" else text[:chars]
+    ids = prompt_format.prompt(text)
+    room = max_context_tokens - 1 if max_positions is None else min(max_context_tokens - 1,
+                                                                    max_positions - max_new_tokens)
+    if len(ids) <= room:
+        return ids
+    if truncation != "error" and room > 0:
+        return ids[-room:] if truncation == "left" else ids[:room]
+    if len(ids) >= max_context_tokens:
+        raise PromptTooLong(f"{where}: its prompt is {len(ids)} tokens, and rollout.max_context_tokens is "
+                            f"{max_context_tokens}; shorten or drop the row, or {TRUNCATE}")
+    raise PromptTooLong(f"{where}: its prompt is {len(ids)} tokens, which with rollout.max_new_tokens {max_new_tokens} "
+                        f"passes the model's max_position_embeddings {max_positions}; shorten or drop the row, lower "
+                        f"max_new_tokens, or {TRUNCATE}")
 
 
 def check_prompts(env_factory, tasks: list[dict], tokenizer, rollout, *, domain: str,
                   max_positions: Optional[int] = None) -> None:
-    """Stage start, before any work: every task's prompt leaves room to answer within rollout.max_context_tokens
-    and, with rollout.max_new_tokens, within the model's `max_positions` (PromptTooLong names the first that does
-    not, and its file and row), so a long row cannot stop a run mid-stage or run past the model's positions."""
+    """Before any work: every task's prompt leaves room to answer (`prompt_ids`; with rollout.truncation "error",
+    PromptTooLong names the first that does not, and its file and row), so a long row cannot stop a run mid-stage
+    or run past the model's positions."""
     env = env_factory()
     prompt_format = PromptFormat.from_rollout(tokenizer, rollout)
     for task in tasks:
-        tokens = len(prompt_format.prompt(check_prompt_length(env.reset(task), task, rollout.max_context_tokens)))
-        if tokens >= rollout.max_context_tokens:
-            raise PromptTooLong(f"{domain}: {env.where(task)}: its prompt is {tokens} tokens, and "
-                                f"rollout.max_context_tokens is {rollout.max_context_tokens}; shorten or drop the row")
-        if max_positions is not None and tokens + rollout.max_new_tokens > max_positions:
-            raise PromptTooLong(f"{domain}: {env.where(task)}: its prompt is {tokens} tokens, which with "
-                                f"rollout.max_new_tokens {rollout.max_new_tokens} passes the model's "
-                                f"max_position_embeddings {max_positions}; shorten or drop the row, or lower "
-                                f"max_new_tokens")
+        prompt_ids(prompt_format, env.reset(task), f"{domain}: {env.where(task)}",
+                   max_context_tokens=rollout.max_context_tokens, max_new_tokens=rollout.max_new_tokens,
+                   max_positions=max_positions, truncation=rollout.truncation)
 
 
 def episodes_for(env_factory, task: dict, tokenizer, rollout, *, domain: str, count: int = 1, group: int = -1,
                  temperature: Optional[float] = None, traj_ids: Optional[list[str]] = None,
-                 sampling_seed: Optional[int] = None, top_k: Optional[int] = None) -> list["Episode"]:
+                 sampling_seed: Optional[int] = None, top_k: Optional[int] = None,
+                 max_positions: Optional[int] = None) -> list["Episode"]:
     """The `count` episodes of one task as every caller plays them (training, OPD, evaluation, gate probes):
     the rollout config's sampling, episode lengths, compaction and prompt format; `temperature` overrides the
     sampling one, `top_k` cuts it (1: greedy, evaluation's eval.greedy). With `sampling_seed` (evaluation) the
@@ -83,25 +101,28 @@ def episodes_for(env_factory, task: dict, tokenizer, rollout, *, domain: str, co
         sampling_seed, domain, str(task["id"]), i)) for i in range(count)]
     return [Episode(env_factory(), task, tokenizer, keyed[i], domain=domain, max_turns=rollout.max_turns,
                     max_context_tokens=rollout.max_context_tokens, group=group, compaction=compaction,
-                    traj_id=traj_ids[i] if traj_ids else None, prompt_format=prompt_format)
+                    traj_id=traj_ids[i] if traj_ids else None, prompt_format=prompt_format,
+                    max_positions=max_positions, truncation=rollout.truncation)
             for i in range(count)]
 
 
 class Episode:
     def __init__(self, env, task: dict, tokenizer, params: SamplingParams, *, domain: str, max_turns: int,
                  max_context_tokens: int, group: int = -1, traj_id: Optional[str] = None,
-                 compaction: Optional[Compaction] = None, prompt_format: Optional[PromptFormat] = None):
+                 compaction: Optional[Compaction] = None, prompt_format: Optional[PromptFormat] = None,
+                 max_positions: Optional[int] = None, truncation: str = "error"):
+        """`max_positions`: the model's max_position_embeddings (None: unchecked); `truncation`: the rollout's, for
+        a prompt with no room to answer (see prompt_ids)."""
         self.env, self.task, self.tokenizer, self.params = env, task, tokenizer, params
         self.max_turns, self.max_context_tokens, self.compaction = max_turns, max_context_tokens, compaction
         self.format = prompt_format or PromptFormat(tokenizer)
         first_observation = env.reset(task)
-        prompt_ids = self.format.prompt(check_prompt_length(first_observation, task, max_context_tokens))
-        if len(prompt_ids) >= max_context_tokens:
-            raise PromptTooLong(f"{domain}: task {task['id']!r}: its prompt is {len(prompt_ids)} tokens, and "
-                                f"rollout.max_context_tokens is {max_context_tokens}; shorten or drop the row")
+        ids = prompt_ids(self.format, first_observation, f"{domain}: {env.where(task)}",
+                         max_context_tokens=max_context_tokens, max_new_tokens=params.max_new_tokens,
+                         max_positions=max_positions, truncation=truncation)
         traj_id = traj_id or f"{domain}-{_TRAJECTORY_IDS.getrandbits(64):016x}"
         self.traj = Trajectory(
-            traj_id=traj_id, domain=domain, prompt_ids=prompt_ids, temperature=params.temperature, top_p=params.top_p,
+            traj_id=traj_id, domain=domain, prompt_ids=ids, temperature=params.temperature, top_p=params.top_p,
             meta={"task_id": task["id"], "group": group, "turns": 0, "episode": traj_id, "segment": 0},
         )
         self.segments = [self.traj]  # self.traj is the last one, the segment being played

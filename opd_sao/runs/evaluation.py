@@ -44,13 +44,15 @@ def task_score(rewards: dict[str, list[float]]) -> Score:
 
 
 def make_episodes(env_factory, tasks, tokenizer, rollout: RolloutConfig, *, domain: str, temperature: float,
-                  repeats: int = 1, sampling_seed: Optional[int] = None, greedy: bool = False) -> list[Episode]:
-    """Episodes played as in training, compaction included, so a held-out score measures the trained behaviour;
-    `sampling_seed` keys every draw (see episodes_for); `greedy`: argmax decoding (top_k 1)."""
+                  repeats: int = 1, sampling_seed: Optional[int] = None, greedy: bool = False,
+                  max_positions: Optional[int] = None) -> list[Episode]:
+    """Episodes played as in training, compaction and prompt truncation included, so a held-out score measures the
+    trained behaviour; `sampling_seed` keys every draw (see episodes_for); `greedy`: argmax decoding (top_k 1);
+    `max_positions`: the model's."""
     return [episode for task in tasks
             for episode in episodes_for(env_factory, task, tokenizer, rollout, domain=domain, count=repeats,
                                         temperature=temperature, sampling_seed=sampling_seed,
-                                        top_k=1 if greedy else None,
+                                        top_k=1 if greedy else None, max_positions=max_positions,
                                         traj_ids=[f"eval-{domain}-{task['id']}-{r}" for r in range(repeats)])]
 
 
@@ -89,7 +91,8 @@ def episode_rewards(checkpoint: Path, env_factory, tokenizer, *, domain: str, ro
     engine = EmbeddedEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, max_batch=64,
                             seed=seed)
     episodes = make_episodes(env_factory, tasks, tokenizer, rollout, domain=domain, temperature=eval_cfg.temperature,
-                             repeats=eval_cfg.samples_per_task, sampling_seed=seed, greedy=eval_cfg.greedy)
+                             repeats=eval_cfg.samples_per_task, sampling_seed=seed, greedy=eval_cfg.greedy,
+                             max_positions=getattr(model.config, "max_position_embeddings", None))
     with torch.no_grad():
         trajs = run_episodes(engine, episodes)
     rewards: dict[str, list[float]] = {str(task["id"]): [] for task in tasks}
