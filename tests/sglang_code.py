@@ -9,6 +9,7 @@ named here are parsed out of their modules' source with `ast` and run in a names
 - `SchedulerLogprobResultProcessor._process_input_token_logprobs`: where prompt logprobs get their positions.
 - `top_k_top_p_min_p_sampling_from_probs_torch`: the support SGLang's sampler draws from at top_k/top_p.
 - the scheduler's sampling-mask check (`sampling_mask_refusal`): which top_k a return_sampling_mask request may have.
+- the scheduler's /flush_cache (`flush_cache_succeeds`): refused while requests run or wait in its queue.
 - the HTTP request models (`request_model(name)`): SGLang's msgspec structs, validated as its FastAPI app
   validates bodies (pydantic, through sglang.srt.utils.msgspec_utils); `GenerateReqInput` (a dataclass).
 """
@@ -221,6 +222,38 @@ def sampling_mask_refusal(sampling, max_tokens: int = 4096):
                                       _reject_sampling_mask_request=lambda req, message: refused.append(message))
     rule(scheduler, types.SimpleNamespace(return_sampling_mask=True, sampling_params=sampling))
     return refused[0] if refused else None
+
+
+def flush_cache_succeeds(running: int, waiting: int = 0) -> bool:
+    """What SGLang's scheduler answers /flush_cache (no timeout) with `running` requests in its batch and `waiting` in
+    its queue: its `SchedulerFlushWrapper.handle` and `Scheduler.flush_cache` (a method parsed out of scheduler.py),
+    on a scheduler holding just what they read (idle: `is_fully_idle`, reduced to the batch and the queue)."""
+    import logging
+
+    relative = "srt/managers/scheduler.py"
+    source = (_root() / relative).read_text()
+    [cls] = [n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Scheduler"]
+    [method] = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "flush_cache"]
+    module = ast.Module(body=[method], type_ignores=[])
+    namespace = {"logger": logging.getLogger("sglang_code"), "logging": logging,
+                 "current_platform": types.SimpleNamespace(empty_cache=lambda: None)}
+    exec(compile(module, f"sglang/{relative}", "exec"), namespace)
+    nothing = types.SimpleNamespace(reset=lambda: None, clear=lambda: None, reset_aux_cache_allocator=lambda: None,
+                                    reset_metrics=lambda: None, is_stats_logging_rank=False)
+    batch = types.SimpleNamespace(reqs=[object()] * running)
+    scheduler = types.SimpleNamespace(
+        _engine_paused=False, running_batch=batch, waiting_queue=[object()] * waiting, draft_worker=None,
+        tree_cache=nothing, req_to_token_pool=nothing, token_to_kv_pool_allocator=nothing, grammar_manager=nothing,
+        metrics_reporter=nothing,
+        is_fully_idle=lambda ignore_waiting=False: not batch.reqs and (ignore_waiting or not scheduler.waiting_queue))
+    wrapper = _load("srt/managers/scheduler_components/flush_wrapper.py", {"SchedulerFlushWrapper"},
+                    {"time": __import__("time"), "logging": logging, "Callable": typing.Callable,
+                     "Optional": typing.Optional, "Tuple": typing.Tuple,
+                     "FlushCacheReqInput": types.SimpleNamespace, "FlushCacheReqOutput": types.SimpleNamespace}
+                    )["SchedulerFlushWrapper"]
+    flush = wrapper(flush_cache=lambda: namespace["flush_cache"](scheduler), is_fully_idle=scheduler.is_fully_idle,
+                    send_output=None)
+    return flush.handle(types.SimpleNamespace(timeout_s=None)).success
 
 
 def sampled_support(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

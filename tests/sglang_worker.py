@@ -11,7 +11,9 @@ plugged in where it runs on a CPU (tests/sglang_code.py loads it from the instal
   SGLang would refuse fails the call (HTTP 500);
 - a /generate asking `return_sampling_mask` passes its scheduler's check (`sglang_code.sampling_mask_refusal`:
   top_k 1 or 1 < top_k <= --sampling-mask-max-tokens, 4096 unless given) or is refused with its message (HTTP 400,
-  as SGLang aborts it).
+  as SGLang aborts it);
+- /flush_cache is answered by its scheduler's code (`sglang_code.flush_cache_succeeds`): refused (400) while a
+  request runs, and serve's own answer must agree.
 
 Usage: python tests/sglang_worker.py CHECKPOINT --port PORT [--sampling-mask-max-tokens N] [opd-sao serve options]
 """
@@ -69,6 +71,18 @@ def plug_in_sglang(sampling_mask_max_tokens: int = 4096) -> None:
         return generate(self, body, *args, **kwargs)
 
     server.RolloutServer.generate = checked_generate
+    flush = server.RolloutServer.flush_cache
+
+    def checked_flush(self, timeout_s: float = 0.0) -> bool:
+        """/flush_cache without a timeout as SGLang's scheduler answers it (its code), checked against serve's."""
+        if timeout_s:
+            return flush(self, timeout_s)
+        with self._cond:
+            ours, sglang = flush(self, 0.0), sglang_code.flush_cache_succeeds(self._inflight)
+        if ours != sglang:
+            raise RuntimeError(f"serve answers /flush_cache {ours}, SGLang's scheduler {sglang}")  # HTTP 500
+        return sglang
+    server.RolloutServer.flush_cache = checked_flush
 
 
 if __name__ == "__main__":

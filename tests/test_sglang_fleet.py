@@ -218,6 +218,41 @@ def test_a_top_p_stage_behind_sglang_router_with_an_unreachable_worker_is_refuse
     assert "\n" not in str(refused.value) and not (tmp_path / "run" / "stages").exists()
 
 
+def test_the_workers_refuse_flush_cache_while_a_request_runs_and_hold_requests_while_paused(sglang_workers):
+    """SGLang's scheduler (its flush_cache code, in the worker) refuses /flush_cache while a request runs (400,
+    "Flush cache failed."), and takes it once none runs; while paused a new request waits (it is not running, so
+    a flush passes) and runs whole after /continue_generation: the sequence a weight sync's pause goes through."""
+    import threading
+
+    import requests
+
+    url, answers = sglang_workers[0], {}
+    long = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+
+    def send(name, body):
+        answers[name] = requests.post(url + "/generate", json=body, timeout=600)
+
+    def running() -> int:
+        return requests.get(url + "/v1/loads", timeout=60).json()["loads"][0]["num_running_reqs"]
+
+    first = threading.Thread(target=send, args=("long", long))
+    first.start()
+    while not running():
+        assert first.is_alive(), answers["long"].text
+    refused = requests.post(url + "/flush_cache", timeout=60)
+    assert (refused.status_code, refused.text) == (400, "Flush cache failed.\n")
+    assert requests.post(url + "/pause_generation", json={"mode": "abort"}, timeout=60).status_code == 200
+    first.join(60)
+    assert answers["long"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    held = threading.Thread(target=send, args=("held", {**long, "sampling_params": {"max_new_tokens": 2}}))
+    held.start()
+    assert requests.post(url + "/flush_cache", timeout=60).status_code == 200  # the held request is not running
+    assert held.is_alive() and running() == 0
+    assert requests.post(url + "/continue_generation", json={}, timeout=60).status_code == 200
+    held.join(60)
+    assert answers["held"].json()["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_tensor_payloads_are_read_by_sglangs_deserialiser_and_request_model():
     """Both load formats: SGLang's MultiprocessingSerializer (SafeUnpickler) reads each bucket back exactly,
     as its model runner rebuilds it (FlattenedTensorBucket), and its request model takes the body."""

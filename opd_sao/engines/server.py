@@ -448,6 +448,13 @@ class RolloutServer:
             self._cond.notify_all()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
+    def flush_cache(self, timeout_s: float = 0.0) -> bool:
+        """SGLang's /flush_cache rule (its scheduler's `flush_cache`, `SchedulerFlushWrapper`): refused while a
+        request runs (one held by a pause or an update is not running yet), after waiting up to `timeout_s` for none
+        to; the embedded engine keeps no cache, so there is nothing else to do."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._inflight == 0, timeout=timeout_s)
+
     def abort_request(self, body: dict) -> None:
         """SGLang's /abort_request: the running requests whose rid starts with `rid` (all with `abort_all`)
         answer with finish_reason abort; an empty rid without abort_all, or one not running, does nothing."""
@@ -1007,7 +1014,15 @@ def build_app(server: RolloutServer, *,  # noqa: C901  a flat list of routes, ea
 
     app.add_api_route("/abort_request", abort_request, methods=["POST"])
 
-    async def flush_cache(request: Request) -> Response:  # SGLang's text answer; the embedded engine keeps no cache
+    async def flush_cache(request: Request) -> Response:  # SGLang's answers: text, 200 or 400
+        try:
+            timeout_s = float(request.query_params.get("timeout", 0.0))
+        except ValueError:
+            timeout_s = -1.0
+        if not timeout_s >= 0:
+            return _json(422, {"detail": [{"loc": ["query", "timeout"], "msg": "a number >= 0"}]})
+        if not await anyio.to_thread.run_sync(server.flush_cache, timeout_s, limiter=limiter):
+            return Response("Timed out waiting for idle state." if timeout_s else "Flush cache failed.\n", status_code=400)
         return Response("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
                         "waiting requests, the operation will not be performed.)\n", status_code=200)
 
