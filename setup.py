@@ -27,6 +27,7 @@ setup(
         "matplotlib",  # report.md's plots
         "requests",
         "urllib3>=2",  # the HTTP retry policy of the engines' clients (urllib3's Retry)
+        "filelock>=4.3",  # the run directory's lock (opd_sao/io/lock.py: FileLock's on_acquired, preserve_lock_file)
         "pyarrow",  # dataset environments: Parquet files
         "datasets",  # dataset environments: save_to_disk directories
         "math-verify",  # the math reward (LaTeX parsing through latex2sympy2-extended, which brings antlr4)
