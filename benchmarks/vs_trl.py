@@ -58,7 +58,7 @@ points (equal CPU, SAO's curve interpolated). SmolLM2's reasoning stage (#41):
 
     benchmarks/vs_trl.py --venv /tmp/trlbench --model /tmp/smol_reason/stages/reasoning/sft_checkpoint \
         --config configs/smollm2.yaml --env reasoning_gym:basic_arithmetic --prompt-format chat \
-        --max-new-tokens 48 --threads 2 --batch 16 --steps 400 --cpu-budget 1800 --snapshots 4 \
+        --max-new-tokens 48 --threads 2 --batch 16 --steps 400 --cpu-budget 1500 --snapshots 4 \
         --eval-tasks 250 --eval-greedy --out-dir /tmp/vs_trl_smollm2
 
 TRL is installed into `<--venv>/trl-venv` with `python -m venv` and pip (trl==1.16.0, the same torch 2.13.0 CPU
@@ -660,13 +660,14 @@ def at_equal_cpu(curves: dict, start_held_out: float) -> dict:
 
 
 def sao_at_equal_cpu(curves: dict, start_held_out: float) -> dict:
-    """Real-model mode's judgement: at each point of every other row within SAO's CPU-seconds, SAO's held-out
-    accuracy there (its curve interpolated) against the row's own; `at_or_above` when SAO's is never below."""
+    """Real-model mode's judgement: at each point of every other row within SAO's CPU-seconds, and at its final
+    point (past SAO's end: SAO's final accuracy, got for less CPU), SAO's held-out accuracy there (its curve
+    interpolated) against the row's own; `at_or_above` when SAO's is never below."""
     sao = curves["opd_sao_sao"]
     out = {}
     for name in (name for name in curves if name != "opd_sao_sao"):
         points = [{"cpu_s": p["cpu_s"], name: p["held_out"], "opd_sao_sao": accuracy_at(sao, p["cpu_s"], start_held_out)}
-                  for p in curves[name] if p["cpu_s"] <= sao[-1]["cpu_s"]]
+                  for p in curves[name] if p["cpu_s"] <= sao[-1]["cpu_s"] or p is curves[name][-1]]
         out[name] = {"points": points, "at_or_above": bool(points) and all(p["opd_sao_sao"] >= p[name] for p in points)}
     return out
 
