@@ -14,8 +14,8 @@ def check_engine(cfg, nucleus: bool = False, model_path: str = "tiny") -> None:
     """Before any work: the embedded engine can batch `model_path`'s layers (its config only); an http fleet
     answers, every router in it has workers (no weights move), and with `nucleus` (a stage samples with top_p < 1)
     the servers those requests go to (behind a router: its workers, directly) return the renormalised sampling
-    logprobs. The weight-sync mode (and its options) and the routing
-    policy are checked here, not in the config schema: the config sits below the engines."""
+    logprobs. The weight-sync mode (and its options) and the routing policy are checked here, not in the config
+    schema: the config sits below the engines."""
     from .routing import ROUTINGS
     from .weight_sync import WEIGHT_SYNCS
 
