@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from opd_sao import algorithms, cli
+from opd_sao import algorithms
+from opd_sao.app import cli
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.config import (
     AlgoConfig,
@@ -20,14 +21,14 @@ from opd_sao.config import (
 )
 from opd_sao.engines import EmbeddedEngine
 from opd_sao.engines.base import SamplingParams
+from opd_sao.envs import ENVIRONMENTS, grading, register_env
+from opd_sao.envs.arithmetic import ArithmeticEnv
+from opd_sao.envs.validity import check_environment
 from opd_sao.rl.compaction import Compaction, propagate_returns
 from opd_sao.rl.learner import Learner
 from opd_sao.rl.rollout import Episode, run_episodes
 from opd_sao.runs.evaluation import make_episodes
 from opd_sao.stages import RunContext
-from opd_sao.stages.envs import ENVIRONMENTS, grading, register_env
-from opd_sao.stages.envs.arithmetic import ArithmeticEnv
-from opd_sao.stages.envs.validity import check_environment
 from opd_sao.stages.rl import AgentStage
 from opd_sao.trainers import TorchTrainer
 from opd_sao.trajectory import Trajectory, collate
