@@ -121,15 +121,18 @@ def main() -> None:
     parser.add_argument("--stage", default="warmup", help="whose checkpoint (a finished stage of the run)")
     parser.add_argument("--against", help="a second stage (or checkpoint directory), scored on the same draws: the "
                         "difference's noise")
-    parser.add_argument("--samples", type=int, help="samples per task (default: the run's eval setting)")
+    parser.add_argument("--samples", type=int, help="samples per task at the eval temperature (default: the run's "
+                        "eval setting)")
     parser.add_argument("--greedy", action="store_true", help="argmax decoding, one answer per task")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one seed")
     args = parser.parse_args()
     seeds = list(range(100, 100 + (1 if args.quick else args.seeds)))  # none of them a quickstart run's seed
+    if args.greedy and args.samples:
+        raise SystemExit("--greedy and --samples: one answer per task, or several sampled ones")
     update = {"greedy": True, "samples_per_task": 1} if args.greedy else {}
     if args.samples:
-        update["samples_per_task"] = args.samples
+        update = {"greedy": False, "samples_per_task": args.samples}
     print(json.dumps({"run_dir": str(args.run_dir), "stage": args.stage, "against": args.against, "seeds": seeds,
                       "domains": spread(args.run_dir, args.stage, seeds, args.against, update)}))
 
