@@ -1,8 +1,9 @@
 from setuptools import find_packages, setup
 
-# One import namespace, `opd_sao`: the top-level folders stages/, teachers/ and cache/ install as opd_sao.stages,
-# opd_sao.teachers and opd_sao.cache (a top-level `cache` collides with other distributions); docs/architecture.md
-SUBPACKAGES = ("stages", "teachers", "cache")
+# One import namespace, `opd_sao`: the top-level folders stages/, envs/, teachers/ and cache/ install as
+# opd_sao.stages, opd_sao.envs, opd_sao.teachers and opd_sao.cache (a top-level `cache` collides with other
+# distributions); docs/architecture.md
+SUBPACKAGES = ("stages", "envs", "teachers", "cache")
 
 setup(
     name="opd-sao",

@@ -25,11 +25,11 @@ from opd_sao.checkpoints import build_tiny_model, load_causal_lm, load_tokenizer
 from opd_sao.config import AlgoConfig, RolloutConfig, TinyModelConfig, TrainerConfig
 from opd_sao.engines import EmbeddedEngine
 from opd_sao.engines.base import SamplingParams
+from opd_sao.envs import ENVIRONMENTS
 from opd_sao.io.tracking import MetricsLogger
 from opd_sao.rl.learner import Learner, needs_critic
 from opd_sao.rl.loop import RLLoop
 from opd_sao.rl.rollout import Episode
-from opd_sao.stages.envs import ENVIRONMENTS
 from opd_sao.trainers import TorchTrainer
 
 SIGMA = math.log(10) / 2.326  # p99 / p50 = 10 for a lognormal

@@ -14,7 +14,7 @@ every 60 steps, REINFORCE with three baselines on the same seeds:
   gives through GAE as lambda -> 0 (it also removes the quality draw's noise);
 - `none`: no baseline.
 
-Steps to recover are counted as in the chat stage (opd_sao.stages.envs.chat.steps_to_recover: the 5-step mean
+Steps to recover are counted as in the chat stage (opd_sao.envs.chat.steps_to_recover: the 5-step mean
 batch reward back at 0.3). A baseline never changes the expected gradient; it only changes its
 variance. If the baseline mattered for recovery, `exact_value` would beat `running_mean` here, where
 nothing else differs. Prints one JSON object on its last line.
@@ -29,7 +29,7 @@ import time
 import torch
 
 from opd_sao.algorithms import RunningMeanBaseline
-from opd_sao.stages.envs.chat import STYLES, StyleSchedule, steps_to_recover
+from opd_sao.envs.chat import STYLES, StyleSchedule, steps_to_recover
 
 BASELINES = ("running_mean", "exact_value", "exact_advantage", "none")
 OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}

@@ -5,7 +5,7 @@ classical every `switch_every` trainer steps; reward = quality x style) once per
 all from one shared SFT warm start, with the same learning rates, batch and seeds. Both go through
 the same pipeline and RLLoop; only `algo` differs.
 
-Steps to recover (opd_sao.stages.envs.chat.steps_to_recover, the level and window from the chat stage's
+Steps to recover (opd_sao.envs.chat.steps_to_recover, the level and window from the chat stage's
 env_options `recover_level` / `recover_window`): after a switch at step S, the number of steps until
 the mean batch reward over the last `window` steps, all taken at or after S + settle, first reaches
 `level` (settle = the stage's max_staleness: batches that may still hold rollouts scored under the old
@@ -34,9 +34,9 @@ import torch
 from opd_sao.app.pipeline import ensure_base_model, run_pipeline
 from opd_sao.checkpoints import load_tokenizer
 from opd_sao.config import load_config
+from opd_sao.envs import ENVIRONMENTS
+from opd_sao.envs.chat import ChatEnv, StyleSchedule, steps_to_recover
 from opd_sao.io.tracking import read_jsonl
-from opd_sao.stages.envs import ENVIRONMENTS
-from opd_sao.stages.envs.chat import ChatEnv, StyleSchedule, steps_to_recover
 from opd_sao.supervised import run_sft, sft_examples
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -52,7 +52,7 @@ def build_models(vocab: int, work: Path) -> Path:
 
     from opd_sao.checkpoints import build_tiny_model, load_causal_lm, load_tokenizer, save_checkpoint
     from opd_sao.config import TinyModelConfig
-    from opd_sao.stages.envs import ENVIRONMENTS
+    from opd_sao.envs import ENVIRONMENTS
 
     if vocab == 384:
         texts = [t for name in ENVIRONMENTS.names() for t in ENVIRONMENTS.get(name)().corpus(300)]

@@ -36,7 +36,7 @@ DOMAINS = ["digits_reverse", "digits_sort", "digits_copy"]
 
 
 def make_teachers(root: Path, seed: int) -> tuple[Path, list[Path]]:
-    from opd_sao.stages.envs import ENVIRONMENTS
+    from opd_sao.envs import ENVIRONMENTS
 
     texts = [text for name in ENVIRONMENTS.names() for text in ENVIRONMENTS.get(name)().corpus(500)]
     base = build_tiny_model(root / "base", texts, TinyModelConfig(), seed)

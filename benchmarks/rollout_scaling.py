@@ -39,7 +39,7 @@ from opd_sao.config import TinyModelConfig
 from opd_sao.engines.base import GenerationRequest, SamplingParams
 from opd_sao.engines.fleet import Fleet
 from opd_sao.engines.server import MAX_BODY_BYTES, MAX_NEW_TOKENS, serve
-from opd_sao.stages.envs import ENVIRONMENTS
+from opd_sao.envs import ENVIRONMENTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from launchers import free_port, start_sglang_router, wait_until_healthy  # tests/ helpers

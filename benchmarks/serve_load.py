@@ -217,7 +217,7 @@ def main(argv=None) -> dict:
         if url is None:
             from opd_sao.checkpoints import build_tiny_model
             from opd_sao.config import TinyModelConfig
-            from opd_sao.stages.envs import ENVIRONMENTS
+            from opd_sao.envs import ENVIRONMENTS
 
             model = build_tiny_model(Path(tmp) / "tiny", ENVIRONMENTS.get("arithmetic")().corpus(500),
                                      TinyModelConfig(), seed=0)

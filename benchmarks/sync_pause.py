@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
         from opd_sao.engines.weight_sync import SyncSettings
         from opd_sao.engines.weight_sync.base import buckets, untied
         from opd_sao.engines.weight_sync.tensor import TensorSync
-        from opd_sao.stages.envs import ENVIRONMENTS
+        from opd_sao.envs import ENVIRONMENTS
 
         with tempfile.TemporaryDirectory(prefix="sync-pause-") as tmp:
             model_dir = build_tiny_model(Path(tmp) / "model", ENVIRONMENTS.get("arithmetic")().corpus(300), SHAPE, 0)

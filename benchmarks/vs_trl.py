@@ -224,6 +224,7 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     from opd_sao.checkpoints import load_tokenizer
     from opd_sao.consistency.gate import ConsistencyGate, probe_episodes
     from opd_sao.engines import build_engine
+    from opd_sao.envs import ENVIRONMENTS, sample_tasks
     from opd_sao.io.tracking import MetricsLogger
     from opd_sao.rl.buffer import TrajectoryBuffer
     from opd_sao.rl.distill import OPDLearner
@@ -232,7 +233,6 @@ def opd_sao_worker(start: Path, out: Path, algo: str, steps: int, batch: int, se
     from opd_sao.rl.rollout import episodes_for
     from opd_sao.runs.checkpointing import StageState
     from opd_sao.stages.base import TRAIN_TASK_POOL
-    from opd_sao.stages.envs import ENVIRONMENTS, sample_tasks
     from opd_sao.teachers import Prefetcher, TeacherSet, TeacherTargets
     from opd_sao.trainers import build_backend
 
@@ -324,8 +324,8 @@ def prepare(work: Path, sft_steps: int, seed: int) -> Path:
 
     from opd_sao.checkpoints import PromptFormat, build_tiny_model, load_tokenizer
     from opd_sao.config import SFTConfig, TinyModelConfig, TrainerConfig
+    from opd_sao.envs import ENVIRONMENTS
     from opd_sao.stages.base import TRAIN_TASK_POOL
-    from opd_sao.stages.envs import ENVIRONMENTS
     from opd_sao.supervised import run_sft, sft_examples
 
     torch.set_num_threads(THREADS)
@@ -350,8 +350,8 @@ def held_out(checkpoint: Path, samples: int, seed: int) -> float:
 
     from opd_sao.checkpoints import load_tokenizer
     from opd_sao.config import EvalConfig, RolloutConfig
+    from opd_sao.envs import ENVIRONMENTS
     from opd_sao.runs.evaluation import evaluate
-    from opd_sao.stages.envs import ENVIRONMENTS
 
     torch.set_num_threads(THREADS)
     env_factory = lambda: ENVIRONMENTS.get("arithmetic")(max_operand=SETTINGS["max_operand"])
@@ -368,8 +368,8 @@ def real_held_out(checkpoint: Path, real: dict, seed: int) -> dict:
     mean, its standard error over the items and their number."""
     from opd_sao.checkpoints import load_tokenizer
     from opd_sao.config import EvalConfig
+    from opd_sao.envs import ENVIRONMENTS
     from opd_sao.runs.evaluation import evaluate_score
-    from opd_sao.stages.envs import ENVIRONMENTS
 
     run = real_run_config(real, checkpoint, "sao", 1, 1, seed)
     stage = run.stages[0]
@@ -388,8 +388,8 @@ def real_trl_inputs(real: dict, start: Path, seed: int, work: Path) -> dict:
     import site
 
     from opd_sao.checkpoints import PromptFormat, load_tokenizer
+    from opd_sao.envs import ENVIRONMENTS
     from opd_sao.stages.base import TRAIN_TASK_POOL
-    from opd_sao.stages.envs import ENVIRONMENTS
 
     run = real_run_config(real, start, "grpo", 1, GROUP, seed)
     stage = run.stages[0]
@@ -494,7 +494,7 @@ def environment_reward(s: dict):
     import site
 
     site.addsitedir(s["opd_sao_site"])
-    from opd_sao.stages.envs import ENVIRONMENTS
+    from opd_sao.envs import ENVIRONMENTS
 
     ENVIRONMENTS.get(s["env"])(**s["env_options"]).all_tasks("train")  # any generating before the clock, as opd-sao's
 

@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
 
         from opd_sao.checkpoints import build_tiny_model, load_causal_lm
         from opd_sao.engines.fleet import Fleet
-        from opd_sao.stages.envs import ENVIRONMENTS
+        from opd_sao.envs import ENVIRONMENTS
 
         texts = ENVIRONMENTS.get("arithmetic")().corpus(300)
         with tempfile.TemporaryDirectory(prefix="weight-sync-") as tmp:

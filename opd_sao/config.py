@@ -551,7 +551,7 @@ class StageConfig(Strict):
     name: PathName = describe("a unique stage name (its folder under stages/: one folder name, no '/')")
     kind: Annotated[str, AfterValidator(_stage_kind)] = describe(
         "a stage kind registered in stages/ (sft, reasoning, agent, chat, opd, or a plugin's)")
-    env: Optional[str] = describe("reasoning, agent, chat: an environment registered in stages/envs (evaluated "
+    env: Optional[str] = describe("reasoning, agent, chat: an environment registered in envs/ (evaluated "
                                   "after every stage with this stage's env_options, rollout and eval)", None)
     env_options: dict[str, Any] = describe("reasoning, agent, chat: keyword arguments of the environment", {})
     domains: list[str] = describe("sft, opd: the domains (environments) whose prompts the stage uses", [])

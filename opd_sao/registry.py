@@ -101,8 +101,8 @@ def import_submodules(package_name: str, package_path) -> list[str]:
 # decorators register its classes; the group says what kind of plugin it holds
 PLUGIN_GROUPS = {
     "opd_sao.stage": "stage kinds (stages.register_stage)",
-    "opd_sao.environment": "environments (opd_sao.stages.envs.register_env)",
-    "opd_sao.reward": "rewards and judges (opd_sao.stages.envs.rewards.register_reward)",
+    "opd_sao.environment": "environments (opd_sao.envs.register_env)",
+    "opd_sao.reward": "rewards and judges (opd_sao.envs.rewards.register_reward)",
     "opd_sao.teacher": "teacher kinds (teachers.register_teacher)",
     "opd_sao.weight_sync": "weight-sync modes (opd_sao.engines.weight_sync.WEIGHT_SYNCS.register)",
     "opd_sao.algorithm": "advantage estimators, policy losses, algo presets and OPD divergences (opd_sao.algorithms)",

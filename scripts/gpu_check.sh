@@ -59,8 +59,8 @@ if [ -n "$WHEELS" ]; then  # offline: the dependencies from a wheel directory, b
     --target "$WORK/site" "$WHEELS"/*.whl || { echo "gpu_check: installing $WHEELS into $WORK/site failed" >&2; exit 2; }
   export PYTHONPATH=$PWD/$WORK/site${PYTHONPATH:+:$PYTHONPATH}
   # the run's own imports: every stage kind (opd_sao.stages, mapped from this checkout by opd_sao/__init__.py),
-  # the teachers, the logit cache and the CLI
-  "$PYTHON" -c 'import opd_sao.app.cli, opd_sao.app.pipeline, opd_sao.stages, opd_sao.teachers, opd_sao.cache, deepspeed' \
+  # the environments, the teachers, the logit cache and the CLI
+  "$PYTHON" -c 'import opd_sao.app.cli, opd_sao.app.pipeline, opd_sao.stages, opd_sao.envs, opd_sao.teachers, opd_sao.cache, deepspeed' \
     || { echo "gpu_check: opd-sao does not import with the wheels of $WHEELS" >&2; exit 2; }
   echo "gpu_check: $(ls "$WHEELS"/*.whl | wc -l) wheels installed into $WORK/site from $WHEELS (no network)"
 fi
@@ -121,7 +121,7 @@ from pathlib import Path
 
 from opd_sao.checkpoints import build_tiny_model
 from opd_sao.config import TinyModelConfig
-from opd_sao.stages.envs import ENVIRONMENTS
+from opd_sao.envs import ENVIRONMENTS
 
 corpus = [t for name in ENVIRONMENTS.names() for t in ENVIRONMENTS.get(name)().corpus(300)]
 build_tiny_model(Path(sys.argv[1]), corpus, TinyModelConfig(hidden_size=256, intermediate_size=768, num_layers=4,

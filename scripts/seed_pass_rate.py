@@ -35,10 +35,10 @@ def chat(seed: int, args) -> dict:
     from test_chat import TASK, TINY
 
     from opd_sao.config import TinyModelConfig
-    from opd_sao.stages.envs.chat import ChatEnv, train_chat_reward_model
-    from opd_sao.stages.envs.chat.reward_model import RewardModel
-    from opd_sao.stages.envs.rewards import build_reward
-    from opd_sao.stages.envs.validity import check_environment
+    from opd_sao.envs.chat import ChatEnv, train_chat_reward_model
+    from opd_sao.envs.chat.reward_model import RewardModel
+    from opd_sao.envs.rewards import build_reward
+    from opd_sao.envs.validity import check_environment
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -61,7 +61,7 @@ def chat(seed: int, args) -> dict:
 
 def train_from(seed: int, args) -> dict:
     """tests/test_rewards.py::test_a_reward_model_trained_from_a_file_is_retrained_when_the_file_changes at `seed`."""
-    from opd_sao.stages.envs.dataset.preferences import train_from_file
+    from opd_sao.envs.dataset.preferences import train_from_file
 
     rows = [{"prompt": f"tell me about topic {i}", "chosen": f"topic {i} is a fine thing to learn about.",
              "rejected": "no."} for i in range(30)]
@@ -79,8 +79,8 @@ def sft_loss(seed: int, args) -> dict:
     from test_deepspeed_sft import WEIGHT_ATOL, _sft_cfg
 
     from opd_sao.checkpoints import PromptFormat, load_causal_lm, load_tokenizer
+    from opd_sao.envs import ENVIRONMENTS
     from opd_sao.io.tracking import read_jsonl
-    from opd_sao.stages.envs import ENVIRONMENTS
     from opd_sao.supervised import run_sft, sft_examples
 
     torch.set_num_threads(1)

@@ -13,9 +13,8 @@ from __future__ import annotations
 from typing import Optional
 
 from opd_sao.config import EPISODE_FIELDS, EvalConfig, RolloutConfig, StageConfig
+from opd_sao.envs import ENVIRONMENTS
 from opd_sao.errors import UsageError
-
-from .envs import ENVIRONMENTS
 
 
 def _overlay(base, override):

@@ -40,6 +40,7 @@ from pathlib import Path
 from opd_sao.config import BEST_CHECKPOINT, require_device
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
+from opd_sao.envs import ENVIRONMENTS, sample_tasks
 from opd_sao.errors import UsageError
 from opd_sao.io.tracking import read_jsonl
 from opd_sao.rl.distill import DISTILL_TEMPERATURE, DomainSchedule, OPDLearner
@@ -59,7 +60,6 @@ from .base import (
     register_stage,
 )
 from .domains import Domain
-from .envs import ENVIRONMENTS, sample_tasks
 
 PROBE_SEED_OFFSET = 1  # probes sample the held-out split with seed + this: the final evaluation's samples stay unseen
 

@@ -13,6 +13,8 @@ from pathlib import Path
 from opd_sao.checkpoints import PromptFormat
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
+from opd_sao.envs import ENVIRONMENTS, sample_tasks
+from opd_sao.envs.validity import require_valid
 from opd_sao.errors import UsageError
 from opd_sao.io.files import write_json
 from opd_sao.io.tracking import read_jsonl
@@ -20,7 +22,6 @@ from opd_sao.rl.learner import Learner, needs_critic
 from opd_sao.rl.rollout import Episode, episodes_for
 from opd_sao.rl.value_pretrain import pretrain_critic
 from opd_sao.runs.evaluation import evaluate_score
-from opd_sao.stages.envs.validity import require_valid
 from opd_sao.supervised import sft_examples
 from opd_sao.trainers import build_backend
 
@@ -35,7 +36,6 @@ from .base import (
     max_positions,
     register_stage,
 )
-from .envs import ENVIRONMENTS, sample_tasks
 
 CRITIC_DIR = "critic"  # next to checkpoint/: the critic a later stage of the same env carries over
 VALIDITY_TASKS = 16  # tasks the oracle / no-op / initial-state check samples at stage start

@@ -12,12 +12,12 @@ from __future__ import annotations
 import random
 
 from opd_sao.checkpoints import PromptFormat
+from opd_sao.envs import ENVIRONMENTS
 from opd_sao.errors import UsageError
 from opd_sao.supervised import sft_examples
 
 from .base import SFT_SECTIONS, TRAIN_TASK_POOL, Stage, StageResult, register_stage
 from .domains import Domain
-from .envs import ENVIRONMENTS
 
 
 @register_stage("sft")

@@ -36,7 +36,7 @@ def build_tiny(out):
     """The session's tiny model (also built by scripts/seed_pass_rate.py): 2 layers, 32 wide, every domain's text."""
     from opd_sao.checkpoints import build_tiny_model
     from opd_sao.config import TinyModelConfig
-    from opd_sao.stages.envs import ENVIRONMENTS
+    from opd_sao.envs import ENVIRONMENTS
 
     texts = []
     for name in ENVIRONMENTS.names():
@@ -106,7 +106,7 @@ def start_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def corpus():
     """The tiny models' tokenizer corpus: a little of every domain's text."""
-    from opd_sao.stages.envs import ENVIRONMENTS
+    from opd_sao.envs import ENVIRONMENTS
 
     return [text for name in ENVIRONMENTS.names() for text in ENVIRONMENTS.get(name)().corpus(300)]
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from opd_sao.supervised import run_sft, sft_examples
 from opd_sao.stages.base import ENV_SECTIONS, Stage, StageResult, register_stage
-from opd_sao.stages.envs import ENVIRONMENTS
+from opd_sao.envs import ENVIRONMENTS
 
 
 @register_stage("sft_teacher")

@@ -11,8 +11,7 @@ from transformers import AutoModelForSequenceClassification
 
 from opd_sao.app.pipeline import run_pipeline
 from opd_sao.config import TinyModelConfig, parse_config
-from opd_sao.stages import RunContext
-from opd_sao.stages.envs.chat import (
+from opd_sao.envs.chat import (
     STYLES,
     ChatEnv,
     StyleSchedule,
@@ -21,9 +20,10 @@ from opd_sao.stages.envs.chat import (
     style_of,
     train_chat_reward_model,
 )
-from opd_sao.stages.envs.chat.reward_model import RewardModel, best_threshold
-from opd_sao.stages.envs.rewards import build_reward
-from opd_sao.stages.envs.validity import check_environment, play
+from opd_sao.envs.chat.reward_model import RewardModel, best_threshold
+from opd_sao.envs.rewards import build_reward
+from opd_sao.envs.validity import check_environment, play
+from opd_sao.stages import RunContext
 from opd_sao.stages.rl import ChatStage
 
 TASK = {"id": "t", "prompt": "user: do you like cats?\nbot:", "topic": "cats", "style": "cute"}

@@ -27,9 +27,9 @@ from opd_sao.consistency.check import (
 from opd_sao.consistency.gate import ConsistencyGate, GateFailure, probe_episodes
 from opd_sao.engines.base import GenerationRequest, SamplingParams
 from opd_sao.engines.embedded import EmbeddedEngine
+from opd_sao.envs import ENVIRONMENTS
 from opd_sao.model.modeling import sequence_logprobs
 from opd_sao.rl.rollout import run_episodes
-from opd_sao.stages.envs import ENVIRONMENTS
 from opd_sao.trainers.torch_backend import TorchTrainer
 from opd_sao.trajectory import Trajectory, collate
 

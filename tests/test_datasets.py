@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from opd_sao.app import cli
-from opd_sao.stages.envs import ENVIRONMENTS
-from opd_sao.stages.envs.dataset import DatasetEnv
-from opd_sao.stages.envs.dataset.files import DatasetError
-from opd_sao.stages.envs.validity import check_environment, require_valid
+from opd_sao.envs import ENVIRONMENTS
+from opd_sao.envs.dataset import DatasetEnv
+from opd_sao.envs.dataset.files import DatasetError
+from opd_sao.envs.validity import check_environment, require_valid
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data"

@@ -117,8 +117,8 @@ def fixed_batch(tmp_path_factory, tiny_model_dir, tokenizer):
     from opd_sao.checkpoints import load_causal_lm
     from opd_sao.engines import EmbeddedEngine
     from opd_sao.engines.base import SamplingParams
+    from opd_sao.envs import ENVIRONMENTS
     from opd_sao.rl.rollout import Episode, run_episodes
-    from opd_sao.stages.envs import ENVIRONMENTS
 
     env_cls = ENVIRONMENTS.get("arithmetic")
     tasks = env_cls().make_tasks("train", 10, seed=0)

@@ -22,7 +22,7 @@ def worker(args: dict) -> None:
     from opd_sao.config import GateConfig, RolloutConfig, TrainerConfig
     from opd_sao.consistency.gate import ConsistencyGate, GateFailure, probe_episodes
     from opd_sao.engines.embedded import EmbeddedEngine
-    from opd_sao.stages.envs import ENVIRONMENTS
+    from opd_sao.envs import ENVIRONMENTS
     from opd_sao.trainers.deepspeed_backend import DeepSpeedTrainer, follow, init_distributed
     from opd_sao.trajectory import Trajectory, collate
 

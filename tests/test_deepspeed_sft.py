@@ -84,8 +84,8 @@ def worker(args: dict) -> None:
 
 def test_sft_on_two_zero3_ranks_matches_torch_backend_and_resumes(tmp_path, tiny_model_dir, tokenizer, free_port):
     from opd_sao.checkpoints import PromptFormat, load_causal_lm
+    from opd_sao.envs import ENVIRONMENTS
     from opd_sao.io.tracking import read_jsonl
-    from opd_sao.stages.envs import ENVIRONMENTS
     from opd_sao.supervised import run_sft, sft_examples
 
     examples = sft_examples(ENVIRONMENTS.get("arithmetic"), tokenizer, n=40, seed=0,

@@ -155,8 +155,8 @@ def _sft(path, tok, tmp):
 
 
 def _evaluate(path, tok, tmp):
+    from opd_sao.envs import ENVIRONMENTS
     from opd_sao.runs.evaluation import evaluate
-    from opd_sao.stages.envs import ENVIRONMENTS
 
     evaluate(path, ENVIRONMENTS.get("arithmetic"), tok, domain="arithmetic", rollout=RolloutConfig(),
              eval_cfg=EvalConfig(num_tasks=1), seed=0, device="cuda")
@@ -169,7 +169,7 @@ def _serve(path, tok, tmp):
 
 
 def _reward_model(path, tok, tmp):
-    from opd_sao.stages.envs.dataset.rewards import RewardModelReward
+    from opd_sao.envs.dataset.rewards import RewardModelReward
 
     RewardModelReward(str(path), device="cuda")
 

@@ -12,9 +12,9 @@ import torch
 from opd_sao.checkpoints import load_causal_lm, load_tokenizer, save_checkpoint
 from opd_sao.config import EvalConfig, RolloutConfig
 from opd_sao.engines.embedded import EmbeddedEngine
+from opd_sao.envs.arithmetic import ArithmeticEnv
 from opd_sao.rl.rollout import run_episodes
 from opd_sao.runs.evaluation import episode_rewards, evaluate, evaluate_score, make_episodes, task_score
-from opd_sao.stages.envs.arithmetic import ArithmeticEnv
 
 
 class AnyDigitEnv(ArithmeticEnv):

@@ -11,8 +11,8 @@ import yaml
 from cli_checks import refused as _refused
 
 from opd_sao.app import cli
-from opd_sao.stages.envs import register_env
-from opd_sao.stages.envs.arithmetic import ArithmeticEnv
+from opd_sao.envs import register_env
+from opd_sao.envs.arithmetic import ArithmeticEnv
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
 

@@ -16,10 +16,10 @@ import yaml
 
 from opd_sao.app.pipeline import run_pipeline
 from opd_sao.config import TrainerConfig, parse_config
+from opd_sao.envs.dataset import DatasetEnv
+from opd_sao.envs.rewards import RewardFailure
+from opd_sao.envs.validity import check_environment
 from opd_sao.runs.checkpointing import StageState
-from opd_sao.stages.envs.dataset import DatasetEnv
-from opd_sao.stages.envs.rewards import RewardFailure
-from opd_sao.stages.envs.validity import check_environment
 from opd_sao.trainers.base import NonFiniteError
 from opd_sao.trainers.torch_backend import TorchTrainer
 
@@ -128,7 +128,7 @@ GAMES = {  # each a wrong program (f(x) = 0) that scored 1.0 before (issue 25)
 
 @pytest.mark.parametrize("game", sorted(GAMES))
 def test_code_tests_cannot_be_gamed(game):
-    from opd_sao.stages.envs.rewards import build_reward
+    from opd_sao.envs.rewards import build_reward
 
     reward = build_reward("code_tests", {})
     assert reward.score(ASSERTS, GAMES[game]).score == 0.0
@@ -140,7 +140,7 @@ def test_code_tests_output_and_test_count_are_not_the_programs_limit():
     echoed on the program's output, past its 64 KiB). The 50,000 asserts run with wall and CPU limits of 300 s
     (issue 43): at the default 5 s + 0.2 ms per test they hit the wall limit on a loaded machine (one pipe round
     trip per call, 2-14 s measured at load 7-20), and what this checks is the output, not the time allowance."""
-    from opd_sao.stages.envs.rewards import build_reward
+    from opd_sao.envs.rewards import build_reward
 
     reward = build_reward("code_tests", {})
     assert reward.score(ASSERTS, RIGHT + "print('x' * 100_000)\n").score == 1.0
@@ -276,7 +276,7 @@ def test_data_inspect_exits_non_zero_on_malformed_rows(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------- rewards
 def test_a_python_reward_that_hangs_times_out_scores_zero_and_is_counted(tmp_path):
     """Before: a python reward that hung blocked the run forever."""
-    from opd_sao.stages.envs.dataset.rewards import PythonReward
+    from opd_sao.envs.dataset.rewards import PythonReward
 
     function = python_reward(tmp_path, "time.sleep(3600) or 0.0")
     reward = PythonReward(function, timeout_s=1, startup_s=30)
@@ -292,7 +292,7 @@ def test_the_judge_honours_retry_after_and_reads_the_last_score():
     3" scored 0.0 and "10/10? no. 2" scored 1.0 (the first number won)."""
     from test_rewards import TASK, JudgeServer
 
-    from opd_sao.stages.envs.dataset.rewards import JudgeReward
+    from opd_sao.envs.dataset.rewards import JudgeReward
 
     server = JudgeServer(fail_first=1, fail_status=429, retry_after="2")
     try:
@@ -326,7 +326,7 @@ def test_a_judge_down_during_a_run_ends_in_one_line(tmp_path, capsys):
 
 def test_math_strict_takes_only_a_marked_answer():
     """Before: there was no strict mode: `1==зе return+之旅` scored 1.0 against 1 (the last number)."""
-    from opd_sao.stages.envs.dataset.rewards import MathReward
+    from opd_sao.envs.dataset.rewards import MathReward
 
     task = {"id": "m", "answer": "1"}
     assert MathReward().score(task, "\n1==зе return+之旅").score == 1.0  # the lenient default, as documented

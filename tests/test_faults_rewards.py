@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from opd_sao.stages.envs.dataset.rewards import MathReward, PythonReward
+from opd_sao.envs.dataset.rewards import MathReward, PythonReward
 
 # the reward's behaviour is chosen by the response; an ordinary response scores len(response) / 10
 REWARD = '''
@@ -124,7 +124,7 @@ def test_helpers_a_reward_started_die_with_its_worker_and_with_the_run(tmp_path)
     reward = PythonReward(function, timeout_s=2, startup_s=60)
     assert reward.score({"id": "a", "marker": marker + "-1"}, "helper and hang").info == {"timeout": True}
     assert gone(marker + "-1"), "the replaced worker's helper is still running"
-    script = (f"from opd_sao.stages.envs.dataset.rewards import PythonReward\n"
+    script = (f"from opd_sao.envs.dataset.rewards import PythonReward\n"
               f"print(PythonReward({function!r}).score({{'id': 'b', 'marker': {marker + '-2'!r}}}, 'helper').score)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "0.6", out.stderr[-2000:]

@@ -383,7 +383,7 @@ def test_the_gate_checks_again_after_a_server_rejoins(server, tiny_model_dir, to
     from opd_sao.config import GateConfig, RolloutConfig, TrainerConfig
     from opd_sao.consistency.gate import ConsistencyGate, probe_episodes
     from opd_sao.engines.fleet import Fleet
-    from opd_sao.stages.envs import ENVIRONMENTS
+    from opd_sao.envs import ENVIRONMENTS
     from opd_sao.trainers.torch_backend import TorchTrainer
 
     proxy = FaultyProxy(server)

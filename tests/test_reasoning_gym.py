@@ -7,10 +7,10 @@ import pytest
 
 from opd_sao.app.pipeline import run_pipeline
 from opd_sao.config import parse_config
-from opd_sao.stages.envs import ENVIRONMENTS
-from opd_sao.stages.envs.answers import prompt_expression
-from opd_sao.stages.envs.reasoning_gym_env import ReasoningGymEnv
-from opd_sao.stages.envs.validity import check_environment, probes
+from opd_sao.envs import ENVIRONMENTS
+from opd_sao.envs.answers import prompt_expression
+from opd_sao.envs.reasoning_gym_env import ReasoningGymEnv
+from opd_sao.envs.validity import check_environment, probes
 
 SMALL = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}  # at most 2 x 10 x 10 questions
 

@@ -1,6 +1,6 @@
 """Every reference a reader may follow resolves: the design sections the code cites exist in docs/design.md,
-and the repository files and `opd_sao.*` / `stages.*` / `teachers.*` / `cache.*` modules named in docstrings,
-comments and docs exist. (A renamed module used to leave stale paths behind in docstrings and the README.)"""
+and the repository files and `opd_sao.*` / `stages.*` / `envs.*` / `teachers.*` / `cache.*` modules named in
+docstrings, comments and docs exist. (A renamed module used to leave stale paths behind in docstrings and the README.)"""
 from __future__ import annotations
 
 import re
@@ -9,10 +9,10 @@ from pathlib import Path
 from opd_sao.registry import PLUGIN_GROUPS
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [p for top in ("opd_sao", "stages", "teachers", "cache", "benchmarks", "tests", "scripts")
+SOURCES = [p for top in ("opd_sao", "stages", "envs", "teachers", "cache", "benchmarks", "tests", "scripts")
            for p in (ROOT / top).rglob("*") if p.suffix in {".py", ".sh"}]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "configs").glob("*.yaml"))]
-TOPS = ("opd_sao", "stages", "teachers", "cache", "docs", "tests", "benchmarks", "scripts", "configs", "examples")
+TOPS = ("opd_sao", "stages", "envs", "teachers", "cache", "docs", "tests", "benchmarks", "scripts", "configs", "examples")
 
 SECTION = re.compile(r"design\.md §(\d+(?:\.\d+)?)")
 # a repository path: starts with a top-level folder, ends in a file suffix (or a slash for a folder)
@@ -20,7 +20,7 @@ PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*[\w/])" % "|".join(TOPS))
 # files a recipe asks the reader to create (a code block's first comment line), or that a command writes
 WRITTEN = re.compile(r"^# ((?:%s)/[\w./-]+)" % "|".join(TOPS), re.M)
 OUTPUTS = {"docs/gpu_check.txt", "configs/my_run.yaml"}
-MODULE = re.compile(r"(?<![\w./-])((?:opd_sao|stages|teachers|cache)(?:\.[A-Za-z_]\w*)+)")
+MODULE = re.compile(r"(?<![\w./-])((?:opd_sao|stages|envs|teachers|cache)(?:\.[A-Za-z_]\w*)+)")
 
 
 def _texts():
@@ -46,7 +46,7 @@ def _module_exists(dotted: str) -> bool:
     if parts[0] == "stages" and not (ROOT / "stages" / f"{parts[1]}.py").is_file() \
             and not (ROOT / "stages" / parts[1]).is_dir():
         return True
-    if len(parts) > 1 and parts[0] == "opd_sao" and parts[1] in ("stages", "teachers", "cache"):
+    if len(parts) > 1 and parts[0] == "opd_sao" and parts[1] in ("stages", "envs", "teachers", "cache"):
         parts = parts[1:]  # the top-level folders install as opd_sao.stages, ... (setup.py's package_dir)
     for cut in range(len(parts), 0, -1):
         base = ROOT.joinpath(*parts[:cut])
@@ -80,9 +80,9 @@ def test_named_files_and_modules_exist():
 
 def test_the_references_checker_catches_a_stale_path():
     """The checks above can fail: a made-up module and file are reported as missing."""
-    assert not _module_exists("opd_sao.distill_old_name") and not _exists("stages/envs/no_such_env.py")
+    assert not _module_exists("opd_sao.distill_old_name") and not _exists("envs/no_such_env.py")
     assert _module_exists("opd_sao.rl.distill") and _module_exists("opd_sao.algorithms.PRESETS")
-    assert _module_exists("opd_sao.stages.envs.sandbox") and not _module_exists("opd_sao.stages.no_such_module")
+    assert _module_exists("opd_sao.envs.sandbox") and not _module_exists("opd_sao.stages.no_such_module")
 
 
 def _slugs(markdown: Path) -> set[str]:

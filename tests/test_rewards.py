@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from opd_sao.stages.envs.dataset.rewards import (
+from opd_sao.envs.dataset.rewards import (
     CodeTestsReward,
     ExactReward,
     JudgeReward,
@@ -17,7 +17,7 @@ from opd_sao.stages.envs.dataset.rewards import (
     RewardFailure,
     RewardModelReward,
 )
-from opd_sao.stages.envs.rewards import build_reward
+from opd_sao.envs.rewards import build_reward
 
 # (prediction, reference, equal): LaTeX fractions, equivalent forms, GSM8K answers, and wrong answers.
 MATH_TABLE = [
@@ -73,7 +73,7 @@ def test_math_table_is_judged_correctly():
 
 
 # (response, reference, score) by hand: a final answer is a value, not the question's operation left to do, and never
-# the prompt echoed (stages/envs/answers.py). PROMPT is the task's prompt for every row.
+# the prompt echoed (envs/answers.py). PROMPT is the task's prompt for every row.
 PROMPT = "Calculate 66 - 8. Give the final answer as a number."
 UNEVALUATED_TABLE = [
     ("66 - 8", "58", 0.0),
@@ -180,7 +180,7 @@ def sequence_classifier(tiny_model_dir, tmp_path_factory):
 
 
 def test_reward_model_scores_in_batches(sequence_classifier):
-    from opd_sao.stages.envs.chat.reward_model import RewardModel
+    from opd_sao.envs.chat.reward_model import RewardModel
 
     reward = RewardModelReward(str(sequence_classifier), batch_size=8, batch_wait_s=0.3)
     tasks = [{"prompt": f"user: tell me about {t}.\nbot:"} for t in ("cats", "tea", "rain", "snow")] * 4
@@ -324,8 +324,8 @@ def test_a_reward_model_trained_from_a_file_is_retrained_when_the_file_changes(t
     assertion reads the model's quality: 20 of 20 training seeds pass (scripts/seed_pass_rate.py train_from)."""
     import shutil
 
-    from opd_sao.stages.envs.dataset.files import DatasetError
-    from opd_sao.stages.envs.dataset.preferences import train_from_file
+    from opd_sao.envs.dataset.files import DatasetError
+    from opd_sao.envs.dataset.preferences import train_from_file
 
     rows = [{"prompt": f"tell me about topic {i}", "chosen": f"topic {i} is a fine thing to learn about.",
              "rejected": "no."} for i in range(30)]

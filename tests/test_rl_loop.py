@@ -16,11 +16,11 @@ from opd_sao.checkpoints import load_causal_lm
 from opd_sao.config import AlgoConfig, RolloutConfig, TrainerConfig
 from opd_sao.engines import EmbeddedEngine
 from opd_sao.engines.base import GenerationRequest, SamplingParams
+from opd_sao.envs import ENVIRONMENTS
 from opd_sao.io.tracking import MetricsLogger
 from opd_sao.rl.learner import Learner, needs_critic
 from opd_sao.rl.loop import RLLoop
 from opd_sao.rl.rollout import Episode
-from opd_sao.stages.envs import ENVIRONMENTS
 from opd_sao.trainers import TorchTrainer
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from opd_sao.stages.envs import sandbox
-from opd_sao.stages.envs.sandbox import (
+from opd_sao.envs import sandbox
+from opd_sao.envs.sandbox import (
     SandboxLimits,
     SandboxUnavailableError,
     detect_mode,

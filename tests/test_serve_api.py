@@ -311,7 +311,7 @@ def test_openai_completions_and_chat(chat_server, chat_model_dir, chat_model, to
 def test_the_judge_reward_scores_through_serves_chat_route(chat_server, chat_model_dir, chat_model, tokenizer):
     """The judge (the openai client) asks serve's /v1/chat/completions: its score is the first number of the
     greedy reply this process computes (none: the judgement fails and scores 0)."""
-    from opd_sao.stages.envs.dataset.rewards import JudgeReward
+    from opd_sao.envs.dataset.rewards import JudgeReward
 
     out = _greedy_continuation(chat_model, _chat_ids(chat_model_dir, "7"), 16)
     out = out[:out.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in out else out

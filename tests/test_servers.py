@@ -109,11 +109,11 @@ def test_stage_trains_through_the_router_and_a_killed_server_loses_no_trajectory
         fleet, tmp_path, tiny_model_dir, tokenizer):
     from opd_sao.config import AlgoConfig, EngineConfig, RolloutConfig, TrainerConfig
     from opd_sao.engines import build_engine
+    from opd_sao.envs import ENVIRONMENTS
     from opd_sao.io.tracking import MetricsLogger
     from opd_sao.rl.learner import Learner
     from opd_sao.rl.loop import RLLoop
     from opd_sao.rl.rollout import Episode
-    from opd_sao.stages.envs import ENVIRONMENTS
     from opd_sao.trainers import TorchTrainer
 
     urls = [url for url, _ in fleet]

@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 
 from opd_sao.config import load_config
+from opd_sao.envs.dataset import DatasetEnv
+from opd_sao.envs.rewards import build_reward
+from opd_sao.envs.validity import check_environment
 from opd_sao.errors import UsageError
-from opd_sao.stages.envs.dataset import DatasetEnv
-from opd_sao.stages.envs.rewards import build_reward
-from opd_sao.stages.envs.validity import check_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "smollm2.yaml"
 
 LOWER_KEYWORD = [{"kind": "lowercase"}, {"kind": "include", "word": "lantern"}]
-# (constraints, response, score): by hand, from the rules in stages/envs/dataset/constraints.py
+# (constraints, response, score): by hand, from the rules in envs/dataset/constraints.py
 TABLE = [
     (LOWER_KEYWORD, "a lantern glows at night.", 1.0),
     (LOWER_KEYWORD, "A lantern glows at night.", 0.0),  # one upper-case letter

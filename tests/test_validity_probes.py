@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from opd_sao.envs import ENVIRONMENTS
+from opd_sao.envs.dataset import DatasetEnv
+from opd_sao.envs.validity import check_environment, probes, require_valid
 from opd_sao.errors import UsageError
-from opd_sao.stages.envs import ENVIRONMENTS
-from opd_sao.stages.envs.dataset import DatasetEnv
-from opd_sao.stages.envs.validity import check_environment, probes, require_valid
 
 ROWS = [{"id": f"c{i}", "prompt": f"Calculate {60 + i} - {i % 9 + 1}.", "answer": str(60 + i - (i % 9 + 1))}
         for i in range(30)]

@@ -12,10 +12,10 @@ from opd_sao.checkpoints import load_causal_lm
 from opd_sao.config import ConfigError, TrainerConfig, parse_config
 from opd_sao.engines import EmbeddedEngine
 from opd_sao.engines.base import SamplingParams
+from opd_sao.envs import register_env
+from opd_sao.envs.arithmetic import ArithmeticEnv
 from opd_sao.rl.rollout import Episode
 from opd_sao.rl.value_pretrain import critic_error, monte_carlo_returns, pretrain_critic, rollout_corpus
-from opd_sao.stages.envs import register_env
-from opd_sao.stages.envs.arithmetic import ArithmeticEnv
 from opd_sao.trainers import TorchTrainer
 from opd_sao.trainers.critic import ValueModel
 from opd_sao.trajectory import collate

@@ -155,7 +155,7 @@ def instructions(rng: random.Random, n: int = 1000) -> list[dict]:
     commas, word limits: with 2-3, SmolLM2 met all of them on 2 of 40 held-out rows), and a reference answer. Every
     row has a constraint that an empty answer fails, so the validity check's no-op and echo probes score 0, and so
     does the request itself (both checked here)."""
-    from opd_sao.stages.envs.dataset.constraints import failed_constraints
+    from opd_sao.envs.dataset.constraints import failed_constraints
 
     rows, seen = [], set()
     while len(rows) < n:

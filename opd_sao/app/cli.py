@@ -138,14 +138,14 @@ def _cmd_cache(args) -> int:
 
 def _environment(name: str):
     """The environment class registered as `name` (imports every environment on first use)."""
-    from opd_sao.stages.envs import ENVIRONMENTS
+    from opd_sao.envs import ENVIRONMENTS
 
     return ENVIRONMENTS.get(name)
 
 
 def _cmd_validate_env(args) -> int:
-    """`opd-sao validate-env NAME`: the validity check (stages/envs/validity.py) as JSON; exit status 1 when it fails."""
-    from opd_sao.stages.envs.validity import check_environment
+    """`opd-sao validate-env NAME`: the validity check (envs/validity.py) as JSON; exit status 1 when it fails."""
+    from opd_sao.envs.validity import check_environment
 
     env_cls = _environment(args.name)
     options = json_options(args.options)
@@ -163,7 +163,7 @@ def _cmd_validate_env(args) -> int:
 def _cmd_data(args) -> int:
     """`opd-sao data inspect PATH`: row count, fields, and three prompts as a dataset environment shows them; exit
     status 1 when rows are malformed under the mapping."""
-    from opd_sao.stages.envs.dataset import inspect_file
+    from opd_sao.envs.dataset import inspect_file
 
     options = json_options(args.options)
     if args.chat_template:
@@ -174,8 +174,8 @@ def _cmd_data(args) -> int:
 
 
 def _cmd_sandbox(args) -> int:
-    """`opd-sao sandbox run FILE [limits]`: the sandbox's own command line (opd_sao.stages.envs.sandbox.main)."""
-    from opd_sao.stages.envs.sandbox import main as sandbox_main
+    """`opd-sao sandbox run FILE [limits]`: the sandbox's own command line (opd_sao.envs.sandbox.main)."""
+    from opd_sao.envs.sandbox import main as sandbox_main
 
     return sandbox_main(args.args)
 
@@ -362,7 +362,7 @@ def _cmd_serve(args) -> int:  # the server module imports torch: only when servi
 def _cmd_reward_model(args) -> int:
     """`opd-sao reward-model --out DIR`: train the chat environment's reward model, print its figures as JSON."""
     from opd_sao.devices import resolve_device
-    from opd_sao.stages.envs.chat import train_chat_reward_model
+    from opd_sao.envs.chat import train_chat_reward_model
 
     resolve_device(args.device)  # a device this machine lacks stops here, before the training pairs are built
     info = train_chat_reward_model(Path(args.out), n_pairs=args.pairs, steps=args.steps, seed=args.seed,
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.command == "run" and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides += extra
-    elif extra and args.command == "sandbox":  # its own flags (-h, limits) belong to opd_sao.stages.envs.sandbox.main
+    elif extra and args.command == "sandbox":  # its own flags (-h, limits) belong to opd_sao.envs.sandbox.main
         args.args = extra + args.args
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

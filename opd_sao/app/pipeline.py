@@ -63,9 +63,9 @@ def check_before_work(cfg: RunConfig, *, resume: bool = False) -> None:
     a stage with a critic trains its policy at all (steps > critic_warmup_steps), the model path, and an http
     engine's fleet (every URL answers, every router has workers). Teachers are checked once the base model exists
     (`Stage.check_base_model`); their kinds and `options:` now."""
+    from opd_sao.envs import ENVIRONMENTS
     from opd_sao.stages import STAGES
     from opd_sao.stages.domains import Domain
-    from opd_sao.stages.envs import ENVIRONMENTS
     from opd_sao.teachers import TEACHER_KINDS
 
     for stage in cfg.stages:
@@ -116,7 +116,7 @@ def check_critic_warmup(cfg: RunConfig) -> None:
 
 def stage_data_files(cfg: RunConfig) -> dict[str, list[str]]:
     """Stage name -> the data files its environment reads (`Environment.data_files`), for the data record."""
-    from opd_sao.stages.envs import ENVIRONMENTS
+    from opd_sao.envs import ENVIRONMENTS
 
     found: dict[str, list[str]] = {}
     for stage_name, env, options in configured_environments(cfg):
@@ -174,7 +174,7 @@ def ensure_base_model(cfg: RunConfig, run_dir: Path) -> Path:
         return base if (base / "config.json").is_file() else import_gguf(cfg.model.path, base)
     if cfg.model.path != "tiny":  # check_before_work has checked it is a model directory
         return Path(cfg.model.path)
-    from opd_sao.stages.envs import ENVIRONMENTS
+    from opd_sao.envs import ENVIRONMENTS
 
     texts = []
     for name in ENVIRONMENTS.names():  # every domain, so later stages' text tokenizes well too

@@ -1,6 +1,6 @@
 """The one retry policy of opd-sao's network calls, in two forms: urllib3's `Retry` mounted on a `requests.Session`
 (the SGLang-API clients, the fleet, weight sync, the served teacher), and `call_with_retries` around a call the
-HTTP layer cannot see into (the LLM judge, `judge` reward in stages/envs/dataset/rewards.py: the `openai` client,
+HTTP layer cannot see into (the LLM judge, `judge` reward in envs/dataset/rewards.py: the `openai` client,
 and a reply without a score is a failed try too). Both wait backoff_s, 2x, 4x, ... between tries.
 
 Transient failures are tried again with exponential backoff: a connection refused or reset, a connect

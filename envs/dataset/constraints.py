@@ -1,5 +1,5 @@
 """`reward: constraints`: instruction following with verifiable constraints (IFEval-style), on the contract of
-stages/envs/rewards.py.
+envs/rewards.py.
 
 A row carries a list of constraints (a metadata field, `constraints` by default: `metadata_keys: [constraints]`),
 each a dict with a `kind` and its parameter:
@@ -14,7 +14,7 @@ each a dict with a `kind` and its parameter:
 
 Scored strictly: 1 when every constraint holds, else 0 (IFEval's strict prompt-level accuracy). A fraction would pay a
 response for the constraints that an empty or off-topic answer meets anyway (no commas, at most n words). The
-response is read after the last verbatim copy of the prompt (stages/envs/answers.py), so an echoed prompt is held to
+response is read after the last verbatim copy of the prompt (envs/answers.py), so an echoed prompt is held to
 the constraints with nothing: data whose every row has a constraint that nothing fails (include, min_words,
 end_with, bullets, quoted) passes the validity check's echo and no-op probes. `stats` counts failures per kind.
 """
@@ -23,9 +23,9 @@ from __future__ import annotations
 import re
 from collections import Counter
 
+from opd_sao.envs.answers import after_prompt
+from opd_sao.envs.rewards import Reward, Verdict, register_reward
 from opd_sao.errors import UsageError
-from opd_sao.stages.envs.answers import after_prompt
-from opd_sao.stages.envs.rewards import Reward, Verdict, register_reward
 
 BULLET = re.compile(r"^\s*[-*] ", re.M)
 

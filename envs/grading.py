@@ -16,7 +16,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Optional
 
-from opd_sao.stages.envs.sandbox import SandboxLimits, detect_mode, run_python
+from opd_sao.envs.sandbox import SandboxLimits, detect_mode, run_python
 
 HARNESS = (Path(__file__).parent / "grading_harness.py").read_text()
 

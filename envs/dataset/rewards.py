@@ -1,4 +1,4 @@
-"""The dataset env's rewards (`reward: math`), on the contract of stages/envs/rewards.py.
+"""The dataset env's rewards (`reward: math`), on the contract of envs/rewards.py.
 
 Each scores one response to a task dict of `DatasetEnv` ("prompt" text, "answer", "tests", "metadata"):
 exact, math, code_tests (multi-turn: the observation names the first failing test), reward_model, judge (an
@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from opd_sao.engines.retry import call_with_retries
+from opd_sao.envs.answers import after_prompt, unevaluated
+from opd_sao.envs.rewards import Reward, RewardFailure, Verdict, register_reward
 from opd_sao.errors import UsageError
-from opd_sao.stages.envs.answers import after_prompt, unevaluated
-from opd_sao.stages.envs.rewards import Reward, RewardFailure, Verdict, register_reward
 
 from .python_worker import import_function
 
@@ -186,7 +186,7 @@ class MathReward(Reward):
     answer field, as MATH-style datasets store bare LaTeX answers. With `strict`, a response must mark its answer
     (\\boxed{} or `####`): an unmarked one scores 0 (a stray last number, `1==зе return`, is no answer).
 
-    A final answer is a value, not an operation left to do (stages/envs/answers.py): when the final expression of
+    A final answer is a value, not an operation left to do (envs/answers.py): when the final expression of
     the marked answer, or of an unmarked response, holds an operation between plain numbers (`66 - 8`,
     `Calculate 66 - 8.`, `\\boxed{2 \\times 29}`, `116/2`; not a leading sign, not a non-whole fraction `1/2`),
     it scores 0 (counted: `unevaluated`), unless the reference's final answer is itself such an expression. The
@@ -240,8 +240,8 @@ class MathReward(Reward):
 # ---------------------------------------------------------------------------------------- code tests
 @register_reward("code_tests")
 class CodeTestsReward(Reward):
-    """The response is a program, graded in the bubblewrap sandbox (stages/envs/sandbox.py) by the grading harness
-    (stages/envs/grading.py), and the score is the fraction of the task's tests passed. Tests are assert statements
+    """The response is a program, graded in the bubblewrap sandbox (envs/sandbox.py) by the grading harness
+    (envs/grading.py), and the score is the fraction of the task's tests passed. Tests are assert statements
     (MBPP / HumanEval), run in the harness, never in the program's interpreter: the program's functions are
     called in a child process on plain data; or stdin/stdout pairs (APPS / CodeContests), one run per input,
     graded as the code environment grades. With `strict`, the score is 1 when every test passes, else 0 (a wrong
@@ -255,7 +255,7 @@ class CodeTestsReward(Reward):
 
     def __init__(self, allow_rlimit_only: bool = False, wall_s: float = 5.0, cpu_s: int = 2, memory_mb: int = 256,
                  strip_fences: bool = True, strict: bool = False):
-        from opd_sao.stages.envs.sandbox import SandboxLimits
+        from opd_sao.envs.sandbox import SandboxLimits
 
         self.allow_rlimit_only, self.strip_fences, self.strict = allow_rlimit_only, strip_fences, strict
         self.limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, max_processes=8,
@@ -270,8 +270,8 @@ class CodeTestsReward(Reward):
         return response
 
     def score(self, task: dict, response: str) -> Verdict:
-        from opd_sao.stages.envs.grading import VERDICTS, feedback, sandbox_mode
-        from opd_sao.stages.envs.sandbox import SandboxUnavailableError
+        from opd_sao.envs.grading import VERDICTS, feedback, sandbox_mode
+        from opd_sao.envs.sandbox import SandboxUnavailableError
 
         tests, source = task["tests"], self.program(response)
         self.counts["runs"] += 1
@@ -346,7 +346,7 @@ class RewardModelReward(Reward):
     `device`. The score is sigmoid(raw - threshold) (the threshold the project's reward-model training
     calibrated, else 0), or with `binary` 1/0 for above/below it. With `train_from`, a preference file (rows
     with `prompt`, `chosen`, `rejected`: the keys are options), the model at `path` is trained from it first
-    unless it already was, from the same contents and settings (`stages/envs/chat/reward_model.py`, on a
+    unless it already was, from the same contents and settings (`envs/chat/reward_model.py`, on a
     tiny backbone built from the file).
     Concurrent scores (episodes step on worker threads) wait up to `batch_wait_s` to share a forward pass.
     """
@@ -357,7 +357,7 @@ class RewardModelReward(Reward):
                  threshold: Optional[float] = None, train_from: Optional[str] = None, prompt_key: str = "prompt",
                  chosen_key: str = "chosen", rejected_key: str = "rejected", train_steps: int = 200, seed: int = 0,
                  batch_wait_s: float = 0.005):
-        from opd_sao.stages.envs.chat.reward_model import RewardModel
+        from opd_sao.envs.chat.reward_model import RewardModel
 
         if train_from:
             from .preferences import train_from_file

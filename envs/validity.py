@@ -5,7 +5,7 @@ untouched initial state (submitting nothing) must score 0, and every score must 
 reward's range (a NaN fails no comparison, so it would pass the three checks). Two probes catch a verifier a policy
 can game without solving anything (a math checker that evaluates the question's own expression): a response that
 echoes the prompt verbatim must score 0, and so must one that restates the prompt's arithmetic expression
-(stages/envs/answers.py: `66 - 8` for "Calculate 66 - 8.", bare and as `\\boxed{66 - 8}`); the restate probe is
+(envs/answers.py: `66 - 8` for "Calculate 66 - 8.", bare and as `\\boxed{66 - 8}`); the restate probe is
 skipped on a task whose prompt holds no expression, or whose reference's final answer is itself an expression (a
 task that asks for one). The probes run wherever the oracle check runs: every environment with oracle actions,
 i.e. a verifier reward. A verifier that fails any of these would reward the wrong thing, so an environment that
@@ -18,10 +18,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from opd_sao.envs.answers import prompt_expression, unevaluated
+from opd_sao.envs.dataset.rewards import marked_answer
+from opd_sao.envs.rewards import BadScore
 from opd_sao.errors import UsageError
-from opd_sao.stages.envs.answers import prompt_expression, unevaluated
-from opd_sao.stages.envs.dataset.rewards import marked_answer
-from opd_sao.stages.envs.rewards import BadScore
 
 STOCHASTIC_REPLAYS = 64  # a noisy judge passing a good answer 1 time in 5 still misses all 64 with p ~ 1e-6
 CHECKS = {"oracle": "the oracle does not score 1", "noop": "a no-op scores above 0",

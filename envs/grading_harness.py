@@ -1,4 +1,4 @@
-"""The grading harness: runs in the sandbox as its main program, with the stdlib only (`stages/envs/grading.py`).
+"""The grading harness: runs in the sandbox as its main program, with the stdlib only (`envs/grading.py`).
 
 It grades a model-written program without ever running it in its own interpreter, so the program cannot reach
 the tests, the results or the line that reports them:

@@ -1,6 +1,6 @@
 """A reward model trained from a preference file (rows of prompt, chosen response, rejected response).
 
-The training itself is the chat environment's (`stages/envs/chat/reward_model.py`, Bradley-Terry on a
+The training itself is the chat environment's (`envs/chat/reward_model.py`, Bradley-Terry on a
 sequence-classification head); this module only reads the pairs from a file and builds the tiny backbone
 on the file's own texts, so its tokenizer covers them.
 """
@@ -46,7 +46,7 @@ def train_from_file(path: Path, out: Path, *, prompt_key: str = "prompt", chosen
 
     from opd_sao.checkpoints import build_tiny_model, file_hash
     from opd_sao.config import TinyModelConfig
-    from opd_sao.stages.envs.chat.reward_model import train_reward_model
+    from opd_sao.envs.chat.reward_model import train_reward_model
 
     source = {"sha256": file_hash(path), "keys": [prompt_key, chosen_key, rejected_key], "steps": steps,
               "seed": seed}

@@ -7,7 +7,7 @@ seeds. A small generator can still draw one question under two seeds, so an eval
 train split is dropped (counted: `eval_dropped`).
 
 The final answer of a response is the content of its last `<answer>...</answer>`, else of its last \\boxed{}, else
-the whole response (stripped), read after the last verbatim copy of the prompt (stages/envs/answers.py: an echoed
+the whole response (stripped), read after the last verbatim copy of the prompt (envs/answers.py: an echoed
 prompt answers nothing). It scores 1 when `score_answer` gives it 1, else 0: reasoning-gym's default partial credit
 (the reference's length over the answer's when the answer contains the reference) would pay a response that lists
 many numbers, so none is kept. The reference action, for the SFT warm start and the validity oracle, is the item's

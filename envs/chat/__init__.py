@@ -1,6 +1,6 @@
 """Chat domain: small-talk prompts, one response, reward = quality x style (docs/design.md §2.6, both binary).
 
-Quality comes from a pluggable judge: any registered reward (stages/envs/rewards.py), `judge: rule` by default
+Quality comes from a pluggable judge: any registered reward (envs/rewards.py), `judge: rule` by default
 (`judges.py`), or `judge: reward_model` (binary at its threshold), which the environment trains from its own
 preference pairs when the judge's `path` holds none.
 Style is whether the response is in the user's preferred style, one of three, decided by the opening
@@ -25,9 +25,9 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional
 
+from opd_sao.envs.base import Environment, register_env, shuffled
+from opd_sao.envs.rewards import build_reward, check_reward
 from opd_sao.errors import UsageError
-from opd_sao.stages.envs.base import Environment, register_env, shuffled
-from opd_sao.stages.envs.rewards import build_reward, check_reward
 
 from .judges import words_of
 

@@ -1,4 +1,4 @@
-"""The chat env's quality judges, rewards on the contract of stages/envs/rewards.py (`judge: rule`).
+"""The chat env's quality judges, rewards on the contract of envs/rewards.py (`judge: rule`).
 
 A judge answers one question, "is this response good?" (a score, 1 or 0 for these), so an environment can
 combine it with other criteria: the chat env multiplies it by a style check (docs/design.md §2.6). Any registered
@@ -12,8 +12,8 @@ import string
 import threading
 from collections import Counter
 
+from opd_sao.envs.rewards import Reward, Verdict, build_reward, register_reward
 from opd_sao.errors import UsageError
-from opd_sao.stages.envs.rewards import Reward, Verdict, build_reward, register_reward
 
 ENDINGS = ".!?~"
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import random
 
-from opd_sao.stages.envs.grading import VERDICTS, feedback, sandbox_mode
-from opd_sao.stages.envs.sandbox import SandboxLimits
+from opd_sao.envs.grading import VERDICTS, feedback, sandbox_mode
+from opd_sao.envs.sandbox import SandboxLimits
 
 from .base import Environment, register_env, shuffled
 
@@ -31,7 +31,7 @@ STARTER = "x = int(input())\n"
 
 @register_env("code")
 class CodeEnv(Environment):
-    """Options: `allow_rlimit_only` (run without bubblewrap, see opd_sao.stages.envs.sandbox), `wall_s` per run,
+    """Options: `allow_rlimit_only` (run without bubblewrap, see opd_sao.envs.sandbox), `wall_s` per run,
     `tests` hidden inputs per task, `eval_fraction` of the task space held out."""
 
     slow_steps = True  # every step runs a program in the sandbox

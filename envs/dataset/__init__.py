@@ -8,7 +8,7 @@ falls under `eval_fraction`. Field mapping: `prompt_key` (or `messages_key` for 
 `metadata_keys` (copied into task["metadata"]). A malformed row is skipped, counted and logged as one line
 naming the file, row and field, up to `max_bad_rows`; one more refuses the file.
 
-Rewards (any registered one, stages/envs/rewards.py; `rewards.py` here: exact, math, code_tests, reward_model,
+Rewards (any registered one, envs/rewards.py; `rewards.py` here: exact, math, code_tests, reward_model,
 judge, python; `constraints.py`: constraints; the chat env's rule and noisy judges work too). A reward that
 allows another turn (code_tests) makes the environment multi-turn as the code environment is: each step's reward is the
 change in score, the observation names the first failing test, the episode ends when everything passes.
@@ -30,9 +30,9 @@ from typing import Any, Iterator, Optional
 from pydantic import Field, ValidationError, model_validator
 
 from opd_sao.config import Strict, format_error
+from opd_sao.envs.base import Environment, register_env
+from opd_sao.envs.rewards import REWARDS, build_reward, check_reward
 from opd_sao.errors import UsageError
-from opd_sao.stages.envs.base import Environment, register_env
-from opd_sao.stages.envs.rewards import REWARDS, build_reward, check_reward
 
 from . import constraints as constraint_rewards  # noqa: F401 (registers the constraints reward)
 from . import rewards as dataset_rewards  # noqa: F401 (importing it registers the dataset rewards)
@@ -60,7 +60,7 @@ class DatasetOptions(Strict):
     chat_template: Optional[str] = Field(None, description="a local HF tokenizer directory whose chat template "
                                                            "renders the prompt (as one user message when plain text)")
     max_bad_rows: int = Field(0, ge=0, description="malformed rows skipped (and counted) before a file is refused")
-    reward: str = Field("exact", description="a registered reward (stages/envs/rewards.py): exact, math, code_tests, "
+    reward: str = Field("exact", description="a registered reward (envs/rewards.py): exact, math, code_tests, "
                                              "reward_model, judge, python, constraints, rule, noisy, or a plugin's")
     reward_options: dict[str, Any] = Field({}, description="keyword options of the reward")
 
