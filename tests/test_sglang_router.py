@@ -20,6 +20,8 @@ import torch
 from launchers import start_sglang_router, wait_until_healthy
 
 from opd_sao.engines.base import GenerationRequest, SamplingParams
+from opd_sao.envs import register_env
+from opd_sao.envs.arithmetic import ArithmeticEnv
 
 pytest.importorskip("sglang_router", reason="sglang-router is a test extra: pip install -e .[test]")
 
@@ -167,11 +169,54 @@ def test_runtime_endpoint_text_generation_and_the_router_request_shape(router, w
     assert sorted(w["worker"] for w in loads) == sorted(u for u, _ in workers) and all(w["load"] >= 0 for w in loads)
 
 
-STEPS = 6  # the killed-worker stage's steps: room for the kill before the last weight sync
+STEPS = 6  # the killed-worker stage's steps
+
+
+@register_env("test-held-for-the-kill")
+class HeldForTheKill(ArithmeticEnv):
+    """Arithmetic whose training episodes' scoring waits for the killed-worker test's killer, so the kill lands
+    mid-stage however loaded the machine is. From the trainer's step 1 until the victim is paused: at most the
+    2 batches scored before (max_staleness 1) train, so the killer finds the victim at version 1 or 2. From step 3
+    until the victim is killed: at most the 4 batches admitted by then train, so it dies at a version <= STEPS - 2,
+    a weight sync still to come. Scoring runs on the rollout's env-step threads (slow_steps): generation goes on."""
+
+    slow_steps = True  # the scoring waits on env-step threads, not on the fleet's
+    reads_train_step = True  # training episodes only: evaluation and the validity check never wait
+    paused = threading.Event()  # both set anew by the test
+    killed = threading.Event()
+
+    def __init__(self, max_operand: int = 30, train_step=None):
+        super().__init__(max_operand=max_operand)
+        self.train_step = train_step
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        for step, event in ((1, HeldForTheKill.paused), (3, HeldForTheKill.killed)):
+            if self.train_step is not None and self.train_step() >= step:
+                event.wait()
+        return super().step(action)
+
+    def corpus(self, n: int = 2000) -> list[str]:
+        return []  # arithmetic's texts already train the session's tiny tokenizer: leave it as it is
+
+
+def _routed(router_proc: subprocess.Popen) -> int:
+    """How many /generate requests sglang-router has received (its Prometheus counter, on the metrics port
+    start_sglang_router gave it)."""
+    port = router_proc.args[router_proc.args.index("--prometheus-port") + 1]
+    metrics = requests.get(f"http://127.0.0.1:{port}/metrics").text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in metrics.splitlines()
+               if line.startswith("smg_router_requests_total{") and 'endpoint="generate"' in line)
+
+
+def _version(url: str) -> str:
+    return requests.get(url + "/get_model_info").json()["weight_version"]
 
 
 def test_reasoning_stage_trains_through_sglang_router_and_a_killed_worker_loses_nothing(
         tmp_path, tiny_model_dir, caplog, start_server):
+    """Ordered by events, not by time (HeldForTheKill): the victim confirms a trained version; it is paused
+    (/pause_generation: what the router sends it from then on waits there); once the router has received two
+    more /generate requests, one of them is held on it (round robin over two workers); it is SIGKILLed."""
     from opd_sao.app.pipeline import run_pipeline
     from opd_sao.config import parse_config
 
@@ -180,32 +225,29 @@ def test_reasoning_stage_trains_through_sglang_router_and_a_killed_worker_loses_
     router_url, router_proc = start_sglang_router([u for u, _ in procs], "--policy", "round_robin", "--disable-retries",
                                            "--health-check-interval-secs", "1", "--health-failure-threshold", "1")
     (survivor_url, _), (victim_url, victim) = procs
-    seen: dict[str, set] = {survivor_url: set(), victim_url: set()}
-    killed_with = {}
+    HeldForTheKill.paused, HeldForTheKill.killed = threading.Event(), threading.Event()
+    killed: dict = {}
 
     def kill_mid_stage() -> None:
-        """Once both workers confirmed a trained version, SIGKILL one while it holds requests."""
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            for url in seen:
-                try:
-                    seen[url].add(requests.get(url + "/get_model_info", timeout=5).json()["weight_version"])
-                except requests.RequestException:
-                    return
-            # both confirmed a trained version, and a weight sync still to come (the fleet finds the dead worker
-            # by that sync's failure, or by the router's 5xx after the client's retries)
-            if "1" in seen[victim_url] and "1" in seen[survivor_url] and \
-                    max(int(v) for v in seen[victim_url] if v.isdigit()) <= STEPS - 2:
-                load = requests.get(victim_url + "/get_load", timeout=5).json()[0]["num_reqs"]
-                if load:
-                    victim.send_signal(signal.SIGKILL)
-                    killed_with["requests"] = load
-                    return
-            time.sleep(0.02)
+        try:
+            while not (version := _version(victim_url)).isdigit() or int(version) < 1:
+                time.sleep(0.05)  # training waits at version 1 or 2 until the pause
+            requests.post(victim_url + "/pause_generation", json={"mode": "abort"}).raise_for_status()
+            routed = _routed(router_proc)
+            HeldForTheKill.paused.set()
+            while _routed(router_proc) < routed + 2:
+                time.sleep(0.05)
+            killed["version"] = int(_version(victim_url))
+            victim.send_signal(signal.SIGKILL)
+        except BaseException as err:  # reported by the test; the stage is let go either way
+            killed["error"] = err
+        finally:
+            HeldForTheKill.paused.set()
+            HeldForTheKill.killed.set()
 
-    stage = {"name": "reasoning", "kind": "reasoning", "env": "arithmetic", "env_options": {"max_operand": 9},
-             "steps": STEPS, "sft": {"steps": 2, "batch_size": 8}, "eval": {"num_tasks": 4},
-             "rollout": {"max_new_tokens": 8, "max_staleness": 2}}
+    stage = {"name": "reasoning", "kind": "reasoning", "env": "test-held-for-the-kill",
+             "env_options": {"max_operand": 9}, "steps": STEPS, "sft": {"steps": 2, "batch_size": 8},
+             "eval": {"num_tasks": 4}, "rollout": {"max_new_tokens": 8, "max_staleness": 1}}
     cfg = parse_config({"seed": 1, "model": {"path": str(tiny_model_dir)},
                         "logging": {"wandb": False, "progress": False},
                         "engine": {"kind": "http", "urls": [router_url], "max_batch": 8},
@@ -215,24 +257,29 @@ def test_reasoning_stage_trains_through_sglang_router_and_a_killed_worker_loses_
     try:
         with caplog.at_level(logging.INFO):  # the fleet's and the retry policy's (opd_sao.engines.retry) records
             summary = run_pipeline(cfg, tmp_path, log=lambda m: None)
-        killer.join(5)
-        deadline = time.monotonic() + 15  # the router's health check marks the dead worker
-        while (healthy := [w["url"] for w in requests.get(router_url + "/workers").json()["workers"]
-                           if w["is_healthy"]]) != [survivor_url] and time.monotonic() < deadline:
+        killer.join()  # done: the stage cannot finish before the kill (or the killer's error)
+        # the router's health check marks the dead worker (no deadline of ours: pytest's timeout is the backstop)
+        while [w["url"] for w in requests.get(router_url + "/workers").json()["workers"]
+               if w["is_healthy"]] != [survivor_url]:
             time.sleep(0.2)
-        final_version = requests.get(survivor_url + "/get_model_info").json()["weight_version"]
+        final_version = _version(survivor_url)
     finally:
+        HeldForTheKill.paused.set()
+        HeldForTheKill.killed.set()  # a failed run never leaves scoring threads waiting
         _stop(router_proc)
         for _, proc in procs:
             _stop(proc)
-    assert killed_with.get("requests", 0) >= 1, "the victim was never killed with requests in flight"
+    assert "error" not in killed, killed
+    assert 1 <= killed["version"] <= STEPS - 2  # killed after a trained version, with a weight sync to come
     result = summary["stages"][0]
     assert result["gate"]["passed"] is True and result["gate"]["evaluations"] >= 2
     stage_dir = tmp_path / "stages" / "reasoning"
     trained = [t for line in (stage_dir / "trained.jsonl").read_text().splitlines() for t in json.loads(line)["traj_ids"]]
     assert len(trained) == len(set(trained)) == STEPS * 4  # every step a full batch of distinct trajectories
-    assert final_version == str(STEPS) and {"0", "1"} <= seen[victim_url]  # both confirmed versions; the survivor all
-    assert healthy == [survivor_url]  # the router dropped the dead worker
+    assert final_version == str(STEPS)  # the survivor got every weight sync
     messages = [r.getMessage() for r in caplog.records]
-    assert any(f"taking {victim_url} out of the fleet" in m for m in messages)
-    assert any("sent again" in m for m in messages), messages  # opd-sao's retry covered in-flight requests
+    assert any(f"taking {victim_url} out of the fleet" in m for m in messages), messages
+    # the requests held on the victim came back from the router as HTTP 500 (a pause's abort is a 200), and
+    # opd-sao sent them again: its retry policy (retry.ROUTER_TRANSIENT_STATUS), or the fleet's resend after it
+    router_host = router_url.split("://", 1)[1]
+    assert any("sent again" in m and "HTTP 500" in m and router_host in m for m in messages), messages
