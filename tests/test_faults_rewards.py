@@ -132,13 +132,14 @@ def test_helpers_a_reward_started_die_with_its_worker_and_with_the_run(tmp_path)
 
 
 def test_the_math_checker_still_times_out_and_is_replaced():
-    """The math reward goes through the same worker: a check past its backstop is killed and counted."""
-    reward = MathReward(timeout_s=1)
+    """The math reward goes through the same worker: a check past its backstop is killed and counted (a reward
+    error: its CPU-time limit cannot stop a checker that does not run)."""
+    reward = MathReward(timeout_s=1, backstop_s=3)
     assert reward.score({"answer": "\\frac{1}{2}"}, "\\boxed{0.5}").score == 1.0
     os.kill(reward.checker._proc.pid, signal.SIGSTOP)  # a checker stuck past every timeout of its own
-    assert reward.score({"answer": "\\frac{1}{3}"}, "\\boxed{2/6}").info == {"timeout": True}
+    assert reward.score({"answer": "\\frac{1}{3}"}, "\\boxed{2/6}").info == {"error": "no answer within backstop_s"}
     assert reward.score({"answer": "\\frac{1}{4}"}, "\\boxed{0.25}").score == 1.0  # a fresh checker
-    assert reward.stats()["timeouts"] == 1
+    assert reward.stats()["errors"] == 1
 
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}

@@ -3,9 +3,12 @@ here, an LLM judge behind a real loopback HTTP server, and your own python funct
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -114,11 +117,53 @@ def test_math_refuses_unevaluated_answers_and_echoed_prompts():
     assert stats["unevaluated"] == 11 and stats["no_answer"] == 2 and stats["timeouts"] == 0
 
 
-def test_math_check_past_its_deadline_is_counted_and_scored_zero():
-    reward = MathReward(timeout_s=1)
-    reward.checker.startup_s = -2.0  # a fresh checker's deadline, 2 x timeout_s + startup_s, is then 0 s
-    assert reward.score({"answer": r"\frac{1}{2}"}, r"\boxed{0.5}").score == 0.0
+def test_math_check_with_no_answer_within_its_backstop_is_a_counted_reward_error():
+    reward = MathReward(timeout_s=1, backstop_s=1)
+    reward.checker.startup_s = -1.0  # a fresh checker's deadline, backstop_s + startup_s, is then 0 s
+    assert reward.score({"answer": r"\frac{1}{2}"}, r"\boxed{0.5}").info == {"error": "no answer within backstop_s"}
+    assert reward.stats()["errors"] == 1 and reward.stats()["timeouts"] == 0
+
+
+def test_math_check_past_its_cpu_time_scores_zero_as_it_would_on_an_idle_machine():
+    reward = MathReward(timeout_s=0.001)  # no check of a fresh expression takes less CPU than this
+    assert reward.score({"answer": "1"}, r"\boxed{\sin^2 q + \cos^2 q}").score == 0.0
     assert reward.stats()["timeouts"] == 1
+
+
+def test_math_verdict_does_not_depend_on_the_wall_clock():
+    """Before: math-verify's own wall-clock limit (signal.alarm, timeout_s per parse) ran out while the checker waited
+    for a CPU on a busy machine, and the parse read as "no answer": `\\boxed{2\\sqrt{2}}` against `\\sqrt{8}`
+    scored 0. Here the checker is stopped (SIGSTOP) in the middle of a check for longer than timeout_s of wall
+    time, which a busy machine does at random: the verdict stays. Each try is a fresh expression (math-verify caches
+    parses); a try whose check ended before the stop landed proves nothing and is skipped."""
+    reward, landed = MathReward(timeout_s=1), []
+    assert reward.score({"answer": r"\sqrt{8}"}, r"\boxed{2\sqrt{2}}").score == 1.0  # the checker is up
+    for letter in "abcdfghkmnpqrstuvwz":
+        pid, result = reward.checker._proc.pid, []
+        before = cpu_ticks(pid)
+        check = threading.Thread(target=lambda: result.append(
+            reward.score({"answer": "1"}, rf"\boxed{{\sin^2 {letter} + \cos^2 {letter}}}").score))
+        check.start()
+        while cpu_ticks(pid) < before + 2 and check.is_alive():  # the checker is 20 ms into this check
+            time.sleep(0.001)
+        os.kill(pid, signal.SIGSTOP)
+        stopped_mid_check = check.is_alive()
+        if stopped_mid_check:
+            time.sleep(1.5)  # past timeout_s of wall-clock time
+        os.kill(pid, signal.SIGCONT)
+        check.join()
+        if stopped_mid_check:
+            landed.append(result[0])
+        if len(landed) == 3:
+            break
+    assert landed == [1.0, 1.0, 1.0]
+    assert reward.stats()["timeouts"] == 0 and reward.stats()["errors"] == 0
+
+
+def cpu_ticks(pid: int) -> int:
+    """A process's user + system CPU time, in clock ticks (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
 
 
 @pytest.mark.parametrize("response, answer, score", [(" Paris. ", "paris", 1.0), ("Pari s", "paris", 0.0),

@@ -140,7 +140,7 @@ class Worker:
             chunk = self._channel.recv(65536)
             if not chunk:
                 code = self._proc.wait()
-                return {"error": f"the worker process exited (code {code}) before answering"}
+                return {"error": f"the worker process exited (code {code}) before answering", "exit_code": code}
             self._buffer += chunk
 
     def ask(self, job: dict, deadline_s: float) -> Optional[dict]:
@@ -153,7 +153,8 @@ class Worker:
                 self._channel.sendall((json.dumps({"id": self._next_id, "job": job}, default=str) + "\n").encode())
                 answer = self._read(self._next_id, time.monotonic() + deadline_s + (self.startup_s if fresh else 0))
             except (BrokenPipeError, ConnectionResetError):
-                answer = {"error": f"the worker process exited (code {self._proc.wait()}) before answering"}
+                code = self._proc.wait()
+                answer = {"error": f"the worker process exited (code {code}) before answering", "exit_code": code}
             if answer is None or self._proc.poll() is not None:
                 self._stop()
             return answer
@@ -192,20 +193,27 @@ class MathReward(Reward):
     it scores 0 (counted: `unevaluated`), unless the reference's final answer is itself such an expression. The
     answer is read after the last verbatim copy of the prompt in the response, so an echoed prompt answers nothing.
 
-    Each check gets `timeout_s` seconds per parse and per comparison (math-verify's own limit, in a checker
-    process: `math_worker.py`), and a backstop of twice that (plus `startup_s` for a fresh process) after which
-    the process is killed; a check past it (or whose checker died) scores 0 and is counted (`stats`: checks, timeouts,
-    no_answer).
+    Each check gets `timeout_s` seconds of CPU time (in a checker process, `math_worker.py`; the kernel kills it at
+    about twice that), never of wall-clock time, so a busy machine cannot change a score: a check past it scores 0
+    and is counted (`timeouts`), as it would be on an idle machine. What goes to sympy is bounded first: a marked
+    answer or a reference longer than `max_answer_chars` scores 0 (counted: `too_long`), and of an unmarked
+    response only the last `max_answer_chars` characters (from a word boundary) are read, math-verify taking the
+    last expression anyway. A checker that dies otherwise, or gives no answer within `backstop_s` of wall-clock time
+    (a process blocked without using CPU), is a reward error: scored 0, counted (`errors`) and logged, never cached.
+    `stats`: checks, timeouts, errors, too_long, no_answer, unevaluated.
     """
 
     needs = ("answer",)
 
-    def __init__(self, timeout_s: int = 5, startup_s: float = 60.0, strict: bool = False):
-        if timeout_s < 1:
-            raise UsageError(f"math reward: timeout_s must be >= 1 (got {timeout_s})")
-        self.timeout_s, self.checker, self.strict = int(timeout_s), Worker("math_worker.py", startup_s=startup_s), strict
+    def __init__(self, timeout_s: float = 5, startup_s: float = 60.0, strict: bool = False,
+                 max_answer_chars: int = 1000, backstop_s: float = 600.0):
+        if not 0 < timeout_s < math.inf or not 0 < backstop_s < math.inf or max_answer_chars < 1:
+            raise UsageError(f"math reward: need timeout_s and backstop_s > 0 and finite, max_answer_chars >= 1 (got "
+                             f"{timeout_s}, {backstop_s}, {max_answer_chars})")
+        self.timeout_s, self.backstop_s, self.max_answer_chars = float(timeout_s), float(backstop_s), max_answer_chars
+        self.checker, self.strict = Worker("math_worker.py", startup_s=startup_s), strict
         self._cache: dict[tuple[str, str], bool] = {}
-        self.counts = {"checks": 0, "timeouts": 0, "no_answer": 0, "unevaluated": 0}
+        self.counts = {"checks": 0, "timeouts": 0, "errors": 0, "too_long": 0, "no_answer": 0, "unevaluated": 0}
 
     def score(self, task: dict, response: str) -> Verdict:
         reference = marked_answer(task["answer"]) or task["answer"].strip()  # MATH-style answers are bare LaTeX
@@ -219,19 +227,36 @@ class MathReward(Reward):
             return Verdict(0.0)
         if reference in (prediction, prediction is None and last_number(response)):
             return Verdict(1.0)
+        if max(len(reference), len(prediction or "")) > self.max_answer_chars:
+            self.counts["too_long"] += 1
+            return Verdict(0.0)
         # a marked answer is LaTeX; an unmarked response goes whole, and math-verify takes its last expression
-        key = (f"${prediction}$" if prediction is not None else response, f"${reference}$")
+        key = (f"${prediction}$" if prediction is not None else self._tail(response), f"${reference}$")
         if key not in self._cache:
             self.counts["checks"] += 1
-            job = {"prediction": key[0], "reference": key[1], "timeout_s": self.timeout_s}
-            answer = self.checker.ask(job, 2 * self.timeout_s)  # parse twice, verify once, each limited
-            equal = None if answer is None or "equal" not in answer else bool(answer["equal"])
-            if equal is None:
+            answer = self.checker.ask({"prediction": key[0], "reference": key[1], "cpu_s": self.timeout_s},
+                                      self.backstop_s)
+            if answer is not None and answer.get("exit_code") == -signal.SIGXCPU:  # killed at its CPU limit
+                answer = {"equal": False, "over_cpu": True}
+            if answer is None or "equal" not in answer:
+                self.counts["errors"] += 1
+                why = "no answer within backstop_s" if answer is None else answer.get("error", answer)
+                logger.warning("math reward: checking %r against %r failed (%s); scored 0 (reward error %d)", *key,
+                               why, self.counts["errors"])
+                return Verdict(0.0, info={"error": str(why)})
+            if answer.get("over_cpu"):
                 self.counts["timeouts"] += 1
-                logger.warning("math reward: checking %r against %r timed out; scored 0", *key)
-                return Verdict(0.0, info={"timeout": True})
-            self._cache[key] = equal
+                logger.warning("math reward: checking %r against %r took more than timeout_s=%s CPU seconds; "
+                               "scored 0", *key, self.timeout_s)
+            self._cache[key] = bool(answer["equal"])
         return Verdict(float(self._cache[key]))
+
+    def _tail(self, response: str) -> str:
+        """The response's last `max_answer_chars` characters, from a word boundary (a number is never cut)."""
+        if len(response) <= self.max_answer_chars:
+            return response
+        tail = response[-self.max_answer_chars:]
+        return tail if response[-self.max_answer_chars - 1].isspace() else tail.split(None, 1)[-1]
 
     def stats(self) -> dict:
         return dict(self.counts)
