@@ -62,6 +62,10 @@ class PromptFileEnv:
     def reset(self, task: dict) -> str:
         return task["prompt"]
 
+    def where(self, task: dict) -> str:
+        """The prompt's line, for a one-line error about it (a prompt too long for the model)."""
+        return f"prompts file line {int(task['id'].removeprefix('prompt-')) + 1}"
+
     def step(self, action: str) -> tuple[str, float, bool]:
         return "", 0.0, True
 
