@@ -107,6 +107,12 @@ def test_router_sends_requests_to_the_server_with_fewest_tokens_in_flight(fleet,
 
 def test_stage_trains_through_the_router_and_a_killed_server_loses_no_trajectory(
         fleet, tmp_path, tiny_model_dir, tokenizer):
+    """Ordered by the trainer's steps, not by time, so load cannot reorder it (after_step runs on the trainer's
+    thread: the next step waits for it). After step 0, once every episode admitted so far has finished (none
+    can start before step 1), the victim is paused (/pause_generation: nothing runs on it to abort, and what it
+    is sent from then on waits there). After step 1 the next episodes start on an idle fleet, the first on the
+    victim (first in engine.urls: least_loaded's ties go to it); once it holds one it is SIGKILLed, with steps
+    2 and 3 and their weight syncs still to come."""
     from opd_sao.config import AlgoConfig, EngineConfig, RolloutConfig, TrainerConfig
     from opd_sao.engines import build_engine
     from opd_sao.envs import ENVIRONMENTS
@@ -116,9 +122,9 @@ def test_stage_trains_through_the_router_and_a_killed_server_loses_no_trajectory
     from opd_sao.rl.rollout import Episode
     from opd_sao.trainers import TorchTrainer
 
-    urls = [url for url, _ in fleet]
-    victim_url, victim = fleet[-1]
-    engine = build_engine(EngineConfig(kind="http", urls=urls, max_batch=4), tiny_model_dir, tokenizer, seed=0)
+    (victim_url, victim), survivors = fleet[-1], [url for url, _ in fleet[:-1]]
+    engine = build_engine(EngineConfig(kind="http", urls=[victim_url] + survivors, max_batch=4), tiny_model_dir,
+                          tokenizer, seed=0)
     env_cls = ENVIRONMENTS.get("arithmetic")
     tasks = itertools.cycle(env_cls().make_tasks("train", 50, seed=0))
     started: set[str] = set()
@@ -132,20 +138,26 @@ def test_stage_trains_through_the_router_and_a_killed_server_loses_no_trajectory
         return [CountedEpisode(env_cls(), next(tasks), tokenizer, SamplingParams(max_new_tokens=12, ignore_eos=True),
                                domain="arithmetic", max_turns=1, max_context_tokens=64)]
 
-    def kill_mid_stage(step: int) -> None:
-        if step != 0:
-            return
-        deadline = time.monotonic() + 10
-        while engine.stats[victim_url]["inflight"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        victim.send_signal(signal.SIGKILL)
-        victim.wait()
+    batch, max_staleness = 4, 2
+    killed: dict = {}
 
-    batch = 4
+    def kill_mid_stage(step: int) -> None:
+        if step == 0:  # the episodes admitted before step 1 (max_staleness + 2 batches) all finished
+            while len(arrived) < (max_staleness + 2) * batch:
+                time.sleep(0.01)
+            requests.post(victim_url + "/pause_generation", json={"mode": "abort"}).raise_for_status()
+            killed["at_pause"] = engine.stats[victim_url]
+        elif step == 1:  # no deadline of ours: pytest's timeout is the backstop
+            while not (held := engine.stats[victim_url]["inflight"]):
+                time.sleep(0.01)
+            victim.send_signal(signal.SIGKILL)
+            victim.wait()
+            killed["held"] = held
+
     backend = TorchTrainer(tiny_model_dir, TrainerConfig(train_batch_size=batch, critic_warmup_steps=0))
     learner = Learner(backend, "sao", AlgoConfig(), critic_steps=1, critic_warmup_steps=0)
     loop = RLLoop(engine=engine, learner=learner, make_episodes=make_episodes,
-                  rollout=RolloutConfig(group_size=1, max_staleness=2), train_batch_size=batch,
+                  rollout=RolloutConfig(group_size=1, max_staleness=max_staleness), train_batch_size=batch,
                   pad_id=tokenizer.pad_token_id, logger=MetricsLogger(tmp_path / "metrics.jsonl", stage="t"),
                   trained_log=tmp_path / "trained.jsonl", after_step=kill_mid_stage)
     arrived = []
@@ -157,12 +169,15 @@ def test_stage_trains_through_the_router_and_a_killed_server_loses_no_trajectory
     lines = (tmp_path / "trained.jsonl").read_text().splitlines()
     trained = [t for line in lines for t in json.loads(line)["traj_ids"]]
     assert len(history) == 4 and len(trained) == len(set(trained)) == 4 * batch
-    assert not stats[victim_url]["alive"] and stats[victim_url]["requeued"] >= 1  # the kill hit requests in flight
+    assert killed["at_pause"]["inflight"] == 0 and killed["held"] >= 1  # the pause cut nothing; the kill did
+    assert not stats[victim_url]["alive"]
+    # what the kill cut off was sent again (the pause aborted nothing: every send again since is the kill's)
+    assert stats[victim_url]["requeued"] - killed["at_pause"]["requeued"] >= killed["held"]
     assert sorted(t.traj_id for t in arrived) == sorted(started)  # every started episode finished: none lost
-    assert all(stats[u]["alive"] and stats[u]["requests"] > 0 for u in urls[:-1])
+    assert all(stats[u]["alive"] and stats[u]["requests"] > 0 for u in survivors)
     # weights reached every live server, confirmed by the version each reports and stamps on its tokens
     assert engine.version == backend.policy_version == 4
-    assert all(requests.get(u + "/get_model_info").json()["weight_version"] == "4" for u in urls[:-1])
+    assert all(requests.get(u + "/get_model_info").json()["weight_version"] == "4" for u in survivors)
     assert max(max(t.versions) for t in arrived) >= 1
     engine.close()
 
