@@ -24,10 +24,12 @@ def operands(task, response):
 
 
 def whole_response(task, response):
-    """The old math reward: math-verify on the whole response, which evaluates the question's own expression."""
-    from math_verify import parse, verify
+    """The old math reward: math-verify on the whole response, which evaluates the question's own expression. By the
+    math checker's `equivalent`, without math-verify's wall-clock timers: a parse they cut short on a busy machine
+    reads as "not equal", and this verifier would then look less gameable than it is."""
+    from opd_sao.envs.dataset.math_worker import equivalent
 
-    return float(bool(verify(parse("$" + task["answer"] + "$"), parse(response))))
+    return float(equivalent(response, "$" + task["answer"] + "$"))
 '''
 
 
