@@ -264,11 +264,22 @@ def test_every_built_in_stage_in_the_docs_yaml_sets_only_sections_its_kind_reads
             for item in node:
                 yield from stages_in(item)
 
+    from pydantic import ValidationError
+
     checked = 0
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for block in re.findall(r"```yaml\n(.*?)```", doc.read_text(), re.S):
-            for stage in stages_in(yaml.safe_load(block)):
-                STAGES.get(stage["kind"]).check_sections(StageConfig.model_validate(stage))
+            loaded = yaml.safe_load(block)
+            for stage in stages_in(loaded):
+                try:
+                    validated = StageConfig.model_validate(stage)
+                except ValidationError as err:
+                    # a recipe's block names what its own plugin file registers (a divergence, ...): with the
+                    # plugin not loaded here, only such unknown registry names may fail, and only in such a block
+                    plugins = isinstance(loaded, dict) and loaded.get("plugins")
+                    assert plugins and all("registered:" in e["msg"] for e in err.errors()), (doc.name, err)
+                    continue
+                STAGES.get(stage["kind"]).check_sections(validated)
                 checked += 1
     assert checked >= 10, checked
 
