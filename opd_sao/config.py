@@ -191,6 +191,12 @@ class EngineConfig(Strict):
     weight_sync_drain_timeout_s: float = describe(
         "weight_sync tensor and distributed: seconds a worker may take to answer /pause_generation (mode abort: "
         "its running requests aborted, to be sent again on the new weights) before the sync fails", 120.0, gt=0)
+    partial_rollouts: bool = describe(
+        "kind=http, weight_sync tensor and distributed: a request the sync's pause aborts keeps the tokens it had "
+        "(with their logprobs and version) and continues on the new weights from prompt + those token ids with the "
+        "rest of max_new_tokens (slime's partial rollouts); its trajectory records each token's version, the "
+        "staleness bound counts its oldest, and the learner reports DIS masking per token age. False: it is sent "
+        "again whole and its tokens are thrown away (no trajectory mixes two versions)", False)
     api_key: Optional[str] = describe(
         "kind=http: the servers' API key (SGLang's --api-key), sent as Authorization: Bearer; default: the "
         "environment's OPD_SAO_API_KEY", None)
