@@ -168,6 +168,20 @@ def dis_weights(
     return weights, keep
 
 
+def mask_fraction_by_age(keep: torch.Tensor, action_mask: torch.Tensor, age: torch.Tensor) -> dict[str, dict]:
+    """DIS masking per token age (policy versions between the weights that sampled a token and the learner's),
+    over action tokens: ``{"mask_fraction_by_age": {age: fraction masked}, "tokens_by_age": {age: tokens}}``.
+    With partial rollouts one trajectory holds tokens of several ages; this shows whether the old ones drift."""
+    mask = _as_bool(action_mask)
+    ages, masked = age[mask], (~keep)[mask]
+    by_age, tokens = {}, {}
+    for a in sorted(set(ages.tolist())):
+        at = ages == a
+        tokens[str(a)] = int(at.sum())
+        by_age[str(a)] = float(masked[at].float().mean())
+    return {"mask_fraction_by_age": by_age, "tokens_by_age": tokens}
+
+
 def sao_policy_loss(
     logp: torch.Tensor,
     rollout_logp: torch.Tensor,

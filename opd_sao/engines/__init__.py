@@ -71,5 +71,5 @@ def build_engine(cfg, checkpoint, tokenizer, seed: int, device=None, attn_implem
                             drain_timeout_s=cfg.weight_sync_drain_timeout_s, options=cfg.weight_sync_options)
         return Fleet(cfg.urls, checkpoint=checkpoint, weights_dir=cfg.weights_dir, max_inflight=cfg.max_batch,
                      workers=cfg.workers, weight_sync=cfg.weight_sync, sync=sync, routing=cfg.routing,
-                     **_client_options(cfg))
+                     partial_rollouts=cfg.partial_rollouts, **_client_options(cfg))
     raise NotImplementedError(f"engine kind {cfg.kind!r} is not available yet")

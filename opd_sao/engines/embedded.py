@@ -3,7 +3,8 @@
 The active sequences share one left-padded KV cache; finished sequences leave the batch at once and
 new requests take their slots (the cache is re-prefilled when the batch gains members), so a long
 response never holds short ones back. Weights are swapped between decode steps under a lock; every token records the version
-that sampled it. A cancelled request leaves the batch at the next step. With `on_error`, a step that fails is
+that sampled it. A cancelled request leaves the batch at the next step (with `on_cancel`, its tokens so far are
+handed to it: serve answers an aborted request with them, as SGLang does). With `on_error`, a step that fails is
 retried one sequence at a time, so only the sequences that fail on their own get the error (a server's
 requests are strangers to each other); without it the error stops `generate` (an in-process run fails loudly).
 """
@@ -89,7 +90,8 @@ class EmbeddedEngine(RolloutEngine):
         return self.turns.trainer() if self.turns is not None else nullcontext()
 
     def generate(self, requests: Iterable[Optional[GenerationRequest]], on_result: ResultCallback,
-                 on_error: Optional[Callable[[GenerationRequest, Exception], None]] = None) -> None:
+                 on_error: Optional[Callable[[GenerationRequest, Exception], None]] = None,
+                 on_cancel: Optional[ResultCallback] = None) -> None:
         pending = iter(requests)
         self._rows, self._cache, self._mask = [], None, None
         active: list[_Sequence] = []
@@ -98,7 +100,7 @@ class EmbeddedEngine(RolloutEngine):
             while True:
                 if self.turns is not None and not holding:
                     holding = self.turns.engine()
-                exhausted = self._pull(pending, active, exhausted)
+                exhausted = self._pull(pending, active, exhausted, on_cancel)
                 if active:
                     active = self._iterate(active, on_result, on_error)
                     continue
@@ -112,9 +114,11 @@ class EmbeddedEngine(RolloutEngine):
             if holding:
                 self.turns.release()
 
-    def _pull(self, pending: Iterator[Optional[GenerationRequest]], active: list[_Sequence], exhausted: bool) -> bool:
-        """Fill free slots from `pending` (until it yields None: nothing to add now); drop cancelled sequences.
-        Returns whether `pending` is exhausted."""
+    def _pull(self, pending: Iterator[Optional[GenerationRequest]], active: list[_Sequence], exhausted: bool,
+              on_cancel: Optional[ResultCallback] = None) -> bool:
+        """Fill free slots from `pending` (until it yields None: nothing to add now); drop cancelled sequences,
+        each handed to `on_cancel` with its tokens so far (finish_reason "abort"). Returns whether `pending` is
+        exhausted."""
         while not exhausted and len(active) < self.max_batch:
             try:
                 request = next(pending)
@@ -125,7 +129,13 @@ class EmbeddedEngine(RolloutEngine):
                 break
             if not request.cancelled:
                 active.append(_Sequence(request))
+            elif on_cancel is not None:
+                on_cancel(GenerationResult(request, [], [], [], "abort"))
         if any(seq.request.cancelled for seq in active):
+            for seq in active if on_cancel is not None else ():
+                if seq.request.cancelled:
+                    on_cancel(GenerationResult(seq.request, seq.token_ids, seq.logprobs, seq.versions, "abort",
+                                               seq.vocab_logprobs))
             active[:] = self._drop_cancelled(active)
         return exhausted
 

@@ -62,7 +62,12 @@ class ServerError(RuntimeError):
 
 
 class Aborted(RuntimeError):
-    """The server aborted the request (finish_reason abort); it is sent again."""
+    """The server aborted the request (finish_reason abort); it is sent again. `partial`: the tokens it had
+    generated (SGLang answers a running request's abort with them), None if the answer did not carry them."""
+
+    def __init__(self, message: str, partial: Optional[GenerationResult] = None):
+        super().__init__(message)
+        self.partial = partial
 
 
 @dataclass
@@ -239,8 +244,18 @@ class SGLangClient:
         meta = self._call("POST", "/generate", payload).json()["meta_info"]
         finish = meta["finish_reason"]["type"]
         if finish == "abort":
-            raise Aborted(f"rollout server {self.url} aborted a request: {meta['finish_reason'].get('message')}")
+            message = f"rollout server {self.url} aborted a request: {meta['finish_reason'].get('message')}"
+            try:
+                partial = self._result(request, meta, finish)
+            except (ServerError, KeyError, TypeError, ValueError):  # an abort without its output: nothing to keep
+                partial = None
+            raise Aborted(message, partial)
+        return self._result(request, meta, finish)
+
+    def _result(self, request: GenerationRequest, meta: dict, finish: str) -> GenerationResult:
+        """The generated tokens of a /generate answer's meta_info, with the logprobs of what sampled them."""
         pairs = meta["output_token_logprobs"]  # [logprob, token_id, text or null] per generated token
+        nucleus = request.params.top_p < 1
         logprobs = [float(p[0]) for p in pairs]
         if nucleus:
             sampled = meta.get("output_token_sampling_logprobs")

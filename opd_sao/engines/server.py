@@ -294,10 +294,16 @@ class _Waiter:
         self.error: Optional[Exception] = None
         self.request: Optional[GenerationRequest] = None  # once queued for the engine
         self.aborted = False  # by /abort_request or /pause_generation: answered with finish_reason abort
+        self.partial: Optional[GenerationResult] = None  # an aborted request's tokens so far (the engine's)
 
 
 class _Abort(Exception):
-    """The request was aborted before it finished (answered 200 with finish_reason abort, as SGLang)."""
+    """The request was aborted before it finished (answered 200 with finish_reason abort and the tokens it had
+    generated, as SGLang); `partial` is None if it never reached the engine."""
+
+    def __init__(self, partial: Optional[GenerationResult] = None):
+        super().__init__()
+        self.partial = partial
 
 
 def _integer_version(version: str) -> Optional[int]:
@@ -361,8 +367,12 @@ class RolloutServer:
             request.tag.error = err
             request.tag.event.set()
 
+        def cancelled(partial: GenerationResult) -> None:  # it left the batch: what it had generated
+            partial.request.tag.partial = partial
+            partial.request.tag.event.set()
+
         try:
-            self.engine.generate(self._feed, done, on_error=failed)
+            self.engine.generate(self._feed, done, on_error=failed, on_cancel=cancelled)
         except BaseException as err:  # a bug outside any one request: answered as HTTP 500, /health 503
             self._crash = err
 
@@ -465,13 +475,16 @@ class RolloutServer:
 
     def _abort(self, which) -> None:
         """(Holding _cond.) Abort the running requests `which(waiter)` picks: each leaves the batch at the
-        engine's next step and its caller answers at once."""
+        engine's next step, and its caller answers with the tokens it had (SGLang's scheduler, too, finishes an
+        aborted running request at its next step and answers with its output so far); one not handed to the
+        engine yet answers at once."""
         for waiter in self._running.values():
             if which(waiter) and waiter.result is None:
                 waiter.aborted = True
                 if waiter.request is not None:
                     waiter.request.cancelled = True
-                waiter.event.set()
+                else:
+                    waiter.event.set()
 
     def generate(self, body: dict, client_gone=lambda: False) -> dict | list[dict]:
         """One prompt, or a batch (a list of `text`s or of `input_ids` lists) answered with a list as SGLang
@@ -506,23 +519,24 @@ class RolloutServer:
             meta = {"id": waiter.rid, "prompt_tokens": len(ids), "cached_tokens": 0, "weight_version": version}
             if prompt.return_logprob:
                 meta.update(self._prompt_logprobs(ids, prompt.start, prompt.top_k))
-            output, result = [], None
+            output, result, aborted = [], None, None
             try:
                 if params.max_new_tokens:
                     stop_check = _stop_check(self.tokenizer, prompt.text) if prompt.text.stop else None
                     result = self._sample(GenerationRequest(ids, params, tag=waiter, stop_check=stop_check),
                                           client_gone)
                     output = result.token_ids
-            except _Abort:  # SGLang's answer to an aborted request: 200, finish_reason abort (its partial output
-                # is not kept here: a client sends the request again)
-                meta.update(finish_reason={"type": "abort", "message": "Abort in waiting queue"},
-                            completion_tokens=0, e2e_latency=time.perf_counter() - t0)
-                if prompt.return_logprob:
-                    meta.update(output_token_logprobs=[], output_token_logprobs_length=0)
-                return {"text": "", "output_ids": [], "meta_info": meta}
-            if prompt.return_logprob and prompt.top_k:
+            except _Abort as abort:  # SGLang's answer: 200, finish_reason abort, the output so far (a client may
+                # keep it and continue from prompt + output: partial rollouts)
+                aborted, result = abort, abort.partial
+                output = result.token_ids if result is not None else []
+            if prompt.return_logprob and prompt.top_k and not aborted:
                 meta["output_top_logprobs"] = self._output_top_logprobs(ids, output, params.temperature, prompt.top_k)
-        text, finish = self._finish(output, result, prompt)
+        if aborted:
+            text = self.tokenizer.decode(output, skip_special_tokens=prompt.text.skip_special_tokens)
+            finish = {"type": "abort", "message": None if result is not None else "Abort in waiting queue"}
+        else:
+            text, finish = self._finish(output, result, prompt)
         meta.update(finish_reason=finish, completion_tokens=len(output), e2e_latency=time.perf_counter() - t0)
         if prompt.return_logprob:
             vocab = result.vocab_logprobs if result else []
@@ -765,7 +779,7 @@ class RolloutServer:
                 request.cancelled = True
                 raise ClientGone()
         if waiter.result is None and waiter.aborted:
-            raise _Abort()
+            raise _Abort(waiter.partial)
         if waiter.error is not None:
             self._failing = f"{type(waiter.error).__name__}: {waiter.error}"
             raise RuntimeError(f"this request failed in the engine: {self._failing}")

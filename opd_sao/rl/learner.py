@@ -121,14 +121,18 @@ class Learner(ResumableLearner):
         behaviour = batch.rollout_logp if algorithm.against_rollout else None
         if behaviour is None and epochs > 1:
             behaviour = self.backend.policy_logprobs(batch, temperature, grad=False)
+        age = self.backend.policy_version - batch.versions  # of each token, before this update
         for _ in range(epochs):
             logp = self.backend.policy_logprobs(batch, temperature, grad=True)
             if behaviour is None:
                 behaviour = logp.detach()
             loss, metrics = algorithm.policy_loss(logp, behaviour, advantages, mask, cfg, weights)
             metrics["policy_grad_norm"] = self.backend.step_policy(loss)
-        if not algorithm.against_rollout:  # what DIS would have masked, for comparison
-            _, keep = A.dis_weights(behaviour, batch.rollout_logp, cfg.eps_low, cfg.eps_high)
+        # what DIS masked (against the rollout) or would have masked (for comparison), overall and per token age
+        _, keep = A.dis_weights(logp.detach() if algorithm.against_rollout else behaviour, batch.rollout_logp,
+                                cfg.eps_low, cfg.eps_high)
+        if not algorithm.against_rollout:
             metrics["mask_fraction"] = float(1 - keep[mask.bool()].float().mean()) if mask.any() else 0.0
+        metrics.update(A.mask_fraction_by_age(keep, mask, age))
         metrics["policy_loss"] = float(loss.detach())
         return metrics
