@@ -12,6 +12,27 @@ named here are parsed out of their modules' source with `ast` and run in a names
 - the scheduler's /flush_cache (`flush_cache_succeeds`): refused while requests run or wait in its queue.
 - the HTTP request models (`request_model(name)`): SGLang's msgspec structs, validated as its FastAPI app
   validates bodies (pydantic, through sglang.srt.utils.msgspec_utils); `GenerateReqInput` (a dataclass).
+- the tokenizer manager's pause and model-update lock (`tokenizer_manager_class()`): its `RWLock`
+  (utils/aio_rwlock.py), `pause_generation`, `continue_generation`, its weight-update methods, and the two
+  statements of `generate_request` that admit a request.
+
+The rules of that last piece a client can trip (SGLang 0.5.23, one tokenizer manager, dp 1):
+- A /generate first waits on `is_pause_cond` until not paused, then holds the reader side of `model_update_lock`
+  for its whole life (tokenizing, scheduling, answering). The lock prefers writers: once an update waits for it,
+  requests sent after wait behind the update, though others still run.
+- /update_weights_from_tensor, _from_distributed, _from_disk and /begin_weight_update, /end_weight_update read
+  `is_pause` first. Paused: they run at once, without the lock (tensor and distributed holding `is_pause_cond`, so a
+  /continue_generation waits for them). Not paused: they take the writer side, so they start only once every
+  running request has finished (a 90 s generation delays the update, and a broadcast started alongside it, by
+  90 s), and requests sent meanwhile wait. `abort_all_requests` aborts what runs first.
+- /pause_generation mode `abort` (the default) sets `is_pause`, then, holding `is_pause_cond`, aborts every request
+  and polls the lock each second until no request holds it: it answers once none runs (at least a second when
+  one did), and waits for an update holding the writer side. Each aborted request is answered 200 with
+  finish_reason {"type": "abort"} and the output it had. Modes `retract` and `in_place` go to the scheduler and
+  answer at once: the running requests stay (retract frees their KV and recomputes it after the pause, on the new
+  weights; in_place keeps the old weights' KV) and finish after /continue_generation.
+- /continue_generation clears `is_pause` and wakes the waiting requests; not paused, it does nothing and answers
+  200 as well. Neither route counts: two pauses need one continue.
 """
 from __future__ import annotations
 
@@ -149,7 +170,8 @@ def _io_struct() -> dict:
     import msgspec
 
     utils = _msgspec_utils()
-    return _load("srt/managers/io_struct.py", {"BaseReq"} | WEIGHT_REQUESTS | {"GenerateReqInput"},
+    return _load("srt/managers/io_struct.py", {"BaseReq"} | WEIGHT_REQUESTS | {
+        "GenerateReqInput", "PauseGenerationReqInput", "ContinueGenerationReqInput"},
                  {"msgspec": msgspec, "Base64Bytes": utils.Base64Bytes, "dataclass": dataclasses.dataclass,
                   "field": dataclasses.field, "msgspec_struct_pydantic_core_schema":
                       utils.msgspec_struct_pydantic_core_schema, **_typing()})
@@ -254,6 +276,73 @@ def flush_cache_succeeds(running: int, waiting: int = 0) -> bool:
     flush = wrapper(flush_cache=lambda: namespace["flush_cache"](scheduler), is_fully_idle=scheduler.is_fully_idle,
                     send_output=None)
     return flush.handle(types.SimpleNamespace(timeout_s=None)).success
+
+
+def _class_subset(relative: str, name: str, methods: list[str]) -> ast.ClassDef:
+    """Class `name` of sglang/`relative` holding only `methods` (decorators kept, bases dropped)."""
+    [cls] = [n for n in ast.parse((_root() / relative).read_text()).body
+             if isinstance(n, ast.ClassDef) and n.name == name]
+    found = {n.name: n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    missing = set(methods) - set(found)
+    if missing:
+        raise LookupError(f"sglang/{relative}'s {name} has no {sorted(missing)} (not SGLang 0.5.23?)")
+    return ast.ClassDef(name=name, bases=[], keywords=[], body=[found[m] for m in methods], decorator_list=[])
+
+
+def _admission() -> ast.AsyncFunctionDef:
+    """`async def admit(self, run)`: the two statements of TokenizerManager.generate_request that let a request in
+    (wait while paused; then the reader side of the model-update lock), the second's body replaced by
+    `return await run()` (the rest of the request: tokenizing, the scheduler, the answer)."""
+    relative = "srt/managers/tokenizer_manager.py"
+    [method] = _class_subset(relative, "TokenizerManager", ["generate_request"]).body
+    pairs = [(body[i], body[i + 1]) for node in ast.walk(method) for field in ("body", "orelse", "finalbody")
+             for body in [getattr(node, field, None)] if isinstance(body, list)
+             for i in range(len(body) - 1) if isinstance(body[i], ast.AsyncWith) and isinstance(body[i + 1], ast.AsyncWith)
+             and ast.unparse(body[i].items[0].context_expr) == "self.is_pause_cond"
+             and ast.unparse(body[i + 1].items[0].context_expr) == "self.model_update_lock.reader_lock"]
+    if len(pairs) != 1:
+        raise LookupError(f"sglang/{relative}'s generate_request has {len(pairs)} pause-then-lock admissions, not one")
+    wait, locked = pairs[0]
+    locked = ast.copy_location(ast.AsyncWith(items=locked.items, body=ast.parse(
+        "async def f():\n    return await run()").body[0].body), locked)
+    admit = ast.parse("async def admit(self, run):\n    pass").body[0]
+    admit.body = [wait, locked]
+    return ast.copy_location(admit, method)
+
+
+@lru_cache(None)
+def tokenizer_manager_class():
+    """SGLang's TokenizerManager cut down to its pause, continue and weight-update methods (and `admit`, see
+    `_admission`), parsed out of tokenizer_manager.py and tokenizer_control_mixin.py. An instance needs its state
+    (`model_update_lock`: an `RWLock`; `is_pause`; `is_pause_cond`) and the calls these methods make to the rest of
+    SGLang: `abort_request(abort_all=...)`, `_async_dispatch_to_scheduler(obj)` (pause modes other than abort,
+    continue), the `*_communicator(obj)` of each update (a list of results with success and message),
+    `_wait_for_model_update_from_disk(obj)` ((success, message, paused requests)), `config_value(name)`,
+    `_update_weight_version_if_provided(version)`, `auto_create_handle_loop()`, `mm_processor` (None)."""
+    import __future__
+
+    import asyncio
+    import contextlib
+    import logging
+
+    lock = _load("srt/utils/aio_rwlock.py", {"RWLock", "_ReaderLock", "_WriterLock"}, {"asyncio": asyncio})
+    merge = _class_subset("srt/managers/communicator.py", "FanOutCommunicator", ["merge_results"])
+    manager = _class_subset("srt/managers/tokenizer_manager.py", "TokenizerManager",
+                            ["pause_generation", "continue_generation", "update_weights_from_disk"])
+    manager.body.append(_admission())
+    control = _class_subset("srt/managers/tokenizer_control_mixin.py", "TokenizerControlMixin",
+                            ["_weight_update_session_call", "begin_weight_update", "end_weight_update",
+                             "update_weights_from_tensor", "update_weights_from_distributed"])
+    namespace = {"asyncio": asyncio, "nullcontext": contextlib.nullcontext, "logger": logging.getLogger("sglang_code"),
+                 "get_parallel": lambda: types.SimpleNamespace(dp_size=1, num_dp_ranks=1),
+                 "normalize_serialized_named_tensor_payloads": lambda payloads: payloads}
+    for cls, relative in ((merge, "communicator"), (manager, "tokenizer_manager"),
+                          (control, "tokenizer_control_mixin")):
+        module = ast.fix_missing_locations(ast.Module(body=[cls], type_ignores=[]))
+        exec(compile(module, f"sglang/srt/managers/{relative}.py", "exec", flags=__future__.annotations.compiler_flag,
+                     dont_inherit=True), namespace)
+    return type("TokenizerManager", (namespace["TokenizerControlMixin"], namespace["TokenizerManager"]),
+                {"RWLock": lock["RWLock"]})
 
 
 def sampled_support(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
