@@ -535,8 +535,8 @@ class OPDConfig(Strict):
         return self
 
 
-# The stage fields every kind has; each of the others is read by some kinds only (a stage kind's `sections`,
-# stages/base.py), and its description starts with the built-in kinds that read it.
+# The stage fields every kind has; each of the others is read by the kinds whose `sections` name it (stages/base.py;
+# docs/config.md lists the built-in kinds'), and a stage may set it only when its kind reads it.
 COMMON_STAGE_FIELDS = frozenset({"name", "kind", "init_from", "trainer", "options"})
 
 # Stage kind -> its Stage class (stages/base.py, `register_stage`). It lives here, below the stages, because the
@@ -552,39 +552,37 @@ def _stage_kind(value: str) -> str:
 
 
 class StageConfig(Strict):
-    """One stage of the pipeline. A field its kind does not read (see each description) is refused before any work."""
+    """One stage of the pipeline. A field beyond COMMON_STAGE_FIELDS that its kind does not read (the kind's
+    `sections`) is refused while the config validates (`Stage.check_sections`), and left out when it is written out."""
 
     name: PathName = describe("a unique stage name (its folder under stages/: one folder name, no '/')")
     kind: Annotated[str, AfterValidator(_stage_kind)] = describe(
-        "a stage kind registered in stages/ (sft, reasoning, agent, chat, opd, or a plugin's)")
-    env: Optional[str] = describe("reasoning, agent, chat: an environment registered in envs/ (evaluated "
-                                  "after every stage with this stage's env_options, rollout and eval)", None)
-    env_options: dict[str, Any] = describe("reasoning, agent, chat: keyword arguments of the environment", {})
-    domains: list[str] = describe("sft, opd: the domains (environments) whose prompts the stage uses", [])
-    algo: Optional[Algo] = describe("reasoning, agent, chat: the RL algorithm preset (default: the run's `algo`); "
-                                    "`rl.advantage` and `rl.policy_loss` replace its parts", None)
-    steps: int = describe("reasoning, agent, chat, opd: policy steps (opd: the budget; sft: sft.steps)", 20, ge=0)
+        "a stage kind registered in stages/ (sft, reasoning, agent, chat, opd, or a plugin's); it names the other "
+        "fields the stage may set (the sections it reads: `opd-sao config stages`, docs/config.md)")
+    env: Optional[str] = describe("an environment registered in envs/ (evaluated after every stage with this "
+                                  "stage's env_options, rollout and eval)", None)
+    env_options: dict[str, Any] = describe("keyword arguments of the environment", {})
+    domains: list[str] = describe("the domains (environments) whose prompts the stage uses", [])
+    algo: Optional[Algo] = describe("the RL algorithm preset (default: the run's `algo`); `rl.advantage` and "
+                                    "`rl.policy_loss` replace its parts", None)
+    steps: int = describe("policy steps (opd: the budget; sft stages count sft.steps)", 20, ge=0)
     init_from: str = describe("'base', 'previous', or an earlier stage's name", "previous")
-    checkpoint_every: int = describe("sft, reasoning, agent, chat, opd: policy steps (SFT: optimizer steps) between "
-                                     "resumable state saves", 25, ge=1)
-    buffer_memory: int = describe("reasoning, agent, chat, opd: waiting trajectories kept in host memory; the rest "
-                                  "spill to disk", 4096, ge=1)
+    checkpoint_every: int = describe("policy steps (SFT: optimizer steps) between resumable state saves", 25, ge=1)
+    buffer_memory: int = describe("waiting trajectories kept in host memory; the rest spill to disk", 4096, ge=1)
     trainer: StageTrainerConfig = describe("overrides of the run's trainer settings for this stage",
                                            StageTrainerConfig())
-    rollout: RolloutConfig = describe("sft, reasoning, agent, chat, opd: sampling and episodes (sft: the prompt "
-                                      "format of a domain no other stage trains on)", RolloutConfig())
-    rl: AlgoConfig = describe("reasoning, agent, chat, opd: the RL algorithm's parts and settings (DIS band, GAE, "
-                              "clip, baselines; opd: the DIS band and baseline window); the key was `sao` before "
-                              "(still read, with a warning)", AlgoConfig())
-    sft: SFTConfig = describe("sft, reasoning, agent, chat: the stage's supervised warm start (sft: the stage "
-                              "itself)", SFTConfig())
+    rollout: RolloutConfig = describe("sampling and episodes (sft: the prompt format of a domain no other stage "
+                                      "trains on)", RolloutConfig())
+    rl: AlgoConfig = describe("the RL algorithm's parts and settings (DIS band, GAE, clip, baselines; opd: the DIS "
+                              "band and baseline window); the key was `sao` before (still read, with a warning)",
+                              AlgoConfig())
+    sft: SFTConfig = describe("the stage's supervised warm start (sft: the stage itself)", SFTConfig())
     critic_pretrain: CriticPretrainConfig = describe(
-        "reasoning, agent, chat: with a critic (sao, ppo), value pre-training before the first step, and critic "
-        "carry-over", CriticPretrainConfig())
-    eval: EvalConfig = describe("reasoning, agent, chat, opd: held-out evaluation (opd: of a domain no other stage "
-                                "trains on)", EvalConfig())
-    gate: GateConfig = describe("reasoning, agent, chat, opd: the consistency gate", GateConfig())
-    opd: OPDConfig = describe("opd: teachers and losses", OPDConfig())
+        "with a critic (sao, ppo), value pre-training before the first step, and critic carry-over",
+        CriticPretrainConfig())
+    eval: EvalConfig = describe("held-out evaluation (opd: of a domain no other stage trains on)", EvalConfig())
+    gate: GateConfig = describe("the consistency gate", GateConfig())
+    opd: OPDConfig = describe("teachers and losses", OPDConfig())
     options: dict[str, Any] = describe("settings of the stage kind itself, validated by its `Options` model", {})
 
     @model_validator(mode="before")
@@ -602,6 +600,13 @@ class StageConfig(Strict):
                 old = {**new, **old}
             data["rl"] = old
         return data
+
+    @model_serializer(mode="wrap")
+    def _read_sections_only(self, handler) -> dict:
+        """Written out (a run's config.yaml), a stage holds the fields its kind reads: it reads back through the
+        same check, whatever the run filled into the sections of other kinds (the run's prompt format)."""
+        reads = COMMON_STAGE_FIELDS | STAGES.get(self.kind).sections
+        return {name: value for name, value in handler(self).items() if name in reads}
 
 
 class CheckpointingConfig(Strict):
@@ -708,7 +713,10 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _validate(self) -> "RunConfig":
-        """The defaults that depend on other settings, filled first; then each check, one concern each."""
+        """The sections each stage sets, checked against its kind's first (as given: nothing filled yet); then the
+        defaults that depend on other settings, filled; then each check, one concern each."""
+        for stage in self.stages:
+            STAGES.get(stage.kind).check_sections(stage)
         self._fill_stage_defaults()
         for check in (self._check_stage_order, self._check_devices, self._check_groups, self._check_eval_domains):
             check()
@@ -851,12 +859,23 @@ def config_reference(prefix: str = "", *, markdown: bool = False) -> str:
     rows = [r for r in field_docs() if r[0].startswith(prefix)]
     if not rows:
         raise ConfigError(f"no config setting starts with {prefix!r} (try `opd-sao config` for all of them)")
+    # with the stage kinds' own row, which sections each built-in kind reads (a stage may set no other)
+    kinds = [(kind, ", ".join(sorted(STAGES.get(kind).sections))) for kind in STAGES.built_ins()] \
+        if "stages[].kind".startswith(prefix) else []
+    common = ", ".join(sorted(COMMON_STAGE_FIELDS))
     if markdown:
         lines = ["| setting | type | default | what it does |", "| --- | --- | --- | --- |"]
         lines += ["| `{}` | {} | {} | {} |".format(*(c.replace("|", "\\|") for c in row)) for row in rows]
+        if kinds:
+            lines += ["", f"| stage kind | the sections it reads, beyond every kind's {common} |", "| --- | --- |"]
+            lines += [f"| `{kind}` | {sections} |" for kind, sections in kinds]
         return "\n".join(lines)
     width = max(len(r[0]) for r in rows)
-    return "\n".join(f"{path:<{width}}  {kind} = {default}\n{'':<{width}}  {text}" for path, kind, default, text in rows)
+    lines = [f"{path:<{width}}  {kind} = {default}\n{'':<{width}}  {text}" for path, kind, default, text in rows]
+    if kinds:
+        lines.append(f"\nthe sections each stage kind reads, beyond every kind's {common}:")
+        lines += [f"  {kind}: {sections}" for kind, sections in kinds]
+    return "\n".join(lines)
 
 
 def format_error(err: ValidationError) -> str:

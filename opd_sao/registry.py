@@ -78,6 +78,14 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._items)
 
+    def built_ins(self) -> list[str]:
+        """The names the modules in `home`'s own folder register (not a plugin's, nor one a folder added to its
+        path holds): what the project ships, as its reference docs list it."""
+        home = importlib.import_module(self.home)
+        getattr(home, "discover", lambda: None)()
+        folder = Path(home.__file__).parent
+        return sorted(name for name, obj in self._items.items() if Path(inspect.getfile(obj)).parent == folder)
+
     def __contains__(self, name: str) -> bool:
         if name not in self._items and self.home is not None:
             getattr(importlib.import_module(self.home), "discover", lambda: None)()  # also folders added to its path

@@ -103,8 +103,8 @@ class Stage(ABC):
     of the shared sections its stages get when their config leaves them unset ({section: {field: value}}; a kind
     that declares none gets the schema's own defaults); `validate_in_run` checks its stage against the rest of the
     run. `sections` names the stage config's other fields it reads beyond COMMON_STAGE_FIELDS (`rollout`, `sft`,
-    `env`, ...); one a config sets for a kind that does not read it is refused before any work (`check_sections`),
-    not ignored.
+    `env`, ...); one a config sets for a kind that does not read it is refused while the config validates
+    (`check_sections`), not ignored, and a stage written out (a run's config.yaml) holds only these.
     """
 
     Options: type[BaseModel] = NoOptions
@@ -125,14 +125,16 @@ class Stage(ABC):
 
     @classmethod
     def check_sections(cls, cfg: StageConfig) -> None:
-        """Refuse a field outside COMMON_STAGE_FIELDS that the config sets and this kind does not read: it would be
-        ignored. A default value passes: a run's config.yaml (a start for another config) writes every field out."""
+        """Raise ValueError for a field outside COMMON_STAGE_FIELDS that the config sets and this kind does not read:
+        it would be ignored. Called by the config schema for every stage, before it fills any default. A default value
+        passes: the config.yaml of a run started before stages were written out with their own sections only holds
+        every field."""
         for name in StageConfig.model_fields:
             if name in COMMON_STAGE_FIELDS or name in cls.sections or name not in cfg.model_fields_set:
                 continue
             if getattr(cfg, name) != StageConfig.model_fields[name].get_default(call_default_factory=True):
                 reads = ", ".join(sorted(cls.sections)) or "none beyond the common ones"
-                raise UsageError(f"stage {cfg.name!r} ({cfg.kind}): `{name}:` is not read by {cfg.kind} stages "
+                raise ValueError(f"stage {cfg.name!r} ({cfg.kind}): `{name}:` is not read by {cfg.kind} stages "
                                  f"(their sections: {reads})")
 
     @staticmethod

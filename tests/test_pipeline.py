@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opd_sao.app.pipeline import run_pipeline
 from opd_sao.config import ConfigError, parse_config
-from opd_sao.errors import UsageError
 from opd_sao.io.timing import PHASES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,12 +197,11 @@ SFT_WARMUP = {"name": "warmup", "kind": "sft", "domains": ["arithmetic"], "sft":
      "stage 'o' (opd): `env:` is not read by opd stages"),
 ])
 def test_a_section_its_kind_does_not_read_is_refused_in_one_line(stage, line):
-    from opd_sao.app.pipeline import check_before_work
-
+    """By the config schema itself: a config that loads sets only sections its stages' kinds read."""
     cfg = _config()
     cfg["stages"].append(stage)  # after a valid stage: the teacher above is that earlier stage
-    with pytest.raises(UsageError) as refused:
-        check_before_work(parse_config(cfg))
+    with pytest.raises(ConfigError) as refused:
+        parse_config(cfg)
     assert str(refused.value).startswith(line) and "\n" not in str(refused.value)
 
 
@@ -216,18 +214,25 @@ def test_the_cli_refuses_a_foreign_section_in_one_line_before_any_work(tmp_path)
         "checkpoint_every, domains, rollout, sft)"]
 
 
-def test_a_foreign_section_at_its_default_passes_and_a_resumed_run_is_not_refused_for_its_sections():
-    """A run's config.yaml writes every field out (foreign ones at their defaults); `--resume` reads it, and the run
-    was checked when it started (a run started before this check may carry an ignored setting)."""
-    from opd_sao.app.pipeline import check_before_work
+def test_a_stage_is_written_out_with_its_kinds_sections_and_an_older_full_one_still_loads():
+    """A run's config.yaml holds each stage's common fields and the sections its kind reads, and `--resume` reads it
+    back unchanged; one written before (every field, other kinds' sections at their defaults) loads too, as a
+    foreign section set to its default does. Set to anything else, it is refused."""
+    from opd_sao.config import COMMON_STAGE_FIELDS, StageConfig
+    from opd_sao.stages import STAGES
 
     cfg = _config()
     cfg["stages"].append({**SFT_WARMUP, "opd": {"top_k": 16}, "steps": 20})  # both the defaults
-    check_before_work(parse_config(cfg))
+    parsed = parse_config(cfg)
+    written = parsed.model_dump(mode="json")
+    for stage in written["stages"]:
+        assert set(stage) == COMMON_STAGE_FIELDS | STAGES.get(stage["kind"]).sections
+    assert parse_config(written).model_dump() == parsed.model_dump()
+    every_field = [{name: getattr(stage, name) for name in StageConfig.model_fields} for stage in parsed.stages]
+    assert parse_config({**written, "stages": every_field}).model_dump() == parsed.model_dump()
     cfg["stages"][1]["steps"] = 30
-    with pytest.raises(UsageError, match="`steps:` is not read by sft stages"):
-        check_before_work(parse_config(cfg))
-    check_before_work(parse_config(cfg), resume=True)
+    with pytest.raises(ConfigError, match="`steps:` is not read by sft stages"):
+        parse_config(cfg)
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
@@ -241,7 +246,7 @@ def test_every_shipped_config_and_the_config_yaml_its_run_writes_pass_the_checks
     # that command converts, which model.path may name too
     cfg = load_config(path, [f"model.path={registry_gguf('smollm2')}"] if path.name == "smollm2.yaml" else [])
     check_before_work(cfg)
-    check_before_work(parse_config(cfg.model_dump(mode="json")))  # every field written out, as in a run's config.yaml
+    check_before_work(parse_config(cfg.model_dump(mode="json")))  # written out, as in a run's config.yaml
 
 
 def test_every_built_in_stage_in_the_docs_yaml_sets_only_sections_its_kind_reads():

@@ -54,10 +54,9 @@ def configured_environments(cfg: RunConfig) -> list[tuple[str, str, dict]]:
             for env, options in STAGES.get(stage.kind).environments(stage)]
 
 
-def check_before_work(cfg: RunConfig, *, resume: bool = False) -> None:
+def check_before_work(cfg: RunConfig) -> None:
     """What the schema cannot check alone (it needs the registries or the disk), checked before anything is written:
-    every stage's kind, the sections it reads (no other; not on `resume`: a run's config.yaml writes every field
-    out, and it was checked when the run started) and the settings that kind needs, every environment's options and
+    what each stage's kind needs (Stage.check; the schema checks the sections it reads), every environment's options and
     the files they name (a dataset path of the last stage fails before the first stage), that every domain of a
     multi-domain stage (OPD, SFT) resolves to an environment with train and eval tasks (stages.domains.Domain), that
     a stage with a critic trains its policy at all (steps > critic_warmup_steps), the model path, and an http
@@ -69,10 +68,7 @@ def check_before_work(cfg: RunConfig, *, resume: bool = False) -> None:
     from opd_sao.teachers import TEACHER_KINDS
 
     for stage in cfg.stages:
-        kind = STAGES.get(stage.kind)
-        if not resume:
-            kind.check_sections(stage)
-        kind.check(stage)
+        STAGES.get(stage.kind).check(stage)
     for teacher in (teacher for stage in cfg.stages for teacher in stage.opd.teachers):
         TEACHER_KINDS.get(teacher.kind).parse_options(teacher)
     for stage_name, env, options in configured_environments(cfg):
@@ -232,7 +228,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
     if resume:  # an edited config is named as such, before what the edit may have broken
         with locked_run_dir(run_dir):
             allowed = check_resume(config, run_dir, allow_change=allow_config_change)
-            check_before_work(cfg, resume=True)
+            check_before_work(cfg)
             files = stage_data_files(cfg)  # a stage not started yet may read other data, as its settings may change
             check_data_record({s: f for s, f in files.items() if s in started_stages(run_dir)}, run_dir)
             write_data_record(files, run_dir)
