@@ -148,6 +148,68 @@ def test_a_sync_while_requests_generate_pauses_them_and_costs_the_same_in_1_or_8
     assert min(times[eight]) < 2 * min(times[one]), times
 
 
+def _check_spans(result, states, model, old: int):
+    """`result` holds version `old`'s tokens, then version old + 1's, each with the logprobs its version gives it
+    over prompt + every token before it (the continuation's prompt was prompt + prefix, exact ids)."""
+    boundary = result.versions.count(old)
+    assert result.versions == [old] * boundary + [old + 1] * (len(result.token_ids) - boundary), result.versions
+    ids = list(result.request.prompt_ids) + list(result.token_ids)
+    start = len(result.request.prompt_ids)
+    for version in (old, old + 1):
+        model.load_state_dict(states[version])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        span = [i for i, v in enumerate(result.versions) if v == version]
+        recomputed = [float(logp[start + i - 1, result.token_ids[i]]) for i in span]
+        assert recomputed == pytest.approx([result.vocab_logprobs[i] for i in span], abs=2e-3), (version, span)
+
+
+def _sync_mid_generation(url, mode, states, old: int, partial: bool):
+    """4 requests of 40 tokens on a fleet at version `old`; once each has tokens, a sync to old + 1. Returns
+    (the requests, their results, the fleet)."""
+    fleet = Fleet([url], max_inflight=4, weight_sync=mode, sync=SyncSettings(bucket_bytes=64 << 10),
+                  partial_rollouts=partial)
+    fleet.update_weights(states[old], old)
+    results = []
+    batch = [GenerationRequest([1 + i, 2, 3], SamplingParams(max_new_tokens=40, ignore_eos=True)) for i in range(4)]
+    runner = threading.Thread(target=fleet.generate, args=(iter(batch), results.append), daemon=True)
+    generated = lambda: requests.get(url + "/server_info", timeout=10).json()["tokens_generated"]
+    try:
+        before = generated()
+        runner.start()
+        while generated() < before + 4 * 5:  # every request has tokens (a batch decodes together)
+            time.sleep(0.05)
+        fleet.update_weights(states[old + 1], old + 1)
+        runner.join(120)
+    finally:
+        fleet.close()
+    assert sorted(id(r.request) for r in results) == sorted(id(r) for r in batch)
+    assert all(len(r.token_ids) == 40 and len(r.logprobs) == len(r.versions) == 40 for r in results)
+    return results, fleet
+
+
+@pytest.mark.parametrize("mode", ["tensor", "distributed"])
+def test_partial_rollouts_keep_an_aborted_prefix_and_record_each_spans_version(mode, slow_worker, tiny_model_dir):
+    """A sync while 4 requests generate 40 tokens each aborts them (the pause). Off (the default): each comes
+    back whole on the new version, and the tokens the abort returned are counted as thrown away. With
+    engine.partial_rollouts each continues on the new weights from prompt + the tokens it had, and its result
+    holds two spans, the old version then the new, split where the abort came, each token's logprob its own
+    version's (recomputed over the exact ids: a retokenised or wrong continuation prompt would change them)."""
+    url = slow_worker(tiny_model_dir)
+    states = _version_states(tiny_model_dir, 4)
+    model = load_causal_lm(tiny_model_dir)
+    whole, fleet = _sync_mid_generation(url, mode, states, 0, partial=False)
+    assert all(r.versions == [1] * 40 for r in whole) and fleet.tokens_continued == 0
+    assert fleet.tokens_discarded >= 4 * 5
+    _check_sampled_by(whole, states, tiny_model_dir)
+    kept, fleet = _sync_mid_generation(url, mode, states, 2, partial=True)
+    boundaries = [r.versions.count(2) for r in kept]
+    assert all(0 < b < 40 for b in boundaries), boundaries
+    assert fleet.tokens_continued == sum(boundaries) and fleet.tokens_discarded == 0
+    for result in kept:
+        _check_spans(result, states, model, 2)
+
+
 def test_a_distributed_sync_during_a_long_generation_succeeds_within_a_short_broadcast_timeout(
         slow_worker, tiny_model_dir):
     """A 200-token generation (10 s at 50 ms a step) is in flight when a distributed sync starts with a 2 s
@@ -263,12 +325,20 @@ def test_serve_aborts_running_requests_and_holds_new_ones_while_paused(start_ser
     first.join(60)
     assert answers["by-rid"].json()["meta_info"]["finish_reason"]["type"] == "abort"
 
-    second = threading.Thread(target=send, args=("by-pause", long))
+    second = threading.Thread(target=send, args=("by-pause", {**long, "return_logprob": True}))
+    generated = _call(url, "GET", "/server_info").json()["tokens_generated"]
     second.start()
     running(1)
+    while _call(url, "GET", "/server_info").json()["tokens_generated"] < generated + 3:
+        time.sleep(0.01)
     assert _call(url, "POST", "/pause_generation", json={}).status_code == 200  # answers once none runs
     second.join(60)
-    assert answers["by-pause"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    by_pause = answers["by-pause"].json()
+    assert by_pause["meta_info"]["finish_reason"]["type"] == "abort"
+    # with the tokens it had generated, as SGLang's scheduler answers a running request's abort (partial rollouts)
+    kept = by_pause["output_ids"]
+    assert len(kept) >= 3 and by_pause["meta_info"]["completion_tokens"] == len(kept)
+    assert [p[1] for p in by_pause["meta_info"]["output_token_logprobs"]] == kept
     third = threading.Thread(target=send, args=("held", {**long, "sampling_params": {"max_new_tokens": 2}}))
     third.start()
     time.sleep(1.0)
