@@ -275,16 +275,25 @@ def test_data_inspect_exits_non_zero_on_malformed_rows(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------------- rewards
 def test_a_python_reward_that_hangs_times_out_scores_zero_and_is_counted(tmp_path):
-    """Before: a python reward that hung blocked the run forever."""
+    """Before: a python reward that hung blocked the run forever. A call that spins is stopped by its CPU time
+    (timeout_s): interrupted in Python code, killed by the kernel in C code (`any` over an endless iterator runs no
+    Python code between items); one that sleeps by the wall-clock backstop (a reward error). Each scores 0."""
     from opd_sao.envs.dataset.rewards import PythonReward
 
-    function = python_reward(tmp_path, "time.sleep(3600) or 0.0")
-    reward = PythonReward(function, timeout_s=1, startup_s=30)
-    assert reward.score(ROWS[0], ROWS[0]["answer"]).score == 1.0  # the worker is up
-    verdict = reward.score(ROWS[0], "hang")
-    assert verdict.score == 0.0 and verdict.info == {"timeout": True}
-    assert reward.score(ROWS[1], ROWS[1]["answer"]).score == 1.0  # a fresh worker
-    assert reward.stats() == {"calls": 3, "timeouts": 1, "errors": 0, "output_bytes": 0}
+    function = python_reward(tmp_path, "{'sleep': lambda: time.sleep(3600), 'spin': lambda: sum(1 for _ in "
+                             "iter(int, 1)), 'spin in C': lambda: any(iter(int, 1))}[response]()")
+    reward = PythonReward(function, timeout_s=0.2)  # the default backstop, 600 s: never reached by a CPU-bound call
+    for response in ("spin", "spin in C"):
+        verdict = reward.score(ROWS[0], response)
+        assert verdict.score == 0.0 and verdict.info == {"timeout": True}, response
+        assert reward.score(ROWS[1], ROWS[1]["answer"]).score == 1.0  # the same worker, or a fresh one
+    assert reward.stats() == {"calls": 4, "timeouts": 2, "errors": 0, "output_bytes": 0}
+    sleeping = PythonReward(function, backstop_s=2)
+    assert sleeping.score(ROWS[0], ROWS[0]["answer"]).score == 1.0  # the worker is up (a fresh one gets startup_s)
+    verdict = sleeping.score(ROWS[0], "sleep")
+    assert verdict.score == 0.0 and verdict.info == {"error": "no answer within backstop_s=2.0 s"}
+    assert sleeping.score(ROWS[1], ROWS[1]["answer"]).score == 1.0  # a fresh worker
+    assert sleeping.stats()["errors"] == 1 and sleeping.stats()["timeouts"] == 0
 
 
 def test_the_judge_honours_retry_after_and_reads_the_last_score():

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +37,11 @@ def score(task, response):
     elif response == "helper and hang":
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", task["marker"]])
         time.sleep(600)
+    elif response == "stalled":  # running until the test says go
+        open(task["started"], "w").close()
+        while not os.path.exists(task["go"]):
+            time.sleep(0.01)
+        return 1.0
     elif response == "exit":
         sys.exit(3)
     elif response.startswith("return "):
@@ -121,14 +127,36 @@ def test_a_reward_error_below_zero_scores_the_low_end_of_its_range(tmp_path):
 def test_helpers_a_reward_started_die_with_its_worker_and_with_the_run(tmp_path):
     """Before: a helper the reward started outlived the worker that was replaced after a timeout, and the command."""
     function, marker = reward_file(tmp_path), f"opd-sao-helper-{os.getpid()}-{time.time_ns()}"
-    reward = PythonReward(function, timeout_s=2, startup_s=60)
-    assert reward.score({"id": "a", "marker": marker + "-1"}, "helper and hang").info == {"timeout": True}
+    reward = PythonReward(function, backstop_s=2)
+    assert "no answer within backstop_s" in reward.score({"id": "a", "marker": marker + "-1"}, "helper and hang").info["error"]
     assert gone(marker + "-1"), "the replaced worker's helper is still running"
     script = (f"from opd_sao.envs.dataset.rewards import PythonReward\n"
               f"print(PythonReward({function!r}).score({{'id': 'b', 'marker': {marker + '-2'!r}}}, 'helper').score)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "0.6", out.stderr[-2000:]
     assert gone(marker + "-2"), "the helper outlived the command"
+
+
+def test_a_python_reward_stopped_mid_call_past_its_timeout_still_scores(tmp_path):
+    """Before: timeout_s was wall-clock time, so a call that waited for a CPU on a busy machine past it scored 0 as a
+    timeout. Here the worker is stopped (SIGSTOP) in the middle of a call for 3 s, three times its timeout_s, which
+    a busy machine does at random: the score stays (timeout_s is the worker's CPU time)."""
+    reward, result = PythonReward(reward_file(tmp_path), timeout_s=1), []
+    assert reward.score({"id": "up"}, "x").score == pytest.approx(0.1)  # the worker is up
+    started, go = tmp_path / "started", tmp_path / "go"
+    call = threading.Thread(target=lambda: result.append(
+        reward.score({"id": "s", "started": str(started), "go": str(go)}, "stalled").score))
+    call.start()
+    while not started.exists():  # the call is running in the worker, and cannot end before `go`
+        time.sleep(0.01)
+    pid = reward.worker._proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    go.touch()
+    time.sleep(3)  # the stall itself, past timeout_s of wall-clock time
+    os.kill(pid, signal.SIGCONT)
+    call.join()
+    assert result == [1.0]
+    assert reward.stats()["timeouts"] == 0 and reward.stats()["errors"] == 0
 
 
 def test_the_math_checker_still_times_out_and_is_replaced():

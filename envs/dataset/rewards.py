@@ -527,31 +527,35 @@ class PythonReward(Reward):
     scores must lie in ([0, 1]).
 
     It runs in a worker process (`python_worker.py` under `worker_loop.py`, as the math checker), one call at a
-    time, answering over a socket of its own: the function may print, run subprocesses or fork freely. A call that
-    takes longer than `timeout_s` kills the worker (and whatever it started) and scores 0, counted (`stats`: calls,
-    timeouts) and logged. A reward error (an exception, `sys.exit`, a worker that dies, a return that is not a finite
-    number or (number, dict): a string, None, 10**400, NaN) scores 0 too (the low end of `reward_range` when 0 is
-    outside it), counted (`errors`, `first_error`) and logged; the run stops with one line once there are more than
+    time, answering over a socket of its own: the function may print, run subprocesses or fork freely. Each call gets
+    `timeout_s` seconds of the worker's CPU time, never of wall-clock time, so a busy machine cannot change a score: a
+    call past it (interrupted, or killed by the kernel at about twice that) scores 0 and is counted (`stats`: calls,
+    timeouts) and logged, as it would be on an idle machine. A call that gives no answer within `backstop_s` of
+    wall-clock time (it waits without running: a sleep, a subprocess, a socket) kills the worker (and whatever it
+    started) and is a reward error. A reward error (that, an exception, `sys.exit`, a worker that dies, a return that
+    is not a finite number or (number, dict): a string, None, 10**400, NaN) scores 0 too (the low end of
+    `reward_range` when 0 is outside it), counted (`errors`, `first_error`) and logged; the run stops with one line once there are more than
     `max_errors` of them and they are more than `max_error_rate` of the calls: a function that fails on most tasks is
     a bug to fix, not a reward to train on."""
 
     def __init__(self, function: str, verifier: bool = True, multi_turn: bool = False, slow: bool = False,
                  needs: tuple[str, ...] = (), reward_range: tuple[float, float] = (0.0, 1.0), timeout_s: float = 30.0,
-                 startup_s: float = 60.0, max_errors: int = 10, max_error_rate: float = 0.05):
+                 startup_s: float = 60.0, max_errors: int = 10, max_error_rate: float = 0.05, backstop_s: float = 600.0):
         import_function(function)  # a bad name is one line now, not a dead worker later
         self.name = function
         self.verifier, self.multi_turn, self.slow, self.needs = verifier, multi_turn, slow, tuple(needs)
         if (len(reward_range) != 2 or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in reward_range)
                 or reward_range[0] >= reward_range[1]):
             raise UsageError(f"python reward: reward_range must be [low, high], finite, low < high (got {reward_range!r})")
-        if not timeout_s > 0:
-            raise UsageError(f"python reward: timeout_s must be > 0 (got {timeout_s})")
+        if not 0 < timeout_s < math.inf or not 0 < backstop_s < math.inf:
+            raise UsageError(f"python reward: timeout_s and backstop_s must be > 0 and finite (got {timeout_s}, "
+                             f"{backstop_s})")
         if max_errors < 0 or not 0 <= max_error_rate <= 1:
             raise UsageError(f"python reward: need max_errors >= 0 and max_error_rate in [0, 1] (got {max_errors}, "
                              f"{max_error_rate})")
         self.reward_range = (float(reward_range[0]), float(reward_range[1]))
         self.zero = min(max(0.0, self.reward_range[0]), self.reward_range[1])  # what a failed call scores
-        self.timeout_s = float(timeout_s)
+        self.timeout_s, self.backstop_s = float(timeout_s), float(backstop_s)
         self.max_errors, self.max_error_rate = max_errors, max_error_rate
         self.worker = Worker("python_worker.py", (json.dumps(sys.path), function), startup_s, isolated=False)
         self.counts = {"calls": 0, "timeouts": 0, "errors": 0}
@@ -559,10 +563,12 @@ class PythonReward(Reward):
 
     def score(self, task: dict, response: str) -> Verdict:
         self.counts["calls"] += 1
-        answer = self.worker.ask({"task": task, "response": response}, self.timeout_s)
+        answer = self.worker.ask({"task": task, "response": response, "cpu_s": self.timeout_s}, self.backstop_s)
         if answer is None:
+            return self._error(task, f"no answer within backstop_s={self.backstop_s} s")
+        if answer.get("over_cpu") or answer.get("exit_code") == -signal.SIGXCPU:  # killed at its CPU limit
             self.counts["timeouts"] += 1
-            logger.warning("python reward %s: no answer on task %r within timeout_s=%s; scored %s", self.name,
+            logger.warning("python reward %s: task %r took more than timeout_s=%s CPU seconds; scored %s", self.name,
                            task.get("id"), self.timeout_s, self.zero)
             return Verdict(self.zero, info={"timeout": True})
         if "error" in answer:
