@@ -217,6 +217,6 @@ def test_a_setting_added_by_an_upgrade_does_not_block_a_resume(tmp_path):
     (tmp_path / "stages" / "warm" / "sft.jsonl").write_text("")  # started: its settings are fixed
     assert check_resume(config, tmp_path) == []
     edited = json.loads(json.dumps(config))
-    edited["stages"][0]["steps"] += 1
-    with pytest.raises(ValueError, match=r"stages\.\w+\.steps"):
+    edited["stages"][0]["sft"]["steps"] += 1  # (an sft stage's own steps: its config.yaml holds no other)
+    with pytest.raises(ValueError, match=r"stages\.warm\.sft\.steps"):
         check_resume(edited, tmp_path)
