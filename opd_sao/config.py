@@ -727,7 +727,7 @@ class RunConfig(Strict):
     def tiny_defaults_left(self) -> list[str]:
         """With a checkpoint as model.path, one warning line per tiny-model default still in use that is not
         replaced automatically (`_real_model_defaults`): the user should choose it for their model. A fresh run
-        logs them; a resumed one has none (its config.yaml sets every field)."""
+        logs them; a resumed one has none (its config.yaml sets every field its stages read)."""
         if self.model.path == TINY_MODEL:
             return []
         tiny = [(f"rollout.{key}", RolloutConfig.model_fields[key].default,

@@ -123,6 +123,10 @@ def test_a_plugin_kind_brings_its_options_defaults_and_checks_and_config_py_name
         stages({"options": {"patience": 0}})
     with pytest.raises(ConfigError, match="stage 'c': options.patience is more than its 20 steps"):
         stages({"options": {"patience": 21}})
+    # its `sections` (RLStage's) are checked by the schema as a built-in kind's are
+    with pytest.raises(ConfigError, match=r"^stage 'c' \(careful\): `opd:` is not read by careful stages \(their "
+                                          r"sections: algo, buffer_memory, .*steps\)$"):
+        stages({"opd": {"top_k": 4}})
     # config.py knows kinds only through the registry: it compares nothing with a kind's name, keys nothing by one
     tree = ast.parse(Path(config_module.__file__).read_text())
     operands = [n for node in ast.walk(tree) for n in ([node.left, *node.comparators] if isinstance(node, ast.Compare)
