@@ -1,14 +1,16 @@
 """What pausing generation around a weight sync costs in rollout throughput (#42).
 
 One `opd-sao serve` worker (forked, one torch thread) generates a stream of 32-token rollouts (8 at a time)
-for `--seconds`; the trainer's side syncs perturbed weights (tensor mode, 8 buckets) every `--every` seconds.
-Three runs over the same worker: no syncs (the ceiling), syncs that pause generation (the default:
+while the trainer's side syncs perturbed weights (tensor mode, 8 buckets) `--syncs` times, every `--every` seconds.
+Four runs over the same worker: no syncs (the ceiling, as long), syncs that pause generation (the default:
 `/pause_generation` mode abort, the buckets, `/continue_generation`; the running requests are aborted and
-sent again), and syncs without the pause (each bucket waits for the running requests to finish, and
-requests admitted between two buckets sample from mixed weights: the old behaviour, for comparison only).
-Reported per run: completed tokens per second, the syncs' median wall time, requests sent again.
+sent again whole), the same with engine.partial_rollouts (an aborted request continues from the tokens it had),
+and syncs without the pause (each bucket waits for the running requests to finish, and requests admitted
+between two buckets sample from mixed weights: the old behaviour, for comparison only). Reported per run:
+completed tokens and trajectories per second, the syncs' median wall time, requests sent again, and tokens
+thrown away (aborted and sent again whole) and kept (continued) per sync.
 
-    python benchmarks/sync_pause.py [--quick] [--seconds S] [--every S]
+    python benchmarks/sync_pause.py [--quick] [--syncs N] [--every S]
 
 The last stdout line is one JSON object.
 """
@@ -31,13 +33,14 @@ SHAPE = TinyModelConfig(hidden_size=64, intermediate_size=192, num_layers=2, num
 BUCKETS = 8
 
 
-def run(fleet, state, seconds: float, every: float, sync: bool) -> dict:
-    """Generate for `seconds`, syncing every `every` seconds if `sync`; completed tokens/s and sync times."""
+def run(fleet, state, syncs_n: int, every: float, sync: bool) -> dict:
+    """Generate for syncs_n * every seconds, syncing every `every` seconds if `sync`; completed tokens and
+    trajectories per second, sync times, the tokens aborts threw away or kept."""
     from opd_sao.engines.base import GenerationRequest, SamplingParams
 
     results, stop, syncs = [], threading.Event(), []
     url = fleet.urls[0]
-    requeued = fleet.stats[url]["requeued"]
+    requeued, discarded, continued = fleet.stats[url]["requeued"], fleet.tokens_discarded, fleet.tokens_continued
 
     def requests_():
         i = 0
@@ -49,29 +52,34 @@ def run(fleet, state, seconds: float, every: float, sync: bool) -> dict:
     t0 = time.perf_counter()
     runner.start()
     version = fleet.version
-    while time.perf_counter() - t0 < seconds:
+    for _ in range(syncs_n):
         time.sleep(every)
         if sync:
             version += 1
             start = time.perf_counter()
             fleet.update_weights(state, version)
             syncs.append(time.perf_counter() - start)
-    tokens = sum(len(r.token_ids) for r in results)
+    done = list(results)
+    tokens = sum(len(r.token_ids) for r in done)
     elapsed = time.perf_counter() - t0
     stop.set()
     runner.join(120)
-    return {"tokens_per_s": round(tokens / elapsed, 1), "syncs": len(syncs),
-            "sync_median_s": round(statistics.median(syncs), 4) if syncs else None,
-            "requests_sent_again": fleet.stats[url]["requeued"] - requeued}
+    per_sync = max(1, len(syncs))
+    return {"tokens_per_s": round(tokens / elapsed, 1), "trajectories_per_s": round(len(done) / elapsed, 2),
+            "syncs": len(syncs), "sync_median_s": round(statistics.median(syncs), 4) if syncs else None,
+            "requests_sent_again": fleet.stats[url]["requeued"] - requeued,
+            "tokens_thrown_away_per_sync": round((fleet.tokens_discarded - discarded) / per_sync, 1),
+            "tokens_kept_per_sync": round((fleet.tokens_continued - continued) / per_sync, 1),
+            "mixed_version_trajectories": sum(len(set(r.versions)) > 1 for r in done)}
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="8 s per run (under a minute in all)")
-    parser.add_argument("--seconds", type=float, help="each run's length (default 30, quick 8)")
+    parser.add_argument("--quick", action="store_true", help="4 syncs per run (about a minute in all)")
+    parser.add_argument("--syncs", type=int, help="syncs per run (default 15, quick 4)")
     parser.add_argument("--every", type=float, default=2.0, help="seconds between syncs")
     args = parser.parse_args(argv)
-    seconds = args.seconds or (8.0 if args.quick else 30.0)
+    syncs_n = args.syncs or (4 if args.quick else 15)
     load_before = os.getloadavg()[0]
     (url, proc, conn), = fork_servers(1)  # forked before this process runs any torch op
     try:
@@ -94,11 +102,14 @@ def main(argv=None) -> dict:
                 size += 512
             fleet = Fleet([url], max_inflight=8, weight_sync="tensor", sync=SyncSettings(bucket_bytes=size))
             fleet.update_weights(state, 0)
-            rows = {"no_sync": run(fleet, state, seconds, args.every, sync=False),
-                    "pause": run(fleet, state, seconds, args.every, sync=True)}
+            rows = {"no_sync": run(fleet, state, syncs_n, args.every, sync=False),
+                    "pause": run(fleet, state, syncs_n, args.every, sync=True)}
+            fleet.partial_rollouts = True
+            rows["pause_partial"] = run(fleet, state, syncs_n, args.every, sync=True)
+            fleet.partial_rollouts = False
             TensorSync.pauses = False
             try:
-                rows["no_pause"] = run(fleet, state, seconds, args.every, sync=True)
+                rows["no_pause"] = run(fleet, state, syncs_n, args.every, sync=True)
             finally:
                 TensorSync.pauses = True
             fleet.close()
@@ -106,11 +117,12 @@ def main(argv=None) -> dict:
         proc.kill()
         proc.join()
     report = {"benchmark": "sync_pause", "quick": args.quick, "cpu_cores": os.cpu_count(),
-              "load_avg_before": round(load_before, 2), "seconds": seconds, "sync_every_s": args.every,
+              "load_avg_before": round(load_before, 2), "syncs": syncs_n, "sync_every_s": args.every,
               "buckets": BUCKETS, "torch_threads_per_server": 1, "results": rows}
     for name, row in rows.items():
-        print(f"{name:>8}: {row['tokens_per_s']:8.1f} tokens/s  {row['syncs']} syncs, median "
-              f"{row['sync_median_s']} s, {row['requests_sent_again']} requests sent again")
+        print(f"{name:>13}: {row['tokens_per_s']:8.1f} tokens/s {row['trajectories_per_s']:6.2f} traj/s  "
+              f"{row['syncs']} syncs, median {row['sync_median_s']} s, {row['requests_sent_again']} sent again, "
+              f"{row['tokens_thrown_away_per_sync']} tokens thrown away / {row['tokens_kept_per_sync']} kept per sync")
     print(json.dumps(report))
     return report
 
