@@ -20,7 +20,7 @@ from opd_sao.envs import ENVIRONMENTS
 from opd_sao.io.tracking import MetricsLogger
 from opd_sao.rl.learner import Learner, needs_critic
 from opd_sao.rl.loop import RLLoop
-from opd_sao.rl.rollout import Episode
+from opd_sao.rl.rollout import Episode, RolloutWorker
 from opd_sao.trainers import TorchTrainer
 
 
@@ -283,3 +283,36 @@ def test_beyond_its_memory_budget_the_buffer_reads_trajectories_back_from_its_lo
     rest = buffer.take(5, current_version=0, max_staleness=1, timeout=1)
     assert [t.to_json() for t in first + rest[:4]] == put and rest[4].traj_id == "t8"
     buffer.close()
+
+
+def test_stop_returns_once_the_episodes_in_flight_have_handed_on_their_trajectories(tiny_model_dir, tokenizer):
+    """Before: stop() joined the rollout thread for at most 60 s, so on a loaded machine the thread could still be
+    stepping an episode after the stage had moved on, and then write to the buffer's log the loop had closed. Here an
+    episode's environment step is held until stop() has closed the feed: stop waits for it, its trajectory first."""
+    env_cls = ENVIRONMENTS.get("arithmetic")
+    stepping, release = threading.Event(), threading.Event()
+
+    class Held(env_cls):
+        slow_steps = True
+
+        def step(self, action):
+            stepping.set()
+            release.wait()
+            return super().step(action)
+
+    task = env_cls().make_tasks("train", 1, seed=0)[0]
+    engine = EmbeddedEngine(load_causal_lm(tiny_model_dir), eos_id=tokenizer.eos_token_id,
+                            pad_id=tokenizer.pad_token_id, max_batch=8)
+    arrived, stopped, admitted = [], threading.Event(), iter([True])
+    worker = RolloutWorker(engine, lambda: [Episode(Held(), task, tokenizer, SamplingParams(max_new_tokens=2),
+                                                    domain="arithmetic", max_turns=1, max_context_tokens=256)],
+                           lambda n: next(admitted, False), lambda traj: arrived.append(stopped.is_set()))
+    worker.start()
+    stepping.wait()
+    stopper = threading.Thread(target=lambda: (worker.stop(), stopped.set()))
+    stopper.start()
+    while not worker.feed._closed:  # stop() has begun
+        time.sleep(0.01)
+    release.set()
+    stopper.join()
+    assert arrived == [False] and not worker.is_alive() and worker.error is None

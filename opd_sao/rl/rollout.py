@@ -8,6 +8,7 @@ several trajectory segments (see opd_sao.rl.compaction), each exactly what the e
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -42,6 +43,9 @@ CHARS_PER_TOKEN = 64  # more characters than this per token of context: too long
 
 
 TRUNCATE = "set rollout.truncation (left | right) to cut it"
+
+STOP_REPORT_S = 600  # how often a rollout worker that does not end after its stop is named in the log
+log = logging.getLogger(__name__)
 
 
 def prompt_ids(prompt_format: PromptFormat, text: str, where: str, *, max_context_tokens: int, max_new_tokens: int,
@@ -306,5 +310,13 @@ class RolloutWorker(threading.Thread):
             self._steps.close()
 
     def stop(self) -> None:
+        """No new episodes; returns once the thread has ended: the episodes in flight finish (each bounded by
+        max_new_tokens and its environment's own limits) and hand their trajectories on first, so nothing of this
+        worker touches the buffer or the engine after it returns (the caller closes the buffer's log next). No
+        wall-clock bound, which a loaded machine can pass (a thread left running); one that hangs is logged."""
         self.feed.close()
-        self.join(timeout=60)
+        waited = 0
+        while self.join(STOP_REPORT_S) or self.is_alive():
+            waited += STOP_REPORT_S
+            log.warning("the rollout worker has not ended %d s after its stop (episodes still in flight); waiting",
+                        waited)
