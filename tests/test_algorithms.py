@@ -507,3 +507,15 @@ def test_topk_overlap_by_hand():
     tie_lp = torch.log(torch.tensor([[0.4, 0.2, 0.2], [0.4, 0.2, 0.2]]))
     both = torch.ones(2, 3, dtype=torch.bool)
     assert topk_overlap(torch.tensor([[3, 1], [2, 5]]), tie_lp, tie_ids, both, k=2).tolist() == pytest.approx([1.0, 0.5])
+
+
+def test_mask_fraction_by_age_counts_each_token_age_apart():
+    """Partial rollouts (#42): one row holds tokens of two versions; DIS masking is reported per token age, over
+    action tokens only."""
+    keep = torch.tensor([[True, False, True, True, False]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    age = torch.tensor([[1, 1, 0, 0, 0]])
+    from opd_sao.algorithms import mask_fraction_by_age
+
+    assert mask_fraction_by_age(keep, mask, age) == {"mask_fraction_by_age": {"0": 0.0, "1": 0.5},
+                                                     "tokens_by_age": {"0": 2, "1": 2}}
