@@ -692,6 +692,9 @@ class RunConfig(Strict):
     logging: LoggingConfig = describe("metrics and progress", LoggingConfig())
     checkpointing: CheckpointingConfig = describe("what finished stages keep on disk", CheckpointingConfig())
     eval_domains: list[str] = describe("environments evaluated after every stage (default: every stage's env)", [])
+    eval_start: bool = describe("evaluate the base model too (the report's `start` column); false skips it: a tiny "
+                                "model built at random scores ~0, and its evaluation took a tenth of the quickstart",
+                                True)
     stages: list[StageConfig] = describe("the stages, run in order", min_length=1)
 
     @model_validator(mode="before")

@@ -137,6 +137,17 @@ def test_sft_stage_warms_up_every_domain_before_the_rl_stages(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(first["checkpoint"]).config.vocab_size > 0
 
 
+def test_eval_start_false_leaves_the_base_model_unscored_and_the_start_column_empty(tmp_path):
+    """The quickstart's tiny model is built at random: `eval_start: false` skips scoring it (a tenth of the run)."""
+    cfg = _config(steps=2, sft={"steps": 0})
+    summary = run_pipeline(parse_config({**cfg, "eval_start": False}), tmp_path, log=lambda m: None)
+    stage = summary["stages"][0]
+    assert stage["eval_before"] == {} and stage["eval_before_error"] == {}
+    assert set(stage["eval_after"]) == {"arithmetic"}
+    row = next(line for line in (tmp_path / "report.md").read_text().splitlines() if line.startswith("| arithmetic |"))
+    assert row.split("|")[2].strip() == "-" and re.match(r"\d\.\d{3}", row.split("|")[3].strip())
+
+
 def test_sft_stage_without_domains_is_refused(tmp_path):
     cfg = _config()
     cfg["stages"] = [{"name": "warmup", "kind": "sft", "sft": {"steps": 3}}]

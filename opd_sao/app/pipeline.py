@@ -185,12 +185,15 @@ def ensure_base_model(cfg: RunConfig, run_dir: Path) -> Path:
 class Evaluator:
     """Scores checkpoints on every domain, remembering results so a checkpoint is scored once."""
 
-    def __init__(self, cfg: RunConfig, tokenizer):
+    def __init__(self, cfg: RunConfig, tokenizer, base: Path | None = None):
+        """`base`: the run's base model, left unscored (no domain) unless `cfg.eval_start`."""
         from opd_sao.stages.domains import Domain
 
         self.cfg, self.tokenizer = cfg, tokenizer
         self.domains = {name: Domain(name, None, cfg.stages, cfg.device) for name in eval_domains(cfg)}
         self._seen: dict[str, dict[str, Score]] = {}
+        if base is not None and not cfg.eval_start:
+            self._seen[str(Path(base).resolve())] = {}
 
     def scores(self, checkpoint: Path) -> dict[str, Score]:
         key = str(Path(checkpoint).resolve())
@@ -264,7 +267,7 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
     wandb_run = start_wandb(cfg.logging.wandb_project, run_dir, cfg.model_dump(mode="json"), cfg.logging.wandb)
     ctx = RunContext(cfg=cfg, run_dir=run_dir, base_checkpoint=base, tokenizer=tokenizer, wandb_run=wandb_run,
                      resume=resume)
-    evaluator = Evaluator(cfg, tokenizer)
+    evaluator = Evaluator(cfg, tokenizer, base)
     summary = {"run_dir": str(run_dir), "base_model": str(base), "stages": []}
     if resume and (run_dir / "summary.json").is_file():
         summary = json.loads((run_dir / "summary.json").read_text())
