@@ -55,6 +55,13 @@ class Environment(ABC):
         check_keywords(cls, options)
 
     @classmethod
+    def for_prompts(cls, options: dict) -> "Environment":
+        """An instance whose tasks and prompts (`make_tasks`, `reset`, `where`) are those of `cls(**options)`, built
+        without what only scoring needs: the one prompts are checked on before the first stage (the chat env's
+        would otherwise load, or first train, its reward model)."""
+        return cls(**options)
+
+    @classmethod
     def data_files(cls, options: dict) -> list[str]:
         """The files the environment reads its tasks from, given its options (a run records their hashes, and a
         resume refuses them changed); [] for an environment whose tasks are its own."""

@@ -42,12 +42,11 @@ def max_positions(checkpoint: Path) -> Optional[int]:
     return getattr(model_config(checkpoint), "max_position_embeddings", None)
 
 
-def check_domain_prompts(env_cls, factory, rollout, tokenizer, *, domain: str, base: Path, seed: int) -> None:
+def check_domain_prompts(env_cls, options: dict, rollout, tokenizer, *, domain: str, base: Path, seed: int) -> None:
     """Before the first stage: every prompt of the domain's train pool and eval split leaves room to answer
-    (rl.rollout.check_prompts, with rollout.truncation). An environment that runs a model (`reads_device`) is left
-    to its episodes, which check each prompt as they start: building it here would load that model."""
-    if env_cls.reads_device:
-        return
+    (rl.rollout.check_prompts, with rollout.truncation), on the environment built for its prompts alone
+    (`Environment.for_prompts`: the chat env's reward model is not loaded)."""
+    factory = lambda: env_cls.for_prompts(options)
     for split in ("train", "eval"):
         check_prompts(factory, factory().make_tasks(split, TRAIN_TASK_POOL, seed), tokenizer, rollout, domain=domain,
                       max_positions=max_positions(base))

@@ -52,12 +52,10 @@ class Domain:
 
     def check(self, seed: int) -> None:
         """Raise ValueError (saying what is wrong) unless the environment takes these options and has train and eval
-        tasks: found before any work, not when the stage starts. An environment that runs a model (`reads_device`)
-        is checked for its options only: building it would load (or first train) that model."""
+        tasks: found before any work, not when the stage starts; on the environment built for its prompts alone
+        (`Environment.for_prompts`: the chat env's reward model is neither trained nor loaded)."""
         self.env_cls.check_options(self.options)
-        if self.env_cls.reads_device:
-            return
-        env = self.factory()
+        env = self.env_cls.for_prompts(self.options)
         for split in ("train", "eval"):
             if not env.make_tasks(split, 1, seed):
                 given = "its env_options" if self.options else "no env_options"

@@ -116,7 +116,7 @@ class OPDStage(Stage):
                 raise UsageError(f"stage {cfg.name!r}: {err}") from None
         for name in cls.domain_names(cfg):  # each domain's prompts, with its episode settings (its teacher's first)
             domain = Domain(name, cfg, run.stages)
-            check_domain_prompts(domain.env_cls, domain.factory, domain.rollout, tokenizer, domain=name, base=base,
+            check_domain_prompts(domain.env_cls, domain.options, domain.rollout, tokenizer, domain=name, base=base,
                                  seed=run.seed)
 
     @staticmethod

@@ -68,8 +68,7 @@ class RLStage(Stage):
         before the first stage, not mid-run)."""
         super().check_base_model(cfg, run, base, tokenizer)
         env_cls = ENVIRONMENTS.get(cfg.env)
-        check_domain_prompts(env_cls, lambda: env_cls(**cfg.env_options), cfg.rollout, tokenizer, domain=cfg.env,
-                             base=base, seed=run.seed)
+        check_domain_prompts(env_cls, cfg.env_options, cfg.rollout, tokenizer, domain=cfg.env, base=base, seed=run.seed)
 
     def env_factory(self, train_step=None):
         """`train_step()` (the trainer's step count) goes to environments whose reward follows training."""

@@ -406,6 +406,28 @@ def test_an_opd_teachers_domain_with_a_prompt_past_the_models_positions_is_refus
     assert not (tmp_path / "run" / "stages" / "r" / "metrics.jsonl").exists()
 
 
+def test_a_chat_prompt_past_the_models_positions_is_refused_before_the_first_stage(tmp_path, capsys):
+    """Issue 43. Before: the chat environment's prompts were checked only as each episode started (building it
+    loads, or first trains, its reward model), so a chat stage whose prompts leave no room to answer failed after
+    the stages before it had trained. Now they are checked with every other domain's, on the environment built for
+    its prompts alone: one line before the first stage, and the reward model is neither trained nor loaded."""
+    from opd_sao.app import cli
+
+    cfg = _run_config(tmp_path, {"max_operand": 9}, env="arithmetic")
+    cfg["model"]["tiny"] = {**TINY, "max_positions": 64}
+    cfg["stages"].append({"name": "c", "kind": "chat", "env": "chat", "steps": 1, "gate": {"enabled": False},
+                          "env_options": {"judge": "reward_model", "judge_options": {"path": str(tmp_path / "rm")}},
+                          "rollout": {"max_new_tokens": 60}})
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["run", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(r"opd-sao run: error: chat: task 'chat-(train|eval)-\w+-\d-\w+': its prompt "
+                                          r"is \d+ tokens, which with rollout.max_new_tokens 60 passes the model's "
+                                          r"max_position_embeddings 64; .*", err[0]), err
+    assert not (tmp_path / "run" / "stages" / "r" / "metrics.jsonl").exists()
+    assert not (tmp_path / "rm").exists()  # the judge's reward model was not trained
+
+
 @pytest.mark.parametrize("truncation", ["left", "right"])
 def test_truncation_cuts_a_prompt_to_what_leaves_room_to_answer(tmp_path, tokenizer, truncation):
     """`rollout.truncation: left | right` (verl's data.truncation): a prompt past the model's positions minus

@@ -110,6 +110,11 @@ class ChatEnv(Environment):
         super().check_options(options)
         check_judge(options.get("judge", "rule"), options.get("judge_options"))
 
+    @classmethod
+    def for_prompts(cls, options: dict) -> "ChatEnv":
+        """With the rule judge: the tasks and prompts do not depend on the judge, and a reward model is not loaded."""
+        return cls(**{**options, "judge": "rule", "judge_options": None})
+
     def _prompts(self, split: str) -> list[tuple[str, int]]:
         """(topic, prompt template) pairs of a split; a stable hash keeps train and eval apart."""
         return [(t, i) for t in TOPICS for i in range(len(PROMPTS))
