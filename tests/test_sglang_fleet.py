@@ -244,7 +244,7 @@ def test_the_workers_refuse_flush_cache_while_a_request_runs_and_hold_requests_w
     assert requests.post(url + "/pause_generation", json={"mode": "abort"}, timeout=60).status_code == 200
     first.join(60)
     assert answers["long"].json()["meta_info"]["finish_reason"]["type"] == "abort"
-    held = threading.Thread(target=send, args=("held", {**long, "sampling_params": {"max_new_tokens": 2}}))
+    held = threading.Thread(target=send, args=("held", {**long, "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}))
     held.start()
     assert requests.post(url + "/flush_cache", timeout=60).status_code == 200  # the held request is not running
     assert held.is_alive() and running() == 0
