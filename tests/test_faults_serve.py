@@ -211,17 +211,20 @@ def test_the_load_loop_answers_valid_requests_and_refuses_invalid_ones(server):
 
 def test_abandoned_requests_stop_decoding(server, prompt):
     """40 clients ask for 1000 tokens each and hang up; the engine (4 slots) would decode for 10,000 steps.
-    A request that comes next is answered at once: the abandoned ones were cancelled."""
+    A request that comes next is answered before them: the abandoned ones were cancelled. Counted in tokens, not
+    seconds (a loaded machine decodes slowly either way): queued first (the engine takes requests in order), 36 of
+    them would have to finish, 36,000 tokens, before it got a slot."""
     head = ("POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n")
     body = json.dumps({"input_ids": prompt, "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}).encode()
     host, port = server.rsplit("/", 1)[-1].split(":")
+    generated = lambda: requests.get(server + "/server_info", timeout=60).json()["tokens_generated"]
+    before = generated()
     for _ in range(40):
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(head.format(len(body)).encode() + b"\r\n" + body)
-    time.sleep(0.5)
-    t0 = time.monotonic()
+    time.sleep(0.5)  # the 40 are read before the next one (only how sharp the check is depends on it, not its pass)
     _assert_still_serving(server, prompt)
-    assert time.monotonic() - t0 < 8
+    assert generated() - before < 36 * 1000
 
 
 # --- the embedded engine: one failing request in the continuous batch ----------------------------------------

@@ -313,10 +313,8 @@ def test_supervisor_failure_takes_the_sandbox_down(monkeypatch: pytest.MonkeyPat
         raise RuntimeError("supervisor bug")
 
     monkeypatch.setattr(sandbox, "_supervise", broken_supervise)
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match="supervisor bug"):
-        run_python("import time\ntime.sleep(60)")
-    assert time.monotonic() - start < 3
+    with pytest.raises(RuntimeError, match="supervisor bug"):  # at once: waiting for the program would pass
+        run_python("import time\ntime.sleep(3600)")  # pytest's 900 s timeout (no wall-clock margin of ours)
 
 
 def test_misuse_is_a_clear_error() -> None:
