@@ -33,12 +33,15 @@ def sandbox_mode(allow_rlimit_only: bool) -> str:
 def graded(job: dict, n: int, limits: SandboxLimits, mode: str) -> tuple[Verdict, bool]:
     """One harness run: (its verdict, whether it ended on its own rather than by the wall clock). A run without
     a result line has passed nothing, and `why` says what stopped it. The limits grow by the harness's own
-    time and output per test (a character), so 50,000 passing tests are not a limit the program hit.
+    time and output per test (a character), so 50,000 passing tests are not a limit the program hit, and an io
+    job's process limit by the runner that forks the program per input (grading_harness.py).
     `job`: {"source", "kind": "asserts", "tests"} or {"source", "kind": "io", "inputs", "expected"}."""
     nonce = secrets.token_hex(16)
     limits = dataclasses.replace(limits, wall_s=limits.wall_s + n * TEST_WALL_S,
-                                 cpu_s=limits.cpu_s + math.ceil(n * TEST_CPU_S), output_bytes=limits.output_bytes + n)
-    result = run_python(HARNESS, stdin=json.dumps({"nonce": nonce, **job}), limits=limits, mode=mode)
+                                 cpu_s=limits.cpu_s + math.ceil(n * TEST_CPU_S), output_bytes=limits.output_bytes + n,
+                                 max_processes=limits.max_processes + (job["kind"] == "io"))
+    result = run_python(HARNESS, stdin=json.dumps({"nonce": nonce, **job}), limits=limits, mode=mode,
+                        stdlib_only=True)
     for line in result.stdout.splitlines():
         if line.startswith(f"{nonce} "):
             summary = json.loads(line[len(nonce) + 1:])

@@ -21,8 +21,7 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-from contextlib import redirect_stdout
+from contextlib import ExitStack, redirect_stdout
 
 RESPONSE_BYTES = 16 << 20  # the largest value a program function may return
 
@@ -200,26 +199,87 @@ def run_asserts(source: str, tests: list) -> list:
     return results
 
 
-RUN_MAIN = ("import os, sys\nwith os.fdopen(int(sys.argv[1])) as f:\n    source = f.read()\nsys.argv = ['main.py']\n"
-            "exec(compile(source, 'main.py', 'exec'), {'__name__': '__main__'})\n")
+# The io side: a clean interpreter (the runner) compiles the program once, then per input forks a child that runs
+# it on that input's own stdin, stdout and stderr files and closes every other; the runner writes each child's exit
+# status. A fork of an interpreter that has never run the program is as fresh as a new interpreter, for ~5 ms of
+# CPU instead of ~13. The runner holds nothing the program may not see: not the nonce, not the expected outputs.
+RUNNER = r'''
+import gc, os, sys
+statuses, source, *files = map(int, sys.argv[1:])
+with open(source) as f:
+    source = f.read()
+try:
+    program = compile(source, "main.py", "exec")
+except BaseException as err:  # raised by every run instead, as a fresh interpreter would
+    program = err
+gc.freeze()  # a run's collections then leave the runner's objects, and the pages they share, alone
+for first in range(0, len(files), 3):
+    pid = os.fork()
+    if pid == 0:
+        break
+    for fd in files[first:first + 3]:
+        os.close(fd)
+    os.write(statuses, b"%d\n" % os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+else:
+    raise SystemExit
+for target, fd in enumerate(files[first:first + 3]):
+    os.dup2(fd, target)
+os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the status pipe, the other inputs' files
+sys.argv = ["main.py"]
+if isinstance(program, BaseException):
+    raise program
+exec(program, {"__name__": "__main__"})
+'''
+RUNNER_INPUTS = 100  # inputs per runner: it holds their three files each until their turn
+
+
+def scratch_file():
+    """A nameless file in /tmp (the sandbox's private tmpfs): tempfile.TemporaryFile, less ~5 ms of imports."""
+    return open(os.open("/tmp", os.O_RDWR | os.O_TMPFILE, 0o600), "w+b")
 
 
 def run_io(source: str, inputs: list, expected: list) -> list:
+    """Each input in a fresh process (forked by a runner), with its own stdin, stdout and stderr files, as when
+    each had its own interpreter; files the program writes stay in the work dir for the next input."""
     results = []
-    with tempfile.TemporaryFile() as program:
+    with scratch_file() as program:
         program.write(source.encode())
-        for value, want in zip(inputs, expected):
+        for first in range(0, len(inputs), RUNNER_INPUTS):
             program.seek(0)
-            with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-                proc = subprocess.run([sys.executable, "-I", "-S", "-c", RUN_MAIN, str(program.fileno())],
-                                      input=f"{value}\n".encode(), stdout=out, stderr=err, pass_fds=(program.fileno(),))
+            results += run_inputs(program.fileno(), *(part[first:first + RUNNER_INPUTS] for part in (inputs, expected)))
+    return results
+
+
+def run_inputs(program: int, inputs: list, expected: list) -> list:
+    """One runner's share of the inputs."""
+    results = []
+    with ExitStack() as files:
+        runs = [[files.enter_context(scratch_file()) for _ in range(3)] for _ in inputs]
+        for (stdin, _, _), value in zip(runs, inputs):
+            stdin.write(f"{value}\n".encode())
+            stdin.seek(0)
+        fds = [file.fileno() for run in runs for file in run]
+        status_r, status_w = os.pipe()
+        runner = subprocess.Popen([sys.executable, "-I", "-S", "-c", RUNNER, str(status_w), str(program), *map(str, fds)],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  pass_fds=(status_w, program, *fds))
+        os.close(status_w)
+        with os.fdopen(status_r) as statuses:
+            for (_, out, err), want in zip(runs, expected):
+                try:
+                    returncode = int(statuses.readline())
+                except ValueError:  # the runner died (a program can kill its parent) or was made to write garbage
+                    results.append([False, f"got nothing, want {want[:20]}", "the program's runner died"])
+                    continue
                 out.seek(0)
                 got = out.read(1 << 20).decode(errors="replace").strip()
                 err.seek(0)
                 last_words = err.read()[-2000:].decode(errors="replace").strip().splitlines()
-            error = (last_words[-1][:300] if last_words else f"exit status {proc.returncode}") if proc.returncode else None
-            shown = f"got {got.splitlines()[0][:20] if got else 'nothing'}, want {want[:20]}"
-            results.append([error is None and got == want, shown, error])
+                error = (last_words[-1][:300] if last_words else f"exit status {returncode}") if returncode else None
+                shown = f"got {got.splitlines()[0][:20] if got else 'nothing'}, want {want[:20]}"
+                results.append([error is None and got == want, shown, error])
+    runner.kill()
+    runner.wait()
     return results
 
 
