@@ -17,9 +17,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until_healthy(url: str, is_alive, timeout_s: float = 180.0, poll_s: float = 0.2) -> None:
+# How long a server, router or command may take (to start, to end) before a test calls it hung: a hang catcher,
+# not a margin. A
+# worker has taken over 180 s to start on the 2-core machine at load 16; pytest-timeout's 900 s (pytest.ini)
+# still ends a test that waits on several starts.
+HANG_S = 600.0
+
+
+def wait_until_healthy(url: str, is_alive, timeout_s: float = HANG_S, poll_s: float = 0.2) -> None:
     """Block until the server at `url` answers /health; RuntimeError if `is_alive()` turns False (the process
-    died) or `timeout_s` passes first."""
+    died) or `timeout_s` passes first (it hung)."""
     client, deadline = SGLangClient(url, timeout=1.0), time.monotonic() + timeout_s
     while not client.health():
         if not is_alive():
@@ -29,7 +36,7 @@ def wait_until_healthy(url: str, is_alive, timeout_s: float = 180.0, poll_s: flo
         time.sleep(poll_s)
 
 
-def start_sglang_router(worker_urls: list[str], *args: str, timeout_s: float = 60.0):
+def start_sglang_router(worker_urls: list[str], *args: str, timeout_s: float = HANG_S):
     """sglang-router (`pip install sglang-router`) on a free loopback port in front of `worker_urls`, with
     extra CLI `args`; returns (url, process) once it has registered every worker."""
     port = free_port()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launchers import free_port
+from launchers import HANG_S, free_port
 
 from opd_sao.config import (
     AlgoConfig,
@@ -74,7 +74,7 @@ def test_the_cli_refuses_cuda_before_any_work(tmp_path, tiny_model_dir, args):
             for a in args]
     extra = ["--run-dir", str(tmp_path / "run")] if args[0] == "run" else []
     result = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", *args, *extra], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+                            text=True, timeout=HANG_S)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "no CUDA device" in result.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()  # nothing was started
@@ -208,7 +208,7 @@ HAS_NVIDIA_GPU = subprocess.run("command -v nvidia-smi && nvidia-smi -L", shell=
 def test_gpu_check_exits_2_with_one_line_without_a_gpu(tmp_path):
     out = tmp_path / "gpu_check.txt"
     result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)], capture_output=True, text=True,
-                            timeout=60)
+                            timeout=HANG_S)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.splitlines() == ["gpu_check: no NVIDIA GPU on this machine (nvidia-smi is missing or lists "
                                           "no device); nothing to check"]

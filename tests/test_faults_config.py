@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cli_checks import refused as _refused
+from launchers import HANG_S
 
 from opd_sao.app import cli
 from opd_sao.errors import UsageError
@@ -267,6 +268,6 @@ def test_sigterm_after_run_finished_exits_0_without_a_traceback(tmp_path, tiny_m
         if line.startswith("run finished:"):
             proc.send_signal(signal.SIGTERM)
             break
-    out, err = proc.communicate(timeout=300)
+    out, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
     assert (tmp_path / "run" / "summary.json").is_file()

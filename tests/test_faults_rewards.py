@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launchers import HANG_S
 
 from opd_sao.envs.dataset.rewards import MathReward, PythonReward
 
@@ -69,13 +70,21 @@ def processes_naming(marker: str) -> list[int]:
     return found
 
 
-def gone(marker: str, wait_s: float = 20.0) -> bool:
-    """Whether every process naming `marker` is gone within `wait_s` (a SIGKILL is delivered at once; the wait is
-    only for a loaded machine); any left are killed, so a failing test leaves nothing behind."""
-    deadline = time.monotonic() + wait_s
-    while processes_naming(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = processes_naming(marker)
+def sigkilled(pid: int) -> bool:
+    """Whether the process has been sent SIGKILL (or is gone): a process-wide SIGKILL (kill, killpg) stays in
+    /proc/PID/status's ShdPnd from the moment it is sent until the process is reaped, zombie included, so no wait
+    for it to die is needed, however loaded the machine."""
+    try:
+        status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return bool((int(status["ShdPnd"], 16) | int(status["SigPnd"], 16)) & 1 << (signal.SIGKILL - 1))
+
+
+def gone(marker: str) -> bool:
+    """Whether every process naming `marker` is gone or on its way (sent SIGKILL); any other is killed, so a failing
+    test leaves nothing behind."""
+    left = [pid for pid in processes_naming(marker) if not sigkilled(pid)]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     return not left
@@ -132,7 +141,7 @@ def test_helpers_a_reward_started_die_with_its_worker_and_with_the_run(tmp_path)
     assert gone(marker + "-1"), "the replaced worker's helper is still running"
     script = (f"from opd_sao.envs.dataset.rewards import PythonReward\n"
               f"print(PythonReward({function!r}).score({{'id': 'b', 'marker': {marker + '-2'!r}}}, 'helper').score)\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0 and out.stdout.strip() == "0.6", out.stderr[-2000:]
     assert gone(marker + "-2"), "the helper outlived the command"
 

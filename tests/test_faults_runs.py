@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from launchers import HANG_S
 
 from opd_sao.io.model_fingerprint import check_model_record
 from opd_sao.io.tracking import read_jsonl
@@ -40,7 +41,7 @@ def start(*args: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def wait_for(condition, timeout: float = 240.0, proc: subprocess.Popen | None = None) -> None:
+def wait_for(condition, timeout: float = HANG_S, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert proc is None or proc.poll() is None, proc.communicate()
@@ -82,7 +83,7 @@ def test_a_second_run_on_a_live_run_dir_is_refused_and_a_dead_holders_lock_is_ta
         wait_for(lambda: (run_dir / "stages" / "r" / "trained.jsonl").is_file(), proc=first)
         second, third = start("--resume", str(run_dir)), start(config(tmp_path, tiny_model_dir), "--run-dir", str(run_dir))
         for other in (second, third):
-            _, err = other.communicate(timeout=300)
+            _, err = other.communicate(timeout=HANG_S)
             assert other.returncode == 2
             assert f"is in use by the opd-sao run of pid {first.pid} on host {socket.gethostname()}" in one_line(err)
         assert first.poll() is None  # untouched: still running, its files in place
@@ -96,7 +97,7 @@ def test_a_second_run_on_a_live_run_dir_is_refused_and_a_dead_holders_lock_is_ta
         wait_for(lambda: lock_holder(run_dir) == resumed.pid, proc=resumed)
     finally:
         resumed.send_signal(signal.SIGTERM)
-        _, err = resumed.communicate(timeout=120)
+        _, err = resumed.communicate(timeout=HANG_S)
     assert "continue with: opd-sao run --resume" in one_line(err)
 
 
@@ -107,7 +108,7 @@ def test_ctrl_c_and_sigterm_end_in_one_line_with_the_resume_command(tmp_path, ti
     proc = start(config(tmp_path, tiny_model_dir), "--run-dir", str(run_dir))
     wait_for(lambda: len(trained_steps(run_dir)) >= 3, proc=proc)
     proc.send_signal(getattr(signal, how))
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 128 + getattr(signal, how)
     line = one_line(err)
     assert line.endswith(f"continue with: opd-sao run --resume {shlex.quote(str(run_dir))}")
@@ -145,7 +146,7 @@ def test_a_full_disk_and_a_read_only_run_dir_end_in_one_line_and_lose_nothing(tm
                 f.write(b"\0" * (1 << 16))
         except OSError:  # ENOSPC: full
             pass
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 1
     line = one_line(err)
     assert "the disk is full" in line and line.endswith(f"--resume {shlex.quote(str(run_dir))}")
@@ -158,7 +159,7 @@ def test_a_full_disk_and_a_read_only_run_dir_end_in_one_line_and_lose_nothing(tm
     try:
         _mount("-o", "remount,bind,ro", str(read_only))
         done = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", "run", "--resume", str(read_only)],
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=HANG_S)
         assert done.returncode == 1
         assert "the run directory is read-only" in one_line(done.stderr)
     finally:

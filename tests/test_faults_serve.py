@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from launchers import free_port, wait_until_healthy
+from launchers import HANG_S, free_port, wait_until_healthy
 
 from opd_sao.engines.base import GenerationRequest, SamplingParams
 
@@ -29,7 +29,7 @@ MAX_NEW_TOKENS = 1000  # the server's cap in these tests (the tiny model has 102
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, start_server):
     url, proc = start_server(tiny_model_dir, "--max-batch", 4, "--max-new-tokens", MAX_NEW_TOKENS)
-    wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=120)
+    wait_until_healthy(url, lambda: proc.poll() is None)
     yield url
     proc.kill()
     proc.wait()
@@ -459,7 +459,7 @@ def test_a_model_file_linked_outside_the_weights_root_is_refused(tiny_model_dir,
     shutil.copytree(tiny_model_dir, root / "real")
     url, proc = start_server(tiny_model_dir, "--weights-root", root)
     try:
-        wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=120)
+        wait_until_healthy(url, lambda: proc.poll() is None)
         linked = requests.post(url + "/update_weights_from_disk", json={"model_path": str(root / "m")}, timeout=60)
         assert linked.status_code == 400 and "model.safetensors" in linked.json()["message"], linked.text
         assert "--weights-root" in linked.json()["message"]
@@ -470,7 +470,7 @@ def test_a_model_file_linked_outside_the_weights_root_is_refused(tiny_model_dir,
         proc.wait()
 
 
-def _serve_fails(*args: str, timeout: float = 120) -> str:
+def _serve_fails(*args: str, timeout: float = HANG_S) -> str:
     """`opd-sao serve ARGS` must exit non-zero with one `opd-sao serve: error:` line and no traceback: that line."""
     done = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", "serve", *args, "--threads", "1"],
                           capture_output=True, text=True, timeout=timeout)

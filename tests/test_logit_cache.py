@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from launchers import HANG_S
 
 from opd_sao.cache import (
     BackgroundWriter,
@@ -234,7 +235,7 @@ def test_concurrent_reader_only_sees_complete_records(tmp_path):
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=60)
+        thread.join(timeout=HANG_S)
     assert not failures and len(checked) == 60
     assert any(0 < count < 60 for count in listed_counts)  # the reader read while the writer wrote
 
@@ -269,7 +270,7 @@ def test_reader_in_another_process_only_sees_complete_records(tmp_path):
             offsets=np.arange(n + 1) * 4,
             tail_mass=np.full(n, 0.5, np.float32),
         ))
-    output, _ = reader.communicate(timeout=60)
+    output, _ = reader.communicate(timeout=HANG_S)
     assert reader.returncode == 0 and output.strip() == "40"
 
 

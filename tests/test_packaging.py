@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from launchers import HANG_S
 from packaging.requirements import Requirement
 
 from opd_sao.app import cli
@@ -47,12 +48,12 @@ def test_the_wheel_installs_everything_under_opd_sao(wheel, tmp_path):
     logit cache import as opd_sao.*, and none of them is a top-level name."""
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--disable-pip-version-check",
-                    "--target", str(target), str(wheel)], check=True, timeout=300)
+                    "--target", str(target), str(wheel)], check=True, timeout=HANG_S)
     assert sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin") == ["opd_sao"]
     probe = ("import importlib; names = ('opd_sao', 'opd_sao.envs', 'opd_sao.teachers.routing', 'opd_sao.cache'); "
              "print(*(importlib.import_module(name).__file__ for name in names))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(target)},
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stderr
     assert all(path.startswith(str(target)) for path in out.stdout.split()), out.stdout
 

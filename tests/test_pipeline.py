@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launchers import HANG_S
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opd_sao.app.pipeline import run_pipeline
@@ -72,7 +73,7 @@ def test_reasoning_stage_end_to_end(tmp_path, algo):
 
 def _cli(*args, cwd):
     return subprocess.run([sys.executable, "-m", "opd_sao.app.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=HANG_S)
 
 
 def test_invalid_config_is_one_clear_line(tmp_path):

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from launchers import HANG_S
 
 from opd_sao.config import ConfigError, parse_config
 
@@ -108,16 +109,16 @@ def test_an_installed_packages_entry_points_register_its_plugins(tmp_path):
     '''))
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "--target", str(site), str(src)], check=True, capture_output=True, timeout=300)
+                    "--target", str(site), str(src)], check=True, capture_output=True, timeout=HANG_S)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
     script = textwrap.dedent('''
         from opd_sao.teachers import TEACHER_KINDS
         print(TEACHER_KINDS.get("acme").__module__)
     ''')
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["acme_teacher"]
-    without = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    without = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_S)
     assert "unknown teacher kind 'acme'" in without.stderr  # not installed: not found (the test is not vacuous)
 
 

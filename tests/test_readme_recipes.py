@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
-from launchers import free_port, wait_until_healthy
+from launchers import HANG_S, free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = re.compile(r"<!-- recipe: (\w+) -->\n```python\n(.*?)```\n\n```yaml\n(.*?)```", re.S)
@@ -90,7 +90,7 @@ def test_without_its_plugin_a_recipes_config_is_refused(name, refusal, tmp_path,
     config = _write(_recipes()[name], tmp_path)
     check = ("import sys\nfrom opd_sao.config import load_config\nfrom opd_sao.app.pipeline import check_before_work\n"
              "check_before_work(load_config(sys.argv[1], ['plugins=[]']))")
-    out = subprocess.run([sys.executable, "-c", check, str(config)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", check, str(config)], capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode != 0 and refusal in out.stderr, out.stderr[-2000:]
 
 
@@ -128,7 +128,7 @@ def test_the_weight_sync_recipe(tmp_path, tiny_model_dir, start_server):
     recipe = _recipes()["weight_sync"]
     config = _write(recipe, tmp_path)
     url, proc = start_server(tiny_model_dir, "--plugin", str(tmp_path / recipe["py"][0]), port=port)
-    wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=180)
+    wait_until_healthy(url, lambda: proc.poll() is None)
     summary = _run(tmp_path, config, f"model.path={tiny_model_dir}", f"engine.urls=[{url}]")
     stage = summary["stages"][0]
     assert stage["gate"]["passed"]  # the served weights matched the trainer's at every check
@@ -175,7 +175,7 @@ def test_a_misspelled_teacher_option_is_refused_in_one_line_before_any_work(tmp_
     config = _write(recipe, tmp_path)
     (tmp_path / config).write_text(recipe["yaml"][1].replace("{dtype: bfloat16}", "{dtpye: bfloat16}"))
     out = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", "run", config, "--run-dir", "run"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "teacher 'reverse' (kind in_process_cast): options.dtpye: Extra inputs are not permitted" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
@@ -187,7 +187,7 @@ def test_the_routing_recipe(tmp_path, tiny_model_dir, start_server):
     config = _write(_recipes()["routing"], tmp_path)
     servers = [start_server(tiny_model_dir) for _ in range(2)]
     for url, proc in servers:
-        wait_until_healthy(url, lambda proc=proc: proc.poll() is None, timeout_s=180)
+        wait_until_healthy(url, lambda proc=proc: proc.poll() is None)
     urls = [url for url, _ in servers]
     summary = _run(tmp_path, config, f"model.path={tiny_model_dir}", f"engine.urls=[{','.join(urls)}]")
     assert summary["stages"][0]["gate"]["passed"]

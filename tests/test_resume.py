@@ -17,6 +17,7 @@ import time
 
 import pytest
 import yaml
+from launchers import HANG_S
 
 from opd_sao.app import cli
 
@@ -61,7 +62,7 @@ def _launch(args, log):
 
 
 def _kill_mid(proc, run_dir, stage, kind, log_path):
-    deadline = time.time() + 300
+    deadline = time.time() + HANG_S
     while not _mid_stage(run_dir, stage, kind):
         assert proc.poll() is None, log_path.read_text()
         assert time.time() < deadline, f"the run did not reach the middle of stage {stage!r}"
@@ -115,7 +116,7 @@ def test_sigkill_mid_stage_of_every_kind_then_resume(tmp_path, capsys):
         previous = kinds[i - 1][0]
         mtimes[previous] = (run_dir / "stages" / previous / "checkpoint" / "model.safetensors").stat().st_mtime_ns
     resumed = subprocess.run([sys.executable, "-m", "opd_sao.app.cli", "run", "--resume", str(run_dir),
-                              "--allow-config-change"], capture_output=True, text=True, timeout=300)
+                              "--allow-config-change"], capture_output=True, text=True, timeout=HANG_S)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
 
     summary = {s["name"]: s for s in json.loads((run_dir / "summary.json").read_text())["stages"]}

@@ -123,6 +123,8 @@ def test_with_overlap_off_the_engine_waits_while_the_trainer_computes(tmp_path, 
     def after_step(loop, step):
         before = loop.engine.tokens_generated
         time.sleep(0.3)  # the trainer computing
+        while overlap and not any(during) and loop.engine.tokens_generated == before:  # until the engine is seen
+            time.sleep(0.01)  # decoding once (a busy machine may not run its thread within 0.3 s; off, never)
         during.append(loop.engine.tokens_generated - before)
         probe = GenerationRequest(tokenizer.encode("1 + 1 ="), SamplingParams(max_new_tokens=3, ignore_eos=True))
         # as the gate probes: on a shallow copy (its own batch state; the same weights, lock and turns)

@@ -25,7 +25,7 @@ from launchers import wait_until_healthy
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, start_server):
     url, proc = start_server(tiny_model_dir, "--max-batch", 4)
-    wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=120)
+    wait_until_healthy(url, lambda: proc.poll() is None)
     yield url
     proc.kill()
     proc.wait()
@@ -68,7 +68,7 @@ def chat_model(chat_model_dir):
 @pytest.fixture(scope="module")
 def chat_server(chat_model_dir, start_server):
     url, proc = start_server(chat_model_dir, "--max-batch", 4)
-    wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=120)
+    wait_until_healthy(url, lambda: proc.poll() is None)
     yield url
     proc.kill()
     proc.wait()
@@ -455,7 +455,7 @@ def weights_root(tiny_model_dir, tmp_path_factory):
 def open_server(tiny_model_dir, start_server, weights_root):
     """serve on every interface (0.0.0.0), started without an admin key."""
     url, proc = start_server(tiny_model_dir, "--host", "0.0.0.0", "--weights-root", weights_root)
-    wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=120)
+    wait_until_healthy(url, lambda: proc.poll() is None)
     yield url
     proc.kill()
     proc.wait()
@@ -493,7 +493,7 @@ def test_model_paths_only_under_the_weights_root_symlinks_resolved(open_server, 
 
 def test_with_an_admin_key_weight_routes_need_it_from_everywhere(tiny_model_dir, start_server, prompt):
     url, proc = start_server(tiny_model_dir, "--host", "0.0.0.0", "--admin-api-key", "s3cret")
-    wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=120)
+    wait_until_healthy(url, lambda: proc.poll() is None)
     remote = url.replace("127.0.0.1", _non_loopback_address())
     update = {"model_path": str(tiny_model_dir), "weight_version": "3"}
     for base in (url, remote):
@@ -565,7 +565,7 @@ def test_the_trainers_engine_syncs_weights_through_the_keys(tiny_model_dir, toke
     url, proc = start_server(tiny_model_dir, "--host", "0.0.0.0", "--api-key", "user", "--admin-api-key", "admin")
     remote = url.replace("127.0.0.1", _non_loopback_address())
     try:
-        wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=120)  # /health needs no key
+        wait_until_healthy(url, lambda: proc.poll() is None)  # /health needs no key
         assert _post(remote, "/generate", {"input_ids": prompt}).status_code == 401  # every route needs the API key
         engine = build_engine(EngineConfig(kind="http", urls=[remote], max_batch=2, api_key="user",
                                            admin_api_key="admin"), tiny_model_dir, tokenizer, seed=0)

@@ -26,7 +26,7 @@ def fleet(tiny_model_dir, start_server):
     """[(url, process)]: real servers, one torch thread each, started in parallel."""
     servers = [start_server(tiny_model_dir, "--seed", i, "--max-batch", 16) for i in range(N_SERVERS)]
     for url, proc in servers:
-        wait_until_healthy(url, lambda proc=proc: proc.poll() is None, timeout_s=120)
+        wait_until_healthy(url, lambda proc=proc: proc.poll() is None)
     yield servers
     for _, proc in servers:
         proc.kill()

@@ -35,7 +35,7 @@ def sglang_workers(tiny_model_dir, tmp_path_factory):
                 [sys.executable, str(WORKER), str(tiny_model_dir), "--port", str(port), "--threads", "1", "--seed",
                  str(seed), "--max-batch", "8", "--group-timeout-s", "30"], stdout=log, stderr=subprocess.STDOUT)))
     for url, proc in procs:
-        wait_until_healthy(url, lambda proc=proc: proc.poll() is None, timeout_s=180)
+        wait_until_healthy(url, lambda proc=proc: proc.poll() is None)
     yield [url for url, _ in procs]
     for _, proc in procs:
         proc.kill()
@@ -402,7 +402,7 @@ def test_serves_side_of_each_mode_refuses_bad_weights_before_loading_any(tiny_mo
     from opd_sao.engines.weight_sync.tensor import serialize
 
     url, proc = start_server(tiny_model_dir)
-    wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=120)
+    wait_until_healthy(url, lambda: proc.poll() is None)
     client = SGLangClient(url)
     state = load_causal_lm(tiny_model_dir).state_dict()
     name = next(k for k in state if k.endswith("q_proj.weight"))
@@ -473,7 +473,7 @@ def test_a_keyed_request_passes_sglangs_sampling_params_and_draws_as_the_embedde
                                  "1", "--seed", "3", "--weight-version", "0"], stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=180)
+        wait_until_healthy(url, lambda: proc.poll() is None)
         served = SGLangClient(url, timeout=60.0).generate(GenerationRequest(prompt, params))
     finally:
         proc.kill()

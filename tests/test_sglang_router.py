@@ -36,7 +36,7 @@ def _healthy_workers(start_server, checkpoint, max_batch: int) -> list:
     file), seeds 0 and 1, answering /health."""
     servers = [start_server(checkpoint, "--seed", i, "--max-batch", max_batch) for i in range(2)]
     for url, proc in servers:
-        wait_until_healthy(url, lambda proc=proc: proc.poll() is None, timeout_s=120)
+        wait_until_healthy(url, lambda proc=proc: proc.poll() is None)
     return servers
 
 

@@ -326,25 +326,33 @@ def test_lru_eviction_and_residency_cap(checkpoints, tmp_path):
 
 
 def test_prefetch_hides_loading(checkpoints, tmp_path):
+    """With prefetch on, the next teacher loads while the current one is in use, and every use is a hit. The work
+    between uses lasts until the prefetched teacher is resident (as scoring outlasts a load), not a fixed time a
+    busy machine might not give the loader's thread; off, each use loads on demand and waits."""
     def run(enabled):
         pf = _prefetcher(checkpoints, tmp_path / str(enabled), load_s=0.25, max_resident=2, enabled=enabled)
         order = ["a", "b", "c"]
+
+        def work_until_loaded(name):  # the first rollouts being generated, then scoring with the current teacher
+            while enabled and name not in pf.resident():
+                time.sleep(0.01)
+
         pf.prefetch("a")
-        time.sleep(0.4)  # e.g. the first rollouts being generated
+        work_until_loaded("a")
         for i, name in enumerate(order):
             with pf.use(name):
                 if i + 1 < len(order):
                     pf.prefetch(order[i + 1])
-                time.sleep(0.35)  # scoring with the current teacher
-        stall = pf.stats["stall_s"]
+                    work_until_loaded(order[i + 1])
+        stats = dict(pf.stats)
         pf.close()
-        return stall, SlowTeacher.peak
+        return stats, SlowTeacher.peak
 
-    stall_off, _ = run(False)
+    off, _ = run(False)
     SlowTeacher.peak = 0
-    stall_on, peak = run(True)
-    assert stall_off >= 0.5  # b and c loaded on demand (a too, unless prefetched: off means never)
-    assert stall_on < 0.15 and peak <= 2
+    on, peak = run(True)
+    assert off["misses"] == 3 and off["stall_s"] >= 0.5  # each loaded on demand (off means never prefetched)
+    assert on["misses"] == 0 and on["hits"] == 3 and peak <= 2
 
 
 def test_pinned_teacher_is_never_evicted(checkpoints, tmp_path):

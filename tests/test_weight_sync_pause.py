@@ -56,7 +56,7 @@ def slow_worker(tmp_path_factory):
                                      str(group_timeout_s)], stdout=log, stderr=subprocess.STDOUT)
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
-        wait_until_healthy(url, lambda: proc.poll() is None, timeout_s=180)
+        wait_until_healthy(url, lambda: proc.poll() is None)
         return url
 
     yield start
@@ -125,13 +125,16 @@ def test_a_sync_while_requests_generate_pauses_them_and_costs_the_same_in_1_or_8
             yield GenerationRequest([1 + i % 7, 2, 3], SamplingParams(max_new_tokens=24, ignore_eos=True))
 
     runner = threading.Thread(target=fleet.generate, args=(requests_(), results.append), daemon=True)
+    generated = lambda: requests.get(url + "/server_info", timeout=60).json()["tokens_generated"]
     runner.start()
     times = {one: [], eight: []}
     try:
         for version, size in enumerate([one, eight, one, eight], start=1):
             while fleet.stats[url]["inflight"] < 8 or not any(r.versions[0] == version - 1 for r in results):
                 time.sleep(0.05)  # trajectories of the current version done, and a full batch generating
-            time.sleep(5 * STEP_S)
+            before = generated()
+            while generated() < before + 8 * 5:  # a few decode steps into the batch
+                time.sleep(0.05)
             sync.bucket_bytes = size
             t0 = time.perf_counter()
             fleet.update_weights(states[version], version)
@@ -210,32 +213,32 @@ def test_partial_rollouts_keep_an_aborted_prefix_and_record_each_spans_version(m
         _check_spans(result, states, model, 2)
 
 
-def test_a_distributed_sync_during_a_long_generation_succeeds_within_a_short_broadcast_timeout(
+def test_a_distributed_sync_during_a_long_generation_aborts_it_instead_of_waiting_for_it(
         slow_worker, tiny_model_dir):
-    """A 200-token generation (10 s at 50 ms a step) is in flight when a distributed sync starts with a 2 s
-    broadcast timeout: the pause aborts it, the broadcast runs at once, and the request comes back whole on
-    the new weights. The same ratio as a 90 s generation against the 60 s the broadcast had before (it waited
-    for the drain and failed); here 10 s against 2 s keeps the test short."""
+    """A 200-token generation (10 s at 50 ms a step) is in flight when a distributed sync starts: the pause
+    aborts it (its tokens so far are counted thrown away), the broadcast runs at once, and the request comes
+    back whole on the new weights. Before, the broadcast waited for the generation to drain (a 90 s generation
+    failed the 60 s broadcast timeout); a sync that waits would return it whole on the old version. Ordered by
+    the worker's token count, not timed (a short broadcast timeout would fail on a busy machine)."""
     url = slow_worker(tiny_model_dir)
     states = _version_states(tiny_model_dir, 2)
-    fleet = Fleet([url], max_inflight=8, weight_sync="distributed",
-                  sync=SyncSettings(broadcast_timeout_s=2.0, drain_timeout_s=5.0, bucket_bytes=64 << 10))
+    fleet = Fleet([url], max_inflight=8, weight_sync="distributed", sync=SyncSettings(bucket_bytes=64 << 10))
     fleet.update_weights(states[0], 0)
     results = []
     runner = threading.Thread(target=fleet.generate, daemon=True, args=(
         [GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=200, ignore_eos=True))], results.append))
+    generated = lambda: requests.get(url + "/server_info", timeout=60).json()["tokens_generated"]
     try:
+        before = generated()
         runner.start()
-        while fleet.stats[url]["inflight"] < 1:
+        while generated() < before + 5:  # into the generation, 195 steps (10 s at least) from its end
             time.sleep(0.05)
-        time.sleep(1.0)  # well into the generation
-        t0 = time.perf_counter()
         fleet.update_weights(states[1], 1)
-        took = time.perf_counter() - t0
-        runner.join(120)
+        runner.join()
     finally:
         fleet.close()
-    assert took < 5.0 and len(results) == 1 and results[0].versions[0] == 1 and len(results[0].token_ids) == 200
+    assert fleet.tokens_discarded >= 5
+    assert len(results) == 1 and results[0].versions == [1] * 200 and len(results[0].token_ids) == 200
     _check_sampled_by(results, states, tiny_model_dir)
 
 
@@ -366,10 +369,8 @@ def test_the_fleet_reads_the_routers_workers_again_before_each_sync(start_server
     router, router_proc = start_sglang_router([a])
     state = load_causal_lm(tiny_model_dir).state_dict()
 
-    def router_lists(n):
-        deadline = time.monotonic() + 60
-        while len(requests.get(router + "/workers", timeout=10).json()["workers"]) != n:
-            assert time.monotonic() < deadline
+    def router_lists(n):  # no deadline of ours: pytest's timeout is the backstop
+        while len(requests.get(router + "/workers", timeout=60).json()["workers"]) != n:
             time.sleep(0.2)
 
     try:
