@@ -153,6 +153,37 @@ def test_code_tests_output_and_test_count_are_not_the_programs_limit():
                                "print(x + 1)\n").score == 1.0
 
 
+def test_each_io_input_runs_in_a_fresh_process_that_shares_only_the_work_dir():
+    """The runner forks the program per input from an interpreter that never ran it: state in memory (here a
+    builtin) and the process are new each time, as with an interpreter per input before; files written to the work
+    dir are seen by the next input, as before (one sandbox per graded program)."""
+    from opd_sao.envs.rewards import build_reward
+
+    program = ("import builtins, os\nbuiltins.runs = getattr(builtins, 'runs', 0) + 1\n"
+               "pids = open('pids').read().split() if os.path.exists('pids') else []\n"
+               "open('pids', 'a').write(f'{os.getpid()}\\n')\n"
+               "print(input(), builtins.runs, len(pids), str(os.getpid()) not in pids)\n")
+    io = {"id": "io", "tests": {"kind": "io", "inputs": ["a", "b", "c"], "outputs": ["a 1 0 True", "b 1 1 True",
+                                                                                   "c 1 2 True"]}}
+    verdict = build_reward("code_tests", {}).score(io, program)
+    assert verdict.score == 1.0, verdict
+
+
+def test_limits_hold_per_io_input_and_a_killed_run_or_runner_fails_only_what_it_ran():
+    """Each forked run has the program's own CPU limit (a run spinning past it is killed, the next input runs
+    with a fresh one); a program that kills its runner fails the inputs left. Wall limit 300 s: a CPU limit is
+    what this checks, not the machine's load."""
+    from opd_sao.envs.rewards import build_reward
+
+    reward = build_reward("code_tests", {"wall_s": 300.0, "cpu_s": 1})
+    io = {"id": "io", "tests": {"kind": "io", "inputs": ["1", "2", "3"], "outputs": ["1", "2", "3"]}}
+    spin = reward.score(io, "import time\nx = input()\nwhile x == '1' or time.process_time() < 0.6:\n    pass\n"
+                            "print(x)\n")
+    assert spin.score == pytest.approx(2 / 3) and "exit status -24" in spin.feedback, spin  # SIGXCPU
+    killer = reward.score(io, "import os\nx = input()\nif x == '2':\n    os.kill(os.getppid(), 9)\nprint(x)\n")
+    assert killer.score == pytest.approx(1 / 3) and "runner died" in killer.feedback, killer
+
+
 @pytest.mark.parametrize("tests", ["", "   ", ["pass"], ["assert True", "# nothing"], ["'''doc'''"], ["assert f(1) =="]])
 def test_empty_or_vacuous_tests_are_refused_at_load(tmp_path, tests):
     """Before: `tests: ""` was one empty assert that any program passed."""

@@ -162,6 +162,14 @@ def test_ok_program() -> None:
 
 
 @needs_bwrap
+def test_stdlib_only_programs_start_without_site() -> None:
+    """The grading harness runs `stdlib_only` (-I -S: ~50 ms less CPU a run); other programs keep site-packages."""
+    code = "import sys\nprint(sys.flags.isolated, sys.flags.no_site, 'site' in sys.modules)"
+    assert run_python(code, limits=LIMITS).stdout == "0 0 True\n"
+    assert run_python(code, limits=LIMITS, stdlib_only=True).stdout == "1 1 False\n"
+
+
+@needs_bwrap
 @pytest.mark.parametrize(
     "code, exit_code",
     [
