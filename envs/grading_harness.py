@@ -5,7 +5,9 @@ the tests, the results or the line that reports them:
 - assert tests run HERE; the program runs in a child interpreter, and its functions are called over a pipe,
   arguments and results crossing as plain data (None, bool, int, float, str, bytes, complex, list, tuple, set,
   frozenset, dict, by exact type): an object that lies about equality cannot cross;
-- stdin/stdout tests run the program once per input in a child interpreter, stdin the input, stdout a file;
+- stdin/stdout tests run the program once per input in a fresh process, stdin the input, stdout a file: forked
+  from a runner interpreter that compiled the program but never ran it, and that holds no nonce and no expected
+  output (RUNNER below);
 - the program's output is never echoed (a program may print 100 KB), and the child's stdout and stderr are
   not the sandbox's;
 - the result is one line that starts with a nonce the job brings on stdin; this process is not dumpable, so a
@@ -202,7 +204,9 @@ def run_asserts(source: str, tests: list) -> list:
 # The io side: a clean interpreter (the runner) compiles the program once, then per input forks a child that runs
 # it on that input's own stdin, stdout and stderr files and closes every other; the runner writes each child's exit
 # status. A fork of an interpreter that has never run the program is as fresh as a new interpreter, for ~5 ms of
-# CPU instead of ~13. The runner holds nothing the program may not see: not the nonce, not the expected outputs.
+# CPU instead of ~13. The runner is the program's side (same uid, dumpable): it holds nothing the program may not
+# see, not the nonce, not the expected outputs, and a status it is made to forge could only pass a run whose
+# output was right anyway (the program can exit 0 itself).
 RUNNER = r'''
 import gc, os, sys
 statuses, source, *files = map(int, sys.argv[1:])

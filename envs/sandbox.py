@@ -155,8 +155,8 @@ def run_python(
 ) -> SandboxResult:
     """Run `code` as main.py in a fresh, empty work dir and return what happened.
 
-    `stdlib_only`: start it `python -I -S` (no site module, no site-packages; the grading harness), which
-    costs ~40 ms less CPU than `-s` (site imported, the base interpreter's site-packages and .pth files).
+    `stdlib_only`: start it `python -I -S` (no site module, no site-packages; the grading harness): ~50 ms less
+    CPU a run than `-s` here (site imports the base interpreter's site-packages and runs its .pth files).
     Raises SandboxUnavailableError when bwrap is missing or cannot start the
     sandbox (mode="bwrap"), never for anything the program itself does.
     """
