@@ -210,10 +210,12 @@ class EngineConfig(Strict):
         "turns, the engine decoding only between the trainer's steps (at one torch thread per process on the tiny "
         "model, 4-20% less CPU per episode and more wall time, docs/benchmarks.md; on one accelerator, no two "
         "compute streams at once)", True)
-    own_forward: bool = describe(
+    own_forward: Optional[bool] = describe(
         "embedded: Llama-family models (llama, mistral, qwen2, qwen3; every layer attending to the whole sequence) "
         "decode and prefill through the engine's own forward (opd_sao/model/llama_forward.py: transformers' "
-        "function in fewer operations); false, or any other model: transformers' forward", True)
+        "function in fewer operations); false, or any other model: transformers' forward. Unset (auto): ours on "
+        "CPU, where it is measured faster (docs/benchmarks.md), transformers' on CUDA or any other device until "
+        "scripts/gpu_check.sh's `forwards` step has measured ours there", None)
     deterministic: bool = describe("score every sequence alone with the trainer's kernels (bitwise agreement; slow)",
                                    False)
     device: Optional[str] = describe_device("where the embedded engine's model and batches live (auto | cpu | cuda | "
@@ -257,11 +259,12 @@ class TrainerConfig(Strict):
         "both limits hold)", None, ge=1)
     gradient_checkpointing: bool = describe("recompute each decoder layer's activations in the backward instead of "
                                             "keeping them (policy and critic; non-reentrant)", False)
-    own_forward: bool = describe(
+    own_forward: Optional[bool] = describe(
         "Llama-family policies and critics (llama, mistral, qwen2, qwen3; every layer attending to the whole "
         "sequence) train through opd_sao/model/llama_forward.py (transformers' function in fewer operations, exact to "
         "float rounding; not under ZeRO-3 or gradient_checkpointing); false, or any other model: transformers' "
-        "forward", True)
+        "forward. Unset (auto): ours on CPU, where it is measured faster (docs/benchmarks.md), transformers' on "
+        "CUDA or any other device until scripts/gpu_check.sh's `forwards` step has measured ours there", None)
     lr_schedule: Literal["constant", "linear_warmup", "cosine"] = describe(
         "policy and critic learning rate over their optimizer steps: constant; linear_warmup: rising linearly to "
         "the lr over warmup_steps, then constant; cosine: that warm-up, then a cosine decay to min_lr_ratio x lr "

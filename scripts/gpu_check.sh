@@ -22,7 +22,10 @@
 #                 trainer.own_forward true, and transformers', false) on the 0.5B Qwen2 shape in float32 and
 #                 bfloat16: scoring and training pass times and the logprob / gradient drift, side by side
 #                 (FORWARDS_ARGS adds options; a CPU dry check: python benchmarks/policy_forwards.py --device
-#                 cpu --quick). trainer.own_forward defaults to true on CUDA too: this run is its first measure
+#                 cpu --quick). trainer.own_forward and engine.own_forward unset (auto) run ours on CPU only
+#                 (measured faster there) and transformers' on CUDA until this run has measured both: if ours
+#                 is faster here and its drift is float rounding, set own_forward: true (a run's config, or
+#                 auto's choice on CUDA in llama_forward.own_forward_on, with docs/usage.md saying so)
 # torch-fp32      trainer and engine in float32: the gate holds its default thresholds (1e-3 / 1e-2)
 # torch-bf16      trainer.dtype and engine.dtype bfloat16 on the torch backend
 # deepspeed-bf16  the DeepSpeed backend (ZeRO-2, bf16) in a world of one, engine in bfloat16

@@ -247,10 +247,50 @@ def test_other_models_keep_transformers_forward():
     assert not llama_forward.usable_now(checkpointed)  # its backward re-runs transformers' layers
 
 
-@pytest.mark.parametrize("own", [True, False])
+@pytest.mark.parametrize("own", [True, False, None])
 def test_trainer_own_forward_chooses_the_policys_and_the_critics_forward(tiny_model_dir, own):
+    """Unset (the default), a trainer on CPU runs ours, as it did before the setting became auto."""
     from opd_sao.config import TrainerConfig
     from opd_sao.trainers import TorchTrainer
 
-    trainer = TorchTrainer(tiny_model_dir, TrainerConfig(own_forward=own), with_critic=True)
-    assert llama_forward.serves(trainer.policy) is own and llama_forward.serves(trainer.critic.backbone) is own
+    cfg = TrainerConfig(device="cpu") if own is None else TrainerConfig(device="cpu", own_forward=own)
+    trainer = TorchTrainer(tiny_model_dir, cfg, with_critic=True)
+    expected = own is not False
+    assert llama_forward.serves(trainer.policy) is expected
+    assert llama_forward.serves(trainer.critic.backbone) is expected
+
+
+def test_own_forward_unset_is_ours_on_cpu_only_and_a_set_value_wins():
+    """Ours is measured faster on CPU (docs/benchmarks.md); elsewhere transformers' until gpu_check measures it."""
+    for device in ("cpu", torch.device("cpu")):
+        assert llama_forward.own_forward_on(device) and llama_forward.own_forward_on(device, None)
+    for device in ("cuda", "cuda:1", torch.device("cuda", 0), "mps", "xpu"):
+        assert not llama_forward.own_forward_on(device)
+        assert llama_forward.own_forward_on(device, True)
+    assert not llama_forward.own_forward_on("cpu", False)
+
+
+def test_an_engine_on_cpu_runs_ours_unless_told_not_to(tiny_model_dir, tokenizer):
+    from opd_sao.checkpoints import load_causal_lm
+
+    def engine(**own):
+        return EmbeddedEngine(load_causal_lm(tiny_model_dir), eos_id=tokenizer.eos_token_id,
+                              pad_id=tokenizer.pad_token_id, **own)
+
+    assert engine().own_forward and not engine(own_forward=False).own_forward
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_unset_keeps_transformers_forward_until_gpu_check_has_measured_ours(tiny_model_dir, tokenizer):
+    from opd_sao.checkpoints import load_causal_lm
+    from opd_sao.config import TrainerConfig
+    from opd_sao.trainers import TorchTrainer
+
+    for own, expected in ((None, False), (True, True)):
+        cfg = TrainerConfig(device="cuda") if own is None else TrainerConfig(device="cuda", own_forward=own)
+        trainer = TorchTrainer(tiny_model_dir, cfg, with_critic=True)
+        assert llama_forward.serves(trainer.policy) is expected
+        assert llama_forward.serves(trainer.critic.backbone) is expected
+        engine = EmbeddedEngine(load_causal_lm(tiny_model_dir, device=torch.device("cuda")),
+                                eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, own_forward=own)
+        assert engine.own_forward is expected

@@ -45,15 +45,18 @@ class EmbeddedEngine(RolloutEngine):
     """Runs where its model's parameters are (build_engine puts them on `engine.device`); batches follow."""
 
     def __init__(self, model: torch.nn.Module, *, eos_id: Optional[int], pad_id: int, max_batch: int = 32,
-                 seed: int = 0, deterministic: bool = False, overlap: bool = True, own_forward: bool = True):
+                 seed: int = 0, deterministic: bool = False, overlap: bool = True,
+                 own_forward: Optional[bool] = None):
         check_batchable(model.config)
         self.model = model.eval()
-        # a Llama-family model runs through the engine's own forward (llama_forward.py), others through transformers'
-        self.own_forward = own_forward and llama_forward.unsupported(model) is None
+        self.device = next(self.model.parameters()).device
+        # a Llama-family model runs through the engine's own forward (llama_forward.py) where `engine.own_forward`
+        # (unset: on CPU only) asks for it, others through transformers'
+        self.own_forward = (llama_forward.own_forward_on(self.device, own_forward)
+                            and llama_forward.unsupported(model) is None)
         self.turns = None if overlap else Turns()  # overlap false: decode only while the trainer does not compute
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.device = next(self.model.parameters()).device
         self.stop_ids, self.pad_id, self.max_batch = stop_ids(model, eos_id), pad_id, max_batch
         self.deterministic = deterministic
         self.generator = torch.Generator(self.device).manual_seed(seed)

@@ -18,9 +18,10 @@ projections; Qwen3's per-head q/k norms) -> residual -> norm -> gated MLP -> res
 attention over the whole sequence (a sliding window or an attention chunk, and flash-attention-2, keep
 transformers' forward). It is differentiable (the policy and the critic train through it), but reads
 parameters directly, so it is not used where DeepSpeed ZeRO-3 gathers them in module hooks, where activation
-checkpointing is on, or for a model given to `keep_transformers` (`trainer.own_forward: false`). Results
-agree with transformers' to float rounding, gradients included (tests/test_llama_forward.py); the
-consistency gate measures the engine's cached decode against the trainer's whole-sequence pass, both this.
+checkpointing is on, or for a model given to `keep_transformers` (`trainer.own_forward: false`, or unset off
+CPU: `own_forward_on`). Results agree with transformers' to float rounding, gradients included
+(tests/test_llama_forward.py); the consistency gate measures the engine's cached decode against the trainer's
+whole-sequence pass, both this.
 """
 from __future__ import annotations
 
@@ -62,6 +63,14 @@ def unsupported(model) -> Optional[str]:
 
 _VERDICTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, Optional[str]]]" = weakref.WeakKeyDictionary()
 _KEPT: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def own_forward_on(device: torch.device | str, setting: Optional[bool] = None) -> bool:
+    """Whether this forward runs a model on `device` under `trainer.own_forward` / `engine.own_forward` =
+    `setting`: an explicit true or false wins; unset (auto) it does on CPU only, where it is measured faster than
+    transformers' (docs/benchmarks.md, benchmarks/policy_forwards.py). On CUDA or any other device transformers'
+    forward runs until scripts/gpu_check.sh's `forwards` step has measured both there."""
+    return setting if setting is not None else torch.device(device).type == "cpu"
 
 
 def keep_transformers(model) -> None:

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from ..config import TrainerConfig
-from ..model import SupportLogprobs, keep_transformers
+from ..model import SupportLogprobs, keep_transformers, own_forward_on
 from ..trajectory import Batch
 from .micro_batches import Rows, micro_batches
 
@@ -68,12 +68,13 @@ def weights_dtype(cfg: TrainerConfig) -> str:
     return "float64" if cfg.dtype == "float64" else "float32"
 
 
-def prepare(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
-    """Train mode, `trainer.own_forward`, and `trainer.gradient_checkpointing` (transformers' activation checkpointing, formerly
+def prepare(model: torch.nn.Module, cfg: TrainerConfig, device: torch.device) -> torch.nn.Module:
+    """Train mode, `trainer.own_forward` for a model trained on `device` (where it is now or where DeepSpeed will
+    put it), and `trainer.gradient_checkpointing` (transformers' activation checkpointing, formerly
     gradient_checkpointing_enable: each decoder layer, in train mode only; non-reentrant, so the chunked lm head
     and DeepSpeed's hooks see ordinary autograd)."""
     model.train()
-    if not cfg.own_forward:
+    if not own_forward_on(device, cfg.own_forward):
         keep_transformers(getattr(model, "backbone", model))  # the critic's backbone
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
