@@ -14,7 +14,7 @@ import logging
 import random
 
 from opd_sao.envs.grading import VERDICTS, feedback, sandbox_mode
-from opd_sao.envs.sandbox import SandboxLimits
+from opd_sao.envs.sandbox import WALL_S, SandboxLimits
 
 from .base import Environment, register_env, shuffled
 
@@ -31,12 +31,13 @@ STARTER = "x = int(input())\n"
 
 @register_env("code")
 class CodeEnv(Environment):
-    """Options: `allow_rlimit_only` (run without bubblewrap, see opd_sao.envs.sandbox), `wall_s` per run,
-    `tests` hidden inputs per task, `eval_fraction` of the task space held out."""
+    """Options: `allow_rlimit_only` (run without bubblewrap, see opd_sao.envs.sandbox), `wall_s` per run (a hang
+    catcher for a program that waits without running, sandbox.WALL_S; the 1 s CPU limit is what bounds a program's
+    work, under any load), `tests` hidden inputs per task, `eval_fraction` of the task space held out."""
 
     slow_steps = True  # every step runs a program in the sandbox
 
-    def __init__(self, allow_rlimit_only: bool = False, wall_s: float = 3.0, tests: int = 3,
+    def __init__(self, allow_rlimit_only: bool = False, wall_s: float = WALL_S, tests: int = 3,
                  eval_fraction: float = 0.2):
         self.allow_rlimit_only, self.tests, self.eval_fraction = allow_rlimit_only, tests, eval_fraction
         self.limits = SandboxLimits(wall_s=wall_s, cpu_s=1, memory_mb=256, max_processes=8, output_bytes=16 * 1024)

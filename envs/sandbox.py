@@ -98,11 +98,18 @@ class SandboxUnavailableError(OpdSaoError, RuntimeError):
     """The sandbox cannot be built here; running anyway would be unsafe or meaningless."""
 
 
+# The default wall limit: a hang catcher, not a bound on work. RLIMIT_CPU (`cpu_s`) bounds what a program computes
+# and is the same on a busy machine; wall time is not (a correct program waiting for a CPU at load 16 takes many
+# times its CPU time, and a wall kill scores it 0). The wall limit's one job is a program that waits without
+# running (a sleep, a read of its own pipe); such a program holds one env-step worker thread for this long.
+WALL_S = 30.0
+
+
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
-    """Per-run limits; the defaults suit the small programs of the agent RL stage."""
+    """Per-run limits; the defaults suit the small programs of the agent RL stage (`wall_s`: see WALL_S)."""
 
-    wall_s: float = 5.0
+    wall_s: float = WALL_S
     cpu_s: int = 2  # per process (RLIMIT_CPU)
     memory_mb: int = 256  # address space per process (RLIMIT_AS)
     max_processes: int = 16  # processes + threads of the sandbox user (RLIMIT_NPROC)

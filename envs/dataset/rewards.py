@@ -26,6 +26,7 @@ from typing import Callable, Optional
 from opd_sao.engines.retry import call_with_retries
 from opd_sao.envs.answers import after_prompt, unevaluated
 from opd_sao.envs.rewards import Reward, RewardFailure, Verdict, register_reward
+from opd_sao.envs.sandbox import WALL_S, SandboxLimits
 from opd_sao.errors import UsageError
 
 from .python_worker import import_function
@@ -272,16 +273,16 @@ class CodeTestsReward(Reward):
     graded as the code environment grades. With `strict`, the score is 1 when every test passes, else 0 (a wrong
     program that passes an easy test earns nothing). The program's output is never the harness's (it may print freely). A failure's observation names the first failing test, so the agent stage's
     multi-turn retry works as in the code environment. `setup` (a row's `test_setup_code`) is not supported.
+    `cpu_s` bounds the program's work (CPU time per process: the same under any load); `wall_s` is a hang catcher
+    for a program that waits without running (sandbox.WALL_S), set far above a correct program's time on a busy machine.
     """
 
     needs = ("tests",)
     multi_turn = True
     slow = True
 
-    def __init__(self, allow_rlimit_only: bool = False, wall_s: float = 5.0, cpu_s: int = 2, memory_mb: int = 256,
+    def __init__(self, allow_rlimit_only: bool = False, wall_s: float = WALL_S, cpu_s: int = 2, memory_mb: int = 256,
                  strip_fences: bool = True, strict: bool = False):
-        from opd_sao.envs.sandbox import SandboxLimits
-
         self.allow_rlimit_only, self.strip_fences, self.strict = allow_rlimit_only, strip_fences, strict
         self.limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, max_processes=8,
                                     output_bytes=64 * 1024)
