@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from launchers import free_port, wait_until_healthy
+from launchers import HANG_S, free_port, wait_until_healthy
 
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.engines.base import GenerationRequest, SamplingParams
@@ -167,33 +167,40 @@ def _check_spans(result, states, model, old: int):
         assert recomputed == pytest.approx([result.vocab_logprobs[i] for i in span], abs=2e-3), (version, span)
 
 
+# Tokens per request of the partial-rollouts test: the sync must land before they are done, and starts 5 tokens in,
+# so 195 decode steps (10 s at STEP_S, more on a busy machine) from their end. At 40 (1.75 s) a sync that took
+# longer to reach the worker found them finished.
+TOKENS = 200
+
+
 def _sync_mid_generation(url, mode, states, old: int, partial: bool):
-    """4 requests of 40 tokens on a fleet at version `old`; once each has tokens, a sync to old + 1. Returns
-    (the requests, their results, the fleet)."""
+    """4 requests of TOKENS tokens on a fleet at version `old`; once each has 5, a sync to old + 1. Returns
+    (their results, the fleet)."""
     fleet = Fleet([url], max_inflight=4, weight_sync=mode, sync=SyncSettings(bucket_bytes=64 << 10),
                   partial_rollouts=partial)
     fleet.update_weights(states[old], old)
     results = []
-    batch = [GenerationRequest([1 + i, 2, 3], SamplingParams(max_new_tokens=40, ignore_eos=True)) for i in range(4)]
+    batch = [GenerationRequest([1 + i, 2, 3], SamplingParams(max_new_tokens=TOKENS, ignore_eos=True))
+             for i in range(4)]
     runner = threading.Thread(target=fleet.generate, args=(iter(batch), results.append), daemon=True)
-    generated = lambda: requests.get(url + "/server_info", timeout=10).json()["tokens_generated"]
+    generated = lambda: requests.get(url + "/server_info", timeout=HANG_S).json()["tokens_generated"]
     try:
         before = generated()
         runner.start()
         while generated() < before + 4 * 5:  # every request has tokens (a batch decodes together)
             time.sleep(0.05)
         fleet.update_weights(states[old + 1], old + 1)
-        runner.join(120)
+        runner.join(HANG_S)
     finally:
         fleet.close()
     assert sorted(id(r.request) for r in results) == sorted(id(r) for r in batch)
-    assert all(len(r.token_ids) == 40 and len(r.logprobs) == len(r.versions) == 40 for r in results)
+    assert all(len(r.token_ids) == len(r.logprobs) == len(r.versions) == TOKENS for r in results)
     return results, fleet
 
 
 @pytest.mark.parametrize("mode", ["tensor", "distributed"])
 def test_partial_rollouts_keep_an_aborted_prefix_and_record_each_spans_version(mode, slow_worker, tiny_model_dir):
-    """A sync while 4 requests generate 40 tokens each aborts them (the pause). Off (the default): each comes
+    """A sync while 4 requests generate TOKENS tokens each aborts them (the pause). Off (the default): each comes
     back whole on the new version, and the tokens the abort returned are counted as thrown away. With
     engine.partial_rollouts each continues on the new weights from prompt + the tokens it had, and its result
     holds two spans, the old version then the new, split where the abort came, each token's logprob its own
@@ -202,12 +209,12 @@ def test_partial_rollouts_keep_an_aborted_prefix_and_record_each_spans_version(m
     states = _version_states(tiny_model_dir, 4)
     model = load_causal_lm(tiny_model_dir)
     whole, fleet = _sync_mid_generation(url, mode, states, 0, partial=False)
-    assert all(r.versions == [1] * 40 for r in whole) and fleet.tokens_continued == 0
+    assert all(r.versions == [1] * TOKENS for r in whole) and fleet.tokens_continued == 0
     assert fleet.tokens_discarded >= 4 * 5
     _check_sampled_by(whole, states, tiny_model_dir)
     kept, fleet = _sync_mid_generation(url, mode, states, 2, partial=True)
     boundaries = [r.versions.count(2) for r in kept]
-    assert all(0 < b < 40 for b in boundaries), boundaries
+    assert all(0 < b < TOKENS for b in boundaries), boundaries
     assert fleet.tokens_continued == sum(boundaries) and fleet.tokens_discarded == 0
     for result in kept:
         _check_spans(result, states, model, 2)
