@@ -135,7 +135,10 @@ def test_sft_stage_warms_up_every_domain_before_the_rl_stages(tmp_path):
     assert first["kind"] == "sft" and first["algo"] == "sft" and first["domains"] == ["arithmetic", "digits_reverse"]
     assert set(first["eval_after"]) == {"arithmetic", "digits_reverse"}
     assert second["start_checkpoint"] == first["checkpoint"]  # the RL stage starts from the warm start
-    assert AutoModelForCausalLM.from_pretrained(first["checkpoint"]).config.vocab_size > 0
+    warm, base = (AutoModelForCausalLM.from_pretrained(p) for p in (first["checkpoint"], tmp_path / "base_model"))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():  # the warm start trained: its logits are not the base model's
+        assert not torch.allclose(warm(ids).logits, base(ids).logits)
 
 
 def test_eval_start_false_leaves_the_base_model_unscored_and_the_start_column_empty(tmp_path):
