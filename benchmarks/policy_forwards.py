@@ -50,6 +50,7 @@ def build(shape: dict, dtype: torch.dtype, device: str, attn: str):
     torch.manual_seed(0)
     own = Qwen2ForCausalLM(config).to(device=device, dtype=dtype).train()
     theirs = copy.deepcopy(own)
+    llama_forward.use_own(own)  # on any device, as `trainer.own_forward: true` (unset: CPU only)
     llama_forward.keep_transformers(theirs)
     assert llama_forward.serves(own) and not llama_forward.serves(theirs), llama_forward.unsupported(own)
     return own, theirs

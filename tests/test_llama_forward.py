@@ -270,6 +270,23 @@ def test_own_forward_unset_is_ours_on_cpu_only_and_a_set_value_wins():
     assert not llama_forward.own_forward_on("cpu", False)
 
 
+@pytest.mark.parametrize("own", [True, False, None])
+def test_off_cpu_a_model_runs_ours_only_when_opted_in(own):
+    """Teachers, evaluation and the gate's scoring ask `serves` with no setting of their own: auto, ours on CPU
+    only; `own_forward: true` opts a model in on any device (`use_own`, called by the trainer's `prepare` and the
+    engine). `meta` stands in for a GPU: parameters there have a device but no data."""
+    from opd_sao.config import TrainerConfig
+    from opd_sao.trainers.base import prepare
+
+    on_cpu, elsewhere = _model("Qwen2"), _model("Qwen2").to("meta")
+    assert llama_forward.serves(on_cpu) and not llama_forward.serves(elsewhere)
+    cfg = TrainerConfig() if own is None else TrainerConfig(own_forward=own)
+    trained = prepare(_model("Qwen2").to("meta"), cfg, torch.device("meta"))
+    assert llama_forward.serves(trained) is (own is True)
+    llama_forward.use_own(elsewhere)
+    assert llama_forward.serves(elsewhere)
+
+
 def test_an_engine_on_cpu_runs_ours_unless_told_not_to(tiny_model_dir, tokenizer):
     from opd_sao.checkpoints import load_causal_lm
 
@@ -294,3 +311,5 @@ def test_on_cuda_unset_keeps_transformers_forward_until_gpu_check_has_measured_o
         engine = EmbeddedEngine(load_causal_lm(tiny_model_dir, device=torch.device("cuda")),
                                 eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, own_forward=own)
         assert engine.own_forward is expected
+        assert llama_forward.serves(engine.model) is expected  # deterministic mode's rescoring
+    assert not llama_forward.serves(load_causal_lm(tiny_model_dir, device=torch.device("cuda")))  # a teacher's

@@ -54,6 +54,8 @@ class EmbeddedEngine(RolloutEngine):
         # (unset: on CPU only) asks for it, others through transformers'
         self.own_forward = (llama_forward.own_forward_on(self.device, own_forward)
                             and llama_forward.unsupported(model) is None)
+        if own_forward:
+            llama_forward.use_own(model)  # deterministic mode's rescoring (`sequence_logprobs`) too, on any device
         self.turns = None if overlap else Turns()  # overlap false: decode only while the trainer does not compute
         for p in self.model.parameters():
             p.requires_grad_(False)

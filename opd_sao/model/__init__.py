@@ -22,10 +22,10 @@ from .decoders import (
     mixes_positions,
     moe_blocks,
 )
-from .llama_forward import FrozenStarts, keep_transformers, own_forward_on
+from .llama_forward import FrozenStarts, keep_transformers, own_forward_on, use_own
 from .modeling import sequence_logprobs
 
 __all__ = ["FrozenStarts", "SupportLogprobs", "action_full_divergence", "action_hidden_states",
            "action_support_logprobs", "action_values", "check_plain_logits", "decoder_layers", "expert_counts",
            "feed_forward_blocks", "keep_transformers", "mixes_positions", "model_device", "moe_blocks",
-           "own_forward_on", "sequence_logprobs"]
+           "own_forward_on", "sequence_logprobs", "use_own"]

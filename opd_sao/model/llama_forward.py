@@ -18,10 +18,11 @@ projections; Qwen3's per-head q/k norms) -> residual -> norm -> gated MLP -> res
 attention over the whole sequence (a sliding window or an attention chunk, and flash-attention-2, keep
 transformers' forward). It is differentiable (the policy and the critic train through it), but reads
 parameters directly, so it is not used where DeepSpeed ZeRO-3 gathers them in module hooks, where activation
-checkpointing is on, or for a model given to `keep_transformers` (`trainer.own_forward: false`, or unset off
-CPU: `own_forward_on`). Results agree with transformers' to float rounding, gradients included
-(tests/test_llama_forward.py); the consistency gate measures the engine's cached decode against the trainer's
-whole-sequence pass, both this.
+checkpointing is on, for a model given to `keep_transformers` (`trainer.own_forward: false`), or for a model
+off CPU not given to `use_own` (`own_forward: true`; `own_forward_on`), so teachers, evaluation and the gate's
+scoring follow the same auto rule as the trainer and the engine. Results agree with transformers' to float
+rounding, gradients included (tests/test_llama_forward.py); the consistency gate measures the engine's cached
+decode against the trainer's whole-sequence pass, both this.
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ def unsupported(model) -> Optional[str]:
 
 _VERDICTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, Optional[str]]]" = weakref.WeakKeyDictionary()
 _KEPT: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_OWN: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 def own_forward_on(device: torch.device | str, setting: Optional[bool] = None) -> bool:
@@ -78,12 +80,18 @@ def keep_transformers(model) -> None:
     _KEPT.add(unwrap(model))
 
 
+def use_own(model) -> None:
+    """`model` (a causal LM or a decoder) runs this forward on any device from now on (`own_forward: true`), not
+    only on CPU."""
+    _OWN.add(unwrap(model))
+
+
 def serves(model) -> bool:
-    """Whether this forward runs `model` (a causal LM or a decoder) now: not `keep_transformers`, `unsupported`
-    (asked once per model and attention implementation: it walks the layers, 70 us on a 2-layer model) and
-    `usable_now`."""
+    """Whether this forward runs `model` (a causal LM or a decoder) now: not `keep_transformers`, its parameters'
+    device allowed by `own_forward_on` (unset, CPU only; `use_own`: any), `unsupported` (asked once per model and
+    attention implementation: it walks the layers, 70 us on a 2-layer model) and `usable_now`."""
     model = unwrap(model)
-    if model in _KEPT:
+    if model in _KEPT or not own_forward_on(next(model.parameters()).device, True if model in _OWN else None):
         return False
     implementation = decoder_of(model).config._attn_implementation
     if _VERDICTS.get(model, (None,))[0] != implementation:

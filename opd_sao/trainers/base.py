@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from ..config import TrainerConfig
-from ..model import SupportLogprobs, keep_transformers, own_forward_on
+from ..model import SupportLogprobs, keep_transformers, own_forward_on, use_own
 from ..trajectory import Batch
 from .micro_batches import Rows, micro_batches
 
@@ -74,8 +74,10 @@ def prepare(model: torch.nn.Module, cfg: TrainerConfig, device: torch.device) ->
     gradient_checkpointing_enable: each decoder layer, in train mode only; non-reentrant, so the chunked lm head
     and DeepSpeed's hooks see ordinary autograd)."""
     model.train()
-    if not own_forward_on(device, cfg.own_forward):
-        keep_transformers(getattr(model, "backbone", model))  # the critic's backbone
+    if cfg.own_forward:
+        use_own(getattr(model, "backbone", model))  # the critic's backbone
+    elif not own_forward_on(device, cfg.own_forward):
+        keep_transformers(getattr(model, "backbone", model))
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
