@@ -88,6 +88,43 @@ def test_a_dead_url_is_reported_at_start(fleet, free_port):
         Fleet([fleet[0][0], dead])
 
 
+def test_a_worker_that_dies_after_loading_a_sync_before_confirming_it_leaves_the_fleet(
+        tiny_model_dir, start_server, monkeypatch, caplog):
+    """The race the router test met in CI: a worker loads a sync's weights and is killed before /model_info
+    confirms the new version. It is taken out of the fleet (it gets the weights when it comes back), the
+    survivor confirms, and the sync succeeds instead of raising ServerDown. Ordered by the sync itself: the
+    real tensor push runs, then the victim is killed, then the fleet asks for the versions."""
+    import logging
+
+    from opd_sao.checkpoints import load_causal_lm
+    from opd_sao.engines.fleet import Fleet
+    from opd_sao.engines.weight_sync import WEIGHT_SYNCS
+
+    servers = [start_server(tiny_model_dir, "--seed", i) for i in range(2)]
+    for url, proc in servers:
+        wait_until_healthy(url, lambda proc=proc: proc.poll() is None)
+    (survivor, _), (victim_url, victim) = servers
+    tensor_sync = WEIGHT_SYNCS.get("tensor")
+    push = tensor_sync.push
+
+    def push_then_lose_the_victim(self, state_dict, version, clients, each):
+        done = push(self, state_dict, version, clients, each)
+        victim.kill()
+        victim.wait()
+        return done
+
+    engine = Fleet([survivor, victim_url], checkpoint=tiny_model_dir, weight_sync="tensor", probe_s=60.0)
+    monkeypatch.setattr(tensor_sync, "push", push_then_lose_the_victim)
+    state = {k: v * 1.01 for k, v in load_causal_lm(tiny_model_dir).state_dict().items()}
+    with caplog.at_level(logging.WARNING):
+        engine.update_weights(state, 1)
+    assert engine.version == 1
+    assert {url: s["alive"] for url, s in engine.stats.items()} == {survivor: True, victim_url: False}
+    assert requests.get(survivor + "/model_info").json()["weight_version"] == "1"
+    assert any(f"taking {victim_url} out of the fleet" in r.getMessage() for r in caplog.records)
+    engine.close()
+
+
 def test_router_sends_requests_to_the_server_with_fewest_tokens_in_flight(fleet, tiny_model_dir, tokenizer):
     from opd_sao.engines.fleet import Fleet
 

@@ -479,8 +479,9 @@ class Fleet(RolloutEngine):
 
     def _push(self, send, version: int, workers: list[_Server], pause: bool = False) -> list[_Server]:
         """`send(clients, each)` loads the weights on `workers` (with `pause`, while their generation is
-        paused); each one that did must then report `version`. Returns those workers. A failed collective (a
-        worker died mid-sync) is tried once more with the workers that still answer /health."""
+        paused); each one that did must then report `version` (one that no longer answers is taken out).
+        Returns those workers. A failed collective (a worker died mid-sync) is tried once more with the workers
+        that still answer /health."""
         by_client = {id(w.client): w for w in workers}
         try:
             with self._paused([w.client for w in workers], pause):
@@ -498,7 +499,11 @@ class Fleet(RolloutEngine):
             return self._push(send, version, survivors, pause)
         confirmed = []
         for client in done:
-            reported = client.weight_version()
+            try:
+                reported = client.weight_version()
+            except ServerDown as err:  # loaded, then died before confirming: out, as in the sync itself
+                self._mark_down(by_client[id(client)], err)
+                continue
             if reported != str(version):
                 raise ServerError(f"rollout server {client.url} reports weight_version {reported!r} "
                                   f"after loading version {version}")
