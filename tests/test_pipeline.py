@@ -152,6 +152,26 @@ def test_eval_start_false_leaves_the_base_model_unscored_and_the_start_column_em
     assert row.split("|")[2].strip() == "-" and re.match(r"\d\.\d{3}", row.split("|")[3].strip())
 
 
+def test_a_resumed_run_reads_the_scores_it_had_measured_and_scores_other_weights_or_settings_anew(
+        tmp_path, tiny_model_dir, perturbed_teacher, tokenizer):
+    """evaluations.json keeps each (checkpoint weights, domain, settings) score as it is measured: a new Evaluator
+    on the run directory (a resumed run) reads a kept score (a planted one comes back), and scores a checkpoint
+    with other weights, or the same one under other eval settings, anew beside it."""
+    from opd_sao.app.pipeline import Evaluator
+
+    cfg = parse_config({**_config(), "model": {"path": str(tiny_model_dir)}})
+    first = Evaluator(cfg, tokenizer, run_dir=tmp_path).scores(tiny_model_dir)["arithmetic"]
+    record_path = tmp_path / Evaluator.RECORD
+    (key, kept), = json.loads(record_path.read_text()).items()
+    assert kept == {"mean": first.mean, "stderr": first.stderr, "n": 8}
+    record_path.write_text(json.dumps({key: {"mean": 0.123, "stderr": 0.01, "n": 8}}))
+    assert Evaluator(cfg, tokenizer, run_dir=tmp_path).scores(tiny_model_dir)["arithmetic"].mean == 0.123
+    Evaluator(cfg, tokenizer, run_dir=tmp_path).scores(perturbed_teacher)
+    fewer = parse_config({**_config(eval={"num_tasks": 6}), "model": {"path": str(tiny_model_dir)}})
+    assert Evaluator(fewer, tokenizer, run_dir=tmp_path).scores(tiny_model_dir)["arithmetic"].n == 6
+    assert len(json.loads(record_path.read_text())) == 3
+
+
 def test_sft_stage_without_domains_is_refused(tmp_path):
     cfg = _config()
     cfg["stages"] = [{"name": "warmup", "kind": "sft", "sft": {"steps": 3}}]

@@ -1,6 +1,7 @@
 """Runs a config's stages in order and writes the run directory (see README, "Run directory")."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -10,7 +11,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from opd_sao.checkpoints import build_tiny_model, check_attention, load_tokenizer
+from opd_sao.checkpoints import build_tiny_model, check_attention, checkpoint_hash, load_tokenizer
 from opd_sao.config import BEST_CHECKPOINT, RunConfig
 from opd_sao.engines import check_engine
 from opd_sao.errors import UsageError
@@ -183,27 +184,53 @@ def ensure_base_model(cfg: RunConfig, run_dir: Path) -> Path:
 
 
 class Evaluator:
-    """Scores checkpoints on every domain, remembering results so a checkpoint is scored once."""
+    """Scores checkpoints on every domain, remembering results so a checkpoint is scored once.
 
-    def __init__(self, cfg: RunConfig, tokenizer, base: Path | None = None):
+    With `run_dir`, each (checkpoint, domain) score is also kept in its `evaluations.json` as soon as it is
+    measured, keyed by the checkpoint's weights (`checkpoint_hash`), the domain and every setting that decides the
+    score (seed, eval and rollout settings, environment options): a run stopped during a stage's evaluation
+    (evaluation dominates a real model's run: docs/benchmarks.md) resumes with the domains already scored."""
+
+    RECORD = "evaluations.json"
+
+    def __init__(self, cfg: RunConfig, tokenizer, base: Path | None = None, run_dir: Path | None = None):
         """`base`: the run's base model, left unscored (no domain) unless `cfg.eval_start`."""
         from opd_sao.stages.domains import Domain
 
         self.cfg, self.tokenizer = cfg, tokenizer
         self.domains = {name: Domain(name, None, cfg.stages, cfg.device) for name in eval_domains(cfg)}
         self._seen: dict[str, dict[str, Score]] = {}
+        self._record = Path(run_dir) / self.RECORD if run_dir is not None else None
+        self._kept: dict[str, dict] = json.loads(self._record.read_text()) if self._record and \
+            self._record.is_file() else {}
         if base is not None and not cfg.eval_start:
             self._seen[str(Path(base).resolve())] = {}
+
+    def _settings(self, name: str) -> str:
+        """What decides a domain's score besides the weights, as a short digest."""
+        d = self.domains[name]
+        settings = {"seed": self.cfg.seed, "eval": d.eval_cfg.model_dump(mode="json"),
+                    "rollout": d.eval_rollout.model_dump(mode="json"), "env_options": d.options}
+        return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def _score(self, checkpoint: Path, weights: str | None, name: str) -> Score:
+        key = f"{weights}/{name}/{self._settings(name)}" if weights else None
+        if key in self._kept:
+            return Score(**self._kept[key])
+        d = self.domains[name]
+        score = evaluate_score(checkpoint, d.factory, self.tokenizer, domain=name, rollout=d.eval_rollout,
+                               eval_cfg=d.eval_cfg, seed=self.cfg.seed, device=self.cfg.engine_device,
+                               attn_implementation=self.cfg.model.attn_implementation)
+        if key is not None:
+            self._kept[key] = {"mean": score.mean, "stderr": score.stderr, "n": score.n}
+            write_json(self._record, self._kept)
+        return score
 
     def scores(self, checkpoint: Path) -> dict[str, Score]:
         key = str(Path(checkpoint).resolve())
         if key not in self._seen:
-            self._seen[key] = {
-                name: evaluate_score(checkpoint, d.factory, self.tokenizer, domain=name, rollout=d.eval_rollout,
-                                     eval_cfg=d.eval_cfg, seed=self.cfg.seed, device=self.cfg.engine_device,
-                                     attn_implementation=self.cfg.model.attn_implementation)
-                for name, d in self.domains.items()
-            }
+            weights = checkpoint_hash(checkpoint) if self._record is not None else None
+            self._seen[key] = {name: self._score(checkpoint, weights, name) for name in self.domains}
         return self._seen[key]
 
     def __call__(self, checkpoint: Path) -> dict[str, float]:
@@ -267,7 +294,7 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
     wandb_run = start_wandb(cfg.logging.wandb_project, run_dir, cfg.model_dump(mode="json"), cfg.logging.wandb)
     ctx = RunContext(cfg=cfg, run_dir=run_dir, base_checkpoint=base, tokenizer=tokenizer, wandb_run=wandb_run,
                      resume=resume)
-    evaluator = Evaluator(cfg, tokenizer, base)
+    evaluator = Evaluator(cfg, tokenizer, base, run_dir)
     summary = {"run_dir": str(run_dir), "base_model": str(base), "stages": []}
     if resume and (run_dir / "summary.json").is_file():
         summary = json.loads((run_dir / "summary.json").read_text())
