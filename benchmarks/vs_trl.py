@@ -51,8 +51,8 @@ prompts are opd-sao's rendered prompts (the chat template's text, the same token
 project's environment (`ENVIRONMENTS.get(env)(**env_options).step`: for reasoning-gym its own scorer on the final
 <answer>, strict), imported from opd-sao's venv appended after TRL's own packages. `--cpu-budget S` stops every
 row after the step where its training CPU-seconds reach S (snapshots then at every 1/N of S), so each side gets the
-same CPU; held-out: `--eval-tasks` items (>= 200 for the Must-show), greedy with `--eval-greedy`, standard error
-beside each score. Writes `<out-dir>/vs_trl.png` (held-out accuracy against CPU-seconds, every row, +-1 SE) and
+same CPU; held-out: `--eval-tasks` items (>= 200 for the Must-show), `--eval-samples` samples each at the rollout
+temperature (greedy with `--eval-greedy`), standard error over the items beside each score. Writes `<out-dir>/vs_trl.png` (held-out accuracy against CPU-seconds, every row, +-1 SE) and
 `<out-dir>/result.json` (the JSON line); judged: SAO's accuracy at or above each other row's at each of that row's
 points (equal CPU, SAO's curve interpolated). SmolLM2's reasoning stage (#41):
 
@@ -364,8 +364,9 @@ def held_out(checkpoint: Path, samples: int, seed: int) -> float:
 
 def real_held_out(checkpoint: Path, real: dict, seed: int) -> dict:
     """Real-model mode's evaluation of every side's models: `eval_tasks` items of the stage's eval split, greedy with
-    `eval_greedy` (else one sample at the rollout's temperature), scored by the environment as in training; the
-    mean, its standard error over the items and their number."""
+    `eval_greedy` (else `eval_samples` samples per item at the rollout's temperature, keyed draws: every checkpoint
+    meets the same random numbers), scored by the environment as in training; the mean, its standard error over the
+    items and their number."""
     from opd_sao.checkpoints import load_tokenizer
     from opd_sao.config import EvalConfig
     from opd_sao.envs import ENVIRONMENTS
@@ -376,6 +377,7 @@ def real_held_out(checkpoint: Path, real: dict, seed: int) -> dict:
     score = evaluate_score(checkpoint, lambda: ENVIRONMENTS.get(stage.env)(**stage.env_options),
                            load_tokenizer(checkpoint), domain=stage.env, rollout=stage.rollout,
                            eval_cfg=EvalConfig(num_tasks=real["eval_tasks"], greedy=real["eval_greedy"],
+                                               samples_per_task=1 if real["eval_greedy"] else real["eval_samples"],
                                                temperature=stage.rollout.temperature),
                            seed=seed, device="cpu", attn_implementation=run.model.attn_implementation)
     return {"held_out": score.mean, "held_out_stderr": score.stderr, "held_out_n": score.n}
@@ -764,7 +766,8 @@ def real_main(args, parser: argparse.ArgumentParser) -> None:
     work = args.out_dir
     work.mkdir(parents=True, exist_ok=True)
     real = {"config": str(args.config), "env": args.env, "prompt_format": args.prompt_format,
-            "max_new_tokens": args.max_new_tokens, "eval_tasks": args.eval_tasks, "eval_greedy": args.eval_greedy}
+            "max_new_tokens": args.max_new_tokens, "eval_tasks": args.eval_tasks, "eval_greedy": args.eval_greedy,
+            "eval_samples": args.eval_samples}
     (work / "real.json").write_text(json.dumps(real))
     settings = real_trl_inputs(real, args.model, args.seed, work)
     common = dict(start=args.model, steps=args.steps, batch=args.batch, snapshots=args.snapshots,
@@ -795,7 +798,7 @@ def real_main(args, parser: argparse.ArgumentParser) -> None:
               / trl for algo in ("sao", "grpo")}
     plot = work / "vs_trl.png"
     plot_curves(curves, start, plot, f"{args.model.name} on {args.env}: batch {args.batch}, {THREADS} thread(s), "
-                f"held-out {start['held_out_n']} items{' greedy' if args.eval_greedy else ''}")
+                f"held-out {start['held_out_n']} items, " + ("greedy" if args.eval_greedy else f"{args.eval_samples} samples each"))
     print(f"{'run':<16} {'episodes':>8} {'CPU-s':>8} {'eps/CPU-s':>10} {'held-out':>9} {'SE':>6}")
     for name, r in runs.items():
         print(f"{name:<16} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['episodes_per_cpu_s']:>10.3f} {r['held_out']:>9.3f}"
@@ -889,8 +892,8 @@ def main() -> None:
     real.add_argument("--cpu-budget", type=float, help="stop each row after the step where its training CPU-seconds "
                                                        "reach this (--steps stays the cap)")
     real.add_argument("--eval-tasks", type=int, default=250, help="held-out items asked for (>= 200 for the Must-show)")
-    real.add_argument("--eval-greedy", action="store_true", help="held-out greedy (else one sample at the "
-                                                                 "rollout temperature)")
+    real.add_argument("--eval-greedy", action="store_true", help="held-out greedy (else --eval-samples samples "
+                                                                 "per item at the rollout temperature)")
     real.add_argument("--out-dir", type=Path, help="kept: checkpoints, vs_trl.png, result.json")
     parser.add_argument("--real", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--settings", type=Path, help=argparse.SUPPRESS)
