@@ -35,8 +35,9 @@ def score(task, response):
         os.wait()
     elif response == "helper":
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", task["marker"]])
-    elif response == "helper and hang":
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", task["marker"]])
+    elif response == "helper and hang":  # the helper says it runs (a file) before anything can stop it
+        subprocess.Popen([sys.executable, "-c", "import sys, time; open(sys.argv[1], 'w').close(); time.sleep(600)",
+                          task["started"], task["marker"]])
         time.sleep(600)
     elif response == "stalled":  # running until the test says go
         open(task["started"], "w").close()
@@ -134,10 +135,19 @@ def test_a_reward_error_below_zero_scores_the_low_end_of_its_range(tmp_path):
 
 
 def test_helpers_a_reward_started_die_with_its_worker_and_with_the_run(tmp_path):
-    """Before: a helper the reward started outlived the worker that was replaced after a timeout, and the command."""
+    """Before: a helper the reward started outlived the worker that was replaced after a timeout, and the command.
+    The backstop must fire after the helper runs, or the test proves nothing: on a machine too busy for that within
+    the backstop, it is asked again with twice the backstop until the helper had started (its file)."""
     function, marker = reward_file(tmp_path), f"opd-sao-helper-{os.getpid()}-{time.time_ns()}"
-    reward = PythonReward(function, backstop_s=2)
-    assert "no answer within backstop_s" in reward.score({"id": "a", "marker": marker + "-1"}, "helper and hang").info["error"]
+    backstop_s, started = 2.0, tmp_path / "helper-started"
+    while True:
+        verdict = PythonReward(function, backstop_s=backstop_s).score(
+            {"id": "a", "marker": marker + "-1", "started": str(started)}, "helper and hang")
+        assert "no answer within backstop_s" in verdict.info["error"]
+        if started.exists():
+            break
+        assert backstop_s < HANG_S, "the helper never started"
+        backstop_s *= 2
     assert gone(marker + "-1"), "the replaced worker's helper is still running"
     script = (f"from opd_sao.envs.dataset.rewards import PythonReward\n"
               f"print(PythonReward({function!r}).score({{'id': 'b', 'marker': {marker + '-2'!r}}}, 'helper').score)\n")
