@@ -208,9 +208,12 @@ def test_concurrent_reader_only_sees_complete_records(tmp_path):
         record = ragged_record(rng, n=20 + i % 7)
         expected[f"traj-{i}"] = (record, from_streams(meta, record.n_positions, to_streams(meta, record)))
     checked, listed_counts, failures, done = set(), [], [], threading.Event()
+    read_some = threading.Event()  # the reader has listed a part: the writer writes the rest only then
 
     def write():
-        for traj_id, (record, _) in expected.items():
+        for i, (traj_id, (record, _)) in enumerate(expected.items()):
+            if i == 30:
+                read_some.wait(HANG_S)
             writer.put(traj_id, record)
         done.set()
 
@@ -219,6 +222,8 @@ def test_concurrent_reader_only_sees_complete_records(tmp_path):
             finished = done.is_set()
             listed = reader.traj_ids()
             listed_counts.append(len(listed))
+            if 0 < len(listed) < 60:
+                read_some.set()
             if reader.contains_many(listed + ["never-put"]) != [True] * len(listed) + [False]:
                 failures.append("contains_many")  # one read of the log answers for every id
             for traj_id in set(listed) - checked:
