@@ -49,14 +49,15 @@ def test_reasoning_stage_end_to_end(tmp_path, algo):
         assert all(t >= 0 for t in phases) and sum(phases) <= line["time/step"] + 1e-3, line
     assert metrics[-1]["time/policy"] > 0  # (a critic algorithm's first step only warms the critic up)
     assert (metrics[0]["time/critic"] > 0) == (algo in ("sao", "ppo"))  # only critic algorithms spend time there
-    assert stage["wall_s"] > 0 and stage["peak_rss_mb"] > 0
+    assert stage["wall_s"] > 0 and stage["cpu_s"] > 0 and stage["peak_rss_mb"] > 0
     assert {"sft", "evaluation", "policy", "gate", "checkpoint", "generation"} <= set(stage["phases_s"])
     assert sum(stage["phases_s"].values()) <= stage["wall_s"] + 0.1  # totals rounded to 0.01 s, wall time to 0.1 s
     for field in ("eval_init_error", "eval_before_error", "eval_after_error"):
         assert stage[field]["arithmetic"]["n"] == 8 and stage[field]["arithmetic"]["stderr"] >= 0
     report = (tmp_path / "report.md").read_text()
     assert re.search(r"\| arithmetic \| \d\.\d{3} ± \d\.\d{3} \(n=8\) \|", report)
-    assert "## Time and memory per stage" in report and "| reasoning | " in report.split("Time and memory")[1]
+    assert "## Time and memory per stage" in report
+    assert re.search(r"\| reasoning \| [\d.]+ \| \d+ \| ", report.split("Time and memory")[1])  # wall s, CPU s
     trained = [t for line in (stage_dir / "trained.jsonl").read_text().splitlines() for t in json.loads(line)["traj_ids"]]
     assert len(trained) == 16 and len(set(trained)) == 16
     # the end of the line: plain transformers loads the checkpoint with its tokenizer, in the configured shape, and

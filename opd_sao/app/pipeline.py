@@ -22,7 +22,7 @@ from opd_sao.io.fingerprint import check_resume, started_stages, write_record
 from opd_sao.io.lock import locked_run_dir
 from opd_sao.io.model_fingerprint import check_model_record, write_model_record
 from opd_sao.io.progress import StageProgress
-from opd_sao.io.timing import PhaseTimer, peak_memory, reset_peak_memory
+from opd_sao.io.timing import PhaseTimer, peak_memory, process_cpu_s, reset_peak_memory
 from opd_sao.io.tracking import start_wandb
 from opd_sao.model.decoders import check_plain_logits
 from opd_sao.model_import import import_gguf, model_config
@@ -308,7 +308,7 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
             if stage_cfg.name in done:
                 log(f"[{stage_cfg.name}] already complete, skipped")
                 continue
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), process_cpu_s()
             log(f"[{stage_cfg.name}] {stage_cfg.kind} stage starting")
             if cfg.checkpointing.keep_state == "last":  # a stage starts: every finished stage's state goes
                 for finished in ctx.checkpoints:
@@ -335,6 +335,7 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
                 "checkpoint": str(result.checkpoint),
                 **result.summary,
                 "wall_s": round(time.perf_counter() - t0, 1),
+                "cpu_s": round(process_cpu_s() - cpu0, 1),
                 "phases_s": ctx.timer.stage_totals(),
                 **peak_memory(),
             }

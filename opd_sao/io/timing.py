@@ -71,6 +71,13 @@ def peak_memory() -> dict[str, float]:
     return out
 
 
+def process_cpu_s() -> float:
+    """CPU-seconds of this process and of its children that have ended (sandboxed programs, reward workers): what a
+    stage cost whatever else shared the machine, and however long the run was stopped (wall time counts both)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def reset_peak_memory() -> None:
     import torch
 
