@@ -194,13 +194,17 @@ def test_the_policy_trains_through_it_as_through_transformers(attention, width):
         assert_same_gradients(got, want, ours, theirs, torch.Generator().manual_seed(12), 1e-4)
 
 
-def test_a_steps_critic_forwards_reuse_the_frozen_start_exactly(tiny_model_dir):
+@pytest.mark.parametrize("top_layers", [None, 1])
+def test_a_steps_critic_forwards_reuse_the_frozen_start_exactly(tiny_model_dir, top_layers):
     """Within `reusing_frozen_start`, a later forward over the same rows starts from the first one's state before
-    layer 0's feed-forward block: after an update of the feed-forward blocks, its values and gradients are those of
+    the feed-forward block of the deepest layer everything frozen precedes (layer 0 under frozen attention, the
+    last layer when only it trains): after an update of the trained blocks, its values and gradients are those of
     a forward from scratch, bit for bit; other rows (another mask) get their own; a critic whose attention trains
     keeps nothing."""
     critic = ValueModel.from_pretrained(tiny_model_dir)
-    critic.freeze_attention()
+    critic.freeze_attention(top_layers)
+    layers = critic.backbone.config.num_hidden_layers
+    assert layers >= 2  # else both cases start at layer 0
     torch.nn.init.normal_(critic.value_head.weight, generator=torch.Generator().manual_seed(7))  # not zero: trains
     ids, mask = _batch(torch.Generator().manual_seed(6), rows=6, width=10, left=False)
     ids = ids % critic.backbone.config.vocab_size
@@ -218,12 +222,22 @@ def test_a_steps_critic_forwards_reuse_the_frozen_start_exactly(tiny_model_dir):
         critic(ids, mask, actions).square().sum().backward()  # the first forward keeps its start
         optimizer.step()
         assert len(critic._starts.kept) == 1
+        assert critic._starts.kept[0][3]["layer"] == (0 if top_layers is None else layers - top_layers)
         later, other_rows = fresh(mask), fresh(other)
         assert len(critic._starts.kept) == 2  # the other mask got its own
     assert critic._starts is None
     for (values, grads), want in ((later, fresh(mask)), (other_rows, fresh(other))):
         assert torch.equal(values, want[0]) and all(torch.equal(a, b) for a, b in zip(grads, want[1]))
     assert not torch.equal(later[0], other_rows[0])
+    # a later forward really starts there: a frozen weight before the start, changed, is not seen within the scope
+    layer0 = critic.backbone.layers[0]
+    before_start = layer0.self_attn.q_proj.weight if top_layers is None else layer0.mlp.up_proj.weight
+    with critic.reusing_frozen_start():
+        first = critic(ids, mask, actions).detach()
+        with torch.no_grad():
+            before_start.add_(1.0)
+        assert torch.equal(critic(ids, mask, actions).detach(), first)
+    assert not torch.equal(critic(ids, mask, actions).detach(), first)  # outside it, computed anew
     for p in critic.parameters():
         p.requires_grad_(True)
     with critic.reusing_frozen_start():

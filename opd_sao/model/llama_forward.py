@@ -112,12 +112,14 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     `read` None: [B, T, H]; `read` [n] (indices into the B * T positions, row-major): [n, H] at those positions
     only, and with n == 0 the forward stops once the last layer's keys and values exist. `cache`: every layer's
     keys and values are appended to it (and read back, for the columns before these T). `start` (no cache): a
-    dict the caller keeps over forwards of the same rows and `read` while the embeddings and the first layer's
-    norms and attention are frozen: the first call stores what layer 0's feed-forward block reads, later calls
-    start from it (the same tensors, so the same result; `ValueModel.reusing_frozen_start`)."""
+    dict {"layer": f} the caller keeps over forwards of the same rows and `read` while everything before layer f's
+    feed-forward block is frozen (`frozen_prefix`): the first call stores what that block reads, later calls start
+    from it, skipping layers 0 to f - 1 and f's attention (the same tensors, so the same result;
+    `ValueModel.reusing_frozen_start`)."""
     decoder = decoder_of(model)
-    if start:
-        cos, sin, allowed, hidden, x = start["layer0"]
+    resume_at = start["layer"] if start is not None and "state" in start else None
+    if resume_at is not None:
+        cos, sin, allowed, hidden, x = start["state"]
     else:
         hidden = decoder.embed_tokens(input_ids)
         cos, sin = decoder.rotary_emb(hidden, position_ids)
@@ -130,7 +132,9 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
         attend = _eager if eager else _sdpa
     last = len(decoder.layers) - 1
     for index, layer in enumerate(decoder.layers):
-        if index or not start:
+        if resume_at is not None and index < resume_at:
+            continue
+        if index != resume_at:
             attention = layer.self_attn
             x = _rms_norm(hidden, layer.input_layernorm)
             keys = _rotate(_heads(x, attention.k_proj, attention.head_dim, getattr(attention, "k_norm", None)),
@@ -147,8 +151,8 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
                 mixed, hidden = mixed.flatten(0, 1)[read], hidden.flatten(0, 1)[read]
             hidden = hidden + _linear(mixed, attention.o_proj)
             x = _rms_norm(hidden, layer.post_attention_layernorm)
-            if index == 0 and start is not None:
-                start["layer0"] = (cos, sin, allowed, hidden, x)
+            if start is not None and index == start["layer"]:
+                start["state"] = (cos, sin, allowed, hidden, x)
         mlp = layer.mlp
         hidden = hidden + _linear(mlp.act_fn(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
     return _rms_norm(hidden, decoder.norm)
@@ -165,22 +169,35 @@ def hidden_states_at(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return hidden.new_zeros(read.numel(), hidden.shape[-1]).index_copy(0, where, hidden).view(*read.shape, -1)
 
 
-def frozen_start(model) -> bool:
-    """Whether everything before layer 0's feed-forward block is frozen (embeddings, the layer's norms and
-    attention): `hidden_states`' `start` may then be reused while only later weights change."""
-    decoder = decoder_of(model)
-    layer = decoder.layers[0]
-    before = (decoder.embed_tokens, layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm)
-    return not any(p.requires_grad for module in before for p in module.parameters())
+def frozen_prefix(model) -> Optional[int]:
+    """The deepest layer f with everything before its feed-forward block frozen (the embeddings, layers 0 to f - 1
+    whole, layer f's norms and attention), None when even layer 0's attention trains: `hidden_states`' `start` at
+    layer f may then be reused while only later weights change. Frozen attention alone gives 0; a critic that
+    trains only its last N layers (`trainer.critic_trained_layers`) gives L - N, and each later forward of a step
+    runs N layers, not L."""
+    def frozen(*modules) -> bool:
+        return not any(p.requires_grad for module in modules for p in module.parameters())
+
+    decoder, deepest = decoder_of(model), None
+    if not frozen(decoder.embed_tokens):
+        return None
+    for index, layer in enumerate(decoder.layers):
+        if not frozen(layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm):
+            break
+        deepest = index
+        if not frozen(layer.mlp):
+            break
+    return deepest
 
 
 class FrozenStarts:
     """`hidden_states`' starts kept over forwards of the same rows and read positions (a critic step's K updates and
     its values after them: `ValueModel.reusing_frozen_start`), at most `budget` bytes of them; none where this
-    forward does not serve the model or its start is not frozen (`frozen_start`, asked at the first forward)."""
+    forward does not serve the model or nothing before layer 0's feed-forward block is frozen (`frozen_prefix`,
+    asked at the first forward)."""
 
     def __init__(self, budget: int):
-        self.budget, self.used, self.usable = budget, 0, None
+        self.budget, self.used, self.usable, self.layer = budget, 0, None, None
         self.kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]] = []  # (ids, mask, read, start)
 
     def start_for(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, read: torch.Tensor,
@@ -188,7 +205,8 @@ class FrozenStarts:
         """The kept start of these rows and read positions (`read` [B, T]), a new one to fill where the budget
         allows (the state is [B, T, H] twice, in `element_size`-byte elements), or None."""
         if self.usable is None:
-            self.usable = serves(model) and frozen_start(model)
+            self.layer = frozen_prefix(model) if serves(model) else None
+            self.usable = self.layer is not None
         if not self.usable:
             return None
         for ids, mask, marks, start in self.kept:
@@ -199,7 +217,7 @@ class FrozenStarts:
         if self.used + size > self.budget:
             return None
         self.used += size
-        self.kept.append((input_ids, attention_mask, read, {}))
+        self.kept.append((input_ids, attention_mask, read, {"layer": self.layer}))
         return self.kept[-1][3]
 
 

@@ -179,11 +179,13 @@ class ValueModel(nn.Module):
     @contextmanager
     def reusing_frozen_start(self):
         """Within it, forwards over rows seen before (the same ids, mask and actions: a step's K updates and its
-        values after them) start from the first one's state before layer 0's feed-forward block, where everything
-        before it is frozen (`llama_forward.frozen_start`: frozen attention leaves the embeddings, layer 0's norms and
-        attention untrained). Exact: the same tensors as computing them again. On the vs-TRL model (2 layers) it saves
-        about a quarter of each later forward; on an L-layer model about 1/(2L), and it holds the state, [B, T, H]
-        twice, so it keeps at most FROZEN_START_BYTES and computes the rest as usual."""
+        values after them) start from the first one's state before the feed-forward block of the deepest layer
+        that everything frozen precedes (`llama_forward.frozen_prefix`): layer 0 under frozen attention alone (the
+        embeddings, layer 0's norms and attention stay untrained), layer L - N with `critic_trained_layers` N.
+        Exact: the same tensors as computing them again. With all L layers' feed-forward blocks training it saves
+        about 1/(2L) of each later forward (a quarter on the vs-TRL model's 2 layers); training the last N, each
+        later forward runs N layers, not L. It holds the state, [B, T, H] twice, so it keeps at most
+        FROZEN_START_BYTES and computes the rest as usual."""
         self._starts = FrozenStarts(FROZEN_START_BYTES)
         try:
             yield
