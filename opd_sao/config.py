@@ -240,7 +240,8 @@ class TrainerConfig(Strict):
     freeze_critic_attention: bool = describe("freeze the critic's attention weights (SAO)", True)
     critic_trained_layers: Optional[int] = describe(
         "with freeze_critic_attention: train the feed-forward blocks of the last N decoder layers only (the critic's "
-        "backward then stops at the first of them: a cheaper critic); unset: every layer's", None, ge=1)
+        "backward then stops at the first of them, and a step's later critic forwards run N layers: a cheaper "
+        "critic); unset: every layer's", None, ge=1)
     grad_clip: float = describe("gradient-norm clip of policy and critic", 1.0, gt=0)
     adam_betas: tuple[float, float] = describe("policy and critic AdamW betas (torch; DeepSpeed unless its config "
                                                "names an optimizer)", (0.9, 0.999))
