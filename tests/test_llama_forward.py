@@ -295,7 +295,7 @@ def test_off_cpu_a_model_runs_ours_only_when_opted_in(own):
     on_cpu, elsewhere = _model("Qwen2"), _model("Qwen2").to("meta")
     assert llama_forward.serves(on_cpu) and not llama_forward.serves(elsewhere)
     cfg = TrainerConfig() if own is None else TrainerConfig(own_forward=own)
-    trained = prepare(_model("Qwen2").to("meta"), cfg, torch.device("meta"))
+    trained = prepare(_model("Qwen2").to("meta"), cfg)
     assert llama_forward.serves(trained) is (own is True)
     llama_forward.use_own(elsewhere)
     assert llama_forward.serves(elsewhere)

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from ..config import TrainerConfig
-from ..model import SupportLogprobs, keep_transformers, own_forward_on, use_own
+from ..model import SupportLogprobs, keep_transformers, use_own
 from ..trajectory import Batch
 from .micro_batches import Rows, micro_batches
 
@@ -68,15 +68,15 @@ def weights_dtype(cfg: TrainerConfig) -> str:
     return "float64" if cfg.dtype == "float64" else "float32"
 
 
-def prepare(model: torch.nn.Module, cfg: TrainerConfig, device: torch.device) -> torch.nn.Module:
-    """Train mode, `trainer.own_forward` for a model trained on `device` (where it is now or where DeepSpeed will
-    put it), and `trainer.gradient_checkpointing` (transformers' activation checkpointing, formerly
-    gradient_checkpointing_enable: each decoder layer, in train mode only; non-reentrant, so the chunked lm head
-    and DeepSpeed's hooks see ordinary autograd)."""
+def prepare(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
+    """Train mode, an explicit `trainer.own_forward` (unset, `llama_forward.serves` decides by where the parameters
+    are at each call: after DeepSpeed has moved them too), and `trainer.gradient_checkpointing` (transformers'
+    activation checkpointing, formerly gradient_checkpointing_enable: each decoder layer, in train mode only;
+    non-reentrant, so the chunked lm head and DeepSpeed's hooks see ordinary autograd)."""
     model.train()
     if cfg.own_forward:
         use_own(getattr(model, "backbone", model))  # the critic's backbone
-    elif not own_forward_on(device, cfg.own_forward):
+    elif cfg.own_forward is False:
         keep_transformers(getattr(model, "backbone", model))
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -154,13 +154,12 @@ class DeepSpeedTrainer(TrainerBackend):
         # Under ZeRO-3 every rank loads the full model, then DeepSpeed partitions it (partitioning while
         # loading needs transformers' DeepSpeed integration, hence `accelerate`, which is no dependency).
         self.zero3 = policy_ds["zero_optimization"]["stage"] == 3
-        policy = prepare(load_causal_lm(checkpoint, weights_dtype(cfg), attn_implementation=attn_implementation), cfg,
-                         self.device)
+        policy = prepare(load_causal_lm(checkpoint, weights_dtype(cfg), attn_implementation=attn_implementation), cfg)
         self.policy, _ = self._engine(deepspeed, policy, policy_ds, cfg.policy_lr, cfg, total_steps)
         self.critic = None
         if with_critic:
             critic = prepare(ValueModel.from_pretrained(self.critic_source, weights_dtype(cfg), attn_implementation),
-                             cfg, self.device)
+                             cfg)
             if cfg.freeze_critic_attention:
                 critic.freeze_attention(cfg.critic_trained_layers)
             self.critic, _ = self._engine(deepspeed, critic, deepspeed_config(cfg, cfg.critic_lr), cfg.critic_lr, cfg,

@@ -37,15 +37,14 @@ class TorchTrainer(TrainerBackend):
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         # master weights: see precision()
-        self.policy = prepare(load_causal_lm(checkpoint, weights_dtype(cfg), self.device, attn_implementation), cfg,
-                             self.device)
+        self.policy = prepare(load_causal_lm(checkpoint, weights_dtype(cfg), self.device, attn_implementation), cfg)
         self.policy_opt = adamw(self.policy.parameters(), cfg.policy_lr, cfg)
         self.policy_sched = lr_scheduler(self.policy_opt, cfg, total_steps)
         self.critic = None
         if with_critic:
             self.critic = ValueModel.from_pretrained(str(critic_from or checkpoint), weights_dtype(cfg),
                                                      attn_implementation)
-            self.critic = prepare(self.critic.to(self.device), cfg, self.device)
+            self.critic = prepare(self.critic.to(self.device), cfg)
             if cfg.freeze_critic_attention:
                 self.critic.freeze_attention(cfg.critic_trained_layers)
             trainable = [p for p in self.critic.parameters() if p.requires_grad]
