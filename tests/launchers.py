@@ -1,11 +1,12 @@
-"""Starting servers and ranks for tests and benchmarks: a free loopback port, waiting for /health, sglang-router,
-a DeepSpeed test worker's rank-0 set-up."""
+"""Starting servers and ranks for tests and benchmarks: a free loopback port, waiting for /health, slowed
+SGLang-semantics workers, sglang-router, a DeepSpeed test worker's rank-0 set-up."""
 from __future__ import annotations
 
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from opd_sao.engines.http import SGLangClient
 
@@ -34,6 +35,35 @@ def wait_until_healthy(url: str, is_alive, timeout_s: float = HANG_S, poll_s: fl
         if time.monotonic() > deadline:
             raise RuntimeError(f"rollout server {url} did not answer /health within {timeout_s:.0f} s")
         time.sleep(poll_s)
+
+
+class SlowWorkers:
+    """Slowed SGLang-semantics workers (tests/slow_sglang_worker.py: each decode step `step_s` longer, so requests
+    are still generating when a test acts) on loopback ports, one torch thread and 8 slots each, each logging to a
+    file in `logs` (a pipe nobody reads would block it); `stop()` kills them all."""
+
+    SCRIPT = Path(__file__).resolve().parent / "slow_sglang_worker.py"
+
+    def __init__(self, logs: Path, step_s: float):
+        self.logs, self.step_s, self.procs = Path(logs), step_s, []
+
+    def start(self, checkpoint, *args: str, patch: tuple[str, ...] = ()) -> str:
+        """The URL of a new worker of `checkpoint` once it answers /health; `args`: more worker options;
+        `patch`: `-c CODE` run first (it then runs the worker)."""
+        port = free_port()
+        with open(self.logs / f"worker-{port}.log", "w") as log:
+            proc = subprocess.Popen([sys.executable, *patch, str(self.SCRIPT), str(self.step_s), str(checkpoint),
+                                     "--port", str(port), "--threads", "1", "--max-batch", "8", *map(str, args)],
+                                    stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        wait_until_healthy(url, lambda: proc.poll() is None)
+        return url
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
 
 
 def start_sglang_router(worker_urls: list[str], *args: str, timeout_s: float = HANG_S):

@@ -3,22 +3,18 @@ of serve in the SGLang-semantics worker (tests/sglang_worker.py; the rules: test
 step ordered by that code's state (/server_info's `sglang_tokenizer_manager`), never by waiting a while."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import requests
 import torch
-from launchers import free_port, wait_until_healthy
+from launchers import SlowWorkers
 
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.engines.base import GenerationRequest, SamplingParams
 from opd_sao.engines.fleet import Fleet
 
-SLOW_WORKER = Path(__file__).resolve().parent / "slow_sglang_worker.py"
 STEP_S = 0.05  # each decode step's added time: a 1000-token generation runs until it is aborted
 # a serve whose /continue_generation answers as SGLang's does but leaves it paused
 CONTINUE_WITHOUT_RESUMING = """
@@ -34,23 +30,9 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def worker(tmp_path_factory, tiny_model_dir):
     """start(*patch) -> url: a slowed SGLang-semantics worker of the tiny model (`patch`: python -c code run first,
     then the worker), killed at the module's end."""
-    procs, logs = [], tmp_path_factory.mktemp("pause-rules-logs")
-
-    def start(*patch: str) -> str:
-        port = free_port()
-        with open(logs / f"worker-{port}.log", "w") as log:
-            proc = subprocess.Popen([sys.executable, *patch, str(SLOW_WORKER), str(STEP_S), str(tiny_model_dir),
-                                     "--port", str(port), "--threads", "1", "--max-batch", "8"],
-                                    stdout=log, stderr=subprocess.STDOUT)
-        procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        wait_until_healthy(url, lambda: proc.poll() is None)
-        return url
-
-    yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait()
+    workers = SlowWorkers(tmp_path_factory.mktemp("pause-rules-logs"), STEP_S)
+    yield lambda *patch: workers.start(tiny_model_dir, patch=patch)
+    workers.stop()
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,13 @@ SGLang-semantics worker (tests/sglang_worker.py) slowed to real generation times
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import requests
 import torch
-from launchers import HANG_S, free_port, wait_until_healthy
+from launchers import HANG_S, SlowWorkers, wait_until_healthy
 
 from opd_sao.checkpoints import load_causal_lm
 from opd_sao.engines.base import GenerationRequest, SamplingParams
@@ -23,7 +20,6 @@ from opd_sao.engines.weight_sync import SyncSettings
 from opd_sao.engines.weight_sync.base import buckets, untied
 from opd_sao.errors import UsageError
 
-SLOW_WORKER = Path(__file__).resolve().parent / "slow_sglang_worker.py"
 STEP_S = 0.05  # each decode step's added time: a 24-token generation takes over a second
 
 
@@ -46,23 +42,9 @@ def wide_model_dir(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def slow_worker(tmp_path_factory):
     """start(checkpoint, group_timeout_s) -> url: a slowed SGLang-semantics worker (killed at the module's end)."""
-    procs, logs = [], tmp_path_factory.mktemp("slow-worker-logs")
-
-    def start(checkpoint, group_timeout_s: float = 30.0) -> str:
-        port = free_port()
-        with open(logs / f"worker-{port}.log", "w") as log:
-            proc = subprocess.Popen([sys.executable, str(SLOW_WORKER), str(STEP_S), str(checkpoint), "--port",
-                                     str(port), "--threads", "1", "--max-batch", "8", "--group-timeout-s",
-                                     str(group_timeout_s)], stdout=log, stderr=subprocess.STDOUT)
-        procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        wait_until_healthy(url, lambda: proc.poll() is None)
-        return url
-
-    yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait()
+    workers = SlowWorkers(tmp_path_factory.mktemp("slow-worker-logs"), STEP_S)
+    yield lambda checkpoint, group_timeout_s=30.0: workers.start(checkpoint, "--group-timeout-s", group_timeout_s)
+    workers.stop()
 
 
 def _version_states(tiny_model_dir, n: int) -> list[dict]:
