@@ -183,6 +183,12 @@ def _parsed_by_sglang(handler, model: str, path: str):
 
 def plug_in_sglang(sampling_mask_max_tokens: int = 4096) -> None:
     common = sglang_code.common()
+    # every piece of SGLang's code a request runs is parsed and compiled here, before the first request: its
+    # lru_caches let two first calls run at once on serve's threads, and CPython 3.11's ast constructors are not
+    # safe across threads (an HTTP 500 "AST constructor recursion depth mismatch" under load, which cut short a
+    # request test_sglang_pause_rules was holding)
+    sglang_code.sampling_mask_refusal(sglang_code.verify_sampling_params({}, 2), sampling_mask_max_tokens)
+    sglang_code.validate_request("GenerateReqInput", {"input_ids": [0]})
     TensorSync.deserialize = staticmethod(common["MultiprocessingSerializer"].deserialize)
     DistributedSync.init_group = staticmethod(common["init_custom_process_group"])
     DistributedSync.receive = staticmethod(sglang_code.receive_weights_from_distributed)
