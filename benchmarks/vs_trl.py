@@ -54,7 +54,9 @@ row after the step where its training CPU-seconds reach S (snapshots then at eve
 same CPU; held-out: `--eval-tasks` items (>= 200 for the Must-show), `--eval-samples` samples each at the rollout
 temperature (greedy with `--eval-greedy`), standard error over the items beside each score. Writes `<out-dir>/vs_trl.png` (held-out accuracy against CPU-seconds, every row, +-1 SE) and
 `<out-dir>/result.json` (the JSON line); judged: SAO's accuracy at or above each other row's at each of that row's
-points (equal CPU, SAO's curve interpolated). SmolLM2's reasoning stage (#41):
+points (equal CPU, SAO's curve interpolated). `--critic-trained-layers N` adds SAO with a critic that trains its last
+N layers only (`trainer.critic_trained_layers`: a cheaper step), judged alike; `--rows-from DIR` takes the rows an
+earlier run with the same settings has (its result.json) and runs only the others. SmolLM2's reasoning stage (#41):
 
     benchmarks/vs_trl.py --venv /tmp/trlbench --model /tmp/smol_reason/stages/reasoning/sft_checkpoint \
         --config configs/smollm2.yaml --env reasoning_gym:basic_arithmetic --prompt-format chat \
@@ -188,7 +190,7 @@ def real_run_config(real: dict, start: Path, algo: str, steps: int, batch: int, 
     """Real-model mode: `real["config"]`'s stage that trains `real["env"]`, alone, from `start` (no SFT: the start
     is already warm), resolved by the schema as the pipeline resolves it (real-model defaults included), with
     `algo`, `steps`, `batch` episodes a step, the engine and trainer taking turns, and the CLI's prompt format,
-    new-token budget and thread count over the config's."""
+    new-token budget, thread count and `real["trainer"]` settings (a variant row's) over the config's."""
     from opd_sao.config import load_yaml, parse_config
     from opd_sao.errors import UsageError
 
@@ -201,6 +203,7 @@ def real_run_config(real: dict, start: Path, algo: str, steps: int, batch: int, 
     stage = {**{k: v for k, v in stage.items() if k != "sft"}, "steps": steps, "rollout": rollout,
              "trainer": {**stage.get("trainer", {}), "train_batch_size": batch}}
     data = {**data, "seed": seed, "algo": algo, "model": {**data.get("model", {}), "path": str(start)},
+            "trainer": {**data.get("trainer", {}), **real.get("trainer", {})},
             "torch_threads": THREADS, "logging": {"wandb": False, "progress": False},
             "engine": {**data.get("engine", {}), "overlap": False}, "stages": [stage],
             **({"prompt_format": real["prompt_format"]} if real.get("prompt_format") else {})}
@@ -611,6 +614,7 @@ def repeat_ratios(runs: dict, opd: dict) -> dict:
 
 
 CURVES = ("opd_sao_sao", "opd_sao_sao_minibatches", "opd_sao_grpo", "trl_grpo")  # the judged RL rows
+SAO_VARIANT = "opd_sao_sao_top"  # real-model mode's SAO with trainer.critic_trained_layers N: opd_sao_sao_top<N>
 
 
 def held_out_curves(repeats: list[tuple[dict, dict]], batch: int) -> dict:
@@ -618,7 +622,7 @@ def held_out_curves(repeats: list[tuple[dict, dict]], batch: int) -> dict:
     repeats (as the final accuracy is) at the median CPU-seconds; real-model mode's rows only there, each point
     with its evaluation's standard error (the largest of the repeats')."""
     curves = {}
-    for name in (name for name in CURVES if name in repeats[0][0]):
+    for name in (name for name in repeats[0][0] if name in CURVES or name.startswith(SAO_VARIANT)):
         along = [rl[name]["snapshots"] + [{"step": rl[name]["episodes"] // batch, **rl[name]}] for rl, _ in repeats]
         curves[name] = [{"episodes": points[0]["step"] * batch,
                          "cpu_s": statistics.median(p["cpu_s"] for p in points),
@@ -661,16 +665,17 @@ def at_equal_cpu(curves: dict, start_held_out: float) -> dict:
     return out
 
 
-def sao_at_equal_cpu(curves: dict, start_held_out: float) -> dict:
-    """Real-model mode's judgement: at each point of every other row within SAO's CPU-seconds, and at its final
-    point (past SAO's end: SAO's final accuracy, got for less CPU), SAO's held-out accuracy there (its curve
-    interpolated) against the row's own; `at_or_above` when SAO's is never below."""
-    sao = curves["opd_sao_sao"]
+def sao_at_equal_cpu(curves: dict, start_held_out: float, sao_row: str = "opd_sao_sao") -> dict:
+    """Real-model mode's judgement of SAO row `sao_row`: at each point of every row that is not SAO within its
+    CPU-seconds, and at that row's final point (past SAO's end: SAO's final accuracy, got for less CPU), SAO's
+    held-out accuracy there (its curve interpolated) against the row's own; `at_or_above` when SAO's is never
+    below."""
+    sao = curves[sao_row]
     out = {}
-    for name in (name for name in curves if name != "opd_sao_sao"):
-        points = [{"cpu_s": p["cpu_s"], name: p["held_out"], "opd_sao_sao": accuracy_at(sao, p["cpu_s"], start_held_out)}
+    for name in (name for name in curves if not name.startswith("opd_sao_sao")):
+        points = [{"cpu_s": p["cpu_s"], name: p["held_out"], "sao": accuracy_at(sao, p["cpu_s"], start_held_out)}
                   for p in curves[name] if p["cpu_s"] <= sao[-1]["cpu_s"] or p is curves[name][-1]]
-        out[name] = {"points": points, "at_or_above": bool(points) and all(p["opd_sao_sao"] >= p[name] for p in points)}
+        out[name] = {"points": points, "at_or_above": bool(points) and all(p["sao"] >= p[name] for p in points)}
     return out
 
 
@@ -745,6 +750,18 @@ def run_repeat(python: Path, work: Path, repeat: int, common: dict, distill: dic
     return rl, opd
 
 
+def earlier_rows(directory: Path, expected: dict) -> tuple[dict, dict]:
+    """`--rows-from DIR`: the evaluated rows and start score of DIR/result.json, a real-model run with the same
+    settings (`expected`: model, config, env, threads, budget, batch, evaluation, one repeat); exits naming any
+    that differ."""
+    earlier = json.loads((directory / "result.json").read_text())
+    differs = [key for key, value in expected.items() if earlier.get(key) != value]
+    if differs or expected["repeats"] != 1:
+        sys.exit(f"--rows-from {directory}: its {', '.join(differs) or 'repeats'} differ from this run's (one "
+                 "repeat, the same model, config, env, threads, budget, batch and evaluation)")
+    return earlier["runs"], earlier["start_held_out"]
+
+
 def real_main(args, parser: argparse.ArgumentParser) -> None:
     """Real-model mode (the module's docstring): SAO, GRPO and TRL GRPO from `args.model`, evaluated alike along the
     run; a table, the plot, <out-dir>/result.json and the JSON line."""
@@ -772,13 +789,30 @@ def real_main(args, parser: argparse.ArgumentParser) -> None:
     settings = real_trl_inputs(real, args.model, args.seed, work)
     common = dict(start=args.model, steps=args.steps, batch=args.batch, snapshots=args.snapshots,
                   **({"cpu_budget": args.cpu_budget} if args.cpu_budget else {}))
+    opd_sao_python = Path(sys.executable)
+    rows = {name: (lambda out, seed, algo=algo: run_worker(opd_sao_python, "opd-sao", algo=algo, out=out,
+                                                            real=work / "real.json", seed=seed, **common))
+            for name, algo in (("opd_sao_sao", "sao"), ("opd_sao_grpo", "grpo"))}
+    rows["trl_grpo"] = lambda out, seed: run_worker(python, "trl", out=out, tasks=work / "train_tasks.json",
+                                                    settings=work / "trl_settings.json", seed=seed, **common)
+    variant = f"{SAO_VARIANT}{args.critic_trained_layers}" if args.critic_trained_layers else None
+    if variant:  # SAO whose critic trains its last N layers only
+        (work / "real_variant.json").write_text(json.dumps({**real, "trainer": {
+            "critic_trained_layers": args.critic_trained_layers}}))
+        rows[variant] = lambda out, seed: run_worker(opd_sao_python, "opd-sao", algo="sao", out=out, seed=seed,
+                                                     real=work / "real_variant.json", **common)
+        LABELS[variant] = f"opd-sao SAO, critic trains its last {args.critic_trained_layers} layers"
+    earlier, start = {}, None
+    if args.rows_from:
+        earlier, start = earlier_rows(args.rows_from, {
+            "model": str(args.model), "config": str(args.config), "env": args.env, "torch_threads": THREADS,
+            "steps_cap": args.steps, "cpu_budget_s": args.cpu_budget, "batch": args.batch, "eval": real,
+            "repeats": max(1, args.repeats)})
     repeats = []
     for repeat in range(max(1, args.repeats)):  # interleaved: a slow spell hits every side
         seed = args.seed + repeat
-        rl = {f"opd_sao_{algo}": run_worker(Path(sys.executable), "opd-sao", algo=algo, out=work / f"{algo}{repeat}",
-                                            real=work / "real.json", seed=seed, **common) for algo in ("sao", "grpo")}
-        rl["trl_grpo"] = run_worker(python, "trl", out=work / f"trl{repeat}", tasks=work / "train_tasks.json",
-                                    settings=work / "trl_settings.json", seed=seed, **common)
+        rl = {name: run(work / f"{name.removeprefix('opd_sao_').removesuffix('_grpo') or name}{repeat}", seed)
+              for name, run in rows.items() if name not in earlier}
         repeats.append((rl, {}))
     for rl, _ in repeats:
         for result in rl.values():
@@ -786,16 +820,18 @@ def real_main(args, parser: argparse.ArgumentParser) -> None:
             result.update(real_held_out(Path(result.pop("checkpoint")), real, args.seed))
             for point in result["snapshots"]:
                 point.update(real_held_out(Path(point.pop("checkpoint")), real, args.seed))
-    start = real_held_out(args.model, real, args.seed)
+    repeats[0][0].update(earlier)  # --rows-from: evaluated there (one repeat)
+    start = start or real_held_out(args.model, real, args.seed)
     curves = held_out_curves(repeats, args.batch)
     judged = sao_at_equal_cpu(curves, start["held_out"])
+    judged_variant = sao_at_equal_cpu(curves, start["held_out"], variant) if variant else None
     runs = repeats[0][0]
     for name, result in runs.items():
         result["held_out_each_repeat"] = [rl[name]["held_out"] for rl, _ in repeats]
         result["held_out"] = statistics.fmean(result["held_out_each_repeat"])
     trl = statistics.median(rl["trl_grpo"]["episodes_per_cpu_s"] for rl, _ in repeats)
-    ratios = {f"{algo}_vs_trl": statistics.median(rl[f"opd_sao_{algo}"]["episodes_per_cpu_s"] for rl, _ in repeats)
-              / trl for algo in ("sao", "grpo")}
+    ratios = {f"{name.removeprefix('opd_sao_')}_vs_trl": statistics.median(
+        rl[name]["episodes_per_cpu_s"] for rl, _ in repeats) / trl for name in runs if name.startswith("opd_sao_")}
     plot = work / "vs_trl.png"
     plot_curves(curves, start, plot, f"{args.model.name} on {args.env}: batch {args.batch}, {THREADS} thread(s), "
                 f"held-out {start['held_out_n']} items, " + ("greedy" if args.eval_greedy else f"{args.eval_samples} samples each"))
@@ -808,10 +844,11 @@ def real_main(args, parser: argparse.ArgumentParser) -> None:
     for name, points in curves.items():
         print(f"  {name:<14} " + ", ".join(f"{p['episodes']}: {p['cpu_s']:.0f} {p['held_out']:.3f} +- "
                                            f"{p['held_out_stderr'] or 0:.3f}" for p in points))
-    for name, judgement in judged.items():
-        print(f"SAO at {name}'s points (CPU-s: {name} / SAO): " + ", ".join(
-            f"{p['cpu_s']:.0f}: {p[name]:.3f} / {p['opd_sao_sao']:.3f}" for p in judgement["points"])
-            + f"; at or above: {judgement['at_or_above']}")
+    for sao, judgements in (("opd_sao_sao", judged), (variant, judged_variant or {})):
+        for name, judgement in judgements.items():
+            print(f"{sao} at {name}'s points (CPU-s: {name} / SAO): " + ", ".join(
+                f"{p['cpu_s']:.0f}: {p[name]:.3f} / {p['sao']:.3f}" for p in judgement["points"])
+                + f"; at or above: {judgement['at_or_above']}")
     result = {
         "benchmark": "vs_trl", "mode": "real_model", "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU "
         f"only, load average {os.getloadavg()[0]:.1f}", "versions": {"trl": TRL_VERSION, "torch": torch.__version__,
@@ -820,10 +857,13 @@ def real_main(args, parser: argparse.ArgumentParser) -> None:
         "steps_cap": args.steps, "cpu_budget_s": args.cpu_budget, "batch": args.batch, "group_size_grpo": GROUP,
         "settings": {k: v for k, v in settings.items() if k != "opd_sao_site"}, "eval": real, "start_held_out": start,
         "runs": runs, "repeats": len(repeats), "ratios": ratios, "held_out_curves": curves,
-        "sao_at_equal_cpu": judged, "plot": str(plot),
+        "sao_at_equal_cpu": judged, **({f"{variant}_at_equal_cpu": judged_variant} if variant else {}),
+        "plot": str(plot),
         "must_show": {"sao_at_or_above_opd_sao_grpo_at_equal_cpu": judged["opd_sao_grpo"]["at_or_above"],
                       "sao_at_or_above_trl_grpo_at_equal_cpu": judged["trl_grpo"]["at_or_above"],
-                      "held_out_items_at_least_200": start["held_out_n"] >= 200}}
+                      "held_out_items_at_least_200": start["held_out_n"] >= 200,
+                      **({f"{variant}_at_or_above_both_at_equal_cpu": all(
+                          j["at_or_above"] for j in judged_variant.values())} if variant else {})}}
     (work / "result.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
@@ -895,6 +935,10 @@ def main() -> None:
     real.add_argument("--eval-greedy", action="store_true", help="held-out greedy (else --eval-samples samples "
                                                                  "per item at the rollout temperature)")
     real.add_argument("--out-dir", type=Path, help="kept: checkpoints, vs_trl.png, result.json")
+    real.add_argument("--critic-trained-layers", type=int, help="also run SAO whose critic trains only its last N "
+                                                                "layers (row opd_sao_sao_top<N>), judged alike")
+    real.add_argument("--rows-from", type=Path, help="take the rows an earlier run (its --out-dir, one repeat, the "
+                                                     "same settings) has instead of running them again")
     parser.add_argument("--real", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--settings", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
