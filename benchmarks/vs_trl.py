@@ -833,8 +833,9 @@ def real_main(args, parser: argparse.ArgumentParser) -> None:
     ratios = {f"{name.removeprefix('opd_sao_')}_vs_trl": statistics.median(
         rl[name]["episodes_per_cpu_s"] for rl, _ in repeats) / trl for name in runs if name.startswith("opd_sao_")}
     plot = work / "vs_trl.png"
-    plot_curves(curves, start, plot, f"{args.model.name} on {args.env}: batch {args.batch}, {THREADS} thread(s), "
-                f"held-out {start['held_out_n']} items, " + ("greedy" if args.eval_greedy else f"{args.eval_samples} samples each"))
+    plot_curves(curves, start, plot, f"{args.model.name} on {args.env}: batch {args.batch}, {THREADS} thread(s)\n"
+                f"held-out {start['held_out_n']} items, " + ("greedy" if args.eval_greedy else
+                                                             f"{args.eval_samples} samples each"))
     print(f"{'run':<16} {'episodes':>8} {'CPU-s':>8} {'eps/CPU-s':>10} {'held-out':>9} {'SE':>6}")
     for name, r in runs.items():
         print(f"{name:<16} {r['episodes']:>8} {r['cpu_s']:>8.1f} {r['episodes_per_cpu_s']:>10.3f} {r['held_out']:>9.3f}"
