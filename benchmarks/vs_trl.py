@@ -58,10 +58,12 @@ points (equal CPU, SAO's curve interpolated). `--critic-trained-layers N` adds S
 N layers only (`trainer.critic_trained_layers`: a cheaper step), judged alike; `--rows-from DIR` takes the rows an
 earlier run with the same settings has (its result.json) and runs only the others. SmolLM2's reasoning stage (#41):
 
-    benchmarks/vs_trl.py --venv /tmp/trlbench --model /tmp/smol_reason/stages/reasoning/sft_checkpoint \
+    benchmarks/vs_trl.py --venv /tmp/trlbench --model RUN/stages/reasoning/sft_checkpoint \
         --config configs/smollm2.yaml --env reasoning_gym:basic_arithmetic --prompt-format chat \
         --max-new-tokens 48 --threads 2 --batch 16 --steps 400 --cpu-budget 1500 --snapshots 4 \
-        --eval-tasks 250 --eval-greedy --out-dir /tmp/vs_trl_smollm2
+        --eval-tasks 250 --eval-samples 4 --out-dir /tmp/vs_trl_smollm2
+
+(measured: docs/benchmarks.md, "opd-sao against TRL on the same RL work").
 
 TRL is installed into `<--venv>/trl-venv` with `python -m venv` and pip (trl==1.16.0, the same torch 2.13.0 CPU
 wheel and transformers as opd-sao's venv), once; later runs reuse it.
