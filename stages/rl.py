@@ -64,11 +64,18 @@ class RLStage(Stage):
 
     @classmethod
     def check_base_model(cls, cfg, run, base, tokenizer) -> None:
-        """Its environment's prompts leave room to answer (a 50 MB row or one past the model's positions: refused
-        before the first stage, not mid-run)."""
+        """Its environment's prompts leave room to answer (a 50 MB row or one past the model's positions), and a
+        critic's `critic_trained_layers` is at most the model's layers: refused before the first stage, not
+        mid-run."""
         super().check_base_model(cfg, run, base, tokenizer)
         env_cls = ENVIRONMENTS.get(cfg.env)
         check_domain_prompts(env_cls, cfg.env_options, cfg.rollout, tokenizer, domain=cfg.env, base=base, seed=run.seed)
+        top = run.stage_trainer(cfg).critic_trained_layers
+        if top is not None and needs_critic(run.stage_algo(cfg), cfg.rl):
+            layers = json.loads((Path(base) / "config.json").read_text()).get("num_hidden_layers")
+            if layers is not None and top > layers:
+                raise UsageError(f"stages.{cfg.name}: trainer.critic_trained_layers is {top}, but the model has "
+                                 f"{layers} decoder layers")
 
     def env_factory(self, train_step=None):
         """`train_step()` (the trainer's step count) goes to environments whose reward follows training."""

@@ -395,6 +395,20 @@ def test_a_wrong_dataset_path_in_the_last_stage_is_refused_before_the_first_stag
     assert not (tmp_path / "run").exists()
 
 
+def test_a_critic_trained_layers_above_the_models_layers_is_refused_before_the_first_stage_starts(
+        tmp_path, tiny_model_dir):
+    """The tiny model has 2 decoder layers: a later stage's critic that trains its last 6 stops the run before the
+    first stage, in one line, not when that stage builds its critic."""
+    cfg = _config()
+    cfg["model"] = {"path": str(tiny_model_dir)}
+    cfg["stages"].append({**cfg["stages"][0], "name": "later", "trainer": {"critic_trained_layers": 6}})
+    logged = []
+    with pytest.raises(ValueError, match=r"^stages\.later: trainer\.critic_trained_layers is 6, but the model has 2 "
+                                         r"decoder layers$"):
+        run_pipeline(parse_config(cfg), tmp_path / "run", log=logged.append)
+    assert not any("stage starting" in line for line in logged) and not (tmp_path / "run").exists()
+
+
 def test_a_teacher_with_another_tokenizer_is_refused_before_the_first_stage_starts(tmp_path, corpus):
     from real_models import build_llama
 
