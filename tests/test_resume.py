@@ -130,6 +130,8 @@ def test_sigkill_mid_stage_of_every_kind_then_resume(tmp_path, capsys):
     assert not (run_dir / "stages" / "warm" / "sft_state").exists()
     for stage, _ in kinds[1:]:  # RL and OPD: every step once, every trajectory trained on once
         assert summary[stage]["resume"]["from_step"] >= EVERY, stage
+        assert summary[stage]["processes"] == 2, stage  # its cost: the killed process's share (saved with its
+        # state) and the resumed one's
         resume = summary[stage]["resume"]
         assert resume["buffer_reused"] + resume["buffer_dropped_stale"] > 0, stage  # the write-ahead log was read
         metrics = _records(run_dir, stage, "metrics.jsonl")

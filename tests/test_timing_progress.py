@@ -2,11 +2,14 @@
 no wall-clock durations are asserted."""
 from __future__ import annotations
 
+import json
 import re
 import threading
 
+import pytest
+
 from opd_sao.io.progress import StageProgress, duration
-from opd_sao.io.timing import PHASES, PhaseTimer, peak_memory
+from opd_sao.io.timing import PHASES, PhaseTimer, StageCost, peak_memory
 
 
 class Clock:
@@ -54,6 +57,43 @@ def test_a_phase_that_raises_is_still_counted():
     except OSError:
         pass
     assert timer.stage_totals() == {"checkpoint": 2.0}
+
+
+def test_a_stage_resumed_in_a_second_process_adds_the_first_ones_cost(tmp_path):
+    """The first process's share is on disk once a checkpoint phase ends (not only at close: a killed process never
+    closes); the second adds its phases and time to it and keeps the higher peak. every_s=1e9: no save is timed."""
+    path, clock = tmp_path / "costs" / "rl.json", Clock()
+    first_timer = PhaseTimer(clock)
+    first = StageCost(path, first_timer, every_s=1e9)
+    with first_timer.phase("generation"):
+        clock.advance(2)
+    assert not path.exists()
+    with first_timer.phase("checkpoint"):
+        clock.advance(0.5)
+    saved = json.loads(path.read_text())
+    assert saved["phases_s"] == {"generation": 2.0, "checkpoint": 0.5} and saved["processes"] == 1
+    first.close()  # its thread (a killed process's share is what the checkpoint saved: the same phases)
+    saved.update(wall_s=1000.0, cpu_s=900.0, peak_rss_mb=1e9)  # as if the first process had run long and large
+    path.write_text(json.dumps(saved))
+    second_timer = PhaseTimer(clock)
+    second = StageCost(path, second_timer, every_s=1e9)
+    with second_timer.phase("generation"):
+        clock.advance(3)
+        assert second.totals()["phases_s"]["generation"] == 5.0  # the phase under way counts up to now
+    totals = second.close()
+    assert totals["phases_s"] == {"generation": 5.0, "checkpoint": 0.5} and totals["processes"] == 2
+    assert totals["wall_s"] >= 1000.0 and totals["cpu_s"] >= 900.0 and totals["peak_rss_mb"] == 1e9
+    assert json.loads(path.read_text()) == totals
+
+
+def test_a_checkpoint_phase_that_raises_saves_no_cost_and_keeps_its_error(tmp_path):
+    timer = PhaseTimer(Clock())
+    cost = StageCost(tmp_path / "c.json", timer, every_s=1e9)
+    with pytest.raises(OSError, match="disk full"):
+        with timer.phase("checkpoint"):
+            raise OSError("disk full")
+    assert not (tmp_path / "c.json").exists()
+    assert cost.close()["processes"] == 1
 
 
 def test_peak_memory_is_the_resident_set_in_megabytes():

@@ -22,7 +22,7 @@ from opd_sao.io.fingerprint import check_resume, started_stages, write_record
 from opd_sao.io.lock import locked_run_dir
 from opd_sao.io.model_fingerprint import check_model_record, write_model_record
 from opd_sao.io.progress import StageProgress
-from opd_sao.io.timing import PhaseTimer, peak_memory, process_cpu_s, reset_peak_memory
+from opd_sao.io.timing import PhaseTimer, StageCost, reset_peak_memory
 from opd_sao.io.tracking import start_wandb
 from opd_sao.model.decoders import check_plain_logits
 from opd_sao.model_import import import_gguf, model_config
@@ -308,7 +308,6 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
             if stage_cfg.name in done:
                 log(f"[{stage_cfg.name}] already complete, skipped")
                 continue
-            t0, cpu0 = time.perf_counter(), process_cpu_s()
             log(f"[{stage_cfg.name}] {stage_cfg.kind} stage starting")
             if cfg.checkpointing.keep_state == "last":  # a stage starts: every finished stage's state goes
                 for finished in ctx.checkpoints:
@@ -317,6 +316,7 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
             ctx.progress = StageProgress(stage_cfg.name, enabled=cfg.logging.progress,
                                          every=cfg.logging.progress_every, interval_s=cfg.logging.progress_interval_s)
             reset_peak_memory()
+            cost = StageCost(inside(run_dir / "costs", f"{stage_cfg.name}.json"), ctx.timer)
             try:
                 with ctx.progress.activity(f"{stage_cfg.kind} stage"):  # the heartbeat's line while nothing
                     # finer runs (loading models, building the engine, a teacher's first load)
@@ -328,16 +328,14 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
                               "eval_after_error": evaluator.errors(result.checkpoint)}
             finally:
                 ctx.progress.close()
+                spent = cost.close()
             entry = {
                 "name": stage_cfg.name,
                 "kind": stage_cfg.kind,
                 **scored,
                 "checkpoint": str(result.checkpoint),
                 **result.summary,
-                "wall_s": round(time.perf_counter() - t0, 1),
-                "cpu_s": round(process_cpu_s() - cpu0, 1),
-                "phases_s": ctx.timer.stage_totals(),
-                **peak_memory(),
+                **spent,  # every process's that worked on the stage (a resumed stage's earlier ones too)
             }
             ctx.checkpoints[stage_cfg.name] = result.checkpoint
             ctx.scores[stage_cfg.name] = entry["eval_after"]

@@ -6,10 +6,15 @@ thread's, which is the one that waits on rollouts, scores teachers, trains, sync
 """
 from __future__ import annotations
 
+import json
 import resource
+import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
+
+from opd_sao.io.files import write_json
 
 # every metrics.jsonl line carries these (0 when the step spent nothing on one), so the lines have one form
 PHASES = ("generation", "teacher", "critic", "policy", "sync", "checkpoint", "gate", "evaluation")
@@ -22,20 +27,26 @@ class PhaseTimer:
         self._step: dict[str, float] = {}  # since the last `step_phases()`
         self._stack: list[list] = []  # [name, start of its current stretch]
         self._step_start = clock()
+        self._lock = threading.Lock()  # StageCost reads the totals from its own thread
+        self.listeners: list[Callable[[str], None]] = []  # called with a phase's name when it ends
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        now = self.clock()
-        if self._stack:  # the enclosing phase pauses
-            self._charge(self._stack[-1], now)
-        self._stack.append([name, now])
+        with self._lock:
+            now = self.clock()
+            if self._stack:  # the enclosing phase pauses
+                self._charge(self._stack[-1], now)
+            self._stack.append([name, now])
         try:
             yield
         finally:
-            now = self.clock()
-            self._charge(self._stack.pop(), now)
-            if self._stack:
-                self._stack[-1][1] = now
+            with self._lock:
+                now = self.clock()
+                self._charge(self._stack.pop(), now)
+                if self._stack:
+                    self._stack[-1][1] = now
+        for listener in self.listeners:  # a phase that ended well (after one that raised, its error goes on)
+            listener(name)
 
     def _charge(self, entry: list, now: float) -> None:
         name, since = entry
@@ -57,7 +68,72 @@ class PhaseTimer:
         return out
 
     def stage_totals(self) -> dict[str, float]:
-        return {name: round(s, 2) for name, s in sorted(self.totals.items(), key=lambda kv: -kv[1])}
+        """Seconds per phase so far, the phase under way counted up to now."""
+        with self._lock:
+            totals = dict(self.totals)
+            if self._stack:
+                name, since = self._stack[-1]
+                totals[name] = totals.get(name, 0.0) + (self.clock() - since)
+        return _by_size(totals)
+
+
+def _by_size(phases: dict[str, float]) -> dict[str, float]:
+    return {name: round(s, 2) for name, s in sorted(phases.items(), key=lambda kv: -kv[1])}
+
+
+class StageCost:
+    """What a stage cost over every process that worked on it: a stage resumed after a kill (a preempted job, a
+    machine's reboot) adds the earlier processes' wall time, CPU-seconds and phases to this one's, and its peak
+    memory is the highest any of them reached. Work a killed process did after its last saved step is counted
+    (it was spent, and done again). Kept in `path` (the run's costs/<stage>.json), rewritten whenever a checkpoint phase
+    ends (a resume starts from a saved state, so its earlier share is on disk), every `every_s` seconds by a daemon
+    thread, and at `close()`: a killed process loses at most the last `every_s` of its share."""
+
+    def __init__(self, path: Path, timer: PhaseTimer, every_s: float = 10.0):
+        self.path, self.timer = Path(path), timer
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.earlier = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.t0, self.cpu0 = time.perf_counter(), process_cpu_s()
+        self._lock = threading.Lock()  # one writer at a time: the thread's save and close()'s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._keep, args=(every_s,), name="stage-cost", daemon=True)
+        self._thread.start()
+        timer.listeners.append(lambda phase: phase == "checkpoint" and self.save())
+
+    def totals(self) -> dict:
+        """wall_s, cpu_s, phases_s, peak memory (peak_rss_mb; peak_cuda_mb on CUDA) and `processes`: how many
+        processes the figures add up."""
+        earlier = self.earlier
+        phases = dict(earlier.get("phases_s", {}))
+        for name, s in self.timer.stage_totals().items():
+            phases[name] = phases.get(name, 0.0) + s
+        peaks = {key: max(mb, earlier.get(key, 0.0)) for key, mb in peak_memory().items()}
+        return {"wall_s": round(earlier.get("wall_s", 0.0) + time.perf_counter() - self.t0, 1),
+                "cpu_s": round(earlier.get("cpu_s", 0.0) + process_cpu_s() - self.cpu0, 1),
+                "phases_s": _by_size(phases), **peaks, "processes": earlier.get("processes", 0) + 1}
+
+    def save(self) -> dict:
+        with self._lock:
+            totals = self.totals()
+            write_json(self.path, totals)
+        return totals
+
+    def _keep(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                self.save()
+            except OSError:  # a full disk: the stage's own writes fail and say so; these figures wait for the next
+                pass
+
+    def close(self) -> dict:
+        """Stop the thread; save and return the totals (unsaved when the disk refuses them: a failing stage's
+        error is the one to see)."""
+        self._stop.set()
+        self._thread.join()
+        try:
+            return self.save()
+        except OSError:
+            return self.totals()
 
 
 def peak_memory() -> dict[str, float]:

@@ -130,13 +130,15 @@ def _time_lines(summary: dict) -> list[str]:
     phases = sorted({p for s in stages for p in s["phases_s"]}, key=lambda p: -sum(s["phases_s"].get(p, 0)
                                                                                    for s in stages))
     cuda = any("peak_cuda_mb" in s for s in stages)
-    head = ["stage", "wall s", "CPU s", *(f"{p} s" for p in phases), "other s", "peak RSS MB"] + (["peak CUDA MB"] if cuda else [])
+    head = ["stage", "wall s", "CPU s", *(f"{p} s" for p in phases), "other s", "peak RSS MB"] + (["peak CUDA MB"] if cuda else []) \
+        + ["processes"]
     lines = ["", "## Time and memory per stage", "",
              "Seconds in each phase (the trainer thread's: generation is its wait for rollouts), the rest of the "
              "wall time (other: loading models, building engines, the data), the process's peak resident memory up "
              "to the stage's end" + (" and the stage's peak CUDA memory allocated" if cuda else "") + "; CPU: the "
              "process's and its ended children's CPU-seconds, which neither other jobs nor a stopped run inflate. A "
-             "resumed stage's figures are the last process's part.", "",
+             "stage resumed after a kill adds up every process that worked on it (processes: how many), work redone "
+             "after the last saved step included; its peak is the highest of theirs.", "",
              "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for s in stages:
         spent = [s["phases_s"].get(p, 0.0) for p in phases]
@@ -145,6 +147,7 @@ def _time_lines(summary: dict) -> list[str]:
                f"{max(0.0, s['wall_s'] - sum(spent)):.1f}", f"{s.get('peak_rss_mb', 0):.0f}"]
         if cuda:
             row.append(f"{s['peak_cuda_mb']:.0f}" if "peak_cuda_mb" in s else "-")
+        row.append(str(s.get("processes", 1)))
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
