@@ -464,7 +464,7 @@ def trl_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int,
                      lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch", adam_beta1=betas[0],
                      adam_beta2=betas[1], weight_decay=s["weight_decay"], max_grad_norm=s["grad_clip"],
                      epsilon=s["ratio_clip"], beta=0.0, num_iterations=1, seed=seed, use_cpu=True,
-                     bf16=False, fp16=False, save_strategy="no", report_to="none", logging_steps=10,
+                     bf16=False, fp16=False, save_strategy="no", report_to="none", logging_steps=1,
                      disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=s["checkpointing"])
     along = Snapshots(steps, snapshots, out, cpu_budget)
 
@@ -486,8 +486,12 @@ def trl_worker(start: Path, out: Path, tasks_file: Path, steps: int, batch: int,
     trainer.save_model(str(out / "checkpoint"))
     tok.save_pretrained(str(out / "checkpoint"))
     along.write(model, save)
+    # every step's logged row (reward, its spread, KL, clip ratios, completion lengths), kept beside the row's
+    # result: a run that goes wrong (a collapse) can be read afterwards, as opd-sao's metrics.jsonl can
+    (out / "trl_log_history.jsonl").write_text("".join(json.dumps(row) + "\n" for row in trainer.state.log_history))
     rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
     return {"episodes": trainer.state.global_step * batch, "cpu_s": cpu, "wall_s": wall,
+            "log_history": str(out / "trl_log_history.jsonl"),
             "torch_threads": torch.get_num_threads(), "checkpoint": str(out / "checkpoint"), "snapshots": along.points,
             "reward_last_logged": rewards[-1] if rewards else None,
             "loss_type": cfg.loss_type, "scale_rewards": str(cfg.scale_rewards)}
@@ -535,7 +539,7 @@ def trl_distill_worker(start: Path, out: Path, tasks_file: Path, steps: int, bat
                              top_p=1.0, beta=0.0, learning_rate=SETTINGS["policy_lr"], lr_scheduler_type="constant",
                              warmup_steps=0, optim="adamw_torch", adam_beta1=betas[0], adam_beta2=betas[1],
                              weight_decay=0.0, max_grad_norm=SETTINGS["grad_clip"], seed=seed, use_cpu=True,
-                             bf16=False, fp16=False, save_strategy="no", report_to="none", logging_steps=10,
+                             bf16=False, fp16=False, save_strategy="no", report_to="none", logging_steps=1,
                              disable_tqdm=True, dataloader_num_workers=0)
     trainer = DistillationTrainer(model=load(start), teacher_model=load(teacher), args=cfg, train_dataset=data,
                                   processing_class=tok)
