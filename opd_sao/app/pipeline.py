@@ -264,7 +264,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
             write_data_record(files, run_dir)
             check_model_record(given_model(cfg), run_dir, given_teachers(cfg))
             if allowed:
-                log(f"resuming with changed {', '.join(allowed)} (--allow-config-change)")
+                log(f"resuming with changed {', '.join(allowed)} (settings of stages not started yet, or allowed "
+                    f"by --allow-config-change)")
             return _run_stages(cfg, run_dir, log, resume=True)
     check_before_work(cfg)
     for line in cfg.tiny_defaults_left():
