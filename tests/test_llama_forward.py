@@ -18,6 +18,7 @@ from opd_sao.trainers.critic import ValueModel
 
 SHAPE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+NON_REENTRANT = {"use_reentrant": False}  # as trainers.base.prepare enables it
 FAMILY = {"Llama": dict(attention_bias=True, mlp_bias=True),  # every projection with a bias
           "Mistral": dict(sliding_window=None), "Qwen2": {}, "Qwen3": dict(head_dim=16)}  # Qwen3: per-head q/k norms
 
@@ -155,11 +156,15 @@ def test_the_engine_samples_the_same_with_either_forward(tokenizer, tiny_model_d
         assert torch.allclose(torch.tensor(mine.logprobs), torch.tensor(theirs.logprobs), atol=1e-5)
 
 
-def test_the_critic_trains_through_it_as_through_transformers(tiny_model_dir):
-    """The same values and the same gradient in every trainable parameter (frozen attention, value head)."""
-    ours = ValueModel.from_pretrained(str(tiny_model_dir))
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_the_critic_trains_through_it_as_through_transformers(tiny_model_dir, checkpointed):
+    """The same values and the same gradient in every trainable parameter (frozen attention, value head), with
+    activation checkpointing on both sides too."""
+    ours = ValueModel.from_pretrained(str(tiny_model_dir)).train()
     torch.nn.init.normal_(ours.value_head.weight, generator=torch.Generator().manual_seed(0))
     ours.freeze_attention()
+    if checkpointed:
+        ours.activation_checkpointing_enable(activation_checkpointing_kwargs=NON_REENTRANT)
     theirs = copy.deepcopy(ours)
     llama_forward.keep_transformers(theirs.backbone)
     assert llama_forward.serves(ours.backbone) and not llama_forward.serves(theirs.backbone)
@@ -194,15 +199,53 @@ def test_the_policy_trains_through_it_as_through_transformers(attention, width):
         assert_same_gradients(got, want, ours, theirs, torch.Generator().manual_seed(12), 1e-4)
 
 
-@pytest.mark.parametrize("top_layers", [None, 1])
-def test_a_steps_critic_forwards_reuse_the_frozen_start_exactly(tiny_model_dir, top_layers):
+def _saved_bytes(model, ids, mask) -> int:
+    """Bytes the autograd graph keeps for the backward of the policy's logprobs (what checkpointing trades away)."""
+    from opd_sao.model.modeling import sequence_logprobs
+
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        sequence_logprobs(model, ids, mask, 1.0).sum().backward()
+    return sum(saved)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_activation_checkpointing_runs_through_it_with_transformers_gradients_and_keeps_less(attention):
+    """Under activation checkpointing the policy still trains through our forward (it used to fall back to
+    transformers'), with the logprobs and gradients of transformers' checkpointed forward, and keeps a fraction of
+    the bytes for the backward that it keeps without checkpointing (the layers are recomputed instead)."""
+    from opd_sao.model.modeling import sequence_logprobs
+
+    plain = _model("Qwen2", attention=attention).train()
+    ours = copy.deepcopy(plain)
+    ours.activation_checkpointing_enable(activation_checkpointing_kwargs=NON_REENTRANT)
+    theirs = copy.deepcopy(ours)
+    llama_forward.keep_transformers(theirs)
+    assert llama_forward.serves(ours) and not llama_forward.serves(theirs)
+    ids, mask = _batch(torch.Generator().manual_seed(13), rows=6, width=20, left=False)
+    got, want = (sequence_logprobs(model, ids, mask, 0.8) for model in (ours, theirs))
+    assert got.abs().sum() > 0 and (got - want).abs().max() < 1e-5
+    assert_same_gradients(got, want, ours, theirs, torch.Generator().manual_seed(14), 1e-4)
+    kept, without = _saved_bytes(ours, ids, mask), _saved_bytes(plain, ids, mask)
+    assert kept < 0.5 * without, (kept, without)
+
+
+@pytest.mark.parametrize("top_layers,checkpointed", [(None, False), (1, False), (1, True)])
+def test_a_steps_critic_forwards_reuse_the_frozen_start_exactly(tiny_model_dir, top_layers, checkpointed):
     """Within `reusing_frozen_start`, a later forward over the same rows starts from the first one's state before
     the feed-forward block of the deepest layer everything frozen precedes (layer 0 under frozen attention, the
     last layer when only it trains): after an update of the trained blocks, its values and gradients are those of
     a forward from scratch, bit for bit; other rows (another mask) get their own; a critic whose attention trains
-    keeps nothing."""
-    critic = ValueModel.from_pretrained(tiny_model_dir)
+    keeps nothing. Under activation checkpointing too (the trained layers recomputed in the backward)."""
+    critic = ValueModel.from_pretrained(tiny_model_dir).train()
     critic.freeze_attention(top_layers)
+    if checkpointed:
+        critic.activation_checkpointing_enable(activation_checkpointing_kwargs=NON_REENTRANT)
     layers = critic.backbone.config.num_hidden_layers
     assert layers >= 2  # else both cases start at layer 0
     torch.nn.init.normal_(critic.value_head.weight, generator=torch.Generator().manual_seed(7))  # not zero: trains
@@ -255,10 +298,6 @@ def test_other_models_keep_transformers_forward():
     assert "Phi3Model" in llama_forward.unsupported(phi)
     engine = EmbeddedEngine(windowed, eos_id=None, pad_id=0)
     assert not engine.own_forward
-    checkpointed = _model("Llama")
-    assert llama_forward.usable_now(checkpointed)
-    checkpointed.activation_checkpointing_enable()
-    assert not llama_forward.usable_now(checkpointed)  # its backward re-runs transformers' layers
 
 
 @pytest.mark.parametrize("own", [True, False, None])

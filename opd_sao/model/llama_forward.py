@@ -16,9 +16,11 @@ feed-forward block only where a position is read.
 It serves only the decoder classes in `FAMILY`, whose layers are exactly norm -> attention (q, k, v, o
 projections; Qwen3's per-head q/k norms) -> residual -> norm -> gated MLP -> residual, with sdpa or eager
 attention over the whole sequence (a sliding window or an attention chunk, and flash-attention-2, keep
-transformers' forward). It is differentiable (the policy and the critic train through it), but reads
-parameters directly, so it is not used where DeepSpeed ZeRO-3 gathers them in module hooks, where activation
-checkpointing is on, for a model given to `keep_transformers` (`trainer.own_forward: false`), or for a model
+transformers' forward). It is differentiable (the policy and the critic train through it), with
+activation checkpointing as transformers' layers do it when it is on (each layer's two halves recomputed in the
+backward; a frozen block with no-grad inputs, which saves nothing, is not wrapped, so a critic's frozen prefix and
+its reuse work under checkpointing too). It reads parameters directly, so it is not used where DeepSpeed ZeRO-3
+gathers them in module hooks, for a model given to `keep_transformers` (`trainer.own_forward: false`), or for a model
 off CPU not given to `use_own` (`own_forward: true`; `own_forward_on`), so teachers, evaluation and the gate's
 scoring follow the same auto rule as the trainer and the engine. Results agree with transformers' to float
 rounding, gradients included (tests/test_llama_forward.py); the consistency gate measures the engine's cached
@@ -31,6 +33,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 from .decoders import activation_checkpointing, attention_window, check_plain_logits, decoder_of, unwrap
@@ -100,8 +103,9 @@ def serves(model) -> bool:
 
 
 def usable_now(model) -> bool:
-    """Per call, beside `unsupported` (per model): no activation checkpointing, no ZeRO-3 partitioned parameters."""
-    return not activation_checkpointing(model) and not hasattr(next(unwrap(model).parameters()), "ds_id")
+    """Per call, beside `unsupported` (per model): no ZeRO-3 partitioned parameters (read directly, they are
+    empty outside DeepSpeed's module hooks)."""
+    return not hasattr(next(unwrap(model).parameters()), "ds_id")
 
 
 def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -131,31 +135,56 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     else:
         attend = _eager if eager else _sdpa
     last = len(decoder.layers) - 1
+    # transformers' activation checkpointing, as its layers do it (training, no cache), where a block has anything
+    # to differentiate: a frozen prefix under no-grad inputs builds no graph, so it saves nothing anyway
+    checkpointed = (cache is None and torch.is_grad_enabled() and decoder.training
+                    and activation_checkpointing(model))
+
+    def run(block, modules, layer, hidden, *rest):
+        if checkpointed and (hidden.requires_grad or any(p.requires_grad for m in modules for p in m.parameters())):
+            return checkpoint(block, layer, hidden, *rest, use_reentrant=False)
+        return block(layer, hidden, *rest)
+
     for index, layer in enumerate(decoder.layers):
         if resume_at is not None and index < resume_at:
             continue
         if index != resume_at:
-            attention = layer.self_attn
-            x = _rms_norm(hidden, layer.input_layernorm)
-            keys = _rotate(_heads(x, attention.k_proj, attention.head_dim, getattr(attention, "k_norm", None)),
-                           cos, sin)
-            values = _heads(x, attention.v_proj, attention.head_dim)
-            if cache is not None:
-                keys, values = cache.layers[index].update(keys, values)
-            if index == last and read is not None and not len(read):
+            halves = run(_attention_block, (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm),
+                         layer, hidden, index, cos, sin, allowed, attend, cache, read if index == last else None)
+            if halves is None:  # a prefill: the last layer's keys and values are in the cache, nothing is read
                 return hidden.new_zeros(0, hidden.shape[-1])
-            queries = _rotate(_heads(x, attention.q_proj, attention.head_dim, getattr(attention, "q_norm", None)),
-                              cos, sin)
-            mixed = attend(queries, keys, values, allowed, attention.scaling).transpose(1, 2).flatten(2)
-            if index == last and read is not None:  # the rest works on each position alone: only the read ones
-                mixed, hidden = mixed.flatten(0, 1)[read], hidden.flatten(0, 1)[read]
-            hidden = hidden + _linear(mixed, attention.o_proj)
-            x = _rms_norm(hidden, layer.post_attention_layernorm)
+            hidden, x = halves
             if start is not None and index == start["layer"]:
                 start["state"] = (cos, sin, allowed, hidden, x)
-        mlp = layer.mlp
-        hidden = hidden + _linear(mlp.act_fn(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
+        hidden = run(_feed_forward_block, (layer.mlp,), layer, hidden, x)
     return _rms_norm(hidden, decoder.norm)
+
+
+def _attention_block(layer, hidden: torch.Tensor, index: int, cos, sin, allowed, attend,
+                     cache: Optional[DynamicCache], read: Optional[torch.Tensor]):
+    """A decoder layer's first half: (the residual stream after its attention, the feed-forward block's normed
+    input), at the `read` positions only where given ([n, H]); None where `read` is empty (a prefill's last
+    layer: its keys and values are in `cache`, nothing more is needed)."""
+    attention = layer.self_attn
+    x = _rms_norm(hidden, layer.input_layernorm)
+    keys = _rotate(_heads(x, attention.k_proj, attention.head_dim, getattr(attention, "k_norm", None)), cos, sin)
+    values = _heads(x, attention.v_proj, attention.head_dim)
+    if cache is not None:
+        keys, values = cache.layers[index].update(keys, values)
+    if read is not None and not len(read):
+        return None
+    queries = _rotate(_heads(x, attention.q_proj, attention.head_dim, getattr(attention, "q_norm", None)), cos, sin)
+    mixed = attend(queries, keys, values, allowed, attention.scaling).transpose(1, 2).flatten(2)
+    if read is not None:  # the rest works on each position alone: only the read ones
+        mixed, hidden = mixed.flatten(0, 1)[read], hidden.flatten(0, 1)[read]
+    hidden = hidden + _linear(mixed, attention.o_proj)
+    return hidden, _rms_norm(hidden, layer.post_attention_layernorm)
+
+
+def _feed_forward_block(layer, hidden: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's second half: the gated MLP of `x` added to the residual stream."""
+    mlp = layer.mlp
+    return hidden + _linear(mlp.act_fn(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
 
 
 def hidden_states_at(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
