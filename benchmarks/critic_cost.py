@@ -20,6 +20,10 @@ process (model, optimizer moments, activations).
     python benchmarks/critic_cost.py --model models/smollm2             # batch 8, 64 new tokens, 3 steps
     python benchmarks/critic_cost.py --model models/smollm2 --quick     # batch 4, 32 new tokens, 1 step
 
+`--gradient-checkpointing` runs every variant under trainer.gradient_checkpointing (a 7B run's setting);
+`--transformers-forward` under trainer.own_forward false (transformers' forward: no frozen-prefix reuse, which is
+what checkpointing meant before opd-sao's forward checkpointed itself).
+
 The last line is one JSON object: per variant {peak_mb, loaded_mb, cpu_s_per_step, wall_s_per_step}, and the
 ratios to grpo_dis side by side.
 """
@@ -91,7 +95,8 @@ def child(point: dict) -> dict:
                         rewards=[0.0] * (len(r["token_ids"]) - 1) + [float(i % 2)]) for i, r in enumerate(rows)]
     batch = collate(trajs, 0)
     cfg = TrainerConfig(train_batch_size=len(trajs), critic_warmup_steps=0, policy_lr=1e-6, critic_lr=1e-5,
-                        **{"critic_steps": 2, **extra})
+                        gradient_checkpointing=point["checkpointing"],
+                        own_forward=False if point["transformers_forward"] else None, **{"critic_steps": 2, **extra})
     backend = TorchTrainer(point["model"], cfg, with_critic=algo == "sao", attn_implementation="sdpa")
     learner = Learner(backend, algo, AlgoConfig(), critic_steps=cfg.critic_steps, critic_warmup_steps=0,
                       critic_minibatches=cfg.critic_minibatches)
@@ -118,6 +123,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work", default="/tmp/critic_cost")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, grpo_dis always included")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="every variant under it")
+    parser.add_argument("--transformers-forward", action="store_true", help="every variant with own_forward false")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -139,14 +146,17 @@ def main() -> None:
     results = {}
     for variant in dict.fromkeys(["grpo_dis", *args.variants.split(",")]):
         point = {"variant": variant, "model": str(Path(args.model).resolve()), "rollouts": str(data),
-                 "steps": steps, "threads": args.threads}
+                 "steps": steps, "threads": args.threads, "checkpointing": args.gradient_checkpointing,
+                 "transformers_forward": args.transformers_forward}
         results[variant] = run_point(point, timeout=3600, script=__file__)
         print(variant, results[variant], flush=True)
     base = results["grpo_dis"]
     ratios = {v: {k: round(r[k] / base[k], 2) for k in ("peak_mb", "cpu_s_per_step", "wall_s_per_step")}
               for v, r in results.items() if "error" not in r and "error" not in base}
     print(json.dumps({"model": args.model, "batch": batch, "new_tokens": new_tokens, "steps": steps,
-                      "threads": args.threads, "load_avg_1m": os.getloadavg()[0], "results": results,
+                      "threads": args.threads, "gradient_checkpointing": args.gradient_checkpointing,
+                      "transformers_forward": args.transformers_forward,
+                      "load_avg_1m": os.getloadavg()[0], "results": results,
                       "ratio_to_grpo_dis": ratios}))
 
 

@@ -235,6 +235,30 @@ def test_activation_checkpointing_runs_through_it_with_transformers_gradients_an
     assert kept < 0.5 * without, (kept, without)
 
 
+def test_checkpointing_as_the_trainer_enables_it_differentiates_no_frozen_prefix(tiny_model_dir):
+    """transformers' activation checkpointing makes the embeddings' output require grad (for adapters under
+    reentrant checkpointing), so a critic's frozen layers would be differentiated for nothing; trainers.base.prepare
+    removes that hook (its checkpointing is non-reentrant) and still checkpoints."""
+    from opd_sao.config import TrainerConfig
+    from opd_sao.model.decoders import activation_checkpointing
+    from opd_sao.trainers.base import prepare
+
+    seen = []
+    for through_prepare in (False, True):
+        critic = ValueModel.from_pretrained(tiny_model_dir).train()
+        critic.freeze_attention(1)
+        if through_prepare:
+            prepare(critic, TrainerConfig(gradient_checkpointing=True))
+        else:
+            critic.activation_checkpointing_enable(activation_checkpointing_kwargs=NON_REENTRANT)
+        assert activation_checkpointing(critic.backbone)
+        hook = critic.backbone.embed_tokens.register_forward_hook(lambda m, i, out: seen.append(out.requires_grad))
+        ids, mask = _batch(torch.Generator().manual_seed(8), rows=3, width=10, left=False)
+        critic(ids % critic.backbone.config.vocab_size, mask).sum().backward()
+        hook.remove()
+    assert seen == [True, False]
+
+
 @pytest.mark.parametrize("top_layers,checkpointed", [(None, False), (1, False), (1, True)])
 def test_a_steps_critic_forwards_reuse_the_frozen_start_exactly(tiny_model_dir, top_layers, checkpointed):
     """Within `reusing_frozen_start`, a later forward over the same rows starts from the first one's state before
@@ -256,10 +280,12 @@ def test_a_steps_critic_forwards_reuse_the_frozen_start_exactly(tiny_model_dir, 
     other[0, :2] = 0  # the same ids and actions, another mask: two of row 0's prompt tokens are padding
     optimizer = torch.optim.SGD([p for p in critic.parameters() if p.requires_grad], lr=0.5)
 
-    def fresh(attention_mask):
+    def fresh(attention_mask):  # a whole backward, as the learner's: one that reached an earlier forward's graph
+        # through the kept start (built when an input requires grad: transformers' checkpointing hook) would fail
+        critic.zero_grad()
         values = critic(ids, attention_mask, actions * attention_mask)
-        grads = torch.autograd.grad(values.square().sum(), [p for p in critic.parameters() if p.requires_grad])
-        return values.detach(), grads
+        values.square().sum().backward()
+        return values.detach(), [p.grad.clone() for p in critic.parameters() if p.requires_grad]
 
     with critic.reusing_frozen_start():
         critic(ids, mask, actions).square().sum().backward()  # the first forward keeps its start

@@ -154,8 +154,10 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
             if halves is None:  # a prefill: the last layer's keys and values are in the cache, nothing is read
                 return hidden.new_zeros(0, hidden.shape[-1])
             hidden, x = halves
-            if start is not None and index == start["layer"]:
-                start["state"] = (cos, sin, allowed, hidden, x)
+            if start is not None and index == start["layer"]:  # detached: a later forward's backward must not
+                # reach this one's graph, which an input made to require grad (transformers' checkpointing hook
+                # on the embeddings) would build through the frozen prefix
+                start["state"] = (cos, sin, allowed, hidden.detach(), x.detach())
         hidden = run(_feed_forward_block, (layer.mlp,), layer, hidden, x)
     return _rms_norm(hidden, decoder.norm)
 

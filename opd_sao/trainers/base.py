@@ -80,6 +80,10 @@ def prepare(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
         keep_transformers(getattr(model, "backbone", model))
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # transformers then makes the embeddings' output require grad (for adapters under reentrant checkpointing,
+        # which needs a differentiable input): non-reentrant checkpointing does not, and with it a frozen prefix
+        # (the critic's attention, or all but its last critic_trained_layers) would be differentiated for nothing
+        getattr(model, "backbone", model).disable_input_require_grads()
     return model
 
 
