@@ -263,7 +263,7 @@ class TrainerConfig(Strict):
     own_forward: Optional[bool] = describe(
         "Llama-family policies and critics (llama, mistral, qwen2, qwen3; every layer attending to the whole "
         "sequence) train through opd_sao/model/llama_forward.py (transformers' function in fewer operations, exact to "
-        "float rounding; not under ZeRO-3 or gradient_checkpointing); false, or any other model: transformers' "
+        "float rounding, gradient_checkpointing included; not under ZeRO-3); false, or any other model: transformers' "
         "forward. Unset (auto): ours on CPU, where it is measured faster (docs/benchmarks.md), transformers' on "
         "CUDA or any other device until scripts/gpu_check.sh's `forwards` step has measured ours there", None)
     lr_schedule: Literal["constant", "linear_warmup", "cosine"] = describe(

@@ -30,7 +30,7 @@ def _config(**stage_overrides):
 
 
 @pytest.mark.parametrize("algo", ["sao", "grpo", "grpo_dis", "ppo", "running_mean"])
-def test_reasoning_stage_end_to_end(tmp_path, algo):
+def test_reasoning_stage_end_to_end(tmp_path, algo, capsys):
     overrides = {"rollout": {"max_new_tokens": 4, "group_size": 2}} if algo.startswith("grpo") else {}
     cfg = parse_config(_config(algo=algo, **overrides))
     summary = run_pipeline(cfg, tmp_path, log=lambda m: None)
@@ -70,6 +70,29 @@ def test_reasoning_stage_end_to_end(tmp_path, algo):
         logits, base = model(ids).logits, AutoModelForCausalLM.from_pretrained(tmp_path / "base_model")(ids).logits
     assert logits.shape[-1] >= len(tokenizer) and torch.isfinite(logits).all()
     assert not torch.allclose(logits, base)
+    if algo == "sao":
+        _check_samples(tmp_path, cfg, capsys)
+
+
+def _check_samples(run_dir: Path, cfg, capsys) -> None:
+    """`opd-sao samples` shows each held-out task's first sample as the evaluation drew it: the same rewards as the
+    evaluation's first sample of those tasks; a stage the run lacks is one line."""
+    from opd_sao.app import cli
+    from opd_sao.checkpoints import load_tokenizer
+    from opd_sao.runs.evaluation import episode_rewards
+    from opd_sao.stages.domains import Domain
+
+    capsys.readouterr()
+    assert cli.main(["samples", str(run_dir), "--stage", "reasoning", "--n", "3"]) == 0
+    shown = re.findall(r"^=== arithmetic, task (\S+): reward (\S+)$", capsys.readouterr().out, re.M)
+    assert len(shown) == 3
+    domain = Domain("arithmetic", None, cfg.stages, cfg.device)
+    rewards = episode_rewards(run_dir / "stages" / "reasoning" / "checkpoint", domain.factory,
+                              load_tokenizer(run_dir / "base_model"), domain="arithmetic", rollout=domain.eval_rollout,
+                              eval_cfg=domain.eval_cfg, seed=cfg.seed, attn_implementation=cfg.model.attn_implementation)
+    assert [(task, float(reward)) for task, reward in shown] == [(t, r[0]) for t, r in list(rewards.items())[:3]]
+    assert cli.main(["samples", str(run_dir), "--stage", "chat"]) == 2
+    assert "the run's stages are reasoning (or base)" in capsys.readouterr().err
 
 
 def _cli(*args, cwd):

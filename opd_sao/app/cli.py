@@ -173,6 +173,49 @@ def _cmd_data(args) -> int:
     return 1 if bad_rows else 0
 
 
+def _cmd_samples(args) -> int:
+    """`opd-sao samples RUN_DIR --stage S`: what a checkpoint of a run writes on held-out tasks, played as the
+    evaluation plays them (each task's first keyed sample, or greedy), with the reward: read beside a score, it
+    shows what the score credits (a reward that can be gamed shows here first)."""
+    from opd_sao.app.pipeline import eval_domains
+    from opd_sao.checkpoints import load_tokenizer
+    from opd_sao.config import load_config
+    from opd_sao.runs.evaluation import played
+    from opd_sao.stages.domains import Domain
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise UsageError(f"{run_dir} is not a run directory (no config.yaml)")
+    if args.n < 1:
+        raise UsageError(f"--n {args.n}: give at least one task")
+    cfg = load_config(run_dir / "config.yaml")
+    base = run_dir / "base_model" if (run_dir / "base_model").is_dir() else Path(cfg.model.path)
+    stages = [stage.name for stage in cfg.stages]
+    if args.stage == "base":
+        checkpoint = base
+    elif args.stage not in stages:
+        raise UsageError(f"--stage {args.stage!r}: the run's stages are {', '.join(stages)} (or base)")
+    else:
+        checkpoint = run_dir / "stages" / args.stage / "checkpoint"
+        if not (checkpoint / "config.json").is_file():
+            raise UsageError(f"stage {args.stage!r} has no checkpoint yet ({checkpoint})")
+    domains = list(eval_domains(cfg))
+    if args.domain is not None and args.domain not in domains:
+        raise UsageError(f"--domain {args.domain!r}: the run evaluates {', '.join(domains)}")
+    tokenizer = load_tokenizer(base)
+    for name in [args.domain] if args.domain else domains:
+        domain = Domain(name, None, cfg.stages, cfg.device)
+        eval_cfg = domain.eval_cfg.model_copy(update={"num_tasks": args.n, "samples_per_task": 1,
+                                                      **({"greedy": True} if args.greedy else {})})
+        _, episodes, trajs = played(checkpoint, domain.factory, tokenizer, domain=name, rollout=domain.eval_rollout,
+                                    eval_cfg=eval_cfg, seed=cfg.seed, device=cfg.engine_device,
+                                    attn_implementation=cfg.model.attn_implementation)
+        for episode, traj in zip(episodes, trajs):
+            print(f"=== {name}, task {episode.task['id']}: reward {traj.total_reward:g}")
+            print(f"--- prompt\n{tokenizer.decode(traj.prompt_ids)}\n--- response\n{tokenizer.decode(traj.token_ids)}")
+    return 0
+
+
 def _cmd_sandbox(args) -> int:
     """`opd-sao sandbox run FILE [limits]`: the sandbox's own command line (opd_sao.envs.sandbox.main)."""
     from opd_sao.envs.sandbox import main as sandbox_main
@@ -270,6 +313,15 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--chat-template", help="a local HF tokenizer directory: render prompts with its chat template")
     data.add_argument("--n", type=int, default=3, help="prompts to show (default 3)")
     data.set_defaults(func=_cmd_data)
+    samples = sub.add_parser("samples", help="what a run's checkpoint writes on held-out tasks (prompt, response, "
+                                             "reward), played as the evaluation plays them")
+    samples.add_argument("run_dir", help="a run directory")
+    samples.add_argument("--stage", required=True, help="a stage of the run (its checkpoint), or base")
+    samples.add_argument("--domain", help="one evaluated domain (default: every one)")
+    samples.add_argument("--n", type=int, default=3, help="tasks per domain, the eval split's first (default 3)")
+    samples.add_argument("--greedy", action="store_true", help="argmax answers (default: the evaluation's sampling; "
+                                                               "each task's first sample, the same draws)")
+    samples.set_defaults(func=_cmd_samples)
     sandbox = sub.add_parser("sandbox", add_help=False, help="run one Python program in the agent sandbox "
                                                              "(`opd-sao sandbox run FILE`, prints one JSON object)")
     sandbox.add_argument("args", nargs=argparse.REMAINDER)

@@ -84,6 +84,19 @@ def episode_rewards(checkpoint: Path, env_factory, tokenizer, *, domain: str, ro
                     eval_cfg: EvalConfig, seed: int, device: Optional[str] = None,
                     attn_implementation: str = "eager") -> dict[str, list[float]]:
     """Every eval episode's reward, per task (eval_cfg.samples_per_task each): the score and its sampling noise."""
+    tasks, episodes, trajs = played(checkpoint, env_factory, tokenizer, domain=domain, rollout=rollout,
+                                    eval_cfg=eval_cfg, seed=seed, device=device,
+                                    attn_implementation=attn_implementation)
+    rewards: dict[str, list[float]] = {str(task["id"]): [] for task in tasks}
+    for episode, traj in zip(episodes, trajs):
+        rewards[str(episode.task["id"])].append(traj.total_reward)
+    return rewards
+
+
+def played(checkpoint: Path, env_factory, tokenizer, *, domain: str, rollout: RolloutConfig, eval_cfg: EvalConfig,
+           seed: int, device: Optional[str] = None, attn_implementation: str = "eager") -> tuple[list, list, list]:
+    """The eval split's first eval_cfg.num_tasks tasks played by `checkpoint` as the evaluation plays them: (tasks,
+    episodes, trajectories). What `episode_rewards` scores and `opd-sao samples` shows."""
     tasks = env_factory().make_tasks("eval", eval_cfg.num_tasks, seed=seed)
     if not tasks:
         raise UsageError(f"environment {domain!r} has no eval tasks")
@@ -95,7 +108,4 @@ def episode_rewards(checkpoint: Path, env_factory, tokenizer, *, domain: str, ro
                              max_positions=getattr(model.config, "max_position_embeddings", None))
     with torch.no_grad():
         trajs = run_episodes(engine, episodes)
-    rewards: dict[str, list[float]] = {str(task["id"]): [] for task in tasks}
-    for episode, traj in zip(episodes, trajs):
-        rewards[str(episode.task["id"])].append(traj.total_reward)
-    return rewards
+    return tasks, episodes, trajs
