@@ -54,9 +54,11 @@ row after the step where its training CPU-seconds reach S (snapshots then at eve
 same CPU; held-out: `--eval-tasks` items (>= 200 for the Must-show), `--eval-samples` samples each at the rollout
 temperature (greedy with `--eval-greedy`), standard error over the items beside each score. Writes `<out-dir>/vs_trl.png` (held-out accuracy against CPU-seconds, every row, +-1 SE) and
 `<out-dir>/result.json` (the JSON line); judged: SAO's accuracy at or above each other row's at each of that row's
-points (equal CPU, SAO's curve interpolated). `--critic-trained-layers N` adds SAO with a critic that trains its last
+points (equal CPU, SAO's curve interpolated), each with the standard error of SAO's lead paired over the items. `--critic-trained-layers N` adds SAO with a critic that trains its last
 N layers only (`trainer.critic_trained_layers`: a cheaper step), judged alike; `--rows-from DIR` takes the rows an
-earlier run with the same settings has (its result.json) and runs only the others. SmolLM2's reasoning stage (#41):
+earlier run with the same settings has (its result.json) and runs only the others; `--combine DIR... --out-dir OUT`
+pools runs that differ only in `--seed` (mean curves, SAO judged on them, SAO's lead at each point per seed and its
+standard error over the seeds) and runs nothing. SmolLM2's reasoning stage (#41):
 
     benchmarks/vs_trl.py --venv /tmp/trlbench --model RUN/stages/reasoning/sft_checkpoint \
         --config configs/smollm2.yaml --env reasoning_gym:basic_arithmetic --prompt-format chat \
@@ -371,21 +373,24 @@ def real_held_out(checkpoint: Path, real: dict, seed: int) -> dict:
     """Real-model mode's evaluation of every side's models: `eval_tasks` items of the stage's eval split, greedy with
     `eval_greedy` (else `eval_samples` samples per item at the rollout's temperature, keyed draws: every checkpoint
     meets the same random numbers), scored by the environment as in training; the mean, its standard error over the
-    items and their number."""
+    items and their number, and each item's mean (in the eval split's order, every checkpoint's alike: two are
+    compared item by item)."""
     from opd_sao.checkpoints import load_tokenizer
     from opd_sao.config import EvalConfig
     from opd_sao.envs import ENVIRONMENTS
-    from opd_sao.runs.evaluation import evaluate_score
+    from opd_sao.runs.evaluation import episode_rewards, task_score
 
     run = real_run_config(real, checkpoint, "sao", 1, 1, seed)
     stage = run.stages[0]
-    score = evaluate_score(checkpoint, lambda: ENVIRONMENTS.get(stage.env)(**stage.env_options),
-                           load_tokenizer(checkpoint), domain=stage.env, rollout=stage.rollout,
-                           eval_cfg=EvalConfig(num_tasks=real["eval_tasks"], greedy=real["eval_greedy"],
-                                               samples_per_task=1 if real["eval_greedy"] else real["eval_samples"],
-                                               temperature=stage.rollout.temperature),
-                           seed=seed, device="cpu", attn_implementation=run.model.attn_implementation)
-    return {"held_out": score.mean, "held_out_stderr": score.stderr, "held_out_n": score.n}
+    rewards = episode_rewards(checkpoint, lambda: ENVIRONMENTS.get(stage.env)(**stage.env_options),
+                              load_tokenizer(checkpoint), domain=stage.env, rollout=stage.rollout,
+                              eval_cfg=EvalConfig(num_tasks=real["eval_tasks"], greedy=real["eval_greedy"],
+                                                  samples_per_task=1 if real["eval_greedy"] else real["eval_samples"],
+                                                  temperature=stage.rollout.temperature),
+                              seed=seed, device="cpu", attn_implementation=run.model.attn_implementation)
+    score = task_score(rewards)
+    return {"held_out": score.mean, "held_out_stderr": score.stderr, "held_out_n": score.n,
+            "held_out_per_task": [statistics.fmean(r) for r in rewards.values() if r]}  # the tasks in one order
 
 
 def real_trl_inputs(real: dict, start: Path, seed: int, work: Path) -> dict:
@@ -634,20 +639,25 @@ def held_out_curves(repeats: list[tuple[dict, dict]], batch: int) -> dict:
                          "cpu_s": statistics.median(p["cpu_s"] for p in points),
                          "held_out": statistics.fmean(p["held_out"] for p in points),
                          **({"held_out_stderr": max(p["held_out_stderr"] or 0.0 for p in points)}
-                            if "held_out_stderr" in points[0] else {})} for points in zip(*along)]
+                            if "held_out_stderr" in points[0] else {}),
+                         **({"held_out_per_task": [statistics.fmean(t) for t in zip(
+                             *(p["held_out_per_task"] for p in points))]}
+                            if all("held_out_per_task" in p for p in points) else {})} for points in zip(*along)]
     return curves
 
 
-def accuracy_at(points: list[dict], cpu_s: float, start_held_out: float) -> float:
+def accuracy_at(points: list[dict], cpu_s: float, start_held_out, key: str = "held_out"):
     """A curve's held-out accuracy at `cpu_s`, by linear interpolation from the start (0 CPU-s, the start's
-    accuracy); its final accuracy past its end."""
-    previous = {"cpu_s": 0.0, "held_out": start_held_out}
+    accuracy); its final accuracy past its end. With `key` held_out_per_task, each item's (lists)."""
+    def between(a, b, share: float):
+        return [x + share * (y - x) for x, y in zip(a, b)] if isinstance(a, list) else a + share * (b - a)
+
+    previous = {"cpu_s": 0.0, key: start_held_out}
     for point in points:
         if cpu_s <= point["cpu_s"]:
-            share = (cpu_s - previous["cpu_s"]) / (point["cpu_s"] - previous["cpu_s"])
-            return previous["held_out"] + share * (point["held_out"] - previous["held_out"])
+            return between(previous[key], point[key], (cpu_s - previous["cpu_s"]) / (point["cpu_s"] - previous["cpu_s"]))
         previous = point
-    return points[-1]["held_out"]
+    return points[-1][key]
 
 
 def at_equal_cpu(curves: dict, start_held_out: float) -> dict:
@@ -671,16 +681,24 @@ def at_equal_cpu(curves: dict, start_held_out: float) -> dict:
     return out
 
 
-def sao_at_equal_cpu(curves: dict, start_held_out: float, sao_row: str = "opd_sao_sao") -> dict:
+def sao_at_equal_cpu(curves: dict, start: dict, sao_row: str = "opd_sao_sao") -> dict:
     """Real-model mode's judgement of SAO row `sao_row`: at each point of every row that is not SAO within its
     CPU-seconds, and at that row's final point (past SAO's end: SAO's final accuracy, got for less CPU), SAO's
     held-out accuracy there (its curve interpolated) against the row's own; `at_or_above` when SAO's is never
-    below."""
+    below. Where every point has its items' scores, `lead_se`: the standard error of SAO's lead (SAO minus the
+    row) over the items, paired (both evaluated on the same items and keyed draws)."""
     sao = curves[sao_row]
+    paired = "held_out_per_task" in start and all("held_out_per_task" in p for c in curves.values() for p in c)
     out = {}
     for name in (name for name in curves if not name.startswith("opd_sao_sao")):
-        points = [{"cpu_s": p["cpu_s"], name: p["held_out"], "sao": accuracy_at(sao, p["cpu_s"], start_held_out)}
-                  for p in curves[name] if p["cpu_s"] <= sao[-1]["cpu_s"] or p is curves[name][-1]]
+        points = []
+        for p in (p for p in curves[name] if p["cpu_s"] <= sao[-1]["cpu_s"] or p is curves[name][-1]):
+            point = {"cpu_s": p["cpu_s"], name: p["held_out"], "sao": accuracy_at(sao, p["cpu_s"], start["held_out"])}
+            if paired:
+                leads = [a - b for a, b in zip(accuracy_at(sao, p["cpu_s"], start["held_out_per_task"],
+                                                           "held_out_per_task"), p["held_out_per_task"])]
+                point["lead_se"] = statistics.stdev(leads) / len(leads) ** 0.5
+            points.append(point)
         out[name] = {"points": points, "at_or_above": bool(points) and all(p["sao"] >= p[name] for p in points)}
     return out
 
@@ -768,6 +786,72 @@ def earlier_rows(directory: Path, expected: dict) -> tuple[dict, dict]:
     return earlier["runs"], earlier["start_held_out"]
 
 
+SAME_ACROSS_SEEDS = ("model", "config", "env", "torch_threads", "steps_cap", "cpu_budget_s", "batch", "eval")
+
+
+def combine_main(args, parser: argparse.ArgumentParser) -> None:
+    """`--combine DIR...`: real-model runs that differ only in `--seed` (each an --out-dir) pooled. Each row's curve
+    is the seeds' mean point by point (the k-th snapshot of every seed: mean CPU-s, mean held-out, the standard
+    error of that mean from the evaluations' own errors, sqrt(sum se^2) / n); every SAO row is judged on the pooled
+    curves as one run's are, and, at each of the other row's points, SAO's lead (interpolated SAO minus the row)
+    is given per seed with its mean, from two seeds on the standard error of that mean over the seeds, and where
+    the runs kept their items' scores the paired standard error of the mean from the evaluations alone."""
+    if args.out_dir is None:
+        parser.error("--combine needs --out-dir")
+    dirs, out_dir = args.combine, args.out_dir
+    results = [json.loads((d / "result.json").read_text()) for d in dirs]
+    differs = [k for k in SAME_ACROSS_SEEDS if any(r.get(k) != results[0].get(k) for r in results)]
+    if differs or any(r.get("mode") != "real_model" for r in results):
+        sys.exit(f"--combine: the runs' {', '.join(differs) or 'mode'} differ (real-model runs alike but their seed)")
+    names = [n for n in results[0]["held_out_curves"] if all(n in r["held_out_curves"] for r in results)]
+    n = len(results)
+
+    def pooled(points: list[dict]) -> dict:
+        return {"cpu_s": statistics.fmean(p["cpu_s"] for p in points),
+                "held_out": statistics.fmean(p["held_out"] for p in points),
+                "held_out_stderr": sum((p.get("held_out_stderr") or 0.0) ** 2 for p in points) ** 0.5 / n}
+
+    curves = {name: [pooled(points) for points in zip(*(r["held_out_curves"][name] for r in results))]
+              for name in names}
+    start = pooled([{"cpu_s": 0.0, **r["start_held_out"]} for r in results])
+    del start["cpu_s"]
+    judged, leads = {}, {}
+    for sao in (name for name in names if name.startswith("opd_sao_sao")):
+        judged[sao] = sao_at_equal_cpu(curves, start, sao)
+        for other in judged[sao]:
+            each = [sao_at_equal_cpu(r["held_out_curves"], r["start_held_out"], sao)[other]["points"]
+                    for r in results]
+            leads[f"{sao} - {other}"] = [{
+                "each_seed": [round(p["sao"] - p[other], 4) for p in points],
+                "mean": statistics.fmean(p["sao"] - p[other] for p in points),
+                "se_over_seeds": statistics.stdev(p["sao"] - p[other] for p in points) / n ** 0.5 if n > 1 else None,
+                "se_paired": sum(p["lead_se"] ** 2 for p in points) ** 0.5 / n  # the evaluations' noise alone
+                if all("lead_se" in p for p in points) else None} for points in zip(*each)]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot = out_dir / "vs_trl.png"
+    plot_curves(curves, start, plot, f"{Path(results[0]['model']).name} on {results[0]['env']}: mean of {n} seeds "
+                f"({', '.join(d.name for d in dirs)})\nheld-out +-1 SE of the mean (evaluations' own errors)")
+    print(f"held-out along the run, mean of {n} seeds (CPU-s accuracy +- SE), from {start['held_out']:.3f}:")
+    for name, points in curves.items():
+        print(f"  {name:<18} " + ", ".join(f"{p['cpu_s']:.0f} {p['held_out']:.3f} +- {p['held_out_stderr']:.3f}"
+                                           for p in points))
+    for pair, points in leads.items():
+        print(f"{pair} at its points: " + ", ".join(
+            f"{p['mean']:+.3f}" + (f" +- {p['se_over_seeds']:.3f}" if p["se_over_seeds"] is not None else "")
+            + (f" (paired {p['se_paired']:.3f})" if p["se_paired"] is not None else "")
+            + f" [{' / '.join(f'{x:+.3f}' for x in p['each_seed'])}]" for p in points))
+    for sao, judgements in judged.items():
+        print(f"{sao} on the pooled curves, at or above: " + ", ".join(
+            f"{name} {j['at_or_above']}" for name, j in judgements.items()))
+    result = {"benchmark": "vs_trl", "mode": "real_model_seeds", "runs": [str(d) for d in dirs], "seeds": n,
+              **{k: results[0][k] for k in SAME_ACROSS_SEEDS}, "start_held_out": start, "held_out_curves": curves,
+              "judged_on_pooled_curves": judged, "sao_lead_at_equal_cpu": leads, "plot": str(plot),
+              "at_or_above_each_seed": {d.name: {k: v for k, v in r["must_show"].items() if "at_or_above" in k}
+                                        for d, r in zip(dirs, results)}}
+    (out_dir / "result.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
 def real_main(args, parser: argparse.ArgumentParser) -> None:
     """Real-model mode (the module's docstring): SAO, GRPO and TRL GRPO from `args.model`, evaluated alike along the
     run; a table, the plot, <out-dir>/result.json and the JSON line."""
@@ -829,8 +913,8 @@ def real_main(args, parser: argparse.ArgumentParser) -> None:
     repeats[0][0].update(earlier)  # --rows-from: evaluated there (one repeat)
     start = start or real_held_out(args.model, real, args.seed)
     curves = held_out_curves(repeats, args.batch)
-    judged = sao_at_equal_cpu(curves, start["held_out"])
-    judged_variant = sao_at_equal_cpu(curves, start["held_out"], variant) if variant else None
+    judged = sao_at_equal_cpu(curves, start)
+    judged_variant = sao_at_equal_cpu(curves, start, variant) if variant else None
     runs = repeats[0][0]
     for name, result in runs.items():
         result["held_out_each_repeat"] = [rl[name]["held_out"] for rl, _ in repeats]
@@ -853,15 +937,16 @@ def real_main(args, parser: argparse.ArgumentParser) -> None:
                                            f"{p['held_out_stderr'] or 0:.3f}" for p in points))
     for sao, judgements in (("opd_sao_sao", judged), (variant, judged_variant or {})):
         for name, judgement in judgements.items():
-            print(f"{sao} at {name}'s points (CPU-s: {name} / SAO): " + ", ".join(
-                f"{p['cpu_s']:.0f}: {p[name]:.3f} / {p['sao']:.3f}" for p in judgement["points"])
+            print(f"{sao} at {name}'s points (CPU-s: {name} / SAO, paired SE of the lead): " + ", ".join(
+                f"{p['cpu_s']:.0f}: {p[name]:.3f} / {p['sao']:.3f}"
+                + (f" ({p['lead_se']:.3f})" if "lead_se" in p else "") for p in judgement["points"])
                 + f"; at or above: {judgement['at_or_above']}")
     result = {
         "benchmark": "vs_trl", "mode": "real_model", "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU "
         f"only, load average {os.getloadavg()[0]:.1f}", "versions": {"trl": TRL_VERSION, "torch": torch.__version__,
                                                                    "transformers": transformers.__version__},
-        "model": str(args.model), "config": str(args.config), "env": args.env, "torch_threads": THREADS,
-        "steps_cap": args.steps, "cpu_budget_s": args.cpu_budget, "batch": args.batch, "group_size_grpo": GROUP,
+        "model": str(args.model), "config": str(args.config), "env": args.env, "seed": args.seed,
+        "torch_threads": THREADS, "steps_cap": args.steps, "cpu_budget_s": args.cpu_budget, "batch": args.batch, "group_size_grpo": GROUP,
         "settings": {k: v for k, v in settings.items() if k != "opd_sao_site"}, "eval": real, "start_held_out": start,
         "runs": runs, "repeats": len(repeats), "ratios": ratios, "held_out_curves": curves,
         "sao_at_equal_cpu": judged, **({f"{variant}_at_equal_cpu": judged_variant} if variant else {}),
@@ -946,6 +1031,9 @@ def main() -> None:
                                                                 "layers (row opd_sao_sao_top<N>), judged alike")
     real.add_argument("--rows-from", type=Path, help="take the rows an earlier run (its --out-dir, one repeat, the "
                                                      "same settings) has instead of running them again")
+    real.add_argument("--combine", type=Path, nargs="+", metavar="DIR",
+                      help="pool real-model runs that differ only in --seed (their --out-dirs) into --out-dir: mean "
+                           "curves, SAO judged on them and its lead per seed; runs nothing")
     parser.add_argument("--real", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--settings", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -957,8 +1045,8 @@ def main() -> None:
     args.snapshots = 4 if args.snapshots is None else args.snapshots
     if args.quick:
         args.steps, args.batch, args.sft_steps, args.eval_samples, args.opd_steps, args.qwen_steps = 6, 32, 60, 1, 4, 0
-    if args.model:
-        return real_main(args, parser)
+    if args.model or args.combine:
+        return (combine_main if args.combine else real_main)(args, parser)
     import torch
     import transformers
 
