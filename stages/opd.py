@@ -37,6 +37,7 @@ import statistics
 import threading
 from pathlib import Path
 
+from opd_sao.checkpoints import checkpoint_hash, weight_files
 from opd_sao.config import BEST_CHECKPOINT, require_device
 from opd_sao.consistency.gate import probe_episodes
 from opd_sao.engines import build_engine
@@ -152,13 +153,16 @@ class OPDStage(Stage):
         prefetcher = Prefetcher(registry.build_all(), local_dir=Path(opd.local_dir or self.dir / "teacher_tier"),
                                 max_resident=opd.max_resident, enabled=opd.prefetch, copy_bandwidth=bandwidth)
         engine = targets = None
-        # the pipeline's scores of the completed stages: the same evaluation (settings, seed), so a teacher or the
-        # start checkpoint is not scored again
+        # scores keyed by the checkpoint's weights (a teacher is often the student's start: scored once), seeded
+        # with the pipeline's scores of the completed stages: the same evaluation (settings, seed)
+        self._hashes: dict[str, str] = {}
+        self._evaluations = {"run": 0, "reused": 0}  # (checkpoint, domain) scores measured here, and found kept
+        finished = {stage: self._weights(ckpt) for stage, ckpt in self.ctx.checkpoints.items() if weight_files(ckpt)}
         self._scores: dict[tuple[str, str, int], float] = {
-            (str(Path(ckpt).resolve()), name, 0): score for stage, ckpt in self.ctx.checkpoints.items()
+            (weights, name, 0): score for stage, weights in finished.items()
             for name, score in self.ctx.scores.get(stage, {}).items() if name in domains}
         self._errors: dict[tuple[str, str, int], dict] = {  # and their standard errors ({stderr, n})
-            (str(Path(ckpt).resolve()), name, 0): error for stage, ckpt in self.ctx.checkpoints.items()
+            (weights, name, 0): error for stage, weights in finished.items()
             for name, error in self.ctx.score_errors.get(stage, {}).items() if name in domains}
         try:
             targets = TeacherTargets(registry, prefetcher, Path(opd.cache_dir or self.dir / "logit_cache"))
@@ -190,7 +194,7 @@ class OPDStage(Stage):
             "train": _train_summary(history), "prefetch": {**{k: round(v, 4) if isinstance(v, float) else v
                                                               for k, v in prefetcher.stats.items()},
                                                            "enabled": opd.prefetch, "max_resident": opd.max_resident},
-            "distillation": distillation, "gate": gate.summary(),
+            "distillation": distillation, "evaluations": dict(self._evaluations), "gate": gate.summary(),
             "schedule": {**schedule.summary(), "probe_every": opd.probe_every, "budget_steps": cfg.steps},
         }
         if resumed:
@@ -225,7 +229,7 @@ class OPDStage(Stage):
             if every and (steps_done % every == 0 or not schedule.probes):
                 with self.timed("evaluation"):
                     student = backend.export_policy(self.dir / "probe_checkpoint", tok)
-                    scores = {name: self._score(student, d, PROBE_SEED_OFFSET, cached=False)
+                    scores = {name: self._score(student, d, PROBE_SEED_OFFSET, rewritten=True)
                               for name, d in domains.items()}
                     teachers = {name: self._score(registry.teacher_for(name).checkpoint, d, PROBE_SEED_OFFSET)
                                 for name, d in domains.items()}
@@ -235,11 +239,19 @@ class OPDStage(Stage):
         return self.train(engine=engine, backend=backend, learner=learner, make_episodes=make_episodes,
                           make_probe=probe, trainer_cfg=trainer_cfg, what="opd", stop_when=stop_when)
 
-    def _score(self, ckpt: Path, d: Domain, seed_offset: int = 0, *, cached: bool = True) -> float:
+    def _weights(self, ckpt: Path, rewritten: bool = False) -> str:
+        """The checkpoint's weights hash, hashed once per path unless `rewritten` (the probes' export)."""
+        path = str(Path(ckpt).resolve())
+        if rewritten or path not in self._hashes:
+            self._hashes[path] = checkpoint_hash(ckpt)
+        return self._hashes[path]
+
+    def _score(self, ckpt: Path, d: Domain, seed_offset: int = 0, *, rewritten: bool = False) -> float:
         """A checkpoint's held-out score on a domain, with the pipeline's evaluation settings (seed + seed_offset);
-        cached per (checkpoint, domain) unless the checkpoint's weights change under the same path (probes)."""
-        key = (str(Path(ckpt).resolve()), d.name, seed_offset)
-        if not cached or key not in self._scores:
+        cached per (weights, domain, seed offset): equal weights under two paths are scored once."""
+        key = (self._weights(ckpt, rewritten), d.name, seed_offset)
+        self._evaluations["reused" if key in self._scores else "run"] += 1
+        if key not in self._scores:
             score = evaluate_score(ckpt, d.factory, self.ctx.tokenizer, domain=d.name, rollout=d.eval_rollout,
                                    eval_cfg=d.eval_cfg, seed=self.ctx.cfg.seed + seed_offset,
                                    device=self.ctx.cfg.engine_device,
@@ -249,7 +261,7 @@ class OPDStage(Stage):
 
     def _error(self, ckpt: Path, d: Domain) -> dict | None:
         """The standard error of `_score(ckpt, d)` (None for a score from a run recorded before scores had one)."""
-        return self._errors.get((str(Path(ckpt).resolve()), d.name, 0))
+        return self._errors.get((self._weights(ckpt), d.name, 0))
 
     def _distillation(self, domains: dict[str, Domain], registry, start: Path, checkpoint: Path) -> dict:
         """Per domain: teacher score, student before / after, and the share of the teacher's score reached."""

@@ -523,6 +523,24 @@ def _run_config(**opd):
                        _opd_stage(**opd)]}
 
 
+def test_a_teacher_with_the_students_weights_is_scored_once(tmp_path):
+    """The teacher is the stage the student starts from: the first probe finds it at 100% and the stage ends at step
+    0. Scores are kept by weights, not path: the probe's export, the teacher and the exported student are one
+    checkpoint, scored once at the probe's seed (the teacher at the evaluation's seed is the pipeline's score).
+    Before: three evaluations of one domain (the probe's student and teacher, the exported student)."""
+    cfg = {**_run_config(), "stages": [_teacher_stage("rev", "digits_reverse"), {
+        **_opd_stage(probe_every=1), "init_from": "rev", "domains": ["digits_reverse"],
+        "opd": {**_opd_stage()["opd"], "probe_every": 1,
+                "teachers": [{"name": "t_rev", "checkpoint": "rev", "domains": ["digits_reverse"]}]}}]}
+    summary = run_pipeline(parse_config(cfg), tmp_path, log=lambda m: None)
+    stage = summary["stages"][1]
+    assert stage["steps"] == 0 and len(stage["schedule"]["probes"]) == 1
+    assert stage["evaluations"] == {"run": 1, "reused": 4}  # reused: the probe's teacher; teacher, before, after
+    row = stage["distillation"]["digits_reverse"]
+    assert row["teacher_score"] == row["student_before"] == row["student_after"] == \
+        summary["stages"][0]["eval_after"]["digits_reverse"]
+
+
 def test_domain_schedule_follows_the_gaps_and_skips_domains_at_their_target():
     schedule = DomainSchedule(["a", "b", "c"], target=0.95)
     assert [schedule.next_domain() for _ in range(6)] == ["a", "b", "c"] * 2  # round robin before any probe
