@@ -25,7 +25,7 @@ FAMILY = {"Llama": dict(attention_bias=True, mlp_bias=True),  # every projection
 
 def _model(arch: str, seed: int = 0, attention: str = "eager", **extra):
     """A causal LM of `arch` whose norms are not the identity (initialised to ones, they would hide a misplaced one)."""
-    config = getattr(transformers, f"{arch}Config")(**SHAPE, **{**FAMILY.get(arch, {}), **extra})
+    config = getattr(transformers, f"{arch}Config")(**{**SHAPE, **FAMILY.get(arch, {}), **extra})
     config._attn_implementation = attention
     torch.manual_seed(seed)
     model = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
@@ -200,25 +200,27 @@ def test_the_policy_trains_through_it_as_through_transformers(attention, width):
 
 
 def _saved_bytes(model, ids, mask) -> int:
-    """Bytes the autograd graph keeps for the backward of the policy's logprobs (what checkpointing trades away)."""
+    """Bytes the autograd graph keeps for the backward of the policy's logprobs (what checkpointing trades away):
+    each storage once (every checkpointed layer refers to the same rotary tables and mask)."""
     from opd_sao.model.modeling import sequence_logprobs
 
-    saved = []
+    saved = {}
 
     def pack(tensor):
-        saved.append(tensor.numel() * tensor.element_size())
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         sequence_logprobs(model, ids, mask, 1.0).sum().backward()
-    return sum(saved)
+    return sum(saved.values())
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_activation_checkpointing_runs_through_it_with_transformers_gradients_and_keeps_less(attention):
     """Under activation checkpointing the policy still trains through our forward (it used to fall back to
     transformers'), with the logprobs and gradients of transformers' checkpointed forward, and keeps a fraction of
-    the bytes for the backward that it keeps without checkpointing (the layers are recomputed instead)."""
+    the bytes for the backward that it keeps without checkpointing (the layers are recomputed instead): a layer keeps
+    its input, as under transformers' checkpointed forward."""
     from opd_sao.model.modeling import sequence_logprobs
 
     plain = _model("Qwen2", attention=attention).train()
@@ -233,6 +235,15 @@ def test_activation_checkpointing_runs_through_it_with_transformers_gradients_an
     assert_same_gradients(got, want, ours, theirs, torch.Generator().manual_seed(14), 1e-4)
     kept, without = _saved_bytes(ours, ids, mask), _saved_bytes(plain, ids, mask)
     assert kept < 0.5 * without, (kept, without)
+    per_layer = {}  # what each further layer keeps: its input alone, as transformers' (by halves it was 3x that)
+    for side in ("ours", "theirs"):
+        deeper = _model("Qwen2", attention=attention, num_hidden_layers=SHAPE["num_hidden_layers"] + 2).train()
+        deeper.activation_checkpointing_enable(activation_checkpointing_kwargs=NON_REENTRANT)
+        if side == "theirs":
+            llama_forward.keep_transformers(deeper)
+        per_layer[side] = (_saved_bytes(deeper, ids, mask) - _saved_bytes(ours if side == "ours" else theirs, ids,
+                                                                          mask)) / 2
+    assert per_layer["ours"] == per_layer["theirs"] == ids.numel() * SHAPE["hidden_size"] * 4, per_layer
 
 
 def test_checkpointing_as_the_trainer_enables_it_differentiates_no_frozen_prefix(tiny_model_dir):

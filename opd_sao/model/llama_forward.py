@@ -17,9 +17,10 @@ It serves only the decoder classes in `FAMILY`, whose layers are exactly norm ->
 projections; Qwen3's per-head q/k norms) -> residual -> norm -> gated MLP -> residual, with sdpa or eager
 attention over the whole sequence (a sliding window or an attention chunk, and flash-attention-2, keep
 transformers' forward). It is differentiable (the policy and the critic train through it), with
-activation checkpointing as transformers' layers do it when it is on (each layer's two halves recomputed in the
-backward; a frozen block with no-grad inputs, which saves nothing, is not wrapped, so a critic's frozen prefix and
-its reuse work under checkpointing too). It reads parameters directly, so it is not used where DeepSpeed ZeRO-3
+activation checkpointing as transformers' layers do it when it is on (one checkpoint a layer, its input kept and
+the layer recomputed in the backward; the critic's frozen-start layer is checkpointed by halves, and a frozen block
+with no-grad inputs, which saves nothing, is not wrapped, so a critic's frozen prefix and its reuse work under
+checkpointing too). It reads parameters directly, so it is not used where DeepSpeed ZeRO-3
 gathers them in module hooks, for a model given to `keep_transformers` (`trainer.own_forward: false`), or for a model
 off CPU not given to `use_own` (`own_forward: true`; `own_forward_on`), so teachers, evaluation and the gate's
 scoring follow the same auto rule as the trainer and the engine. Results agree with transformers' to float
@@ -148,6 +149,12 @@ def hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     for index, layer in enumerate(decoder.layers):
         if resume_at is not None and index < resume_at:
             continue
+        if checkpointed and index != resume_at and (start is None or index != start["layer"]) \
+                and (index != last or read is None or len(read)):
+            # one checkpoint for the whole layer, as transformers' (its input kept, both halves recomputed)
+            hidden = run(_decoder_layer, (layer,), layer, hidden, index, cos, sin, allowed, attend,
+                         read if index == last else None)
+            continue
         if index != resume_at:
             halves = run(_attention_block, (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm),
                          layer, hidden, index, cos, sin, allowed, attend, cache, read if index == last else None)
@@ -181,6 +188,12 @@ def _attention_block(layer, hidden: torch.Tensor, index: int, cos, sin, allowed,
         mixed, hidden = mixed.flatten(0, 1)[read], hidden.flatten(0, 1)[read]
     hidden = hidden + _linear(mixed, attention.o_proj)
     return hidden, _rms_norm(hidden, layer.post_attention_layernorm)
+
+
+def _decoder_layer(layer, hidden: torch.Tensor, index: int, cos, sin, allowed, attend,
+                   read: Optional[torch.Tensor]) -> torch.Tensor:
+    """A whole decoder layer without a cache (a checkpointed training forward): both halves."""
+    return _feed_forward_block(layer, *_attention_block(layer, hidden, index, cos, sin, allowed, attend, None, read))
 
 
 def _feed_forward_block(layer, hidden: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
