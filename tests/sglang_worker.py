@@ -62,6 +62,9 @@ class TokenizerManagerFront:
 
     def __init__(self, server):
         self.server, self.held = server, 0  # held: requests SGLang's code has not let in yet
+        # weight updates by whether SGLang's manager was paused when they came: unpaused, its code takes the update
+        # lock's writer side, which waits for every running generation to finish
+        self.updates = {"paused": 0, "unpaused": 0}
         self._pausing = threading.Lock()  # SGLang's pause and serve's, then a continue: one at a time
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True, name="sglang-tokenizer-manager").start()
@@ -165,7 +168,8 @@ class TokenizerManagerFront:
         async def read():
             lock = self.tm.model_update_lock
             return {"is_pause": self.tm.is_pause, "held": self.held, "readers": lock._readers,
-                    "writer_active": lock._writer_active, "waiting_writers": lock._waiting_writers}
+                    "writer_active": lock._writer_active, "waiting_writers": lock._waiting_writers,
+                    "updates": dict(self.updates)}
 
         return self.call(read())
 
@@ -175,8 +179,9 @@ def _parsed_by_sglang(handler, model: str, path: str):
         obj = sglang_code.validate_request(model, body)  # pydantic's ValidationError: HTTP 500, the test fails
         if path not in UPDATES:
             return handler(self, body, target)
-        return target.sglang.through(lambda run: getattr(target.sglang.tm, UPDATES[path])(obj),
-                                     lambda: handler(self, body, target))
+        front = target.sglang
+        front.updates["paused" if front.tm.is_pause else "unpaused"] += 1
+        return front.through(lambda run: getattr(front.tm, UPDATES[path])(obj), lambda: handler(self, body, target))
 
     return handle
 

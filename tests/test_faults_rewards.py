@@ -141,7 +141,9 @@ def test_helpers_a_reward_started_die_with_its_worker_and_with_the_run(tmp_path)
     function, marker = reward_file(tmp_path), f"opd-sao-helper-{os.getpid()}-{time.time_ns()}"
     backstop_s, started = 2.0, tmp_path / "helper-started"
     while True:
-        verdict = PythonReward(function, backstop_s=backstop_s).score(
+        reward = PythonReward(function, backstop_s=backstop_s)
+        assert reward.score({"id": "up"}, "x").score == pytest.approx(0.1)  # up: a fresh worker's first call
+        verdict = reward.score(  # would wait its start-up allowance (60 s) besides the backstop
             {"id": "a", "marker": marker + "-1", "started": str(started)}, "helper and hang")
         assert "no answer within backstop_s" in verdict.info["error"]
         if started.exists():

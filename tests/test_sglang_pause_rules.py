@@ -54,7 +54,10 @@ def _in_thread(*args) -> threading.Thread:
 
 
 def _manager(url) -> dict:
-    return requests.get(url + "/server_info", timeout=60).json()["sglang_tokenizer_manager"]
+    """SGLang's tokenizer manager's pause and lock state (the worker's count of updates by pause aside)."""
+    state = requests.get(url + "/server_info", timeout=60).json()["sglang_tokenizer_manager"]
+    del state["updates"]
+    return state
 
 
 def _until(url, alive: list[threading.Thread], **state) -> None:
