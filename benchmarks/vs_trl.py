@@ -804,6 +804,8 @@ def combine_main(args, parser: argparse.ArgumentParser) -> None:
     if differs or any(r.get("mode") != "real_model" for r in results):
         sys.exit(f"--combine: the runs' {', '.join(differs) or 'mode'} differ (real-model runs alike but their seed)")
     names = [n for n in results[0]["held_out_curves"] if all(n in r["held_out_curves"] for r in results)]
+    for name in (name for name in names if name.startswith(SAO_VARIANT)):
+        LABELS[name] = f"opd-sao SAO, critic trains its last {name.removeprefix(SAO_VARIANT)} layers"
     n = len(results)
 
     def pooled(points: list[dict]) -> dict:
