@@ -229,7 +229,8 @@ class OPDStage(Stage):
             if every and (steps_done % every == 0 or not schedule.probes):
                 with self.timed("evaluation"):
                     student = backend.export_policy(self.dir / "probe_checkpoint", tok)
-                    scores = {name: self._score(student, d, PROBE_SEED_OFFSET, rewritten=True)
+                    self._weights(student, rewritten=True)  # new weights under the same path: hashed again, once
+                    scores = {name: self._score(student, d, PROBE_SEED_OFFSET)
                               for name, d in domains.items()}
                     teachers = {name: self._score(registry.teacher_for(name).checkpoint, d, PROBE_SEED_OFFSET)
                                 for name, d in domains.items()}
@@ -240,16 +241,16 @@ class OPDStage(Stage):
                           make_probe=probe, trainer_cfg=trainer_cfg, what="opd", stop_when=stop_when)
 
     def _weights(self, ckpt: Path, rewritten: bool = False) -> str:
-        """The checkpoint's weights hash, hashed once per path unless `rewritten` (the probes' export)."""
+        """The checkpoint's weights hash, hashed once per path unless `rewritten` (the probes' export, each probe)."""
         path = str(Path(ckpt).resolve())
         if rewritten or path not in self._hashes:
             self._hashes[path] = checkpoint_hash(ckpt)
         return self._hashes[path]
 
-    def _score(self, ckpt: Path, d: Domain, seed_offset: int = 0, *, rewritten: bool = False) -> float:
+    def _score(self, ckpt: Path, d: Domain, seed_offset: int = 0) -> float:
         """A checkpoint's held-out score on a domain, with the pipeline's evaluation settings (seed + seed_offset);
         cached per (weights, domain, seed offset): equal weights under two paths are scored once."""
-        key = (self._weights(ckpt, rewritten), d.name, seed_offset)
+        key = (self._weights(ckpt), d.name, seed_offset)
         self._evaluations["reused" if key in self._scores else "run"] += 1
         if key not in self._scores:
             score = evaluate_score(ckpt, d.factory, self.ctx.tokenizer, domain=d.name, rollout=d.eval_rollout,
