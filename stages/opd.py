@@ -155,9 +155,8 @@ class OPDStage(Stage):
         engine = targets = None
         # scores keyed by the checkpoint's weights (a teacher is often the student's start: scored once), seeded
         # with the pipeline's scores of the completed stages: the same evaluation (settings, seed)
-        self._hashes: dict[str, str] = {}
         self._evaluations = {"run": 0, "reused": 0}  # (checkpoint, domain) scores measured here, and found kept
-        finished = {stage: self._weights(ckpt) for stage, ckpt in self.ctx.checkpoints.items() if weight_files(ckpt)}
+        finished = {stage: checkpoint_hash(ckpt) for stage, ckpt in self.ctx.checkpoints.items() if weight_files(ckpt)}
         self._scores: dict[tuple[str, str, int], float] = {
             (weights, name, 0): score for stage, weights in finished.items()
             for name, score in self.ctx.scores.get(stage, {}).items() if name in domains}
@@ -229,7 +228,6 @@ class OPDStage(Stage):
             if every and (steps_done % every == 0 or not schedule.probes):
                 with self.timed("evaluation"):
                     student = backend.export_policy(self.dir / "probe_checkpoint", tok)
-                    self._weights(student, rewritten=True)  # new weights under the same path: hashed again, once
                     scores = {name: self._score(student, d, PROBE_SEED_OFFSET)
                               for name, d in domains.items()}
                     teachers = {name: self._score(registry.teacher_for(name).checkpoint, d, PROBE_SEED_OFFSET)
@@ -240,17 +238,10 @@ class OPDStage(Stage):
         return self.train(engine=engine, backend=backend, learner=learner, make_episodes=make_episodes,
                           make_probe=probe, trainer_cfg=trainer_cfg, what="opd", stop_when=stop_when)
 
-    def _weights(self, ckpt: Path, rewritten: bool = False) -> str:
-        """The checkpoint's weights hash, hashed once per path unless `rewritten` (the probes' export, each probe)."""
-        path = str(Path(ckpt).resolve())
-        if rewritten or path not in self._hashes:
-            self._hashes[path] = checkpoint_hash(ckpt)
-        return self._hashes[path]
-
     def _score(self, ckpt: Path, d: Domain, seed_offset: int = 0) -> float:
         """A checkpoint's held-out score on a domain, with the pipeline's evaluation settings (seed + seed_offset);
         cached per (weights, domain, seed offset): equal weights under two paths are scored once."""
-        key = (self._weights(ckpt), d.name, seed_offset)
+        key = (checkpoint_hash(ckpt), d.name, seed_offset)
         self._evaluations["reused" if key in self._scores else "run"] += 1
         if key not in self._scores:
             score = evaluate_score(ckpt, d.factory, self.ctx.tokenizer, domain=d.name, rollout=d.eval_rollout,
@@ -262,7 +253,7 @@ class OPDStage(Stage):
 
     def _error(self, ckpt: Path, d: Domain) -> dict | None:
         """The standard error of `_score(ckpt, d)` (None for a score from a run recorded before scores had one)."""
-        return self._errors.get((self._weights(ckpt), d.name, 0))
+        return self._errors.get((checkpoint_hash(ckpt), d.name, 0))
 
     def _distillation(self, domains: dict[str, Domain], registry, start: Path, checkpoint: Path) -> dict:
         """Per domain: teacher score, student before / after, and the share of the teacher's score reached."""

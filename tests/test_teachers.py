@@ -519,6 +519,30 @@ def test_a_bin_checkpoint_change_invalidates_the_cache(tiny_model_dir, tokenizer
     assert checkpoint_hash(nested) != before
 
 
+def test_checkpoint_hash_reads_settled_weights_once_and_a_rewritten_checkpoint_again(tiny_model_dir, tmp_path,
+                                                                                     monkeypatch):
+    """The evaluator, the OPD stage and the teacher registry each ask for a finished checkpoint's hash (for a 7B
+    policy, ~15 GB of sha256 each time): settled files are read once; a checkpoint saved again under the same
+    path is read again and hashes differently; a file changed within the last 2 s is read every time."""
+    from opd_sao import checkpoints
+
+    reads = []
+    real = checkpoints.file_hash
+    monkeypatch.setattr(checkpoints, "file_hash", lambda *a, **k: reads.append(a) or real(*a, **k))
+    model, tok = load_causal_lm(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    ckpt = checkpoints.save_checkpoint(model, tok, tmp_path / "ckpt")
+    fresh = [checkpoints.checkpoint_hash(ckpt) for _ in range(2)]
+    assert len(reads) == 2 and fresh[0] == fresh[1]  # just written: racy, read each time
+    time.sleep(checkpoints.RACY_NS / 1e9 + 0.1)
+    settled = [checkpoints.checkpoint_hash(ckpt) for _ in range(3)]
+    assert len(reads) == 3 and settled == [fresh[0]] * 3
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)
+    checkpoints.save_checkpoint(model, tok, ckpt)  # same path, same sizes, new weights
+    time.sleep(checkpoints.RACY_NS / 1e9 + 0.1)
+    assert checkpoints.checkpoint_hash(ckpt) != fresh[0] and len(reads) == 4
+
+
 def test_a_checkpoint_without_weight_files_is_refused(tmp_path):
     from opd_sao.checkpoints import checkpoint_hash
 
