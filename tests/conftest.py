@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -18,6 +19,17 @@ def pytest_addoption(parser):
                      help="run every test that takes the `train_seed` fixture once per training seed 0..N-1: the "
                           "margin sweep of docs/reliability.md (another seed moves a trained model as much as "
                           "another machine's floating point does)")
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def pytest_configure(config):
+    """SIGTERM (`kill`, a CI runner's cancel) ends the session as Ctrl-C does: the fixtures' teardowns run and stop
+    the servers and workers they started. Python's default for SIGTERM ends the process at once, which left them
+    running, holding their ports and cores."""
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 def pytest_generate_tests(metafunc):
