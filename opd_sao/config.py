@@ -696,6 +696,11 @@ class RunConfig(Strict):
     logging: LoggingConfig = describe("metrics and progress", LoggingConfig())
     checkpointing: CheckpointingConfig = describe("what finished stages keep on disk", CheckpointingConfig())
     eval_domains: list[str] = describe("environments evaluated after every stage (default: every stage's env)", [])
+    eval_scope: Literal["all", "reached"] = describe(
+        "which domains a stage's evaluation scores: all (every eval domain before and after every stage, so what a "
+        "stage does to domains not trained yet shows) or reached (its own domains and the earlier stages'; a domain "
+        "is first scored as its own stage's `before`, on the previous checkpoint): evaluation is most of a real "
+        "model's CPU run", "all")
     eval_start: bool = describe("evaluate the base model too (the report's `start` column); false skips it: a tiny "
                                 "model built at random scores ~0, and its evaluation took a tenth of the quickstart",
                                 True)

@@ -220,6 +220,48 @@ def test_report_states_what_was_forgotten_and_recovered(tmp_path):
     assert (tmp_path / "plots" / "domains.png").is_file()
 
 
+def test_eval_scope_reached_scores_each_domain_from_its_own_stage_on(tmp_path):
+    """`eval_scope: reached`: a stage scores its own domain and the earlier stages' only; a later domain is first
+    scored as its own stage's `before`, on the previous checkpoint, and shown in that checkpoint's column."""
+    from opd_sao.app.pipeline import Evaluator
+
+    reverse = {"name": "reverse", "kind": "reasoning", "env": "digits_reverse", "steps": 2,
+               "rollout": {"max_new_tokens": 4}, "eval": {"num_tasks": 8}}
+    cfg = _config(steps=2, sft={"steps": 0})
+    cfg["stages"].append(reverse)
+    summary = run_pipeline(parse_config({**cfg, "eval_scope": "reached"}), tmp_path, log=lambda m: None)
+    first, second = summary["stages"]
+    assert set(first["eval_before"]) == set(first["eval_after"]) == set(first["eval_after_error"]) == {"arithmetic"}
+    assert set(second["eval_before"]) == set(second["eval_after"]) == {"arithmetic", "digits_reverse"}
+    assert second["eval_before"]["arithmetic"] == first["eval_after"]["arithmetic"]  # the same checkpoint
+    kept = {key.split("/")[1] for key in json.loads((tmp_path / Evaluator.RECORD).read_text())}
+    assert kept == {"arithmetic", "digits_reverse"}
+    row = next(line for line in (tmp_path / "report.md").read_text().splitlines()
+               if line.startswith("| digits_reverse |")).split("|")
+    before = f"{second['eval_before']['digits_reverse']:.3f} ± "
+    assert row[2].strip() == "-" and row[3].strip().startswith(before)  # the first stage's column: its checkpoint's
+
+
+def test_report_fills_a_domain_a_stage_left_unscored_from_the_next_stages_before_on_its_checkpoint(tmp_path):
+    """eval_scope: reached leaves `b` unscored after rl1; rl2's `before` on rl1's checkpoint is that checkpoint's
+    score (and counts as an earlier score for forgetting); a stage that started elsewhere fills nothing."""
+    from opd_sao.runs.report import checkpoint_scores, domain_table, forgetting
+
+    def stage(name, start, before, after):
+        return {"name": name, "kind": "reasoning", "checkpoint": f"/run/{name}", "start_checkpoint": start,
+                "eval_before": before, "eval_after": after}
+
+    stages = [stage("rl1", "/run/base", {"a": 0.1}, {"a": 0.6}),
+              stage("rl2", "/run/rl1", {"a": 0.6, "b": 0.3}, {"a": 0.4, "b": 0.7}),
+              stage("opd", "/run/rl2", {"a": 0.4, "b": 0.7}, {"a": 0.55, "b": 0.65})]
+    assert checkpoint_scores(stages, 0) == {"a": 0.6, "b": 0.3}
+    assert domain_table({"stages": stages})[2] == {"a": [0.1, 0.6, 0.4, 0.55], "b": [None, 0.3, 0.7, 0.65]}
+    assert forgetting({"stages": stages})["b"] == {"best_earlier": 0.7, "before_last_stage": 0.7,
+                                                  "after_last_stage": 0.65}
+    stages[1]["start_checkpoint"] = "/elsewhere"
+    assert checkpoint_scores(stages, 0) == {"a": 0.6}
+
+
 @pytest.mark.parametrize("stage, needle", [
     ({"name": "r", "kind": "reasoning"}, "needs `env:`"),
     ({"name": "r", "kind": "reasoning", "env": "sudoku"}, "unknown environment 'sudoku'"),

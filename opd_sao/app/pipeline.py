@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from opd_sao.model.decoders import check_plain_logits
 from opd_sao.model_import import import_gguf, model_config
 from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, disk_use
 from opd_sao.runs.evaluation import Score, evaluate_score
-from opd_sao.runs.report import forgetting, write_report
+from opd_sao.runs.report import checkpoint_scores, forgetting, write_report
 
 
 def default_run_dir(config_path: str | Path) -> Path:
@@ -44,6 +45,14 @@ def eval_domains(cfg: RunConfig) -> dict[str, object]:
     if cfg.eval_domains:  # the config schema has checked that each is some stage's env
         domains = {d: domains[d] for d in cfg.eval_domains}
     return domains
+
+
+def stage_domains(stage) -> list[str]:
+    """The domains a stage trains: its `env`, or its kind's `domains` (an OPD stage's)."""
+    from opd_sao.stages import STAGES
+
+    kind = STAGES.get(stage.kind)
+    return ([stage.env] if stage.env else []) + (kind.domain_names(stage) if "domains" in kind.sections else [])
 
 
 def configured_environments(cfg: RunConfig) -> list[tuple[str, str, dict]]:
@@ -203,8 +212,8 @@ class Evaluator:
         self._record = Path(run_dir) / self.RECORD if run_dir is not None else None
         self._kept: dict[str, dict] = json.loads(self._record.read_text()) if self._record and \
             self._record.is_file() else {}
-        if base is not None and not cfg.eval_start:
-            self._seen[str(Path(base).resolve())] = {}
+        # the base model is left unscored unless eval_start
+        self._unscored = {str(Path(base).resolve())} if base is not None and not cfg.eval_start else set()
 
     def _settings(self, name: str) -> str:
         """What decides a domain's score besides the weights, as a short digest."""
@@ -226,20 +235,28 @@ class Evaluator:
             write_json(self._record, self._kept)
         return score
 
-    def scores(self, checkpoint: Path) -> dict[str, Score]:
+    def scores(self, checkpoint: Path, names: Iterable[str] | None = None) -> dict[str, Score]:
+        """The checkpoint's score on each of `names` (default: every eval domain; names that are no eval domain are
+        left out), each measured once."""
         key = str(Path(checkpoint).resolve())
-        if key not in self._seen:
+        if key in self._unscored:
+            return {}
+        asked = None if names is None else set(names)
+        wanted = [name for name in self.domains if asked is None or name in asked]
+        seen = self._seen.setdefault(key, {})
+        missing = [name for name in wanted if name not in seen]
+        if missing:
             weights = checkpoint_hash(checkpoint) if self._record is not None else None
-            self._seen[key] = {name: self._score(checkpoint, weights, name) for name in self.domains}
-        return self._seen[key]
+            seen.update({name: self._score(checkpoint, weights, name) for name in missing})
+        return {name: seen[name] for name in wanted}
 
-    def __call__(self, checkpoint: Path) -> dict[str, float]:
-        """Every domain's score, rounded to 4 places."""
-        return {name: round(score.mean, 4) for name, score in self.scores(checkpoint).items()}
+    def __call__(self, checkpoint: Path, names: Iterable[str] | None = None) -> dict[str, float]:
+        """Every domain's score (of `names`, as scores()), rounded to 4 places."""
+        return {name: round(score.mean, 4) for name, score in self.scores(checkpoint, names).items()}
 
-    def errors(self, checkpoint: Path) -> dict[str, dict]:
+    def errors(self, checkpoint: Path, names: Iterable[str] | None = None) -> dict[str, dict]:
         """Every domain's standard error and task count ({"stderr", "n"})."""
-        return {name: score.error() for name, score in self.scores(checkpoint).items()}
+        return {name: score.error() for name, score in self.scores(checkpoint, names).items()}
 
 
 def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = False,
@@ -283,6 +300,14 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, *, log=print, resume: bool = Fal
             raise
 
 
+def _keep_scores(ctx, stages: list[dict]) -> None:
+    """Each finished stage's checkpoint's scores for later stages (an OPD teacher's `best`): its own, and where it
+    left a domain unscored (eval_scope: reached), the next stage's `before` on it."""
+    for i, entry in enumerate(stages):
+        ctx.scores[entry["name"]] = checkpoint_scores(stages, i)
+        ctx.score_errors[entry["name"]] = checkpoint_scores(stages, i, "eval_after_error")
+
+
 def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
     from opd_sao.stages import STAGES, RunContext
 
@@ -301,12 +326,13 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
         summary = json.loads((run_dir / "summary.json").read_text())
         for entry in summary["stages"]:
             ctx.checkpoints[entry["name"]] = Path(entry["checkpoint"])
-            ctx.scores[entry["name"]] = entry["eval_after"]
-            ctx.score_errors[entry["name"]] = entry.get("eval_after_error", {})
+        _keep_scores(ctx, summary["stages"])
     done = set(ctx.checkpoints)
+    reached: set[str] = set()  # the domains of the stages so far (eval_scope: reached)
     try:
         for stage_cfg in cfg.stages:
             if stage_cfg.name in done:
+                reached.update(stage_domains(stage_cfg))
                 log(f"[{stage_cfg.name}] already complete, skipped")
                 continue
             log(f"[{stage_cfg.name}] {stage_cfg.kind} stage starting")
@@ -323,10 +349,12 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
                     # finer runs (loading models, building the engine, a teacher's first load)
                     result = STAGES.get(stage_cfg.kind)(stage_cfg, ctx).run()
                 start = result.start_checkpoint or ctx.resolve_checkpoint(stage_cfg.init_from)
+                reached.update(stage_domains(stage_cfg))
+                names = None if cfg.eval_scope == "all" else reached
                 with ctx.timer.phase("evaluation"), ctx.progress.activity("evaluation"):
-                    scored = {"eval_before": evaluator(start), "eval_after": evaluator(result.checkpoint),
-                              "eval_before_error": evaluator.errors(start),
-                              "eval_after_error": evaluator.errors(result.checkpoint)}
+                    scored = {"eval_before": evaluator(start, names), "eval_after": evaluator(result.checkpoint, names),
+                              "eval_before_error": evaluator.errors(start, names),
+                              "eval_after_error": evaluator.errors(result.checkpoint, names)}
             finally:
                 ctx.progress.close()
                 spent = cost.close()
@@ -339,10 +367,9 @@ def _run_stages(cfg: RunConfig, run_dir: Path, log, *, resume: bool) -> dict:
                 **spent,  # every process's that worked on the stage (a resumed stage's earlier ones too)
             }
             ctx.checkpoints[stage_cfg.name] = result.checkpoint
-            ctx.scores[stage_cfg.name] = entry["eval_after"]
-            ctx.score_errors[stage_cfg.name] = entry["eval_after_error"]
             write_json(ctx.stage_dir(stage_cfg.name) / "summary.json", entry)
             summary["stages"].append(entry)
+            _keep_scores(ctx, summary["stages"])
             write_json(run_dir / "summary.json", summary)
             keep = cfg.checkpointing.keep_state
             if keep != "all":  # finished and recorded: no resume reads it again (last: state/ goes later)

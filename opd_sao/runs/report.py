@@ -29,12 +29,31 @@ CURVES = [
 ]
 
 
+def _after(stages: list[dict], i: int, field: str, domain: str):
+    """Stage i's checkpoint's `field` ("eval_after" or "eval_after_error") on `domain`: its own, or for a domain it
+    left unscored (eval_scope: reached), the next stage's "before" when that stage started from this checkpoint."""
+    value = stages[i].get(field, {}).get(domain)
+    checkpoint = stages[i].get("checkpoint")
+    if value is None and checkpoint is not None and i + 1 < len(stages) \
+            and stages[i + 1].get("start_checkpoint") == checkpoint:
+        value = stages[i + 1].get(field.replace("after", "before"), {}).get(domain)
+    return value
+
+
+def checkpoint_scores(stages: list[dict], i: int, field: str = "eval_after") -> dict:
+    """Stage i's checkpoint's `field` on every domain it has one for (see _after)."""
+    domains = dict.fromkeys(d for s in stages for d in (*s.get("eval_before", {}), *s.get("eval_after", {})))
+    found = {d: _after(stages, i, field, d) for d in domains}
+    return {d: v for d, v in found.items() if v is not None}
+
+
 def domain_table(summary: dict) -> tuple[list[str], list[str], dict[str, list[float]]]:
-    """(column names, domains, domain -> scores): the start, then every stage's eval_after."""
+    """(column names, domains, domain -> scores): the start, then every stage's checkpoint (see _after)."""
     stages = summary["stages"]
-    domains = sorted({d for s in stages for d in s["eval_after"]})
+    domains = sorted({d for s in stages for d in (*s["eval_before"], *s["eval_after"])})
     columns = ["start"] + [s["name"] for s in stages]
-    rows = {d: [stages[0]["eval_before"].get(d)] + [s["eval_after"].get(d) for s in stages] for d in domains}
+    rows = {d: [stages[0]["eval_before"].get(d)] + [_after(stages, i, "eval_after", d) for i in range(len(stages))]
+            for d in domains}
     return columns, domains, rows
 
 
@@ -111,7 +130,7 @@ def _errors(summary: dict, domain: str) -> list:
     """A domain's {"stderr", "n"} per column of domain_table (None where the run did not record one)."""
     stages = summary["stages"]
     return [stages[0].get("eval_before_error", {}).get(domain)] + [
-        s.get("eval_after_error", {}).get(domain) for s in stages]
+        _after(stages, i, "eval_after_error", domain) for i in range(len(stages))]
 
 
 def score_cell(value, error) -> str:
