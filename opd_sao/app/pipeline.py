@@ -47,12 +47,17 @@ def eval_domains(cfg: RunConfig) -> dict[str, object]:
     return domains
 
 
-def stage_domains(stage) -> list[str]:
-    """The domains a stage trains: its `env`, or its kind's `domains` (an OPD stage's)."""
+def listed_domains(stage) -> list[str]:
+    """The domains a multi-domain stage (OPD, SFT) lists in its `domains` section; none for a kind without one."""
     from opd_sao.stages import STAGES
 
     kind = STAGES.get(stage.kind)
-    return ([stage.env] if stage.env else []) + (kind.domain_names(stage) if "domains" in kind.sections else [])
+    return kind.domain_names(stage) if "domains" in kind.sections else []
+
+
+def stage_domains(stage) -> list[str]:
+    """The domains a stage trains: its `env`, or its kind's `domains` (an OPD stage's)."""
+    return ([stage.env] if stage.env else []) + listed_domains(stage)
 
 
 def configured_environments(cfg: RunConfig) -> list[tuple[str, str, dict]]:
@@ -87,8 +92,7 @@ def check_before_work(cfg: RunConfig) -> None:
         except (KeyError, ValueError) as err:
             raise UsageError(f"stage {stage_name!r}: env_options of {env!r}: {err.args[0]}") from None
     for stage in cfg.stages:
-        kind = STAGES.get(stage.kind)
-        for name in kind.domain_names(stage) if "domains" in kind.sections else ():
+        for name in listed_domains(stage):
             try:
                 Domain(name, stage, cfg.stages).check(cfg.seed)
             except (KeyError, ValueError) as err:
