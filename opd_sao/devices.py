@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import ContextManager, Optional
-
-import torch
+from typing import TYPE_CHECKING, ContextManager, Optional
 
 from opd_sao.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
 
@@ -21,6 +22,8 @@ def resolve_device(spec: Optional[str]) -> torch.device:
     spec = spec or "auto"
     if not re.match(DEVICE_PATTERN, spec):
         raise UsageError(f"device {spec!r} is not one of auto, cpu, cuda, cuda:N")
+    import torch  # here, not at the top: the config's check of a `device` setting needs no torch until it runs
+
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(spec)
@@ -40,4 +43,6 @@ def mixed_precision(device: torch.device, dtype: str) -> ContextManager:
     `torch.autocast`; float32 (and float64, whose weights are float64 too): nothing to do."""
     if dtype != "bfloat16":
         return contextlib.nullcontext()
+    import torch
+
     return torch.autocast(device.type, dtype=getattr(torch, dtype))

@@ -8,8 +8,10 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 from opd_sao.consistency.audit import json_options
@@ -27,8 +29,12 @@ def _launch_env(name: str, default: int) -> int:
                          f"torchrun; unset it for a single process)") from None
 
 
+def _default_run_dir(config_path: str) -> Path:
+    """runs/DATE-TIME-NAME: a run with no --run-dir and no `run_dir` setting, named for its config file."""
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(config_path).stem}"
+
+
 def _cmd_run(args) -> int:
-    from opd_sao.app.pipeline import default_run_dir, run_pipeline
     from opd_sao.config import load_config
 
     rank, world = _launch_env("RANK", 0), _launch_env("WORLD_SIZE", 1)
@@ -45,13 +51,15 @@ def _cmd_run(args) -> int:
         if not args.config:
             raise UsageError("give a config file (opd-sao run CONFIG) or --resume RUN_DIR")
         cfg = load_config(args.config, args.overrides)
-        run_dir = Path(args.run_dir or cfg.run_dir or default_run_dir(args.config))
+        run_dir = Path(args.run_dir or cfg.run_dir or _default_run_dir(args.config))
     if rank > 0:  # a further rank of a DeepSpeed launch: rank 0 runs the pipeline
         from opd_sao.trainers.deepspeed_backend import follow
 
         return follow(cfg)
     if args.allow_config_change and not args.resume:
         raise UsageError("--allow-config-change only applies with --resume")
+    from opd_sao.app.pipeline import run_pipeline  # torch, transformers: only once the config is known good
+
     try:
         summary = run_pipeline(cfg, run_dir, log=lambda msg: print(msg, flush=True), resume=bool(args.resume),
                                allow_config_change=args.allow_config_change)
@@ -402,13 +410,46 @@ def _cmd_config(args) -> int:
     return 0
 
 
-def _cmd_serve(args) -> int:  # the server module imports torch: only when serving
+def _cmd_serve(args) -> int:
+    listening = _serve_socket(args)  # every argument checked and the port bound before torch is imported
     from opd_sao.registry import load_plugins
 
     load_plugins(args.plugin)  # before the server binds its routes: a plugin's weight-sync mode adds some
     from opd_sao.engines.server import serve
 
-    return serve(args)
+    return serve(args, listening)
+
+
+def _serve_socket(args) -> socket.socket:
+    """`opd-sao serve`'s arguments checked, then its socket bound (uvicorn listens on it with its backlog): a bad
+    argument, a port in use or an address that is not this machine's is one line at once, not after the model
+    loads (a port in use was a logged error and exit status 0; --max-batch 0 a healthy server on which every
+    /generate waited for a slot for good)."""
+    if not (Path(args.checkpoint) / "config.json").is_file():
+        raise UsageError(f"checkpoint {args.checkpoint!r} is not an HF model directory (no config.json)")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--max-body-mb", args.max_body_mb),
+                        ("--max-batch", args.max_batch)):
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1 (got {value})")
+    missing = [root for root in args.weights_root or [] if not Path(root).is_dir()]
+    if missing:
+        raise UsageError(f"--weights-root {missing[0]} is not a directory")
+    host, port = args.host, args.port
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as err:
+        raise UsageError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses a TIME_WAIT port
+    # inherited by every accepted connection: uvicorn sets no TCP_NODELAY on sockets it is handed, and without it
+    # each keep-alive request after the first waited ~40 ms for a delayed ACK (Nagle), 4x a bucketed sync's time
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
 
 
 def _cmd_reward_model(args) -> int:
@@ -465,12 +506,12 @@ def main(argv: list[str] | None = None) -> int:
             _leave_the_launch(code)
         return code
     except Exception as err:
-        from opd_sao.consistency.gate import GateFailure
-
         if _user_error(err):
             message = err.args[0] if isinstance(err, KeyError) and err.args else err
             print(f"opd-sao {args.command}: error: {message}", file=sys.stderr)
             return 2
+        from opd_sao.consistency.gate import GateFailure  # imports torch: not on a user error's way out
+
         if not isinstance(err, GateFailure):
             raise
         print(f"opd-sao {args.command}: error: {err}", file=sys.stderr)  # the gate's report, not a traceback

@@ -5,7 +5,6 @@ import hashlib
 import json
 import os
 import shutil
-import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -30,10 +29,6 @@ from opd_sao.model_import import import_gguf, model_config
 from opd_sao.runs.checkpointing import BUFFER_DIR, STATE_DIRS, discard_state, disk_use
 from opd_sao.runs.evaluation import Score, evaluate_score
 from opd_sao.runs.report import checkpoint_scores, forgetting, write_report
-
-
-def default_run_dir(config_path: str | Path) -> Path:
-    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(config_path).stem}"
 
 
 def eval_domains(cfg: RunConfig) -> dict[str, object]:

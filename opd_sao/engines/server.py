@@ -1077,20 +1077,12 @@ async def _watch(request: Request, gone: threading.Event) -> None:
     gone.set()
 
 
-def serve(args) -> int:
+def serve(args, listening: socket.socket) -> int:
+    """`opd-sao serve` on `listening`, the socket the CLI bound after checking every argument (cli._serve_socket:
+    a bad argument or a port in use is one line at once, before this module imports torch)."""
     import uvicorn
 
-    if not (Path(args.checkpoint) / "config.json").is_file():
-        raise UsageError(f"checkpoint {args.checkpoint!r} is not an HF model directory (no config.json)")
-    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--max-body-mb", args.max_body_mb),
-                        ("--max-batch", args.max_batch)):
-        if value < 1:  # --max-batch 0 was healthy, and every /generate waited for a slot for good
-            raise UsageError(f"{flag} must be at least 1 (got {value})")
     roots = [Path(root) for root in args.weights_root or []]
-    missing = [str(root) for root in roots if not root.is_dir()]
-    if missing:
-        raise UsageError(f"--weights-root {missing[0]} is not a directory")
-    listening = _listen(args.host, args.port)  # before the model loads: a port in use is one line, at once
     if args.threads:
         torch.set_num_threads(args.threads)
     server = RolloutServer(args.checkpoint, max_batch=args.max_batch, seed=args.seed, dtype=args.dtype,
@@ -1114,23 +1106,3 @@ def serve(args) -> int:
     except SystemExit as stop:  # SIGTERM's exit(0), or uvicorn's exit(1) when it cannot start
         return stop.code if isinstance(stop.code, int) else 1
     return 0
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """The server's socket, bound (uvicorn listens on it with its backlog); a port in use or an address that
-    is not this machine's is a UsageError (it was a logged error and exit status 0)."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-    except OSError as err:
-        raise UsageError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses a TIME_WAIT port
-    # inherited by every accepted connection: uvicorn sets no TCP_NODELAY on sockets it is handed, and without it
-    # each keep-alive request after the first waited ~40 ms for a delayed ACK (Nagle), 4x a bucketed sync's time
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        raise UsageError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
-    return sock
