@@ -6,6 +6,10 @@ where a real interrupted run exists.
 """
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import yaml
 from cli_checks import refused as _refused
@@ -139,3 +143,14 @@ def test_allow_config_change_without_resume_is_refused(tmp_path, capsys):
     line = _refused(capsys, "run", _config(tmp_path), "--allow-config-change", "--run-dir", str(tmp_path / "run"))
     assert "--allow-config-change only applies with --resume" in line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv", [["serve", "nowhere", "--port", "1"], ["run", "nowhere.yaml"]])
+def test_a_user_error_found_before_any_work_is_reported_without_importing_torch(argv, tmp_path):
+    """The line comes at once (0.3 CPU-s): serve's argument checks and a missing config file run before torch, and
+    a user error's way out of `main` does not import the gate (5 CPU-s each, before)."""
+    probe = ("import json, sys; from opd_sao.app.cli import main; code = main(%r); "
+             "print(json.dumps([code, [m for m in ('torch', 'transformers') if m in sys.modules]]))" % (argv,))
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert json.loads(done.stdout.splitlines()[-1]) == [2, []], done
+    assert done.stderr.startswith(f"opd-sao {argv[0]}: error:") and len(done.stderr.splitlines()) == 1, done.stderr
