@@ -48,17 +48,18 @@ STOP_REPORT_S = 600  # how often a rollout worker that does not end after its st
 log = logging.getLogger(__name__)
 
 
-def prompt_ids(prompt_format: PromptFormat, text: str, where: str, *, max_context_tokens: int, max_new_tokens: int,
-               max_positions: Optional[int] = None, truncation: str = "error") -> list[int]:
+def prompt_ids(prompt_format: PromptFormat, text: str, where: Callable[[], str], *, max_context_tokens: int,
+               max_new_tokens: int, max_positions: Optional[int] = None, truncation: str = "error") -> list[int]:
     """The prompt's token ids when it leaves room to answer: fewer than `max_context_tokens` and, with
     `max_new_tokens`, at most the model's `max_positions`. Otherwise `truncation` "error" raises PromptTooLong
-    naming `where` (the task; a dataset's file and row), "left" keeps the last tokens that fit and "right" the
-    first (verl's data.truncation). A text far too long by characters alone is never tokenized whole: refused, or
-    cut to CHARS_PER_TOKEN characters per token of context first."""
+    naming `where()` (the task; a dataset's file and row: called only for the error, as finding the row reads the
+    file again), "left" keeps the last tokens that fit and "right" the first (verl's data.truncation). A text far
+    too long by characters alone is never tokenized whole: refused, or cut to CHARS_PER_TOKEN characters per token
+    of context first."""
     chars = CHARS_PER_TOKEN * max_context_tokens
     if len(text) > chars:
         if truncation == "error":
-            raise PromptTooLong(f"{where}: its prompt is {len(text):,} characters, far past rollout.max_context_tokens "
+            raise PromptTooLong(f"{where()}: its prompt is {len(text):,} characters, far past rollout.max_context_tokens "
                                 f"{max_context_tokens}; shorten or drop the row, or {TRUNCATE}")
         text = text[-chars:] if truncation == "left" else text[:chars]
     ids = prompt_format.prompt(text)
@@ -69,9 +70,9 @@ def prompt_ids(prompt_format: PromptFormat, text: str, where: str, *, max_contex
     if truncation != "error" and room > 0:
         return ids[-room:] if truncation == "left" else ids[:room]
     if len(ids) >= max_context_tokens:
-        raise PromptTooLong(f"{where}: its prompt is {len(ids)} tokens, and rollout.max_context_tokens is "
+        raise PromptTooLong(f"{where()}: its prompt is {len(ids)} tokens, and rollout.max_context_tokens is "
                             f"{max_context_tokens}; shorten or drop the row, or {TRUNCATE}")
-    raise PromptTooLong(f"{where}: its prompt is {len(ids)} tokens, which with rollout.max_new_tokens {max_new_tokens} "
+    raise PromptTooLong(f"{where()}: its prompt is {len(ids)} tokens, which with rollout.max_new_tokens {max_new_tokens} "
                         f"passes the model's max_position_embeddings {max_positions}; shorten or drop the row, lower "
                         f"max_new_tokens, or {TRUNCATE}")
 
@@ -84,7 +85,7 @@ def check_prompts(env_factory, tasks: list[dict], tokenizer, rollout, *, domain:
     env = env_factory()
     prompt_format = PromptFormat.from_rollout(tokenizer, rollout)
     for task in tasks:
-        prompt_ids(prompt_format, env.reset(task), f"{domain}: {env.where(task)}",
+        prompt_ids(prompt_format, env.reset(task), lambda: f"{domain}: {env.where(task)}",
                    max_context_tokens=rollout.max_context_tokens, max_new_tokens=rollout.max_new_tokens,
                    max_positions=max_positions, truncation=rollout.truncation)
 
@@ -121,7 +122,7 @@ class Episode:
         self.max_turns, self.max_context_tokens, self.compaction = max_turns, max_context_tokens, compaction
         self.format = prompt_format or PromptFormat(tokenizer)
         first_observation = env.reset(task)
-        ids = prompt_ids(self.format, first_observation, f"{domain}: {env.where(task)}",
+        ids = prompt_ids(self.format, first_observation, lambda: f"{domain}: {env.where(task)}",
                          max_context_tokens=max_context_tokens, max_new_tokens=params.max_new_tokens,
                          max_positions=max_positions, truncation=truncation)
         traj_id = traj_id or f"{domain}-{_TRAJECTORY_IDS.getrandbits(64):016x}"
