@@ -94,9 +94,9 @@ def test_the_config_runs_end_to_end_on_the_tiny_model(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     overrides = ["model.path=tiny", "trainer.critic_warmup_steps=0", "trainer.train_batch_size=4",
                  "trainer.critic_trained_layers=1", "stages.reasoning.env_options.train_size=50"]
-    for stage in ("reasoning", "agent", "chat", "opd"):
-        overrides += [f"stages.{stage}.steps=1", f"stages.{stage}.eval.num_tasks=2"]
-    overrides += ["stages.opd.trainer.train_batch_size=3", "stages.opd.checkpoint_every=1"]
+    for stage in ("reasoning", "agent", "chat", "opd"):  # gate probes and the warm start cut too: they were 1/3 of it
+        overrides += [f"stages.{stage}.steps=1", f"stages.{stage}.eval.num_tasks=2", f"stages.{stage}.gate.probe_size=2"]
+    overrides += ["stages.opd.trainer.train_batch_size=3", "stages.opd.checkpoint_every=1", "stages.reasoning.sft.steps=2"]
     summary = run_pipeline(load_config(CONFIG, overrides), tmp_path / "run", log=lambda _msg: None)
     assert [s["name"] for s in summary["stages"]] == ["reasoning", "agent", "chat", "opd"]
     domains = ["reasoning_gym:basic_arithmetic", "dataset:functions", "dataset:instructions"]
