@@ -434,6 +434,10 @@ def _serve_socket(args) -> socket.socket:
     missing = [root for root in args.weights_root or [] if not Path(root).is_dir()]
     if missing:
         raise UsageError(f"--weights-root {missing[0]} is not a directory")
+    if args.device not in ("auto", "cpu"):  # a CUDA device this machine lacks (torch is imported to know)
+        from opd_sao.devices import resolve_device
+
+        resolve_device(args.device)
     host, port = args.host, args.port
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
