@@ -480,3 +480,30 @@ def test_truncation_cuts_a_prompt_to_what_leaves_room_to_answer(tmp_path, tokeni
     assert episode.traj.prompt_ids == (full[-room:] if truncation == "left" else full[:room])
     with pytest.raises(PromptTooLong, match=r"row 1\): its prompt is \d+ tokens"):
         episodes_for(factory, task, tokenizer, RolloutConfig(max_new_tokens=4), domain="d", max_positions=24)
+
+
+class _CountedWhere(DatasetEnv):
+    """A dataset environment counting how often a task's file and row are looked up (each lookup reads the file)."""
+    lookups = 0
+
+    def where(self, task: dict) -> str:
+        type(self).lookups += 1
+        return super().where(task)
+
+
+def test_prompts_are_checked_without_reading_the_data_file_again_for_each(tmp_path, tokenizer):
+    """Before: every prompt check (and every episode) looked its row up in the file for a message it did not print,
+    so checking a domain's prompts read the file once per row (O(rows^2); 1/3 of the SmolLM2 config's tiny run).
+    The row is looked up only for the error that names it."""
+    from opd_sao.config import RolloutConfig
+    from opd_sao.rl.rollout import PromptTooLong, check_prompts
+
+    path = rows_file(tmp_path, [*ROWS[:20], LONG_ROW, *ROWS[20:]])
+    env = lambda: _CountedWhere(path=str(path), eval_fraction=0.1)
+    tasks = env().make_tasks("train", 1000, seed=0)
+    short = [task for task in tasks if task["id"] != "long"]
+    check_prompts(env, short, tokenizer, RolloutConfig(), domain="dataset")
+    assert _CountedWhere.lookups == 0
+    with pytest.raises(PromptTooLong, match=rf"task 'long' \({re.escape(str(path))} row 21\)"):
+        check_prompts(env, tasks, tokenizer, RolloutConfig(max_context_tokens=32), domain="dataset")
+    assert _CountedWhere.lookups == 1
