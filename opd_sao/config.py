@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from opd_sao.devices import DEVICE_PATTERN, resolve_device
+from opd_sao.devices import DEVICE_PATTERN, check_device
 from opd_sao.errors import UsageError
 from opd_sao.gguf_header import gguf_has_chat_template, is_gguf_path
 from opd_sao.registry import Registry, load_plugins
@@ -106,10 +106,8 @@ def describe_device(description: str, default: Optional[str] = None) -> Any:
 
 def require_device(where: str, spec: Optional[str]) -> None:
     """A device this machine lacks is a config error naming the setting, found before any work."""
-    if (spec or "auto") in ("auto", "cpu"):  # always there (the field's pattern holds the spelling): no torch import
-        return
     try:
-        resolve_device(spec)
+        check_device(spec)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
 

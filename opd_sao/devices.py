@@ -37,6 +37,13 @@ def resolve_device(spec: Optional[str]) -> torch.device:
     return device
 
 
+def check_device(spec: Optional[str]) -> None:
+    """UsageError when `spec` is no device of this machine (as resolve_device); auto and cpu always are, known
+    without importing torch (a config's or a command's check before any work)."""
+    if (spec or "auto") not in ("auto", "cpu"):
+        resolve_device(spec)
+
+
 def mixed_precision(device: torch.device, dtype: str) -> ContextManager:
     """The trainers' compute precision: float32 master weights (AdamW's small updates are not rounded away,
     as they are on bfloat16 weights), with `dtype: bfloat16` the forward's matmuls in bfloat16 under

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from opd_sao.consistency.audit import json_options
+from opd_sao.devices import check_device
 from opd_sao.errors import OpdSaoError, UsageError
 
 
@@ -434,10 +435,7 @@ def _serve_socket(args) -> socket.socket:
     missing = [root for root in args.weights_root or [] if not Path(root).is_dir()]
     if missing:
         raise UsageError(f"--weights-root {missing[0]} is not a directory")
-    if args.device not in ("auto", "cpu"):  # a CUDA device this machine lacks (torch is imported to know)
-        from opd_sao.devices import resolve_device
-
-        resolve_device(args.device)
+    check_device(args.device)
     host, port = args.host, args.port
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -458,10 +456,9 @@ def _serve_socket(args) -> socket.socket:
 
 def _cmd_reward_model(args) -> int:
     """`opd-sao reward-model --out DIR`: train the chat environment's reward model, print its figures as JSON."""
-    from opd_sao.devices import resolve_device
+    check_device(args.device)  # a device this machine lacks stops here, before the training pairs are built
     from opd_sao.envs.chat import train_chat_reward_model
 
-    resolve_device(args.device)  # a device this machine lacks stops here, before the training pairs are built
     info = train_chat_reward_model(Path(args.out), n_pairs=args.pairs, steps=args.steps, seed=args.seed,
                                    device=args.device)
     print(json.dumps({"path": args.out, **info}))
