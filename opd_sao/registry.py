@@ -33,6 +33,23 @@ class DuplicateName(UsageError):
     """A second component registered under a taken name (a plugin's name clashing with a built-in's, say)."""
 
 
+# one file's classes registered twice: the file was imported under two module names, as the moved folders are
+# from a checkout's root (`envs.chat` beside `opd_sao.envs.chat`; setup.py installs them under opd_sao only)
+_TWO_NAMES = ("; one file imported under two module names: import stages, envs, teachers and cache as opd_sao.stages, "
+              "opd_sao.envs, opd_sao.teachers and opd_sao.cache")
+
+
+def _origin(obj) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+
+
+def _same_file(a, b) -> bool:
+    try:
+        return inspect.getfile(a) == inspect.getfile(b)
+    except TypeError:  # a built-in or an instance: no file to compare
+        return False
+
+
 class Registry(Generic[T]):
     def __init__(self, what: str, *, home: str | None = None):
         """`home`: the package whose modules register the built-in members, for a registry that lives below it (the
@@ -46,7 +63,8 @@ class Registry(Generic[T]):
     def register(self, name: str) -> Callable[[T], T]:
         def decorator(obj: T) -> T:
             if name in self._items and self._items[name] is not obj:
-                raise DuplicateName(f"{self.what} {name!r} is registered twice")
+                raise DuplicateName(f"{self.what} {name!r} is registered twice ({_origin(self._items[name])} and "
+                                    f"{_origin(obj)}{_TWO_NAMES if _same_file(self._items[name], obj) else ''})")
             self._items[name] = obj
             return obj
 

@@ -3,6 +3,7 @@ declares as an entry point (opd_sao.registry.PLUGIN_GROUPS). The recipes in the 
 tests/test_readme_recipes.py; here, how plugins are found, and the one-line errors when they are not."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -64,7 +65,8 @@ def test_a_plugin_module_by_name(tmp_path, monkeypatch):
     ("needs.py", "import no_such_module_here\n", r"^plugins: needs.py: No module named 'no_such_module_here'$"),
     ("no_such_pkg.module", None, r"^plugins: cannot import 'no_such_pkg.module' \(No module named 'no_such_pkg'; "),
     ("clash.py", TEACHER_PLUGIN.format(kind="in_process"),
-     r"^plugins: clash.py: teacher kind 'in_process' is registered twice$"),
+     r"^plugins: clash.py: teacher kind 'in_process' is registered twice \(opd_sao\.teachers\.[\w.]+ and "
+     r"opd_sao_plugin_clash\.\w+\)$"),
 ])
 def test_a_plugin_that_cannot_be_imported_is_one_line(tmp_path, monkeypatch, plugin, source, message):
     monkeypatch.chdir(tmp_path)
@@ -133,3 +135,27 @@ def test_an_unknown_teacher_kind_is_refused_before_any_work(tmp_path, monkeypatc
     with pytest.raises(ValueError, match=r"^stage 'opd': teacher 't': unknown teacher kind 'in_proces_bf16'; "
                                          r"registered: .*in_process, .*name its file in `plugins:`\)$"):
         check_before_work(cfg)
+
+
+def test_one_file_registered_under_two_module_names_says_so(tmp_path, monkeypatch):
+    """`import envs.dataset` from a checkout's root, then `opd_sao.envs`: each name runs the file's decorators, and
+    the second registration names both modules and what to import instead (before: only "registered twice")."""
+    from opd_sao.registry import DuplicateName, Registry
+
+    registry = Registry("reward")
+    (tmp_path / "judge.py").write_text("def register(registry):\n    @registry.register('rule')\n"
+                                       "    class Rule:\n        pass\n")
+    for module in ("envs_judge", "opd_sao_envs_judge"):
+        spec = importlib.util.spec_from_file_location(module, tmp_path / "judge.py")
+        loaded = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, module, loaded)  # as an import puts it (where inspect finds its file)
+        spec.loader.exec_module(loaded)
+        try:
+            loaded.register(registry)
+        except DuplicateName as err:
+            assert str(err) == ("reward 'rule' is registered twice (envs_judge.register.<locals>.Rule and "
+                                "opd_sao_envs_judge.register.<locals>.Rule; one file imported under two module names: "
+                                "import stages, envs, teachers and cache as opd_sao.stages, opd_sao.envs, "
+                                "opd_sao.teachers and opd_sao.cache)")
+            return
+    pytest.fail("the second registration was accepted")
