@@ -362,6 +362,25 @@ def test_sampled_path_matches_student_and_teacher_at_one_temperature(tiny_model_
     assert m["distill_temperature"] == 1.0 and m["sampling_temperature"] == temperature
 
 
+
+def test_dis_masking_is_reported_per_token_age(tiny_model_dir, tokenizer, tmp_path):
+    """As the RL learner does: tokens sampled one policy version ago whose rollout logprobs disagree with the
+    student (ratio e^-1, below 1 - eps_low) are masked and counted under age 1; this version's tokens agree."""
+    learner, pf = _learner(tiny_model_dir, {"digits_reverse": (tiny_model_dir, {})}, tokenizer, tmp_path,
+                           granularity="sampled")
+    trajs = _trajectories(load_causal_lm(tiny_model_dir), tokenizer, ["digits_reverse"], n_per=4)
+    learner.step(collate(trajs, tokenizer.pad_token_id), 1.0)  # policy version 0 -> 1 (lr 1e-9: same weights)
+    assert learner.backend.policy_version == 1
+    for traj in trajs:  # the first token of each from version 0, the rest from version 1
+        traj.versions = [0] + [1] * (len(traj.token_ids) - 1)
+        traj.rollout_logp = [traj.rollout_logp[0] + 1.0] + traj.rollout_logp[1:]
+    m = learner.step(collate(trajs, tokenizer.pad_token_id), 1.0)
+    pf.close()
+    tokens = sum(len(t.token_ids) for t in trajs)
+    assert m["tokens_by_age"] == {"0": tokens - len(trajs), "1": len(trajs)}
+    assert m["mask_fraction_by_age"] == {"0": 0.0, "1": 1.0}
+    assert m["mask_fraction"] == pytest.approx(len(trajs) / tokens)
+
 def _squared_log_ratio(student, teacher, trajs) -> float:
     """Mean (log p_student - log p_teacher)^2 over the trajectories' tokens."""
     gaps = []

@@ -299,6 +299,10 @@ class OPDLearner(ResumableLearner):
             advantages = advantages + self.opd.reward_weight * reward_adv
         pg_loss, pg_metrics = A.sao_policy_loss(logp, batch.rollout_logp, advantages, pg_mask,
                                                 self.sao.eps_low, self.sao.eps_high)
+        # DIS masking per token age (versions between the sampling weights and these, before this update), as the
+        # RL learner reports it: with partial rollouts one trajectory holds tokens of several ages
+        _, keep = A.dis_weights(logp.detach(), batch.rollout_logp, self.sao.eps_low, self.sao.eps_high)
+        metrics.update(A.mask_fraction_by_age(keep, pg_mask, self.backend.policy_version - batch.versions))
         on_sampled = sampled_mask[rows.b, rows.t]
         stats.kl[on_sampled] = (matched.detach() - teacher_sampled)[rows.b, rows.t][on_sampled].float()  # k1 estimator
         metrics.update(mask_fraction=pg_metrics["mask_fraction"], ratio_mean=pg_metrics["ratio_mean"],
