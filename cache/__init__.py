@@ -31,15 +31,20 @@ from .encoding import quantised, quantised_many
 from .errors import CacheDamagedError, CacheMismatchError, CacheReadOnlyError, CorruptRecordError
 from .records import CacheMeta, TeacherRecord
 from .store import LogitCache, TeacherCache
-from .support import (
-    capped_nucleus_size,
-    encode_full,
-    encode_top_k,
-    encode_top_p,
-    nucleus_cut,
-    record_from_logprobs,
-)
 from .writer import BackgroundWriter
+
+# The encoders run where a teacher's rows live, so `support` imports torch (~2 CPU-s): it is imported on first use
+# of one of its names, and the cache's own command (`opd-sao cache inspect|verify|gc`) and a reader never pay it.
+_SUPPORT = frozenset({"capped_nucleus_size", "encode_full", "encode_top_k", "encode_top_p", "nucleus_cut",
+                      "record_from_logprobs"})
+
+
+def __getattr__(name: str):
+    if name in _SUPPORT:
+        from . import support
+        return getattr(support, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BackgroundWriter",

@@ -154,3 +154,21 @@ def test_a_user_error_found_before_any_work_is_reported_without_importing_torch(
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert json.loads(done.stdout.splitlines()[-1]) == [2, []], done
     assert done.stderr.startswith(f"opd-sao {argv[0]}: error:") and len(done.stderr.splitlines()) == 1, done.stderr
+
+
+def test_the_cache_command_does_not_import_torch(tmp_path):
+    """`opd-sao cache verify|inspect` read the store with numpy and zarr: the encoders that need torch are imported
+    only by a writer that uses them (2.5 CPU-s a command before)."""
+    import numpy as np
+
+    from opd_sao.cache import CacheMeta, LogitCache, TeacherRecord
+
+    teacher = LogitCache(tmp_path / "cache").open_teacher(CacheMeta("t", "ckpt", 16, "tok", "sampled"))
+    teacher.put("traj-1", TeacherRecord(sampled_logp=np.array([-0.5, -2.0], np.float32)))
+    for argv, code in ((["cache", "verify", "cache"], 0), (["cache", "inspect", "cache"], 0),
+                       (["cache", "verify", "nowhere"], 2)):
+        probe = ("import json, sys; from opd_sao.app.cli import main; code = main(%r); "
+                 "print(json.dumps([code, [m for m in ('torch', 'transformers') if m in sys.modules]]))" % (argv,))
+        done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120)
+        assert json.loads(done.stdout.splitlines()[-1]) == [code, []], (argv, done)
