@@ -92,11 +92,13 @@ def free_port():
     return launchers.free_port
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def start_server(tmp_path_factory):
     """start_server(checkpoint, *cli_args, port=None) -> (url, process): a real `opd-sao serve` on loopback,
     one torch thread, not yet healthy (see launchers.wait_until_healthy); its output goes to a log file in
-    the session's temporary directory (a pipe nobody reads would block it). Killed at the session's end."""
+    the session's temporary directory (a pipe nobody reads would block it). Killed at the end of the test file
+    that started it (module scope, so a file's shared server fixtures can use it; at the session's end, before,
+    every served test file's servers stayed up, idle, for the rest of the run: ~30 processes, 5 GB)."""
     processes, logs = [], tmp_path_factory.mktemp("serve-logs")
 
     def start(checkpoint, *args, port=None):
