@@ -4,7 +4,7 @@
 # the first failing run. Each run's exit code, wall time and load average go to OUT/summary.tsv, its output to
 # OUT/suite-I.log; the quickstart runs' to OUT/quickstart.log.
 #
-# Usage: scripts/busy_suite.sh [N=5] [OUT=/tmp/busy_suite]     (about 25 minutes a run on 2 cores)
+# Usage: scripts/busy_suite.sh [N=5] [OUT=/tmp/busy_suite]     (33-45 minutes a run on 2 cores: docs/reliability.md)
 set -euo pipefail
 runs=${1:-5}
 out=$(realpath -m "${2:-/tmp/busy_suite}")
