@@ -26,6 +26,8 @@ def score(task, response):
         print("debugging", task["id"])
         subprocess.run(["echo", "a subprocess writes too"])
         print("an error line", file=sys.stderr)
+    elif response == "print only":  # a print to stdout alone, block-buffered without PYTHONUNBUFFERED
+        print("debugging", task["id"])
     elif response == "fake answer":
         print(json.dumps({"out": 0.9}))
         print(json.dumps({"id": 2, "score": 0.9, "info": {}}))
@@ -104,7 +106,27 @@ def test_what_a_reward_prints_or_forks_is_never_its_answer(reward, response):
     assert reward.score({"id": "t1"}, response).score == pytest.approx(len(response) / 10)
     assert [reward.score({"id": f"t{i}"}, "x" * i).score for i in range(2, 6)] == pytest.approx([0.2, 0.3, 0.4, 0.5])
     if response == "print":
-        assert reward.stats()["output_bytes"] > printed  # counted, not parsed
+        assert counted(reward, more_than=printed)  # counted, not parsed
+
+
+def counted(reward: PythonReward, more_than: int) -> bool:
+    """Whether the reward's output_bytes passes `more_than` within HANG_S: a thread of the run counts the worker's
+    output as it reads it from the pipe, which on a busy machine can be well after the call's answer came back."""
+    deadline = time.monotonic() + HANG_S
+    while reward.stats().get("output_bytes", 0) <= more_than and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return reward.stats().get("output_bytes", 0) > more_than
+
+
+def test_a_print_is_counted_when_its_call_ends_with_buffered_output(tmp_path, monkeypatch):
+    """Before: without PYTHONUNBUFFERED, a reward's print to stdout stayed in the worker's 8 KB buffer, so
+    output_bytes missed it (and its first line was not logged) until the buffer filled or the worker died. Each
+    call's output is flushed before its answer now."""
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    reward = PythonReward(reward_file(tmp_path))
+    assert reward.score({"id": "t1"}, "print only").score == pytest.approx(1.0)
+    assert counted(reward, more_than=len("debugging t1\n") - 1)
+    reward.worker.close()
 
 
 @pytest.mark.parametrize("value", ["'0.5'", "None", "10**400", "float('nan')", "float('inf')", "(0.5, 'x')", "[1]"])

@@ -23,6 +23,16 @@ def one_line(err: BaseException) -> str:
     return (text[0] if text else type(err).__name__)[:300]
 
 
+def flush_output() -> None:
+    """Flushes the reward's stdout and stderr, which are block-buffered into a pipe unless PYTHONUNBUFFERED is set,
+    so a print is counted (and its first line logged) when the call ends, not 8 KB later or when the worker dies."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # a reward that closed or replaced the stream
+            pass
+
+
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     fd, handler_file, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
@@ -40,6 +50,7 @@ def main() -> None:
             answer = {"error": one_line(err)}
         if os.getpid() != me:  # a fork made by the reward came back through here: only the worker answers
             os._exit(0)
+        flush_output()  # what the call printed is in the run's pipe before its answer is on the socket
         channel.sendall((json.dumps({"id": request["id"], **answer}) + "\n").encode())
     os.killpg(0, signal.SIGKILL)  # the run is gone: take whatever the reward started with us
 
