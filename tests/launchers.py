@@ -25,6 +25,16 @@ def free_port() -> int:
 HANG_S = 600.0
 
 
+def wait_for(condition, timeout: float = HANG_S, proc: subprocess.Popen | None = None) -> None:
+    """Block until `condition()` holds: for what another thread or process does in its own time (a busy machine
+    can make that late, never wrong); fails if `proc` exits first or `timeout` (a hang catcher) passes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc is None or proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
 def wait_until_healthy(url: str, is_alive, timeout_s: float = HANG_S, poll_s: float = 0.2) -> None:
     """Block until the server at `url` answers /health; RuntimeError if `is_alive()` turns False (the process
     died) or `timeout_s` passes first (it hung)."""

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launchers import HANG_S
+from launchers import HANG_S, wait_for
 
 from opd_sao.envs.dataset.rewards import MathReward, PythonReward
 
@@ -106,16 +106,8 @@ def test_what_a_reward_prints_or_forks_is_never_its_answer(reward, response):
     assert reward.score({"id": "t1"}, response).score == pytest.approx(len(response) / 10)
     assert [reward.score({"id": f"t{i}"}, "x" * i).score for i in range(2, 6)] == pytest.approx([0.2, 0.3, 0.4, 0.5])
     if response == "print":
-        assert counted(reward, more_than=printed)  # counted, not parsed
-
-
-def counted(reward: PythonReward, more_than: int) -> bool:
-    """Whether the reward's output_bytes passes `more_than` within HANG_S: a thread of the run counts the worker's
-    output as it reads it from the pipe, which on a busy machine can be well after the call's answer came back."""
-    deadline = time.monotonic() + HANG_S
-    while reward.stats().get("output_bytes", 0) <= more_than and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return reward.stats().get("output_bytes", 0) > more_than
+        # counted, not parsed: by a thread of the run as it reads the pipe, after the answer on a busy machine
+        wait_for(lambda: reward.stats()["output_bytes"] > printed)
 
 
 def test_a_print_is_counted_when_its_call_ends_with_buffered_output(tmp_path, monkeypatch):
@@ -125,7 +117,7 @@ def test_a_print_is_counted_when_its_call_ends_with_buffered_output(tmp_path, mo
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
     reward = PythonReward(reward_file(tmp_path))
     assert reward.score({"id": "t1"}, "print only").score == pytest.approx(1.0)
-    assert counted(reward, more_than=len("debugging t1\n") - 1)
+    wait_for(lambda: reward.stats()["output_bytes"] >= len("debugging t1\n"))
     reward.worker.close()
 
 

@@ -11,12 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
-from launchers import HANG_S
+from launchers import HANG_S, wait_for
 
 from opd_sao.io.model_fingerprint import check_model_record
 from opd_sao.io.tracking import read_jsonl
@@ -39,14 +38,6 @@ def config(tmp_path: Path, model: Path, slowdown_s: float = 0.5) -> str:
 def start(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "opd_sao.app.cli", "run", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-
-
-def wait_for(condition, timeout: float = HANG_S, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert proc is None or proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.2)
 
 
 def lock_holder(run_dir: Path) -> int | None:
