@@ -72,6 +72,9 @@ def test_a_second_run_on_a_live_run_dir_is_refused_and_a_dead_holders_lock_is_ta
     first = start(config(tmp_path, tiny_model_dir, slowdown_s=20.0), "--run-dir", str(run_dir))
     try:
         wait_for(lambda: (run_dir / "stages" / "r" / "trained.jsonl").is_file(), proc=first)
+        # held mid-stage (SIGSTOP keeps its lock) while the others try: before, it ran on and, on a busy machine
+        # where the two took most of its 11 x 20 s of remaining steps to start, could end before they did
+        first.send_signal(signal.SIGSTOP)
         second, third = start("--resume", str(run_dir)), start(config(tmp_path, tiny_model_dir), "--run-dir", str(run_dir))
         for other in (second, third):
             _, err = other.communicate(timeout=HANG_S)
@@ -238,3 +241,33 @@ def test_resume_refuses_a_teacher_checkpoint_replaced_since_the_run_started(tmp_
     assert one_line(done.stderr).startswith(f"opd-sao run: error: stage 'o': teacher 't': {weights} changed (size ")
     shutil.copyfile(perturbed_teacher / "model.safetensors", weights)
     check_model_record(tiny_model_dir, run_dir, {"stage 'o': teacher 't'": teacher})
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_run(how):
+    """Busy run of c422ccf: SIGTERM reached a resumed run while the main thread was in a finalizer (regex's
+    `Group.__del__`); Python printed "Exception ignored ... KeyboardInterrupt" and dropped it, and the run trained
+    on to its end. Here a finalizer signals its own process and keeps running Python code, so the handler's
+    exception is raised inside it, every time: the stop must still reach the code after it, with no traceback."""
+    script = f"""
+import os, signal
+from opd_sao.app.cli import _catch_stop_signals
+_catch_stop_signals()
+
+class Finalised:
+    def __del__(self):
+        os.kill(os.getpid(), signal.{how})
+        for _ in range(100_000):  # the handler runs here, inside the finalizer
+            pass
+
+try:
+    Finalised()
+    for _ in range(10_000_000):  # the stop lands within a few bytecodes, or never
+        pass
+    print("not stopped")
+except KeyboardInterrupt as stop:
+    print("stopped", stop.args)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_S)
+    assert done.stdout.strip() == ("stopped ('SIGTERM',)" if how == "SIGTERM" else "stopped ()"), done
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr

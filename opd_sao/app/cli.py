@@ -122,9 +122,40 @@ def _resume_hint(run_dir: Path, what: str) -> str:
     return f"opd-sao run: {what}; everything saved is kept; continue with: opd-sao run --resume {shlex.quote(str(run_dir))}"
 
 
-def _stop_on_sigterm(signum, frame) -> None:
-    """SIGTERM ends a run as Ctrl-C does (the loops unwind, the resume command is printed)."""
-    raise KeyboardInterrupt("SIGTERM")
+def _stop_run(signum, frame) -> None:
+    """Ctrl-C and SIGTERM end a run (the loops unwind, the resume command is printed): KeyboardInterrupt in the main
+    thread. Python raises it wherever that thread is, and inside a finalizer (`__del__`) or the unraisable hook it
+    prints "Exception ignored" and drops it: the run went on as if never signalled. There, it is sent again."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__" or frame.f_code is _resend_a_dropped_stop.__code__:
+            _send_again(signum)
+            return
+        frame = frame.f_back
+    raise KeyboardInterrupt("SIGTERM") if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def _send_again(signum: int) -> None:
+    """The signal again, from another thread, 50 ms on: by then the main thread has left where it was dropped."""
+    def resend() -> None:
+        time.sleep(0.05)
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=resend, name="stop-again", daemon=True).start()
+
+
+def _resend_a_dropped_stop(unraisable) -> None:
+    """sys.unraisablehook during a run: a stop dropped in any other finalizer (a weakref callback) is sent again."""
+    if unraisable.exc_type is not KeyboardInterrupt:
+        return sys.__unraisablehook__(unraisable)
+    _send_again(signal.SIGTERM if unraisable.exc_value.args == ("SIGTERM",) else signal.SIGINT)
+
+
+def _catch_stop_signals() -> None:
+    # SIGINT too: Ctrl-C stops a run even when it was started from a shell that ignores SIGINT for background jobs
+    # (a non-interactive `cmd &` inherits SIG_IGN, and Python then installs no KeyboardInterrupt handler)
+    signal.signal(signal.SIGTERM, _stop_run)
+    signal.signal(signal.SIGINT, _stop_run)
+    sys.unraisablehook = _resend_a_dropped_stop
 
 
 def _finished_on_sigterm(signum, frame) -> None:
@@ -497,10 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "run" and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _stop_on_sigterm)
-        # Ctrl-C stops a run even when it was started from a shell that ignores SIGINT for background jobs
-        # (a non-interactive `cmd &` inherits SIG_IGN, and Python then installs no KeyboardInterrupt handler)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _catch_stop_signals()
     try:
         code = args.func(args)
         if args.command == "run" and _launch_env("WORLD_SIZE", 1) > 1:
