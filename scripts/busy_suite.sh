@@ -4,7 +4,7 @@
 # the first failing run. Each run's exit code, wall time, load average and end time go to OUT/summary.tsv, its
 # output to OUT/suite-I.log; the quickstart runs' to OUT/quickstart.log.
 #
-# Five runs take longer than one working session (33-45 minutes a run on 2 cores: docs/reliability.md), so the
+# Five runs take longer than one working session (33-51 minutes a run on 2 cores: docs/reliability.md), so the
 # count resumes: started again with the same OUT while HEAD is the commit OUT's clone holds and every run recorded
 # for it passed, it goes on with the next run in the same clone. A run that was interrupted (killed: no line in
 # summary.tsv) counts as neither and is run again. Anything else starts afresh.
