@@ -10,6 +10,7 @@ from .errors import CacheDamagedError, CacheReadOnlyError
 from .store import LogitCache
 
 USAGE = "usage: opd-sao cache {inspect|verify|gc} DIR"
+ERROR = "opd-sao cache: error:"  # the prefix every other `opd-sao` command's one-line errors carry
 
 
 def _disk_usage(path: Path) -> tuple[int, int]:
@@ -93,13 +94,13 @@ def main(argv: list[str]) -> int:
         print(json.dumps(inspect(path) if command == "inspect" else gc(path), indent=2))
         return 0
     except FileNotFoundError as error:
-        print(error, file=sys.stderr)
+        print(ERROR, error, file=sys.stderr)
         return 2
     except CacheDamagedError as error:
-        print("\n".join(f"damaged: {problem}" for problem in error.problems), file=sys.stderr)
+        print("\n".join(f"{ERROR} damaged: {problem}" for problem in error.problems), file=sys.stderr)
         return 1
     except CacheReadOnlyError as error:
-        print(error, file=sys.stderr)
+        print(ERROR, error, file=sys.stderr)
         return 1
 
 

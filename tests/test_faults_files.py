@@ -93,7 +93,7 @@ def test_metadata_that_is_no_file_of_the_store_is_damage_named_by_its_path(tmp_p
     assert len(problems) == 1 and problems[0].startswith(f"{path}: "), problems
     assert "not a regular file" in problems[0] or "a link out of" in problems[0]
     assert cache_main(["gc", str(root)]) == 1
-    assert one_error_line(capsys.readouterr().err).startswith(f"damaged: {path}: ")
+    assert one_error_line(capsys.readouterr().err).startswith(f"opd-sao cache: error: damaged: {path}: ")
     teacher = LogitCache(root).rebuild_teacher(make_meta("top_k", k=64))
     assert "traj" not in teacher and verify(root) == (True, [])
 

@@ -408,7 +408,11 @@ def test_inspect_reports_size_tokens_and_granularity(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out)["teachers"]["reasoning-rl"]["records"] == 3
     assert main(["inspect"]) == 2
-    assert main(["verify", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err.startswith("usage: opd-sao cache")
+    missing = tmp_path / "missing"
+    assert main(["verify", str(missing)]) == 2
+    not_a_cache = f"{missing} is not an opd-sao logit cache (no {missing / 'zarr.json'})"
+    assert capsys.readouterr().err == f"opd-sao cache: error: {not_a_cache}\n"
 
 
 def test_teacher_names_become_safe_directories_and_records_can_be_replaced(tmp_path):
@@ -476,7 +480,7 @@ def test_damaged_metadata_is_reported_with_its_path_and_rebuilt(tmp_path, capsys
     assert json.loads(capsys.readouterr().out) == {"ok": False, "problems": problems}
     for command in ("inspect", "gc"):
         assert main([command, str(tmp_path)]) == 1
-        assert capsys.readouterr().err == f"damaged: {problems[0]}\n"
+        assert capsys.readouterr().err == f"opd-sao cache: error: damaged: {problems[0]}\n"
     with pytest.raises(CacheDamagedError, match=re.escape(str(damaged))):
         cache.open_teacher(meta)
 

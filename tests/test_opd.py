@@ -362,7 +362,6 @@ def test_sampled_path_matches_student_and_teacher_at_one_temperature(tiny_model_
     assert m["distill_temperature"] == 1.0 and m["sampling_temperature"] == temperature
 
 
-
 def test_dis_masking_is_reported_per_token_age(tiny_model_dir, tokenizer, tmp_path):
     """As the RL learner does: tokens sampled one policy version ago whose rollout logprobs disagree with the
     student (ratio e^-1, below 1 - eps_low) are masked and counted under age 1; this version's tokens agree."""
@@ -380,6 +379,7 @@ def test_dis_masking_is_reported_per_token_age(tiny_model_dir, tokenizer, tmp_pa
     assert m["tokens_by_age"] == {"0": tokens - len(trajs), "1": len(trajs)}
     assert m["mask_fraction_by_age"] == {"0": 0.0, "1": 1.0}
     assert m["mask_fraction"] == pytest.approx(len(trajs) / tokens)
+
 
 def _squared_log_ratio(student, teacher, trajs) -> float:
     """Mean (log p_student - log p_teacher)^2 over the trajectories' tokens."""
